@@ -1,0 +1,146 @@
+"""The `distrain` command: parses arguments, then hands off (train -> launch or worker; generate;
+presets). Errors a user can fix print as one `distrain: error: ...` line with a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from distrain.config import Config, ConfigError, help_text, load_config, parse_overrides
+from distrain.errors import DistrainError
+
+
+def _train_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a GPT with the layout and settings of the config.",
+        epilog=help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="TOML config file; command-line overrides win over it.")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        help="Local worker processes, started through torchrun (default: all GPUs, or 2 on CPU).",
+    )
+    parser.add_argument("--run-dir", help="Run directory (same as --run.dir).")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="Require a complete checkpoint in the run directory and continue from it.",
+    )
+    return parser
+
+
+def parse_train_args(argv: list[str], *, worker: bool) -> tuple[argparse.Namespace, Config]:
+    """Parse `train` options plus dotted overrides into a validated Config."""
+    parser = _train_parser("python -m distrain.train" if worker else "distrain train")
+    ns, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    if ns.run_dir is not None:
+        overrides.append(("run.dir", ns.run_dir))
+    if ns.resume:
+        overrides.append(("run.resume", "true"))
+    cfg = load_config(ns.config, overrides)
+    if worker and ns.nproc is not None:
+        raise ConfigError(
+            "--nproc is for `distrain train`; under torchrun set --nproc-per-node instead"
+        )
+    return ns, cfg
+
+
+def default_nproc(cfg: Config) -> int:
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
+def cmd_train(argv: list[str]) -> None:
+    from distrain.launch import launch_local, under_torchrun
+    from distrain.mesh import ParallelDims
+
+    if under_torchrun():
+        from distrain.train import run_training
+
+        _, cfg = parse_train_args(argv, worker=True)
+        run_training(cfg)
+        return
+    ns, cfg = parse_train_args(argv, worker=False)
+    nproc = ns.nproc if ns.nproc is not None else default_nproc(cfg)
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    ParallelDims.from_config(cfg, nproc)  # fail here, in one line, before starting any worker
+    worker_argv = _strip_nproc(argv)
+    launch_local(nproc, worker_argv, run_dir=cfg.run.dir)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def cmd_generate(argv: list[str]) -> None:
+    from distrain.generate import generate_text
+
+    parser = argparse.ArgumentParser(prog="distrain generate", description="Sample from a run.")
+    parser.add_argument("--run-dir", required=True, help="Run directory with a checkpoint.")
+    parser.add_argument("--prompt", default="", help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy.")
+    parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering.")
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    text = generate_text(
+        Path(ns.run_dir),
+        ns.prompt,
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k or None,
+        seed=ns.seed,
+    )
+    print(text)
+
+
+def cmd_presets(argv: list[str]) -> None:
+    from distrain.models.presets import PRESETS, num_params
+
+    argparse.ArgumentParser(prog="distrain presets", description="List model presets.").parse_args(
+        argv
+    )
+    print(f"{'preset':<12}{'params':>16}  dim  layers heads  ffn    vocab")
+    for name, args in PRESETS.items():
+        print(
+            f"{name:<12}{num_params(args):>16,}  {args.dim:<4} {args.n_layers:<6} "
+            f"{args.n_heads:<5} "
+            f"{args.ffn_dim:<6} {args.vocab_size}"
+        )
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: distrain {train,generate,presets} [options]   (distrain COMMAND --help)")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        COMMANDS[argv[0]](argv[1:])
+    except DistrainError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

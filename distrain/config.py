@@ -1,0 +1,338 @@
+"""Typed run configuration: dataclasses per component, TOML loading, dotted overrides, validation.
+
+A config is resolved in three layers: the dataclass defaults, then a TOML file (`--config`), then
+dotted command-line overrides (`--training.steps 200`). Every field carries a help text in its
+metadata; `distrain train --help` prints them. Any unknown or ill-typed field raises `ConfigError`
+naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+
+from distrain.errors import ConfigError
+
+
+def doc(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help text shown by `--help`."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    dir: str = doc(
+        "runs/default", "Run directory: config.toml, metrics.jsonl, logs/, tb/, checkpoints/."
+    )
+    resume: bool = doc(
+        False,
+        "Require a complete checkpoint in the run directory and continue from it (resume is "
+        "automatic whenever one exists; this flag makes its absence an error).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = doc(
+        "auto", "Device type: auto picks cuda (NCCL) when CUDA is present, else cpu (gloo)."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = doc("tiny", "Named model preset (see `distrain presets`).")
+    vocab_size: int | None = doc(None, "Override the preset's vocabulary size.")
+    dim: int | None = doc(None, "Override the preset's hidden size.")
+    n_layers: int | None = doc(None, "Override the preset's number of transformer blocks.")
+    n_heads: int | None = doc(None, "Override the preset's number of attention heads.")
+    ffn_dim: int | None = doc(None, "Override the preset's MLP hidden size.")
+    norm: Literal["rmsnorm", "layernorm"] | None = doc(None, "Override the preset's norm type.")
+    pos_emb: Literal["rope", "learned"] | None = doc(None, "Override the position encoding.")
+    tie_embeddings: bool | None = doc(
+        None, "Override whether output and input embeddings share weights."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    path: str = doc(
+        "",
+        "Training data: a text file, a folder of text files, or a token file (.bin raw / .npy). "
+        "Empty: the running Python's standard library source.",
+    )
+    format: Literal["auto", "text", "tokens"] = doc(
+        "auto", "How to read data.path: auto decides by suffix (.bin/.npy = tokens)."
+    )
+    token_dtype: Literal["uint8", "uint16", "int32"] = doc(
+        "uint16", "Element type of a raw .bin token file."
+    )
+    glob: str = doc("**/*", "Files to read when data.path is a folder (default corpus: **/*.py).")
+    max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).")
+    val_fraction: float = doc(0.05, "Fraction of the corpus held out for validation.")
+    max_skew: float = doc(
+        0.05, "Largest allowed relative difference between data-parallel ranks' sample counts."
+    )
+    skew_action: Literal["warn", "error"] = doc("warn", "What a data-skew above max_skew does.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    steps: int = doc(300, "Optimizer steps to train for.")
+    global_batch_size: int = doc(
+        16,
+        "Sequences per optimizer step, summed over data-parallel ranks and accumulation steps.",
+    )
+    micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.")
+    seq_len: int = doc(128, "Tokens per sequence.")
+    precision: Literal["fp32", "bf16", "fp16"] = doc(
+        "fp32", "Compute precision: bf16 by autocast; fp16 with loss scaling (CUDA only)."
+    )
+    seed: int = doc(1234, "Seed for model init, data order and all RNGs.")
+    deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
+    log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.")
+    eval_interval_steps: int = doc(100, "Steps between validation passes (0 = only at the end).")
+    eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    name: Literal["adamw"] = doc("adamw", "Optimizer.")
+    lr: float = doc(2e-3, "Peak learning rate.")
+    min_lr_ratio: float = doc(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
+    warmup_steps: int = doc(20, "Linear warmup steps.")
+    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to norms, biases, embeddings).")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = doc(1.0, "Clip gradients to this global norm (0 = no clipping).")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    dp_replicate: int = doc(-1, "Data-parallel (DDP) replicas; -1 = all ranks left over.")
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    bucket_cap_mb: float = doc(25.0, "DDP gradient bucket size in MiB.")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    interval_steps: int = doc(100, "Steps between checkpoints (0 = only at the end).")
+    at_end: bool = doc(True, "Save a checkpoint after the last step.")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    tensorboard: bool = doc(True, "Write TensorBoard event files under <run_dir>/tb/.")
+    progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _field_types(section: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(section))
+
+
+def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
+    """Check `value` against the annotation `tp`; from_text parses command-line strings."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if type(None) in options and (value is None or (from_text and value in ("none", "None"))):
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(name, option, value, from_text=from_text)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        if from_text:
+            for a in allowed:
+                if str(a).lower() == str(value).lower():
+                    return a
+        raise ConfigError(f"{name}: {value!r} is not allowed; choose one of {_describe(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
+            return str(value).lower() in ("true", "1", "yes")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if from_text:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
+
+
+def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
+    """Set `section.field` on cfg, checking the name and type."""
+    parts = dotted.split(".")
+    known = sections(cfg)
+    if len(parts) != 2 or parts[0] not in known:
+        raise ConfigError(
+            f"unknown config field {dotted!r}; sections are: {', '.join(known)} "
+            "(write section.field, e.g. training.steps)"
+        )
+    section = known[parts[0]]
+    types_ = _field_types(section)
+    if parts[1] not in types_:
+        raise ConfigError(f"unknown config field {dotted!r}; {parts[0]} has: {', '.join(types_)}")
+    setattr(section, parts[1], _coerce(dotted, types_[parts[1]], value, from_text=from_text))
+
+
+def apply_toml(cfg: Config, path: str | Path) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file {str(p)!r}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {p}: not valid TOML ({e})") from e
+    for section_name, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{p}: top-level key {section_name!r} must be a [section] table")
+        for key, value in values.items():
+            set_field(cfg, f"{section_name}.{key}", value, from_text=False)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ['--a.b', '1', '--c.d=x'] into [('a.b', '1'), ('c.d', 'x')]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unrecognized argument {arg!r}; config overrides look like --section.field VALUE"
+            )
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key}: missing value")
+            i += 1
+            value = args[i]
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def load_config(
+    config_path: str | None = None, overrides: list[tuple[str, str]] | None = None
+) -> Config:
+    cfg = Config()
+    if config_path:
+        apply_toml(cfg, config_path)
+    for key, value in overrides or []:
+        set_field(cfg, key, value, from_text=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no knowledge of the world size (see mesh.py for those that do)."""
+    t = cfg.training
+    positive = {
+        "training.steps": t.steps,
+        "training.global_batch_size": t.global_batch_size,
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.seq_len": t.seq_len,
+        "training.log_interval_steps": t.log_interval_steps,
+        "training.eval_batches": t.eval_batches,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"training.micro_batch_size ({t.micro_batch_size})"
+        )
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    if cfg.comm.bucket_cap_mb <= 0:
+        raise ConfigError(f"comm.bucket_cap_mb must be > 0, got {cfg.comm.bucket_cap_mb}")
+    for name in ("checkpoint.interval_steps", "training.eval_interval_steps"):
+        section, key = name.split(".")
+        if getattr(getattr(cfg, section), key) < 0:
+            raise ConfigError(f"{name} must be >= 0")
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """A TOML-ready dict; None values are left out (TOML has no null)."""
+    return {
+        name: {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+        for name, section in sections(cfg).items()
+    }
+
+
+def write_toml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+
+
+def help_text() -> str:
+    """Every field with its type, default and meaning, for `distrain train --help`."""
+    lines = ["config fields (TOML [section] key, or --section.field VALUE on the command line):"]
+    for name, section in sections(Config()).items():
+        lines.append(f"  [{name}]")
+        hints = _field_types(section)
+        for f in dataclasses.fields(section):
+            default = getattr(section, f.name)
+            lines.append(
+                f"    {name}.{f.name} ({_describe(hints[f.name])}, default {default!r}): "
+                f"{f.metadata.get('help', '')}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,20 @@
+"""Data: corpus reading, byte tokenizer, train/val split, and the distributed, resumable loader."""
+
+from distrain.data.corpus import DataError, read_corpus
+from distrain.data.dataset import TokenDataset, build_datasets, split_tokens
+from distrain.data.loader import DistributedBatchLoader, val_batches
+from distrain.data.skew import check_data_skew, skew_message
+from distrain.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DataError",
+    "DistributedBatchLoader",
+    "TokenDataset",
+    "build_datasets",
+    "check_data_skew",
+    "read_corpus",
+    "skew_message",
+    "split_tokens",
+    "val_batches",
+]

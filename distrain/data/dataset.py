@@ -1,0 +1,104 @@
+"""Train/validation split of a token stream, and fixed-length samples drawn from each split.
+
+Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
+file is never copied: samples are sliced out of it by index when a batch is built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from distrain.config import DataConfig
+from distrain.data.corpus import DataError, read_corpus
+
+Ranges = list[tuple[int, int]]
+
+
+def split_tokens(
+    tokens: np.ndarray, val_fraction: float, *, block_tokens: int = 1 << 16
+) -> tuple[Ranges, Ranges]:
+    """Deterministic (train_ranges, val_ranges): cut the stream into blocks of `block_tokens` and
+    send an evenly spread `val_fraction` of them to validation (block i is val iff
+    floor((i+1)*f) > floor(i*f)). Blocks, rather than a random sample of windows, keep validation
+    text unseen in training; even spreading samples every part of the corpus. Fixed-size blocks
+    keep the split of a corpus prefix consistent with the split of the whole corpus.
+
+    Corpora shorter than ceil(1/f) blocks get smaller blocks so that both splits receive data.
+    Adjacent blocks of one split are merged into a single range (fewer windows lost at edges).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    n = len(tokens)
+    if n == 0:
+        return [], []
+    min_blocks = max(2, math.ceil(1.0 / val_fraction))
+    block = max(1, min(block_tokens, math.ceil(n / min_blocks)))
+    num_blocks = math.ceil(n / block)
+    i = np.arange(num_blocks)
+    is_val = np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)
+    if num_blocks >= 2 and not is_val.any():
+        is_val[-1] = True
+    splits: tuple[Ranges, Ranges] = ([], [])
+    for b in range(num_blocks):
+        ranges = splits[int(is_val[b])]
+        start, end = b * block, min((b + 1) * block, n)
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+    return splits
+
+
+class TokenDataset:
+    """Non-overlapping windows of seq_len + 1 tokens (stride seq_len) inside each range: the model
+    reads window[:-1] and predicts window[1:], so each token is a target exactly once."""
+
+    def __init__(self, tokens: np.ndarray, ranges: Ranges, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"training.seq_len must be > 0, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        counts = [max(0, (end - start - 1) // seq_len) for start, end in ranges]
+        self._range_starts = np.array([start for start, _ in ranges], dtype=np.int64)
+        # _offsets[r] is the index of range r's first sample; empty ranges repeat an offset.
+        self._offsets = np.cumsum([0, *counts], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def _window_starts(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"sample index out of range [0, {len(self)}): {indices}")
+        r = np.searchsorted(self._offsets, idx, side="right") - 1
+        return self._range_starts[r] + (idx - self._offsets[r]) * self.seq_len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = int(self._window_starts([index])[0])
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read."""
+        starts = self._window_starts(indices)
+        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        windows = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + offsets], np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def build_datasets(cfg: DataConfig, seq_len: int) -> tuple[TokenDataset, TokenDataset]:
+    """(train, val) datasets of the configured corpus; both must hold at least one sample."""
+    tokens = read_corpus(cfg)
+    train_ranges, val_ranges = split_tokens(tokens, cfg.val_fraction)
+    train = TokenDataset(tokens, train_ranges, seq_len)
+    val = TokenDataset(tokens, val_ranges, seq_len)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(
+            f"corpus too small for seq_len {seq_len}: {len(tokens)} tokens give {len(train)} "
+            f"train and {len(val)} validation samples of {seq_len + 1} tokens; use more data "
+            "(data.path, data.max_bytes), a smaller training.seq_len or another data.val_fraction"
+        )
+    return train, val

@@ -1,0 +1,14 @@
+"""Errors a user can fix. The CLI and the worker entry print these as one line and exit non-zero;
+anything else is a bug and keeps its traceback."""
+
+
+class DistrainError(Exception):
+    """Base of every user-facing error; the message names the cause and the fix."""
+
+
+class ConfigError(DistrainError, ValueError):
+    """A config value that cannot be used (a field, its type, or the layout it implies)."""
+
+
+class CheckpointError(DistrainError):
+    """A checkpoint that is missing, incomplete or unreadable."""

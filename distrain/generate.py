@@ -1,0 +1,96 @@
+"""Sampling from a run's latest checkpoint: rebuild the model from <run_dir>/config.toml, load only
+the model weights (any layout's checkpoint loads into the plain module), and sample bytes."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from distrain import checkpoint
+from distrain.config import load_config
+from distrain.data import ByteTokenizer
+from distrain.errors import CheckpointError, ConfigError
+from distrain.models.gpt import GPT
+from distrain.models.presets import model_args
+
+
+def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
+    """The run's model at its newest complete checkpoint, and that checkpoint's step."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: no such run directory")
+    config_path = run_dir / "config.toml"
+    if not config_path.is_file():
+        raise ConfigError(f"--run-dir {run_dir}: no config.toml, so not a distrain run directory")
+    cfg = load_config(str(config_path))
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        raise CheckpointError(f"--run-dir {run_dir}: no complete checkpoint to sample from")
+    step, path = latest
+    with torch.device("meta"):
+        model = GPT(model_args(cfg.model, seq_len=cfg.training.seq_len))
+    model.to_empty(device=device)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
+        warnings.simplefilter("ignore", UserWarning)
+        checkpoint.load(path, state, partial=True)
+    model.load_state_dict(state["model"])
+    return model.eval(), step
+
+
+@torch.no_grad()
+def sample(
+    model: GPT,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+) -> list[int]:
+    device = next(model.parameters()).device
+    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+    for _ in range(max_new_tokens):
+        context = tokens[:, -model.args.max_seq_len :]
+        logits = model(context)[0, -1].float()
+        if temperature <= 0:
+            next_token = logits.argmax().view(1)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+        tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
+    return tokens[0, len(prompt) :].tolist()
+
+
+def generate_text(
+    run_dir: Path,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(run_dir, device)
+    tokenizer = ByteTokenizer()
+    if model.args.vocab_size != tokenizer.vocab_size:
+        raise ConfigError(
+            f"generate: the run's model has vocab_size {model.args.vocab_size}, but only the byte "
+            "tokenizer (256) is available to decode; sample token ids programmatically instead"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    new = sample(
+        model,
+        tokenizer.encode(prompt) or [ord("\n")],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        generator=generator,
+    )
+    return prompt + tokenizer.decode(new)

@@ -1,0 +1,58 @@
+"""Worker entry point: `python -m distrain.train [options]`, started by `distrain train` through
+torchrun's API, or directly by a user's own `torchrun --nproc-per-node N -m distrain.train ...`.
+Without a torchrun environment it trains in this one process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from distrain.config import Config, write_toml
+from distrain.errors import DistrainError
+from distrain.mesh import init_distributed
+from distrain.observe.logs import close_logging, setup_logging
+from distrain.trainer import Trainer
+
+
+def run_training(cfg: Config) -> None:
+    """Train per `cfg` in this process as one rank of the (possibly 1-process) group."""
+    ctx = init_distributed(cfg.run.device)
+    run_dir = Path(cfg.run.dir)
+    logger = None
+    trainer = None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if ctx.rank == 0:
+            write_toml(cfg, run_dir / "config.toml")
+        logger = setup_logging(run_dir, ctx.rank)
+        logger.info("rank %d/%d on %s (%s)", ctx.rank, ctx.world_size, ctx.device, ctx.backend)
+        trainer = Trainer(cfg, ctx, logger)
+        trainer.run()
+    except DistrainError as e:
+        if logger is not None:
+            logger.error("%s", e)
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if logger is not None:
+            close_logging(logger)
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from distrain.cli import parse_train_args
+
+    try:
+        _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
+        run_training(cfg)
+    except DistrainError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""The training loop: data -> forward/backward (accumulate, mixed precision) -> clip -> step -> log
+-> evaluate -> checkpoint. Everything it trains with is built from the config in `Trainer.__init__`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from tqdm import tqdm
+
+from distrain import checkpoint
+from distrain.config import Config
+from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
+from distrain.errors import CheckpointError, ConfigError
+from distrain.mesh import DistContext, ParallelDims
+from distrain.models.presets import model_args, num_params
+from distrain.observe.metrics import MetricsWriter
+from distrain.optim import build_optimizer, lr_at, set_lr
+from distrain.parallel import build_parallel_model
+from distrain.rng import rng_state, seed_everything, set_rng_state
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class _ModelState(Stateful):
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class _OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class _RNGState(Stateful):
+    """Every rank is seeded alike, so rank 0's states (DCP keeps one copy) serve all ranks."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: DistContext, logger: logging.Logger):
+        self.cfg, self.ctx, self.log = cfg, ctx, logger
+        t = cfg.training
+        if t.precision == "fp16" and ctx.device.type != "cuda":
+            raise ConfigError(
+                "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32"
+            )
+        self.run_dir = Path(cfg.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.dims = ParallelDims.from_config(cfg, ctx.world_size)
+        self.mesh = self.dims.build_mesh(ctx.device.type)
+        dp_mesh = self.mesh["dp_replicate"]
+        self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+        seed_everything(t.seed, deterministic=t.deterministic)
+
+        train_set, self.val_set = build_datasets(cfg.data, t.seq_len)
+        self.loader = DistributedBatchLoader(
+            train_set,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dims.dp_size,
+            seed=t.seed,
+        )
+        logger.info(
+            "data: %d train / %d val sequences of %d tokens; this rank reads %d per epoch",
+            len(train_set),
+            len(self.val_set),
+            t.seq_len,
+            self.loader.samples_per_rank_per_epoch,
+        )
+        check_data_skew(
+            self.loader.samples_per_rank_per_epoch,
+            max_skew=cfg.data.max_skew,
+            action=cfg.data.skew_action,
+            group=self.dp_group,
+            logger=logger,
+            device=ctx.device,
+        )
+
+        self.args = model_args(cfg.model, seq_len=t.seq_len)
+        self.model, self.plain_model = build_parallel_model(
+            self.args, cfg, self.dims, self.mesh, ctx.device
+        )
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
+        self.step = 0
+        self.step_state = {"step": torch.zeros((), dtype=torch.int64)}
+        logger.info(
+            "model %s: %.2fM parameters; layout dp=%d, accumulation %d x micro-batch %d",
+            cfg.model.preset,
+            num_params(self.args) / 1e6,
+            self.dims.dp_size,
+            self.loader.accum_steps,
+            t.micro_batch_size,
+        )
+        self.metrics = MetricsWriter(
+            self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
+        )
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        state = {
+            "model": _ModelState(self.model),
+            "optim": _OptimizerState(self.model, self.optimizer),
+            "trainer": self.step_state,
+            "data": self.loader,
+            "rng": _RNGState(),
+        }
+        if self.scaler.is_enabled():
+            state["scaler"] = self.scaler
+        return state
+
+    def save_checkpoint(self) -> None:
+        self.step_state["step"].fill_(self.step)
+        start = time.perf_counter()
+        path = checkpoint.save(
+            self.ckpt_root, self.step, self._state(), world_size=self.ctx.world_size
+        )
+        self.log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
+
+    def maybe_resume(self) -> None:
+        latest = checkpoint.latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            if self.cfg.run.resume:
+                raise CheckpointError(
+                    f"--resume: no complete checkpoint under {self.ckpt_root}; drop --resume to "
+                    "start a new run"
+                )
+            return
+        step, path = latest
+        checkpoint.load(path, self._state())
+        self.step = int(self.step_state["step"])
+        if self.step != step:
+            raise CheckpointError(f"checkpoint {path} holds step {self.step}, expected {step}")
+        self.log.info("resumed from %s at step %d", path, self.step)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with precision_context(self.cfg.training.precision, self.ctx.device):
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
+        the device, without a host sync."""
+        self.model.train()
+        device = self.ctx.device
+        loss_sum = torch.zeros((), device=device)
+        for i, (inputs, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            # Gradients are all-reduced once, on the last micro-batch.
+            sync = contextlib.nullcontext() if last else self.model.no_sync()
+            with sync:
+                loss = self._loss(
+                    inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                )
+                self.scaler.scale(loss / len(batches)).backward()
+            loss_sum += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.optim.max_grad_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        set_lr(
+            self.optimizer,
+            lr_at(self.step, cfg=self.cfg.optim, total_steps=self.cfg.training.steps),
+        )
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / len(batches), grad_norm
+
+    def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel ranks (gloo has no AVG op, so SUM / size)."""
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return values / self.dims.dp_size
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.plain_model.eval()
+        batches = val_batches(
+            self.val_set,
+            num_batches=self.cfg.training.eval_batches,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dims.dp_size,
+        )
+        total = torch.zeros((), device=self.ctx.device)
+        for inputs, targets in batches:
+            with precision_context(self.cfg.training.precision, self.ctx.device):
+                logits = self.plain_model(inputs.to(self.ctx.device))
+            total += F.cross_entropy(
+                logits.float().flatten(0, 1), targets.to(self.ctx.device).flatten()
+            )
+        return float(self._dp_mean(total / len(batches)))
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        t = self.cfg.training
+        self.maybe_resume()
+        if self.step >= t.steps:
+            self.log.info(
+                "run already finished at step %d (training.steps = %d)", self.step, t.steps
+            )
+            return
+        tokens_per_step = t.global_batch_size * t.seq_len
+        bar = tqdm(
+            total=t.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
+        )
+        last_saved = self.step
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < t.steps:
+            lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
+            loss, grad_norm = self.train_step(self.loader.next_batch())
+            self.step += 1
+            window_steps += 1
+            bar.update(1)
+            finished = self.step == t.steps
+            if self.step % t.log_interval_steps == 0 or finished:
+                loss_value, norm_value = self._dp_mean(torch.stack([loss, grad_norm])).tolist()
+                elapsed = time.perf_counter() - window_start
+                row = {
+                    "step": self.step,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": norm_value,
+                    "tokens_per_s": tokens_per_step * window_steps / elapsed,
+                    "step_time_s": elapsed / window_steps,
+                }
+                self.metrics.log(row)
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                self.log.debug("step %d loss %.4f", self.step, loss_value)
+            if (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished:
+                val_loss = self.evaluate()
+                self.metrics.log({"step": self.step, "val_loss": val_loss})
+                self.log.info("step %d: val_loss %.4f", self.step, val_loss)
+            interval = self.cfg.checkpoint.interval_steps
+            if (interval and self.step % interval == 0) or (
+                finished and self.cfg.checkpoint.at_end
+            ):
+                self.save_checkpoint()
+                last_saved = self.step
+            if self.step % t.log_interval_steps == 0:
+                window_start, window_steps = time.perf_counter(), 0
+        bar.close()
+        self.log.info("finished %d steps (last checkpoint at step %d)", self.step, last_saved)
+
+    def close(self) -> None:
+        self.metrics.close()
