@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -158,9 +159,20 @@ def load(path: Path, state: dict[str, Any], *, partial: bool = False) -> None:
             storage_reader=SafeFileSystemReader(str(path)),
             planner=SafeLoadPlanner(allow_partial_load=partial),
         )
-    except Exception as e:  # DCP wraps per-rank failures; the cause is what the user needs
-        cause = " ".join(str(e).split())[:300]
+    # DCP wraps per-rank failures in CheckpointException (a BaseException); the cause is what the
+    # user needs.
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {cause}); "
+            f"checkpoint {path} is corrupt or unreadable ({_root_cause(e)}); "
             "delete it or resume from an earlier one"
         ) from e
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first rank's underlying exception, as one short line."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+        if isinstance(error, AssertionError) and "; " in str(error):  # DCP's metadata read summary
+            return " ".join(str(error).split())[:300]
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"

@@ -133,6 +133,14 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    fail_at_step: int = doc(
+        0, "Fault injection: crash when this step begins (0 = never); for tests and chaos runs."
+    )
+    fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -143,6 +151,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def sections(cfg: Config) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Without a torchrun environment it trains in this one process."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -14,6 +15,18 @@ from distrain.errors import DistrainError
 from distrain.mesh import init_distributed
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.trainer import Trainer
+
+
+def release_process_groups() -> None:
+    """Let gloo's worker threads finish dropping the tensors of completed collectives.
+
+    A worker that releases the last reference to a Python-visible tensor needs the GIL. When the
+    DDP reducer is freed it destroys its ProcessGroupGloo, which joins those workers while the
+    main thread holds the GIL: a deadlock at exit (seen here in about half of 2-rank runs). A
+    GIL-releasing pause before the release lets the workers finish; their pending work is only
+    bookkeeping of collectives that already completed, so 0.1 s is ample.
+    """
+    time.sleep(0.1)
 
 
 def run_training(cfg: Config) -> None:
@@ -39,6 +52,8 @@ def run_training(cfg: Config) -> None:
             trainer.close()
         if logger is not None:
             close_logging(logger)
+        release_process_groups()
+        del trainer
         dist.destroy_process_group()
 
 

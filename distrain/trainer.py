@@ -36,6 +36,10 @@ from distrain.rng import rng_state, seed_everything, set_rng_state
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class InjectedFailure(RuntimeError):
+    """The crash that debug.fail_at_step asks for."""
+
+
 class _ModelState(Stateful):
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -181,10 +185,9 @@ class Trainer:
             logits = self.model(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
-        the device, without a host sync."""
-        self.model.train()
+        the device, without a host sync. The model is in train mode (see `evaluate`)."""
         device = self.ctx.device
         loss_sum = torch.zeros((), device=device)
         for i, (inputs, targets) in enumerate(batches):
@@ -200,10 +203,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optim.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        set_lr(
-            self.optimizer,
-            lr_at(self.step, cfg=self.cfg.optim, total_steps=self.cfg.training.steps),
-        )
+        set_lr(self.optimizer, lr)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -217,6 +217,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean validation loss over a fixed set of batches; leaves the model in train mode."""
         self.plain_model.eval()
         batches = val_batches(
             self.val_set,
@@ -232,6 +233,7 @@ class Trainer:
             total += F.cross_entropy(
                 logits.float().flatten(0, 1), targets.to(self.ctx.device).flatten()
             )
+        self.plain_model.train()
         return float(self._dp_mean(total / len(batches)))
 
     # --- the loop ----------------------------------------------------------------------------
@@ -253,11 +255,13 @@ class Trainer:
             dynamic_ncols=True,
             disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
         )
+        self.model.train()
         last_saved = self.step
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
+            self._maybe_inject_failure()
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
-            loss, grad_norm = self.train_step(self.loader.next_batch())
+            loss, grad_norm = self.train_step(self.loader.next_batch(), lr)
             self.step += 1
             window_steps += 1
             bar.update(1)
@@ -275,7 +279,6 @@ class Trainer:
                 }
                 self.metrics.log(row)
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                self.log.debug("step %d loss %.4f", self.step, loss_value)
             if (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished:
                 val_loss = self.evaluate()
                 self.metrics.log({"step": self.step, "val_loss": val_loss})
@@ -290,6 +293,14 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
         self.log.info("finished %d steps (last checkpoint at step %d)", self.step, last_saved)
+
+    def _maybe_inject_failure(self) -> None:
+        debug = self.cfg.debug
+        if debug.fail_at_step and self.step + 1 == debug.fail_at_step:
+            if debug.fail_rank in (-1, self.ctx.rank):
+                raise InjectedFailure(
+                    f"debug.fail_at_step: rank {self.ctx.rank} crashes at step {self.step + 1}"
+                )
 
     def close(self) -> None:
         self.metrics.close()

@@ -1,0 +1,63 @@
+"""Test helpers: run distrain in this process (1 rank) or through the CLI (N ranks, torchrun)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from distrain.config import load_config
+from distrain.observe.metrics import read_metrics
+
+# Small enough for CI's 2 cores, big enough that the loss moves: 4 MB of stdlib source.
+FAST = {
+    "data.max_bytes": "4000000",
+    "training.log_interval_steps": "1",
+    "training.eval_interval_steps": "0",
+    "metrics.progress_bar": "false",
+    "metrics.tensorboard": "false",
+}
+
+
+def overrides(run_dir: Path, **fields: object) -> list[tuple[str, str]]:
+    """FAST plus `fields` (section__field=value), as (dotted, text) pairs."""
+    merged = dict(FAST, **{"run.dir": str(run_dir)})
+    merged.update(
+        {
+            k.replace("__", "."): str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in fields.items()
+        }
+    )
+    return list(merged.items())
+
+
+def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
+    """Train on 1 rank in this process; returns the run's metrics rows."""
+    from distrain.train import run_training
+
+    run_training(load_config(None, overrides(run_dir, **fields)))
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "distrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def train_cli(run_dir: Path, nproc: int, **fields: object) -> subprocess.CompletedProcess:
+    args = ["train", "--nproc", str(nproc)]
+    for key, value in overrides(run_dir, **fields):
+        args += [f"--{key}", value]
+    return run_cli(*args)
+
+
+def losses(rows: list[dict]) -> dict[int, float]:
+    """step -> training loss; a later row for the same step (after a resume) wins."""
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}

@@ -1,0 +1,75 @@
+"""The GPT model: exact parameter counts, causality, seeded layout-independent init."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from distrain.config import ConfigError, ModelConfig
+from distrain.models import GPT, PRESETS, ModelArgs, init_weights, model_args, num_params
+from distrain.models.gpt import full_init_value
+
+SMALL = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_count_is_exact(name):
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    assert num_params(PRESETS[name]) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"norm": "layernorm"}, {"pos_emb": "learned"}, {"tie_embeddings": True}],
+)
+def test_causal_and_counted(variant):
+    args = dataclasses.replace(SMALL, **variant)
+    model = GPT(args)
+    init_weights(model, seed=0)
+    assert num_params(args) == sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, args.vocab_size)
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % args.vocab_size
+    # Positions before the change must not see it (exact: same ops on the same inputs).
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+
+
+def test_init_depends_on_seed_and_name_only():
+    a, b = GPT(SMALL), GPT(SMALL)
+    init_weights(a, seed=3)
+    init_weights(b, seed=3)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    # Wrapper prefixes (DDP, activation checkpointing, compile) do not change a value.
+    value = full_init_value("blocks.0.attn.wq.weight", torch.Size([32, 32]), SMALL, 3)
+    wrapped = full_init_value(
+        "module.blocks.0._checkpoint_wrapped_module.attn.wq.weight", torch.Size([32, 32]), SMALL, 3
+    )
+    assert torch.equal(value, wrapped)
+    assert torch.equal(value, a.blocks["0"].attn.wq.weight)
+    init_weights(b, seed=4)
+    assert not torch.equal(a.tok_emb.weight, b.tok_emb.weight)
+
+
+def test_meta_build_then_materialize_matches_eager():
+    with torch.device("meta"):
+        meta = GPT(SMALL)
+    meta.to_empty(device="cpu")
+    init_weights(meta, seed=1)
+    eager = GPT(SMALL)
+    init_weights(eager, seed=1)
+    tokens = torch.randint(0, 64, (1, 8))
+    assert torch.equal(meta(tokens), eager(tokens))
+
+
+def test_model_overrides_and_errors():
+    args = model_args(ModelConfig(preset="tiny", n_layers=2), seq_len=2048)
+    assert args.n_layers == 2 and args.max_seq_len == 2048
+    with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'"):
+        model_args(ModelConfig(preset="huge"), seq_len=8)
+    with pytest.raises(ConfigError, match=r"model.dim \(100\) must be divisible by model.n_heads"):
+        model_args(ModelConfig(dim=100, n_heads=3), seq_len=8)

@@ -1,0 +1,181 @@
+"""End-to-end training: layout parity, accumulation, exact resume, crash safety, CLI and errors.
+
+Single-rank references run in this process; multi-rank runs go through `distrain train --nproc N`
+(torchrun's agent, gloo), exactly as a user starts them.
+"""
+
+import shutil
+
+import pytest
+from helpers import losses, run_cli, train_cli, train_in_process
+
+from distrain import checkpoint
+from distrain.observe.metrics import read_metrics
+from distrain.trainer import InjectedFailure
+
+STEPS = 6
+# Global batch 8 x 64 tokens: small enough for 2 cores, the same math on any number of ranks.
+BASE = {
+    "training__steps": STEPS,
+    "training__global_batch_size": 8,
+    "training__seq_len": 64,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+
+
+def assert_rel_close(got: dict[int, float], want: dict[int, float], rel: float) -> None:
+    assert got.keys() == want.keys()
+    for step in want:
+        assert abs(got[step] - want[step]) <= rel * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_matches_one_process(tmp_path, check_ok):
+    reference = losses(train_in_process(tmp_path / "ref", **BASE, training__micro_batch_size=8))
+    check_ok(train_cli(tmp_path / "ddp", 2, **BASE, training__micro_batch_size=4))
+    ddp = losses(read_metrics(tmp_path / "ddp" / "metrics.jsonl"))
+    # 1e-5: DDP averages fp32 gradients in a different summation order than one process's
+    # backward over the whole batch; after 6 AdamW steps that reorders bits at the ~1e-7 level.
+    assert_rel_close(ddp, reference, rel=1e-5)
+    assert reference[STEPS] < reference[1]  # it trains
+
+
+def test_accumulation_matches_one_big_micro_batch(tmp_path):
+    big = losses(train_in_process(tmp_path / "big", **BASE, training__micro_batch_size=8))
+    accum = losses(train_in_process(tmp_path / "accum", **BASE, training__micro_batch_size=2))
+    # 1e-5: 4 micro-batches summed in fp32 vs one batch's reduction; ordering noise only.
+    assert_rel_close(accum, big, rel=1e-5)
+
+
+def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
+    fields = dict(BASE, training__micro_batch_size=4, checkpoint__interval_steps=2)
+    full = losses(train_in_process(tmp_path / "full", **fields))
+
+    run = tmp_path / "resumed"
+    with pytest.raises(InjectedFailure):
+        train_in_process(run, **fields, debug__fail_at_step=4)
+    assert checkpoint.latest_checkpoint(run / "checkpoints")[0] == 2
+
+    # A crash between writing step 4's data and its marker: resume must ignore that save.
+    def crash(*_args, **_kwargs):
+        raise RuntimeError("simulated crash before the marker")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "write_marker", crash)
+        with pytest.raises(RuntimeError, match="before the marker"):
+            train_in_process(run, **fields)
+    assert (checkpoint.step_dir(run / "checkpoints", 4) / ".metadata").exists()
+    assert checkpoint.latest_checkpoint(run / "checkpoints")[0] == 2
+
+    resumed = losses(train_in_process(run, **fields, run__resume=True))
+    assert resumed == full  # bit for bit: same floats, not merely close
+
+
+@pytest.mark.slow
+def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
+    fields = dict(BASE, training__micro_batch_size=4, checkpoint__interval_steps=3)
+    check_ok(train_cli(tmp_path / "full", 2, **fields))
+    run = tmp_path / "resumed"
+    failed = train_cli(run, 2, **fields, debug__fail_at_step=5, debug__fail_rank=1)
+    assert (
+        failed.returncode != 0 and "debug.fail_at_step: rank 1 crashes at step 5" in failed.stderr
+    )
+    check_ok(train_cli(run, 2, **fields))
+    full = losses(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    assert losses(read_metrics(run / "metrics.jsonl")) == full
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One short `distrain train` on 2 ranks with every output on, shared by the CLI tests."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    result = train_cli(
+        run,
+        2,
+        **dict(
+            BASE,
+            checkpoint__interval_steps=3,
+            training__eval_interval_steps=3,
+            metrics__tensorboard=True,
+            metrics__progress_bar=True,
+            training__micro_batch_size=4,
+        ),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run, result
+
+
+@pytest.mark.slow
+def test_cli_writes_the_run_directory(cli_run):
+    run, result = cli_run
+    assert (run / "config.toml").is_file()
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert any((run / "tb").glob("events.out.tfevents.*"))
+    rows = read_metrics(run / "metrics.jsonl")
+    step_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in step_rows] == list(range(1, STEPS + 1))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(r[key] > 0 for r in step_rows), key
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert [s for s, _ in checkpoint.complete_checkpoints(run / "checkpoints")] == [3, 6]
+    assert "train: 100%" in result.stderr  # the rank-0 progress bar
+
+
+@pytest.mark.slow
+def test_cli_generate_prints_text(cli_run, check_ok):
+    run, _ = cli_run
+    result = check_ok(
+        run_cli("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "40")
+    )
+    assert result.stdout.startswith("def ") and len(result.stdout) > 20
+
+
+@pytest.mark.slow
+def test_cli_corrupt_checkpoint_is_one_line_error(cli_run, tmp_path):
+    run, _ = cli_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    latest = checkpoint.latest_checkpoint(copy / "checkpoints")[1]
+    next(latest.glob("*.distcp")).write_bytes(b"not a tensor")
+    result = run_cli("generate", "--run-dir", str(copy))
+    assert result.returncode == 1
+    assert _error_lines(result) == [
+        f"distrain: error: checkpoint {latest} is corrupt or unreadable"
+    ]
+
+
+def _error_lines(result) -> list[str]:
+    """The `distrain: error:` lines, cut at the first parenthesis (the detail after it varies)."""
+    return [
+        line.split(" (")[0]
+        for line in result.stderr.splitlines()
+        if line.startswith("distrain: error:")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["train", "--training.stepz", "5"], "unknown config field 'training.stepz'"),
+        (["train", "--training.steps", "five"], "training.steps: expected int, got 'five'"),
+        (
+            ["train", "--nproc", "3"],
+            "training.global_batch_size (16) must be a multiple of "
+            "training.micro_batch_size (8) x data-parallel size (3",
+        ),
+        (["generate", "--run-dir", "/nonexistent/run"], "--run-dir /nonexistent/run: no such run"),
+        (
+            ["train", "--resume", "--run-dir", "/nonexistent/run", "--nproc", "1"],
+            "--resume: no complete checkpoint under /nonexistent/run/checkpoints",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_error(args, expected, tmp_path):
+    if "--resume" in args:  # a fresh, writable run dir without checkpoints
+        args = [str(tmp_path / "fresh") if a == "/nonexistent/run" else a for a in args]
+        expected = expected.replace("/nonexistent/run", str(tmp_path / "fresh"))
+    result = run_cli(*args)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert lines and expected in lines[0], result.stderr[-2000:]
