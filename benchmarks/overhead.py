@@ -114,7 +114,7 @@ def handwritten_step(cfg: Config, trainer: Trainer, dataset: TokenDataset) -> St
     """The plain DDP loop a user would write, training the model distrain trains, on the same
     batches (its own loader over the same samples) with the same learning-rate schedule."""
     model = GPT(trainer.args)
-    init_weights(model, cfg.training.seed)
+    init_weights(model, trainer.args, cfg.training.seed)
     ddp = DistributedDataParallel(model)
     # The decay split distrain uses, so that both sides do the same arithmetic.
     params = list(model.named_parameters())

@@ -92,6 +92,15 @@ class TrainingConfig:
     )
     seed: int = doc(1234, "Seed for model init, data order and all RNGs.")
     deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
+    activation_checkpointing: Literal["none", "full", "selective"] = doc(
+        "none",
+        "Recompute activations in backward: full = whole blocks; selective = every "
+        "training.ac_every_layers-th block.",
+    )
+    ac_every_layers: int = doc(
+        2, "With selective activation checkpointing, checkpoint every k-th block."
+    )
+    compile: bool = doc(False, "torch.compile each transformer block.")
     log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.")
     eval_interval_steps: int = doc(100, "Steps between validation passes (0 = only at the end).")
     eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.")
@@ -112,7 +121,37 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    dp_replicate: int = doc(-1, "Data-parallel (DDP) replicas; -1 = all ranks left over.")
+    dp_replicate: int = doc(
+        -1,
+        "Data-parallel replicas (DDP, or HSDP's replicate axis); -1 = what is left over "
+        "(when zero_stage <= 1).",
+    )
+    dp_shard: int = doc(
+        -1,
+        "Data-parallel shards (FSDP2, zero_stage 2/3); -1 = what is left over (1 when zero_stage "
+        "<= 1).",
+    )
+    tp: int = doc(1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).")
+    pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
+        "1f1b", "Pipeline schedule (torch.distributed.pipelining)."
+    )
+    pp_microbatches: int = doc(
+        -1,
+        "Pipeline micro-batches per step per data-parallel rank; -1 = global batch / "
+        "(micro_batch_size x data-parallel size).",
+    )
+    pp_stages_per_rank: int = doc(
+        1, "Pipeline stages per rank (>= 2 for the interleaved and zero-bubble schedules)."
+    )
+    zero_stage: int = doc(
+        0,
+        "ZeRO stage: 0 DDP; 1 + optimizer state sharded; 2 + gradients sharded (FSDP2, no "
+        "reshard after forward); 3 + parameters sharded (FSDP2).",
+    )
+    sequence_parallel: bool = doc(
+        True, "With tp > 1, shard norms and the residual stream along the sequence."
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,6 +177,11 @@ class DebugConfig:
         0, "Fault injection: crash when this step begins (0 = never); for tests and chaos runs."
     )
     fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).")
+    check_replicas: bool = doc(
+        False,
+        "After every logged step, check that parameters agree across data-parallel replicas; a "
+        "mismatch names the tensor and the ranks.",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -299,6 +343,7 @@ def validate(cfg: Config) -> None:
         "training.seq_len": t.seq_len,
         "training.log_interval_steps": t.log_interval_steps,
         "training.eval_batches": t.eval_batches,
+        "training.ac_every_layers": t.ac_every_layers,
     }
     for name, value in positive.items():
         if value <= 0:
@@ -312,6 +357,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}"
+        )
     if cfg.comm.bucket_cap_mb <= 0:
         raise ConfigError(f"comm.bucket_cap_mb must be > 0, got {cfg.comm.bucket_cap_mb}")
     for name in ("checkpoint.interval_steps", "training.eval_interval_steps"):

@@ -60,30 +60,88 @@ def init_distributed(requested_device: str) -> DistContext:
     )
 
 
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of each parallel axis; their product is the world size."""
+    """Degrees of each parallel axis; their product is the world size.
 
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost so
+    its chatty collectives stay on the fastest links (one node); pipeline is outermost since it
+    sends the least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits
+    the global batch over.
+    """
+
+    pp: int
     dp_replicate: int
+    dp_shard: int
+    tp: int
+    zero_stage: int
     world_size: int
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
-        dp = cfg.parallel.dp_replicate
-        if dp == -1:
-            dp = world_size
-        if dp <= 0 or dp != world_size:
+        p = cfg.parallel
+        for name in ("tp", "pp"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        if world_size % (p.tp * p.pp):
             raise ConfigError(
-                f"parallel.dp_replicate = {cfg.parallel.dp_replicate} does not fit a world size of "
-                f"{world_size}; set it to {world_size} or -1"
+                f"parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {p.tp * p.pp} does not divide the "
+                f"world size {world_size}; choose degrees whose product divides it"
             )
-        dims = cls(dp_replicate=dp, world_size=world_size)
+        dp = world_size // (p.tp * p.pp)
+        replicate, shard = p.dp_replicate, p.dp_shard
+        if p.zero_stage <= 1:
+            if shard not in (-1, 1):
+                raise ConfigError(
+                    f"parallel.dp_shard = {shard} needs parallel.zero_stage 2 or 3 (FSDP2); "
+                    "with zero_stage 0/1 data parallelism is replication: set dp_shard = 1"
+                )
+            shard = 1
+            replicate = dp if replicate == -1 else replicate
+        elif shard == -1:
+            replicate = 1 if replicate == -1 else replicate
+            if replicate < 1 or dp % replicate:
+                raise ConfigError(
+                    f"parallel.dp_replicate ({replicate}) must divide the data-parallel size {dp} "
+                    f"(world {world_size} / tp {p.tp} / pp {p.pp})"
+                )
+            shard = dp // replicate
+        elif replicate == -1:
+            if shard < 1 or dp % shard:
+                raise ConfigError(
+                    f"parallel.dp_shard ({shard}) must divide the data-parallel size {dp} "
+                    f"(world {world_size} / tp {p.tp} / pp {p.pp})"
+                )
+            replicate = dp // shard
+        if replicate * shard != dp or replicate < 1 or shard < 1:
+            raise ConfigError(
+                f"parallel.dp_replicate ({p.dp_replicate}) x dp_shard ({p.dp_shard}) x tp ({p.tp}) "
+                f"x pp ({p.pp}) must equal the world size {world_size}; set one of them to -1"
+            )
+        dims = cls(
+            pp=p.pp,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            tp=p.tp,
+            zero_stage=p.zero_stage,
+            world_size=world_size,
+        )
         dims.check_batch(cfg)
         return dims
 
     @property
     def dp_size(self) -> int:
-        return self.dp_replicate
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_like(self) -> bool:
+        """FSDP2 wraps the model for ZeRO 2/3, and also for plain replication whenever tp or pp
+        is on (as HSDP with a shard axis of 1): DDP handles neither DTensor parameters nor
+        pipeline stages correctly."""
+        return self.zero_stage >= 2 or self.tp > 1 or self.pp > 1
 
     def check_batch(self, cfg: Config) -> None:
         t = cfg.training
@@ -95,8 +153,18 @@ class ParallelDims:
                 "the number of processes"
             )
 
-    def accum_steps(self, cfg: Config) -> int:
-        return cfg.training.global_batch_size // (cfg.training.micro_batch_size * self.dp_size)
+    def describe(self) -> str:
+        return (
+            f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
+            f"zero_stage={self.zero_stage}"
+        )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp_replicate,), mesh_dim_names=("dp_replicate",))
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The world mesh with every axis (size-1 axes included, so names never go missing), and
+        the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over."""
+        mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=AXES,
+        )
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distrain.config import OptimConfig
@@ -40,15 +41,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, zero1_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """AdamW; with `zero1_group` (ZeRO stage 1) its state is partitioned across that group by
+    torch's ZeroRedundancyOptimizer, each rank updating its share and broadcasting it."""
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        foreach=True,
+    options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
+    groups = param_groups(model, cfg.weight_decay)
+    if zero1_group is None:
+        return torch.optim.AdamW(groups, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when used
+
+    zero = ZeroRedundancyOptimizer(
+        groups[0]["params"],
+        optimizer_class=torch.optim.AdamW,
+        process_group=zero1_group,
+        weight_decay=groups[0]["weight_decay"],
+        **options,
     )
+    zero.add_param_group(groups[1])
+    return zero
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

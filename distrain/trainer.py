@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -12,8 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -31,6 +30,7 @@ from distrain.models.presets import model_args, num_params
 from distrain.observe.metrics import MetricsWriter
 from distrain.optim import build_optimizer, lr_at, set_lr
 from distrain.parallel import build_parallel_model
+from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.rng import rng_state, seed_everything, set_rng_state
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -40,26 +40,39 @@ class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class _ModelState(Stateful):
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    """All model parts' weights under their original names, so any layout can load them."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        self.parts = parts
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
 
 
 class _OptimizerState(Stateful):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    """One optimizer per model part, flattened to `state.<param name>.<key>` entries so the parts'
+    dicts merge and split again under another layout."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        merged = {}
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        return merged
 
     def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(part, optimizer, state, options=_FLAT)
 
 
 class _RNGState(Stateful):
@@ -70,13 +83,6 @@ class _RNGState(Stateful):
 
     def load_state_dict(self, state: dict) -> None:
         set_rng_state(state)
-
-
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
 
 
 class Trainer:
@@ -90,8 +96,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.dims = ParallelDims.from_config(cfg, ctx.world_size)
-        self.mesh = self.dims.build_mesh(ctx.device.type)
-        dp_mesh = self.mesh["dp_replicate"]
+        self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
         seed_everything(t.seed, deterministic=t.deterministic)
 
@@ -121,18 +126,21 @@ class Trainer:
         )
 
         self.args = model_args(cfg.model, seq_len=t.seq_len)
-        self.model, self.plain_model = build_parallel_model(
-            self.args, cfg, self.dims, self.mesh, ctx.device
-        )
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.model = build_parallel_model(self.args, cfg, self.dims, self.mesh, dp_mesh, ctx.device)
+        self.optimizers = [
+            build_optimizer(
+                part, cfg.optim, zero1_group=self.dp_group if self.dims.zero_stage == 1 else None
+            )
+            for part in self.model.parts
+        ]
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
         self.step = 0
         self.step_state = {"step": torch.zeros((), dtype=torch.int64)}
         logger.info(
-            "model %s: %.2fM parameters; layout dp=%d, accumulation %d x micro-batch %d",
+            "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
             cfg.model.preset,
             num_params(self.args) / 1e6,
-            self.dims.dp_size,
+            self.dims.describe(),
             self.loader.accum_steps,
             t.micro_batch_size,
         )
@@ -144,8 +152,8 @@ class Trainer:
 
     def _state(self) -> dict:
         state = {
-            "model": _ModelState(self.model),
-            "optim": _OptimizerState(self.model, self.optimizer),
+            "model": _ModelState(self.model.parts),
+            "optim": _OptimizerState(self.model.parts, self.optimizers),
             "trainer": self.step_state,
             "data": self.loader,
             "rng": _RNGState(),
@@ -180,45 +188,36 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with precision_context(self.cfg.training.precision, self.ctx.device):
-            logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
     def train_step(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
         the device, without a host sync. The model is in train mode (see `evaluate`)."""
-        device = self.ctx.device
-        loss_sum = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(batches):
-            last = i == len(batches) - 1
-            # Gradients are all-reduced once, on the last micro-batch.
-            sync = contextlib.nullcontext() if last else self.model.no_sync()
-            with sync:
-                loss = self._loss(
-                    inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                )
-                self.scaler.scale(loss / len(batches)).backward()
-            loss_sum += loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.optim.max_grad_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        set_lr(self.optimizer, lr)
-        self.scaler.step(self.optimizer)
+        loss = self.model.forward_backward(batches, self.scaler.scale)
+        for optimizer in self.optimizers:
+            self.scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(
+            self.model.parameters(),
+            self.cfg.optim.max_grad_norm or math.inf,
+            holders=self.ctx.world_size // self.dims.pp,
+        )
+        for optimizer in self.optimizers:
+            set_lr(optimizer, lr)
+            self.scaler.step(optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / len(batches), grad_norm
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
 
-    def _dp_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean over data-parallel ranks (gloo has no AVG op, so SUM / size)."""
+    def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so
+        this is the data-parallel mean (gloo has no AVG op, so SUM / size)."""
         values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return values / self.dims.dp_size
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values / self.ctx.world_size
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over a fixed set of batches; leaves the model in train mode."""
-        self.plain_model.eval()
+        self.model.train(False)
         batches = val_batches(
             self.val_set,
             num_batches=self.cfg.training.eval_batches,
@@ -226,15 +225,9 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_size=self.dims.dp_size,
         )
-        total = torch.zeros((), device=self.ctx.device)
-        for inputs, targets in batches:
-            with precision_context(self.cfg.training.precision, self.ctx.device):
-                logits = self.plain_model(inputs.to(self.ctx.device))
-            total += F.cross_entropy(
-                logits.float().flatten(0, 1), targets.to(self.ctx.device).flatten()
-            )
-        self.plain_model.train()
-        return float(self._dp_mean(total / len(batches)))
+        loss = self.model.eval_loss(batches)
+        self.model.train(True)
+        return float(self._world_mean(loss))
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -255,7 +248,7 @@ class Trainer:
             dynamic_ncols=True,
             disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
         )
-        self.model.train()
+        self.model.train(True)
         last_saved = self.step
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
@@ -267,7 +260,7 @@ class Trainer:
             bar.update(1)
             finished = self.step == t.steps
             if self.step % t.log_interval_steps == 0 or finished:
-                loss_value, norm_value = self._dp_mean(torch.stack([loss, grad_norm])).tolist()
+                loss_value, norm_value = self._world_mean(torch.stack([loss, grad_norm])).tolist()
                 elapsed = time.perf_counter() - window_start
                 row = {
                     "step": self.step,

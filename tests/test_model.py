@@ -26,7 +26,7 @@ def test_param_count_is_exact(name):
 def test_causal_and_counted(variant):
     args = dataclasses.replace(SMALL, **variant)
     model = GPT(args)
-    init_weights(model, seed=0)
+    init_weights(model, args, seed=0)
     assert num_params(args) == sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = model(tokens)
@@ -40,8 +40,8 @@ def test_causal_and_counted(variant):
 
 def test_init_depends_on_seed_and_name_only():
     a, b = GPT(SMALL), GPT(SMALL)
-    init_weights(a, seed=3)
-    init_weights(b, seed=3)
+    init_weights(a, SMALL, seed=3)
+    init_weights(b, SMALL, seed=3)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     # Wrapper prefixes (DDP, activation checkpointing, compile) do not change a value.
@@ -51,7 +51,7 @@ def test_init_depends_on_seed_and_name_only():
     )
     assert torch.equal(value, wrapped)
     assert torch.equal(value, a.blocks["0"].attn.wq.weight)
-    init_weights(b, seed=4)
+    init_weights(b, SMALL, seed=4)
     assert not torch.equal(a.tok_emb.weight, b.tok_emb.weight)
 
 
@@ -59,9 +59,9 @@ def test_meta_build_then_materialize_matches_eager():
     with torch.device("meta"):
         meta = GPT(SMALL)
     meta.to_empty(device="cpu")
-    init_weights(meta, seed=1)
+    init_weights(meta, SMALL, seed=1)
     eager = GPT(SMALL)
-    init_weights(eager, seed=1)
+    init_weights(eager, SMALL, seed=1)
     tokens = torch.randint(0, 64, (1, 8))
     assert torch.equal(meta(tokens), eager(tokens))
 

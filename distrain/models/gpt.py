@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass(kw_only=True)
@@ -135,20 +136,24 @@ class GPT(nn.Module):
             self.output.weight = self.tok_emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
+        or the head (it then returns hidden states); see parallel/pipeline.py."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
                 f"sequence of {seq} tokens exceeds max_seq_len {self.args.max_seq_len}"
             )
-        h = self.tok_emb(tokens)
+        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         rope = None
         if self.pos_emb is not None:
             h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
-        else:
+        elif self.args.pos_emb == "rope":
             rope = rope_tables(self.args.head_dim, seq, self.args.rope_theta, tokens.device)
         for block in self.blocks.values():
             h = block(h, rope)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -184,12 +189,18 @@ def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) ->
 
 
 @torch.no_grad()
-def init_weights(model: GPT, seed: int) -> None:
-    """Fill every (materialized) parameter with its seeded, layout-independent value.
+def init_weights(model: nn.Module, args: ModelArgs, seed: int) -> None:
+    """Fill every materialized parameter with its seeded, layout-independent value.
 
-    Values are made on CPU in fp32 as the full tensor and then copied in (sharded parameters keep
-    only their slice, see parallel/), so a model initialized on 1 rank or 8 is the same model.
+    Values are made on CPU in fp32 as the full tensor; a sharded (DTensor) parameter keeps only
+    its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
     """
     for name, param in model.named_parameters():
-        value = full_init_value(name, param.shape, model.args, seed)
-        param.copy_(value.to(device=param.device, dtype=param.dtype))
+        value = full_init_value(name, param.shape, args, seed).to(param.device, param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(
+                value, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)

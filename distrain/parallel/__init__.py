@@ -1,30 +1,228 @@
-"""Applying a parallel layout to a plain model, in one fixed order.
+"""Applying a parallel layout to a plain model, in one fixed order, and running it.
 
-build on meta -> (later: pipeline split, tensor parallel, activation checkpointing, compile)
--> materialize + seeded init -> data parallel wrap. The model module itself never changes.
+build on meta -> pipeline split (pp) -> tensor/sequence parallel (tp) -> activation checkpointing
+-> compile -> data parallel (DDP, or FSDP2 for ZeRO 2/3 and whenever tp/pp is on)
+-> materialize + seeded init (identical values under every layout).
+
+`ParallelModel` hides what differs between layouts from the trainer: how micro-batches run
+(accumulation loop or pipeline schedule), how gradient sync is deferred, and which loss context
+(vocab-parallel under tp) wraps forward and backward.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
+from distrain.errors import ConfigError
 from distrain.mesh import ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
-from distrain.parallel.data import apply_ddp
+from distrain.parallel.data import apply_ddp, apply_fsdp
+from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; under tp the logits are vocab-sharded DTensors (loss_parallel)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+class ParallelModel:
+    """The model parts this rank holds (one, or one per pipeline stage) and how to run them."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        cfg: Config,
+        device: torch.device,
+        stage_ids: list[int],
+        num_stages: int,
+        pp_microbatches: int,
+    ):
+        self.parts, self.dims, self.device = parts, dims, device
+        self.stage_ids, self.num_stages = stage_ids, num_stages
+        self.precision = cfg.training.precision
+        # FSDP2 applies bf16 through its mixed-precision policy; DDP through autocast.
+        self.autocast = precision_context(
+            "fp32" if dims.fsdp_like and self.precision == "bf16" else self.precision, device
+        )
+        self.runner = None
+        if dims.pp > 1:
+            from distrain.parallel.pipeline import PipelineRunner
+
+            self.runner = PipelineRunner(
+                parts,
+                stage_ids=stage_ids,
+                num_stages=num_stages,
+                pp_mesh=mesh["pp"],
+                schedule=cfg.parallel.pp_schedule,
+                n_microbatches=pp_microbatches,
+                device=device,
+                loss_fn=cross_entropy,
+            )
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """Defer the gradient all-reduce / reduce-scatter to the last micro-batch."""
+        part = self.parts[0]
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if last or not hasattr(part, "no_sync"):
+            return contextlib.nullcontext()
+        return part.no_sync()
+
+    def forward_backward(
+        self, batches: list[Batch], scale: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; the mean loss (a device tensor,
+        the same on every rank of a pipeline)."""
+        if self.runner is not None:
+            inputs = torch.cat([b[0] for b in batches]).to(self.device)
+            targets = torch.cat([b[1] for b in batches]).to(self.device)
+            with self.loss_context(), self.autocast:
+                loss = self.runner.train_step(inputs, targets)
+            return self.runner.broadcast_loss(loss)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            with self._sync_context(i == len(batches) - 1), self.loss_context():
+                with self.autocast:
+                    logits = self.parts[0](inputs.to(self.device, non_blocking=True))
+                loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
+                scale(loss / len(batches)).backward()
+            loss_sum += _local(loss.detach())
+        return loss_sum / len(batches)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self.loss_context(), self.autocast:
+                if self.runner is not None:
+                    loss = self.runner.broadcast_loss(self.runner.eval_loss(inputs, targets))
+                else:
+                    loss = cross_entropy(self.parts[0](inputs), targets)
+            total += _local(loss)
+        return total / len(batches)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
+    """Refuse combinations that torch computes wrongly or that distrain does not support."""
+    p = cfg.parallel
+    if dims.zero_stage == 1 and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) works with plain data parallel "
+            "only; with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3"
+        )
+    if dims.pp > 1 and p.pp_schedule == "zero_bubble" and dims.dp_size > 1:
+        raise ConfigError(
+            "parallel.pp_schedule = 'zero_bubble' with data parallelism gives wrong gradients in "
+            "torch (no error raised); use gpipe, 1f1b or interleaved_1f1b with dp > 1, or "
+            "zero_bubble with a data-parallel size of 1"
+        )
+    if cfg.training.precision == "fp16" and dims.fsdp_like:
+        raise ConfigError(
+            "training.precision = 'fp16' (loss scaling) is supported with plain DDP only; use "
+            "bf16 with zero_stage 2/3, tp or pp"
+        )
 
 
 def build_parallel_model(
-    args: ModelArgs, cfg: Config, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
-) -> tuple[nn.Module, GPT]:
-    """Returns (the module to train, the plain GPT inside it for saving and evaluation)."""
+    args: ModelArgs,
+    cfg: Config,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    device: torch.device,
+) -> ParallelModel:
+    check_layout(args, cfg, dims)
     with torch.device("meta"):
         model = GPT(args)
-    model.to_empty(device=device)
-    init_weights(model, cfg.training.seed)
-    wrapped = apply_ddp(
-        model, mesh["dp_replicate"], bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device
+    stage_ids, num_stages, microbatches = [0], 1, 1
+    if dims.pp > 1:
+        from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+
+        p = cfg.parallel
+        num_stages = dims.pp * p.pp_stages_per_rank
+        stage_ids = stage_ids_for_rank(
+            mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
+        )
+        parts = [split_model(model, s, num_stages) for s in stage_ids]
+        local_batch = cfg.training.global_batch_size // dims.dp_size
+        microbatches = (
+            p.pp_microbatches
+            if p.pp_microbatches > 0
+            else local_batch // cfg.training.micro_batch_size
+        )
+    else:
+        parts = [model]
+    for part in parts:
+        if dims.tp > 1:
+            from distrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+
+            check_tensor_parallel(args, dims.tp)
+            apply_tensor_parallel(
+                part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
+            )
+        apply_activation_checkpointing(
+            part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+        )
+        if cfg.training.compile:
+            apply_compile(part)
+    if dims.fsdp_like:
+        parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
+    for part in parts:
+        part.to_empty(device=device)
+        init_weights(part, args, cfg.training.seed)
+    if not dims.fsdp_like:
+        parts = [
+            apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
+            for part in parts
+        ]
+    return ParallelModel(
+        parts,
+        dims=dims,
+        mesh=mesh,
+        cfg=cfg,
+        device=device,
+        stage_ids=stage_ids,
+        num_stages=num_stages,
+        pp_microbatches=microbatches,
     )
-    return wrapped, model

@@ -1,11 +1,16 @@
-"""Data parallelism: DDP over the mesh's data-parallel axis, with configurable gradient buckets."""
+"""Data parallelism: DDP (ZeRO 0/1) over the flattened `dp` axis, or FSDP2 (ZeRO 2/3, HSDP, and
+replication under tp/pp) over the dp_replicate x dp_shard axes."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from distrain.mesh import ParallelDims
+from distrain.models.gpt import GPT
 
 
 def apply_ddp(
@@ -22,3 +27,22 @@ def apply_ddp(
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
     )
+
+
+def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: str) -> GPT:
+    """fully_shard every block, then the root (embedding, norm, head), on the data-parallel mesh.
+
+    ZeRO-3 reshards parameters after forward (gathered again in backward); below stage 3 they stay
+    gathered between forward and backward, so only gradients and optimizer state are sharded.
+    """
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    reshard = dims.zero_stage == 3
+    for block in model.blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return model

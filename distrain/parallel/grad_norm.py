@@ -1,0 +1,56 @@
+"""Global gradient norm and clipping over every shard and stage of any layout.
+
+Each rank sums the squares of the gradient it holds locally, weighted so that a value stored on
+several ranks (replicated across data-parallel ranks, or a Replicate placement of a DTensor)
+counts once; one all-reduce over the world then gives the norm of the full model's gradient.
+The same code runs on one process, so every layout clips with identical arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
+    """Sum of squares of this rank's share of `grad`, divided by how many ranks hold that share.
+
+    `holders` is the number of ranks that have this parameter at all (a pipeline stage's ranks).
+    """
+    if isinstance(grad, DTensor):
+        if any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(
+                grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
+            )
+        distinct = math.prod(
+            grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard()
+        )
+        local = grad.to_local()
+    else:
+        distinct, local = 1, grad
+    return local.float().pow(2).sum() * (distinct / holders)
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, *, holders: int
+) -> torch.Tensor:
+    """Clip in place to `max_norm` (math.inf: measure only); returns the total norm (a tensor
+    on the gradients' device, no host sync). `holders` = world size / pipeline degree."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for grad in grads:
+        total_sq += _local_square_sum(grad, holders)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
+    if max_norm != math.inf:
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(coef.to(local.dtype))
+    return total
