@@ -80,9 +80,9 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    steps: int = doc(300, "Optimizer steps to train for.")
+    steps: int = doc(600, "Optimizer steps to train for.")
     global_batch_size: int = doc(
-        16,
+        32,
         "Sequences per optimizer step, summed over data-parallel ranks and accumulation steps.",
     )
     micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.")
@@ -161,7 +161,7 @@ class CommConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    interval_steps: int = doc(100, "Steps between checkpoints (0 = only at the end).")
+    interval_steps: int = doc(200, "Steps between checkpoints (0 = only at the end).")
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
 
 

@@ -137,11 +137,16 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_like(self) -> bool:
-        """FSDP2 wraps the model for ZeRO 2/3, and also for plain replication whenever tp or pp
-        is on (as HSDP with a shard axis of 1): DDP handles neither DTensor parameters nor
-        pipeline stages correctly."""
-        return self.zero_stage >= 2 or self.tp > 1 or self.pp > 1
+    def dp_wrapper(self) -> str:
+        """How the model is wrapped for data parallelism: "none" when there is one replica,
+        "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
+        with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
+        correctly), else "ddp"."""
+        if self.dp_size == 1:
+            return "none"
+        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1:
+            return "fsdp"
+        return "ddp"
 
     def check_batch(self, cfg: Config) -> None:
         t = cfg.training

@@ -11,6 +11,11 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from distrain.config import OptimConfig
 
@@ -67,3 +72,50 @@ def build_optimizer(
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state flattened to `state.<param name>.<key>` entries (layout-independent).
+
+    A ZeRO-1 optimizer is first consolidated and expanded into a plain AdamW over the whole model,
+    so the checkpoint has the same entries as under any other layout. That costs a full copy of
+    the optimizer state on each rank while saving, the price of interchangeable checkpoints.
+    """
+    if not _is_zero1(optimizer):
+        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    full = _plain_twin(model, optimizer)
+    full.load_state_dict(_consolidated(optimizer))
+    return get_optimizer_state_dict(model, full, options=_FLAT)
+
+
+def load_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    if not _is_zero1(optimizer):
+        set_optimizer_state_dict(model, optimizer, state, options=_FLAT)
+        return
+    full = _plain_twin(model, optimizer)
+    set_optimizer_state_dict(model, full, state, options=_FLAT)
+    optimizer.load_state_dict(full.state_dict())  # each rank keeps its own partition
+
+
+def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _plain_twin(model: nn.Module, zero: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An AdamW over the same parameter groups, in the same order, as the ZeRO-1 optimizer."""
+    groups = [{**g, "params": list(g["params"])} for g in zero.param_groups]
+    return torch.optim.AdamW(groups)
+
+
+def _consolidated(zero: torch.optim.Optimizer) -> dict:
+    """The whole ZeRO-1 state on every rank: gathered to rank 0, then broadcast."""
+    zero.consolidate_state_dict(to=0)
+    group = zero.process_group
+    box = [zero.state_dict() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]

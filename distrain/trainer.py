@@ -14,9 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
@@ -28,7 +26,13 @@ from distrain.errors import CheckpointError, ConfigError
 from distrain.mesh import DistContext, ParallelDims
 from distrain.models.presets import model_args, num_params
 from distrain.observe.metrics import MetricsWriter
-from distrain.optim import build_optimizer, lr_at, set_lr
+from distrain.optim import (
+    build_optimizer,
+    load_optimizer_state_dict,
+    lr_at,
+    optimizer_state_dict,
+    set_lr,
+)
 from distrain.parallel import build_parallel_model
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.rng import rng_state, seed_everything, set_rng_state
@@ -38,9 +42,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
-
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _ModelState(Stateful):
@@ -67,12 +68,12 @@ class _OptimizerState(Stateful):
     def state_dict(self) -> dict:
         merged = {}
         for part, optimizer in zip(self.parts, self.optimizers, strict=True):
-            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+            merged.update(optimizer_state_dict(part, optimizer))
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, optimizer in zip(self.parts, self.optimizers, strict=True):
-            set_optimizer_state_dict(part, optimizer, state, options=_FLAT)
+            load_optimizer_state_dict(part, optimizer, state)
 
 
 class _RNGState(Stateful):

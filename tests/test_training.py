@@ -161,7 +161,7 @@ def _error_lines(result) -> list[str]:
         (["train", "--training.steps", "five"], "training.steps: expected int, got 'five'"),
         (
             ["train", "--nproc", "3"],
-            "training.global_batch_size (16) must be a multiple of "
+            "training.global_batch_size (32) must be a multiple of "
             "training.micro_batch_size (8) x data-parallel size (3",
         ),
         (["generate", "--run-dir", "/nonexistent/run"], "--run-dir /nonexistent/run: no such run"),

@@ -60,10 +60,12 @@ class ParallelModel:
     ):
         self.parts, self.dims, self.device = parts, dims, device
         self.stage_ids, self.num_stages = stage_ids, num_stages
+        self.train_batch_rows = cfg.training.global_batch_size // dims.dp_size
         self.precision = cfg.training.precision
         # FSDP2 applies bf16 through its mixed-precision policy; DDP through autocast.
         self.autocast = precision_context(
-            "fp32" if dims.fsdp_like and self.precision == "bf16" else self.precision, device
+            "fp32" if dims.dp_wrapper == "fsdp" and self.precision == "bf16" else self.precision,
+            device,
         )
         self.runner = None
         if dims.pp > 1:
@@ -127,16 +129,34 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        if self.runner is not None:
+            return self._pipeline_eval_loss(batches)
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.loss_context(), self.autocast:
-                if self.runner is not None:
-                    loss = self.runner.broadcast_loss(self.runner.eval_loss(inputs, targets))
-                else:
-                    loss = cross_entropy(self.parts[0](inputs), targets)
-            total += _local(loss)
+                logits = self.parts[0](inputs.to(self.device))
+                total += _local(cross_entropy(logits, targets.to(self.device)))
         return total / len(batches)
+
+    def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        """A pipeline schedule runs one batch shape only: regroup the evaluation samples into
+        training-sized batches (a remainder smaller than one batch is left out)."""
+        inputs = torch.cat([b[0] for b in batches]).to(self.device)
+        targets = torch.cat([b[1] for b in batches]).to(self.device)
+        size = self.train_batch_rows
+        chunks = len(inputs) // size
+        if chunks == 0:
+            raise ConfigError(
+                f"training.eval_batches x micro_batch_size = {len(inputs)} evaluation sequences "
+                f"per rank is less than one pipeline batch ({size}); raise training.eval_batches"
+            )
+        total = torch.zeros((), device=self.device)
+        for i in range(chunks):
+            rows = slice(i * size, (i + 1) * size)
+            with self.loss_context(), self.autocast:
+                loss = self.runner.eval_loss(inputs[rows], targets[rows])
+            total += self.runner.broadcast_loss(_local(loss) if loss is not None else None)
+        return total / chunks
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -157,7 +177,7 @@ def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
             "torch (no error raised); use gpipe, 1f1b or interleaved_1f1b with dp > 1, or "
             "zero_bubble with a data-parallel size of 1"
         )
-    if cfg.training.precision == "fp16" and dims.fsdp_like:
+    if cfg.training.precision == "fp16" and dims.dp_wrapper == "fsdp":
         raise ConfigError(
             "training.precision = 'fp16' (loss scaling) is supported with plain DDP only; use "
             "bf16 with zero_stage 2/3, tp or pp"
@@ -206,12 +226,12 @@ def build_parallel_model(
         )
         if cfg.training.compile:
             apply_compile(part)
-    if dims.fsdp_like:
+    if dims.dp_wrapper == "fsdp":
         parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
     for part in parts:
         part.to_empty(device=device)
         init_weights(part, args, cfg.training.seed)
-    if not dims.fsdp_like:
+    if dims.dp_wrapper == "ddp":
         parts = [
             apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
             for part in parts

@@ -1,0 +1,166 @@
+"""The parity matrix: every supported layout reproduces the 1-process fp32 loss curve.
+
+Layouts are data: each entry names its world size and config overrides. Every run uses the
+same seed and global batch (8 sequences of 64 tokens) as the in-process reference; only the
+layout differs. Tolerance 1e-5 relative: sharded reductions sum fp32 values in another order
+(reduce-scatter, row-parallel partial sums, pipeline micro-batch accumulation), which moves the
+loss by ~1e-7 per step; 1e-5 leaves room for 6 AdamW steps of that drift and nothing more (a
+real bug, e.g. a missing gradient reduction or a wrong scaling, moves it by 1e-3 or more).
+"""
+
+from dataclasses import dataclass
+
+import pytest
+from helpers import losses, train_cli, train_in_process
+
+from distrain.observe.metrics import read_metrics
+
+STEPS = 6
+BASE = {
+    "training__steps": STEPS,
+    "training__global_batch_size": 8,
+    "training__seq_len": 64,
+    "training__micro_batch_size": 2,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+REL_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nproc: int
+    fields: dict
+
+
+LAYOUTS = [
+    Layout("dp2", 2, {}),
+    Layout("zero1x2", 2, {"parallel__zero_stage": 1}),
+    Layout("zero2x2", 2, {"parallel__zero_stage": 2}),
+    Layout("zero3x2", 2, {"parallel__zero_stage": 3}),
+    Layout("tp2_sp", 2, {"parallel__tp": 2}),
+    Layout("tp2_no_sp", 2, {"parallel__tp": 2, "parallel__sequence_parallel": False}),
+    Layout("pp2_gpipe", 2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe"}),
+    Layout("pp2_1f1b", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
+    Layout(
+        "pp2_interleaved_1f1b",
+        2,
+        {
+            "parallel__pp": 2,
+            "parallel__pp_schedule": "interleaved_1f1b",
+            "parallel__pp_stages_per_rank": 2,
+        },
+    ),
+    Layout(
+        "pp2_zero_bubble",
+        2,
+        {
+            "parallel__pp": 2,
+            "parallel__pp_schedule": "zero_bubble",
+            "parallel__pp_stages_per_rank": 2,
+        },
+    ),
+    Layout("dp2_tp2", 4, {"parallel__tp": 2}),
+    Layout("zero3x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 3}),
+    Layout("hsdp2x2", 4, {"parallel__zero_stage": 3, "parallel__dp_replicate": 2}),
+    Layout("pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2}),
+    Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
+    Layout("pp2_dp2_tp2", 8, {"parallel__pp": 2, "parallel__tp": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    return losses(train_in_process(run, **dict(BASE, training__micro_batch_size=8)))
+
+
+def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
+    assert got.keys() == want.keys()
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst <= REL_TOL, f"relative loss difference {worst:.2e} > {REL_TOL}: {got} vs {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_layout_matches_single_process(layout, reference, tmp_path, check_ok):
+    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **layout.fields))
+    assert_parity(losses(read_metrics(tmp_path / "run" / "metrics.jsonl")), reference)
+
+
+@pytest.mark.slow
+def test_resume_across_layouts(reference, tmp_path):
+    """tp2 -> dp2 (ZeRO-1) -> pp2 x dp2: each attempt resumes the last one's checkpoint under a
+    new layout, and the stitched loss curve is the uninterrupted 1-process curve."""
+    run = tmp_path / "run"
+    fields = dict(BASE, checkpoint__interval_steps=2)
+    first = train_cli(run, 2, **fields, parallel__tp=2, debug__fail_at_step=3)
+    assert first.returncode != 0
+    second = train_cli(run, 2, **fields, parallel__zero_stage=1, debug__fail_at_step=5)
+    assert second.returncode != 0
+    third = train_cli(run, 4, **fields, parallel__pp=2, parallel__zero_stage=3)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resumed from" in third.stderr and "step-00000004" in third.stderr
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), reference)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"training__activation_checkpointing": "full"},
+        {"training__activation_checkpointing": "selective", "training__ac_every_layers": 2},
+    ],
+    ids=["full", "selective"],
+)
+def test_activation_checkpointing_changes_nothing(fields, reference, tmp_path):
+    # Recomputation replays the same fp32 ops on the same inputs: bit-identical in practice;
+    # the bound allows reordering by the allocator only.
+    got = losses(
+        train_in_process(tmp_path / "run", **dict(BASE, training__micro_batch_size=8), **fields)
+    )
+    assert_parity(got, reference)
+
+
+@pytest.mark.slow
+def test_compile_changes_nothing_beyond_rounding(reference, tmp_path):
+    # Inductor fuses kernels and reassociates fp32 sums: ~1e-6 relative per step here.
+    got = losses(
+        train_in_process(
+            tmp_path / "run", **dict(BASE, training__micro_batch_size=8), training__compile=True
+        )
+    )
+    assert_parity(got, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "fields", "expected"),
+    [
+        (2, {"parallel__tp": 2, "model__vocab_size": 255}, "model.vocab_size (255)"),
+        (
+            2,
+            {
+                "parallel__pp": 2,
+                "parallel__pp_stages_per_rank": 4,
+                "parallel__pp_schedule": "interleaved_1f1b",
+            },
+            "model.n_layers",
+        ),
+        (
+            4,
+            {
+                "parallel__pp": 2,
+                "parallel__pp_schedule": "zero_bubble",
+                "parallel__pp_stages_per_rank": 2,
+            },
+            "parallel.pp_schedule = 'zero_bubble' with data parallelism",
+        ),
+    ],
+    ids=["tp_vocab", "pp_too_many_stages", "zero_bubble_with_dp"],
+)
+def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
+    result = train_cli(tmp_path / "run", nproc, **BASE, **fields)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert errors and expected in errors[0], result.stderr[-3000:]
