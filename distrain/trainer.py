@@ -35,6 +35,7 @@ from distrain.optim import (
 )
 from distrain.parallel import build_parallel_model
 from distrain.parallel.grad_norm import clip_grad_norm
+from distrain.parallel.sanity import check_replicas
 from distrain.rng import rng_state, seed_everything, set_rng_state
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -272,6 +273,8 @@ class Trainer:
                     "step_time_s": elapsed / window_steps,
                 }
                 self.metrics.log(row)
+                if self.cfg.debug.check_replicas:
+                    check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             if (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished:
                 val_loss = self.evaluate()

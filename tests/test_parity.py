@@ -35,7 +35,7 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("dp2", 2, {}),
+    Layout("dp2", 2, {"debug__check_replicas": True}),
     Layout("zero1x2", 2, {"parallel__zero_stage": 1}),
     Layout("zero2x2", 2, {"parallel__zero_stage": 2}),
     Layout("zero3x2", 2, {"parallel__zero_stage": 3}),
@@ -63,7 +63,11 @@ LAYOUTS = [
     ),
     Layout("dp2_tp2", 4, {"parallel__tp": 2}),
     Layout("zero3x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 3}),
-    Layout("hsdp2x2", 4, {"parallel__zero_stage": 3, "parallel__dp_replicate": 2}),
+    Layout(
+        "hsdp2x2",
+        4,
+        {"parallel__zero_stage": 3, "parallel__dp_replicate": 2, "debug__check_replicas": True},
+    ),
     Layout("pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2}),
     Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
     Layout("pp2_dp2_tp2", 8, {"parallel__pp": 2, "parallel__tp": 2}),

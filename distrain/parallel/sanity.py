@@ -1,0 +1,62 @@
+"""Cross-rank sanity check (`debug.check_replicas`): parameters must agree across data-parallel
+replicas. Shards along dp_shard, tp and pp legitimately differ, so the check runs over the
+dp_replicate axis only, where every rank holds the same local tensors.
+
+Each rank reduces every local parameter to two float64 fingerprints (a plain sum and a
+position-weighted sum) and the ranks all-gather them: one small collective, exact for identical
+tensors (same ops on the same bits), and a differing tensor names itself and the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from distrain.errors import DistrainError
+from distrain.models.gpt import canonical_name
+
+
+class ReplicaMismatchError(DistrainError):
+    """Data-parallel replicas hold different parameters: a parallelism bug, not user error."""
+
+
+def fingerprints(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().double().flatten()
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    return torch.stack([flat.sum(), (flat * weights.reciprocal()).sum()])
+
+
+def mismatches(names: list[str], gathered: torch.Tensor, ranks: list[int]) -> list[str]:
+    """gathered: [replicas, params, 2]; one message per parameter not the same everywhere."""
+    found = []
+    for i, name in enumerate(names):
+        values = gathered[:, i]
+        groups: dict[tuple[float, float], list[int]] = {}
+        for replica, rank in enumerate(ranks):
+            groups.setdefault(tuple(values[replica].tolist()), []).append(rank)
+        if len(groups) > 1:
+            split = " vs ".join(str(members) for members in groups.values())
+            found.append(f"{name} differs across data-parallel replicas: ranks {split}")
+    return found
+
+
+def check_replicas(parts: list[nn.Module], replicate_group: dist.ProcessGroup) -> None:
+    size = dist.get_world_size(replicate_group)
+    if size == 1:
+        return
+    names, prints = [], []
+    for part in parts:
+        for name, param in part.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            names.append(canonical_name(name))
+            prints.append(fingerprints(local))
+    local_prints = torch.stack(prints)
+    gathered = [torch.empty_like(local_prints) for _ in range(size)]
+    dist.all_gather(gathered, local_prints, group=replicate_group)
+    found = mismatches(
+        names, torch.stack(gathered).cpu(), dist.get_process_group_ranks(replicate_group)
+    )
+    if found:
+        raise ReplicaMismatchError(f"{len(found)} parameter(s) out of sync; first: {found[0]}")

@@ -1,0 +1,25 @@
+"""Every shipped config in configs/ loads and validates."""
+
+from pathlib import Path
+
+import pytest
+
+from distrain.config import load_config
+from distrain.models import model_args
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_is_valid(path):
+    cfg = load_config(str(path))
+    model_args(cfg.model, seq_len=cfg.training.seq_len)
+
+
+def test_configs_exist():
+    assert {p.stem for p in CONFIGS} >= {"tiny", "gpt2-124m", "1b"}
+
+
+def test_tiny_config_is_the_default():
+    tiny = Path(__file__).parent.parent / "configs" / "tiny.toml"
+    assert load_config(str(tiny)) == load_config()
