@@ -116,7 +116,7 @@ class ParallelModel:
             targets = torch.cat([b[1] for b in batches]).to(self.device)
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets)
-            return self.runner.broadcast_loss(loss)
+            return self.runner.broadcast_loss(_local(loss) if loss is not None else None)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             with self._sync_context(i == len(batches) - 1), self.loss_context():
@@ -176,6 +176,11 @@ def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
             "parallel.pp_schedule = 'zero_bubble' with data parallelism gives wrong gradients in "
             "torch (no error raised); use gpipe, 1f1b or interleaved_1f1b with dp > 1, or "
             "zero_bubble with a data-parallel size of 1"
+        )
+    if dims.pp > 1 and dims.tp > 1 and p.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages would "
+            "exchange sequence-sharded activations); set parallel.sequence_parallel = false"
         )
     if cfg.training.precision == "fp16" and dims.dp_wrapper == "fsdp":
         raise ConfigError(

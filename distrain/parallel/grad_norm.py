@@ -25,8 +25,12 @@ def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
             grad = grad.redistribute(
                 grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
             )
+        # Any placement that is neither Replicate nor Partial splits the tensor (Shard, and the
+        # _StridedShard FSDP2 uses on top of tp, whose is_shard() is False).
         distinct = math.prod(
-            grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard()
+            grad.device_mesh.size(i)
+            for i, p in enumerate(grad.placements)
+            if not (p.is_replicate() or p.is_partial())
         )
         local = grad.to_local()
     else:

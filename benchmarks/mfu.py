@@ -1,0 +1,285 @@
+"""Training throughput and model FLOPs utilization (MFU) of a preset in bf16, with and without
+`training.compile`.
+
+A real distrain `Trainer` (precision bf16, data parallel over --nproc ranks) runs --warmup untimed
+steps, then --steps timed ones exactly as `Trainer.run` calls them (learning rate,
+`loader.next_batch()`, `train_step`); on CUDA the device is synchronized before the clock starts
+and stops, and the time is the slowest rank's. Then
+
+    tokens/s = global batch x seq_len x steps / time
+    achieved FLOP/s per device = tokens/s x flops_per_token(args, seq_len) / ranks
+    MFU = achieved FLOP/s per device / peak FLOP/s per device
+
+flops_per_token is PaLM's accounting (6 per matmul weight plus attention's 12 L T d; see
+distrain.models.presets). Peak FLOP/s: --peak-tflops if given; on CUDA the dense bf16 peak of the
+GPU from a small table (H200 / H100 SXM 989, H100 PCIe 756, A100 312 TFLOP/s); on CPU the achieved
+FLOP/s of a 2048^3 bf16 matmul measured here, so CPU "MFU" is relative to that, not to a datasheet.
+
+Defaults: on CUDA preset "1b", seq_len 2048, one rank per local GPU; on CPU preset "tiny",
+seq_len 128, one process. Run from the repository root (the script launches its own ranks through
+torchrun's API):
+
+    python3 benchmarks/mfu.py                              # both variants, device defaults
+    python3 benchmarks/mfu.py --no-compile-variant         # eager only (compile costs ~30 s on CPU)
+    python3 benchmarks/mfu.py --micro-batch-size 8 --nproc 1 --peak-tflops 989
+
+It prints a table and writes JSON to --out (default benchmarks/results/mfu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.run import get_args_parser, run
+
+from distrain.config import Config, validate
+from distrain.mesh import DistContext, init_distributed
+from distrain.models.presets import flops_per_token, num_params
+from distrain.observe.logs import close_logging, setup_logging
+from distrain.optim import lr_at
+from distrain.trainer import Trainer
+
+# Dense bf16 peak FLOP/s per GPU, matched in order against torch.cuda.get_device_name().
+GPU_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+# The corpus only supplies token windows; this prefix of the default one holds enough of them
+# (the loader wraps around epochs if a run reads more).
+CORPUS_BYTES = 8_000_000
+MATMUL_SIZE = 2048
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="1b" if cuda else "tiny")
+    parser.add_argument("--seq-len", type=int, default=2048 if cuda else 128)
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=torch.cuda.device_count() if cuda else 1,
+        help="ranks (data parallel); default: every local GPU, or 1 on CPU",
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps (include compiling)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (overrides the default)"
+    )
+    parser.add_argument(
+        "--no-compile-variant",
+        action="store_true",
+        help="measure only the eager model (skip training.compile)",
+    )
+    parser.add_argument("--out", default="benchmarks/results/mfu.json", help="JSON output")
+    # Set by the launcher for its workers: a run directory every rank shares.
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace, compile_: bool, world_size: int, run_dir: Path) -> Config:
+    cfg = Config()
+    cfg.run.dir = str(run_dir)
+    cfg.model.preset = args.preset
+    cfg.data.max_bytes = CORPUS_BYTES
+    t = cfg.training
+    t.precision = "bf16"
+    t.compile = compile_
+    t.micro_batch_size = args.micro_batch_size
+    t.seq_len = args.seq_len
+    t.global_batch_size = args.micro_batch_size * world_size
+    t.steps = args.warmup + args.steps
+    cfg.metrics.progress_bar = False
+    cfg.metrics.tensorboard = False
+    cfg.checkpoint.at_end = False
+    cfg.checkpoint.interval_steps = 0
+    validate(cfg)
+    return cfg
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_flops(device: torch.device, reps: int = 10) -> float:
+    """Achieved FLOP/s of a MATMUL_SIZE^3 bf16 matmul on this device."""
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    synchronize(device)
+    return 2 * MATMUL_SIZE**3 * reps / (time.perf_counter() - start)
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[float, str]:
+    """Peak bf16 FLOP/s per device and where the figure comes from."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops, f"datasheet dense bf16 ({name})"
+        raise SystemExit(f"no peak FLOP/s known for GPU {name!r}; pass --peak-tflops")
+    return matmul_flops(device), f"measured {MATMUL_SIZE}^3 bf16 matmul on this CPU"
+
+
+def measure(trainer: Trainer, args: argparse.Namespace, device: torch.device) -> float:
+    """Seconds for args.steps training steps after args.warmup, on the slowest rank."""
+    cfg = trainer.cfg
+
+    def step() -> None:
+        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
+        trainer.train_step(trainer.loader.next_batch(), lr)
+        trainer.step += 1
+
+    for _ in range(args.warmup):
+        step()
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def run_variant(
+    args: argparse.Namespace, compile_: bool, ctx: DistContext, logger: Any, run_dir: Path
+) -> dict[str, Any]:
+    cfg = make_config(args, compile_, ctx.world_size, run_dir / f"compile{int(compile_)}")
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, ctx, logger)
+    try:
+        seconds = measure(trainer, args, ctx.device)
+        model_args = trainer.args
+    finally:
+        trainer.close()
+    del trainer
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len * args.steps / seconds
+    return {
+        "compile": compile_,
+        "params": num_params(model_args),
+        "flops_per_token": flops_per_token(model_args, cfg.training.seq_len),
+        "step_s": seconds / args.steps,
+        "tokens_per_s": tokens_per_s,
+    }
+
+
+def report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], ctx: DistContext, peak: float, source: str
+) -> None:
+    """Add achieved FLOP/s and MFU to each row, print the table and write the JSON."""
+    for r in rows:
+        r["achieved_flops_per_device"] = r["tokens_per_s"] * r["flops_per_token"] / ctx.world_size
+        r["mfu"] = r["achieved_flops_per_device"] / peak
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU"
+    print(
+        f"\nbf16 training throughput on {ctx.world_size} x {device}: seq_len {args.seq_len}, "
+        f"micro-batch {args.micro_batch_size} per rank, {args.warmup} warmup + {args.steps} timed "
+        f"steps; peak {peak / 1e12:.1f} TFLOP/s per device ({source})"
+    )
+    header = (
+        f"{'preset':>8}  {'params':>8}  {'compile':>7}  {'tokens/s':>10}  "
+        f"{'TFLOP/s/dev':>11}  {'MFU':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{args.preset:>8}  {r['params'] / 1e6:>7.1f}M  {str(r['compile']):>7}  "
+            f"{r['tokens_per_s']:>10,.0f}  {r['achieved_flops_per_device'] / 1e12:>11.3f}  "
+            f"{r['mfu']:>6.1%}"
+        )
+    result = {
+        "config": {
+            "preset": args.preset,
+            "seq_len": args.seq_len,
+            "micro_batch_size": args.micro_batch_size,
+            "ranks": ctx.world_size,
+            "device": device,
+            "precision": "bf16",
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "peak_flops_per_device": peak,
+            "peak_source": source,
+            "torch": torch.__version__,
+        },
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def worker(args: argparse.Namespace) -> None:
+    ctx = init_distributed("auto")
+    run_dir = Path(args.run_dir)
+    logger = setup_logging(run_dir, ctx.rank)
+    try:
+        peak, source = peak_flops(args, ctx.device)
+        variants = [False] if args.no_compile_variant else [False, True]
+        rows = [run_variant(args, c, ctx, logger, run_dir) for c in variants]
+        if ctx.rank == 0:
+            report(args, rows, ctx, peak, source)
+    finally:
+        close_logging(logger)
+        dist.destroy_process_group()
+
+
+def launch(argv: list[str], args: argparse.Namespace) -> None:
+    """Start this script on args.nproc local ranks, sharing a temporary run directory."""
+    run_dir = tempfile.mkdtemp(prefix="distrain-mfu-")
+    try:
+        run(
+            get_args_parser().parse_args(
+                [
+                    "--standalone",
+                    f"--nproc-per-node={args.nproc}",
+                    __file__,
+                    *argv,
+                    "--run-dir",
+                    run_dir,
+                ]
+            )
+        )
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        worker(args)
+    else:
+        launch(argv, args)
+
+
+if __name__ == "__main__":
+    main()
