@@ -177,6 +177,14 @@ class DebugConfig:
         0, "Fault injection: crash when this step begins (0 = never); for tests and chaos runs."
     )
     fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).")
+    fail_mode: Literal["exception", "kill"] = doc(
+        "exception", "How the injected crash happens: raise an exception, or SIGKILL the process."
+    )
+    fail_attempt: int = doc(
+        0,
+        "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
+        "restarted workers run on.",
+    )
     check_replicas: bool = doc(
         False,
         "After every logged step, check that parameters agree across data-parallel replicas; a "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -293,11 +295,16 @@ class Trainer:
 
     def _maybe_inject_failure(self) -> None:
         debug = self.cfg.debug
-        if debug.fail_at_step and self.step + 1 == debug.fail_at_step:
-            if debug.fail_rank in (-1, self.ctx.rank):
-                raise InjectedFailure(
-                    f"debug.fail_at_step: rank {self.ctx.rank} crashes at step {self.step + 1}"
-                )
+        if not debug.fail_at_step or self.step + 1 != debug.fail_at_step:
+            return
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if debug.fail_rank not in (-1, self.ctx.rank) or attempt != debug.fail_attempt:
+            return
+        message = f"debug.fail_at_step: rank {self.ctx.rank} crashes at step {self.step + 1}"
+        self.log.error("%s (%s)", message, debug.fail_mode)
+        if debug.fail_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFailure(message)
 
     def close(self) -> None:
         self.metrics.close()
