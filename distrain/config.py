@@ -161,8 +161,24 @@ class CommConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    interval_steps: int = doc(200, "Steps between checkpoints (0 = only at the end).")
-    at_end: bool = doc(True, "Save a checkpoint after the last step.")
+    dir: str = doc(
+        "",
+        "Where checkpoints go: a folder or an fsspec URL (s3://bucket/run); empty = "
+        "<run_dir>/checkpoints.",
+    )
+    interval_steps: int = doc(200, "Steps between temporary checkpoints (0 = off).")
+    interval_minutes: float = doc(60.0, "Minutes between temporary checkpoints (0 = off).")
+    keep_temporary: int = doc(2, "Newest temporary checkpoints kept; older ones are deleted.")
+    permanent_every_steps: int = doc(0, "Steps between permanent checkpoints (0 = off).")
+    permanent_every_minutes: float = doc(
+        360.0, "Minutes between permanent checkpoints, never deleted by retention (0 = off)."
+    )
+    at_end: bool = doc(True, "Save a (permanent) checkpoint after the last step.")
+    async_mode: Literal["none", "async"] = doc(
+        "none",
+        "async: write checkpoints in the background while training goes on (at most one in "
+        "flight; the next save and the end of training wait for it).",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -371,7 +387,14 @@ def validate(cfg: Config) -> None:
         )
     if cfg.comm.bucket_cap_mb <= 0:
         raise ConfigError(f"comm.bucket_cap_mb must be > 0, got {cfg.comm.bucket_cap_mb}")
-    for name in ("checkpoint.interval_steps", "training.eval_interval_steps"):
+    for name in (
+        "checkpoint.interval_steps",
+        "checkpoint.interval_minutes",
+        "checkpoint.permanent_every_steps",
+        "checkpoint.permanent_every_minutes",
+        "checkpoint.keep_temporary",
+        "training.eval_interval_steps",
+    ):
         section, key = name.split(".")
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"{name} must be >= 0")

@@ -3,17 +3,20 @@ the model weights (any layout's checkpoint loads into the plain module), and sam
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
 import torch
 
-from distrain import checkpoint
+from distrain.checkpoint import Checkpointer
 from distrain.config import load_config
 from distrain.data import ByteTokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
+from distrain.observe.logs import LOGGER_NAME as LOGGER
+from distrain.storage import Storage
 
 
 def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
@@ -24,17 +27,21 @@ def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
     if not config_path.is_file():
         raise ConfigError(f"--run-dir {run_dir}: no config.toml, so not a distrain run directory")
     cfg = load_config(str(config_path))
-    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
-    if latest is None:
-        raise CheckpointError(f"--run-dir {run_dir}: no complete checkpoint to sample from")
-    step, path = latest
+    storage = Storage(cfg.checkpoint.dir or str(run_dir / "checkpoints"))
+    checkpointer = Checkpointer(
+        storage, layout="", async_mode=False, keep_temporary=0, logger=logging.getLogger(LOGGER)
+    )
     with torch.device("meta"):
         model = GPT(model_args(cfg.model, seq_len=cfg.training.seq_len))
     model.to_empty(device=device)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
         warnings.simplefilter("ignore", UserWarning)
-        checkpoint.load(path, state, partial=True)
+        step = checkpointer.restore_latest(state)
+    if step is None:
+        raise CheckpointError(
+            f"--run-dir {run_dir}: no complete, intact checkpoint under {storage.url}"
+        )
     model.load_state_dict(state["model"])
     return model.eval(), step
 

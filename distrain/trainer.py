@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
 
-from distrain import checkpoint
+from distrain.checkpoint import Checkpointer
+from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
 from distrain.errors import CheckpointError, ConfigError
@@ -39,6 +40,7 @@ from distrain.parallel import build_parallel_model
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.rng import rng_state, seed_everything, set_rng_state
+from distrain.storage import Storage
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,7 +100,6 @@ class Trainer:
                 "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32"
             )
         self.run_dir = Path(cfg.run.dir)
-        self.ckpt_root = self.run_dir / "checkpoints"
         self.dims = ParallelDims.from_config(cfg, ctx.world_size)
         self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
@@ -148,6 +149,16 @@ class Trainer:
             self.loader.accum_steps,
             t.micro_batch_size,
         )
+        self.checkpointer = Checkpointer(
+            Storage(cfg.checkpoint.dir or str(self.run_dir / "checkpoints")),
+            layout=self.dims.describe(),
+            async_mode=cfg.checkpoint.async_mode == "async",
+            keep_temporary=cfg.checkpoint.keep_temporary,
+            logger=logger,
+        )
+        self.checkpoint_policy = CheckpointPolicy(
+            cfg.checkpoint, total_steps=t.steps, device=ctx.device
+        )
         self.metrics = MetricsWriter(
             self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
         )
@@ -166,29 +177,23 @@ class Trainer:
             state["scaler"] = self.scaler
         return state
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, kind: str) -> None:
         self.step_state["step"].fill_(self.step)
-        start = time.perf_counter()
-        path = checkpoint.save(
-            self.ckpt_root, self.step, self._state(), world_size=self.ctx.world_size
-        )
-        self.log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
+        self.checkpointer.save(self.step, self._state(), permanent=kind == "permanent")
 
     def maybe_resume(self) -> None:
-        latest = checkpoint.latest_checkpoint(self.ckpt_root)
-        if latest is None:
+        step = self.checkpointer.restore_latest(self._state())
+        if step is None:
             if self.cfg.run.resume:
                 raise CheckpointError(
-                    f"--resume: no complete checkpoint under {self.ckpt_root}; drop --resume to "
-                    "start a new run"
+                    f"--resume: no complete checkpoint under {self.checkpointer.storage.url}; "
+                    "drop --resume to start a new run"
                 )
             return
-        step, path = latest
-        checkpoint.load(path, self._state())
         self.step = int(self.step_state["step"])
         if self.step != step:
-            raise CheckpointError(f"checkpoint {path} holds step {self.step}, expected {step}")
-        self.log.info("resumed from %s at step %d", path, self.step)
+            raise CheckpointError(f"checkpoint of step {step} holds step {self.step}")
+        self.log.info("resumed from checkpoint step-%08d", self.step)
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -282,15 +287,17 @@ class Trainer:
                 val_loss = self.evaluate()
                 self.metrics.log({"step": self.step, "val_loss": val_loss})
                 self.log.info("step %d: val_loss %.4f", self.step, val_loss)
-            interval = self.cfg.checkpoint.interval_steps
-            if (interval and self.step % interval == 0) or (
-                finished and self.cfg.checkpoint.at_end
-            ):
-                self.save_checkpoint()
+            log_step = self.step % t.log_interval_steps == 0 or finished
+            kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
+            if kind is not None:
+                self.save_checkpoint(kind)
                 last_saved = self.step
+            if log_step:
+                self.checkpointer.commit_ready()
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
+        self.checkpointer.wait()
         self.log.info("finished %d steps (last checkpoint at step %d)", self.step, last_saved)
 
     def _maybe_inject_failure(self) -> None:

@@ -11,6 +11,7 @@ from helpers import losses, run_cli, train_cli, train_in_process
 
 from distrain import checkpoint
 from distrain.observe.metrics import read_metrics
+from distrain.storage import Storage
 from distrain.trainer import InjectedFailure
 
 STEPS = 6
@@ -55,18 +56,18 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
     run = tmp_path / "resumed"
     with pytest.raises(InjectedFailure):
         train_in_process(run, **fields, debug__fail_at_step=4)
-    assert checkpoint.latest_checkpoint(run / "checkpoints")[0] == 2
+    assert _committed_steps(run) == [2]
 
-    # A crash between writing step 4's data and its marker: resume must ignore that save.
+    # A crash between writing step 4's data and its manifest: resume must ignore that save.
     def crash(*_args, **_kwargs):
-        raise RuntimeError("simulated crash before the marker")
+        raise RuntimeError("simulated crash before the manifest")
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "write_marker", crash)
-        with pytest.raises(RuntimeError, match="before the marker"):
+        patch.setattr(checkpoint, "write_manifest", crash)
+        with pytest.raises(RuntimeError, match="before the manifest"):
             train_in_process(run, **fields)
-    assert (checkpoint.step_dir(run / "checkpoints", 4) / ".metadata").exists()
-    assert checkpoint.latest_checkpoint(run / "checkpoints")[0] == 2
+    assert (run / "checkpoints" / "step-00000004" / ".metadata").exists()
+    assert _committed_steps(run) == [2]
 
     resumed = losses(train_in_process(run, **fields, run__resume=True))
     assert resumed == full  # bit for bit: same floats, not merely close
@@ -118,7 +119,7 @@ def test_cli_writes_the_run_directory(cli_run):
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
         assert all(r[key] > 0 for r in step_rows), key
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
-    assert [s for s, _ in checkpoint.complete_checkpoints(run / "checkpoints")] == [3, 6]
+    assert _committed_steps(run) == [3, 6]
     assert "train: 100%" in result.stderr  # the rank-0 progress bar
 
 
@@ -132,17 +133,24 @@ def test_cli_generate_prints_text(cli_run, check_ok):
 
 
 @pytest.mark.slow
-def test_cli_corrupt_checkpoint_is_one_line_error(cli_run, tmp_path):
+def test_cli_generate_skips_a_corrupt_checkpoint_and_errors_without_any(cli_run, tmp_path):
     run, _ = cli_run
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    latest = checkpoint.latest_checkpoint(copy / "checkpoints")[1]
-    next(latest.glob("*.distcp")).write_bytes(b"not a tensor")
-    result = run_cli("generate", "--run-dir", str(copy))
+    for step in (6, 3):
+        shard = next((copy / "checkpoints" / f"step-{step:08d}").glob("*.distcp"))
+        shard.write_bytes(b"not a tensor")
+        result = run_cli("generate", "--run-dir", str(copy), "--max-new-tokens", "5")
+        assert f"step-{step:08d} is damaged" in result.stderr
     assert result.returncode == 1
     assert _error_lines(result) == [
-        f"distrain: error: checkpoint {latest} is corrupt or unreadable"
+        f"distrain: error: --run-dir {copy}: no complete, intact checkpoint under "
+        f"{copy / 'checkpoints'}"
     ]
+
+
+def _committed_steps(run) -> list[int]:
+    return [e.step for e in checkpoint.committed(Storage(str(run / "checkpoints")))]
 
 
 def _error_lines(result) -> list[str]:
