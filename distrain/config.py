@@ -101,6 +101,12 @@ class TrainingConfig:
         2, "With selective activation checkpointing, checkpoint every k-th block."
     )
     compile: bool = doc(False, "torch.compile each transformer block.")
+    oom_recovery: bool = doc(
+        False,
+        "Retry a step that runs out of memory with half the micro-batch and twice the "
+        "accumulation (same global batch). Gradients are then all-reduced after the last "
+        "backward instead of overlapping it; data-parallel layouts (no tp/pp/FSDP) only.",
+    )
     log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.")
     eval_interval_steps: int = doc(100, "Steps between validation passes (0 = only at the end).")
     eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.")
@@ -201,6 +207,10 @@ class DebugConfig:
         "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
         "restarted workers run on.",
     )
+    oom_at_step: int = doc(
+        0, "Fault injection: raise an out-of-memory error inside this step (0 = never)."
+    )
+    oom_rank: int = doc(-1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).")
     check_replicas: bool = doc(
         False,
         "After every logged step, check that parameters agree across data-parallel replicas; a "

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
 
+from distrain import oom
 from distrain.checkpoint import Checkpointer
 from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
@@ -149,6 +150,7 @@ class Trainer:
             self.loader.accum_steps,
             t.micro_batch_size,
         )
+        self.injected_oom = oom.InjectedOOM(cfg.debug, ctx.rank)
         self.checkpointer = Checkpointer(
             Storage(cfg.checkpoint.dir or str(self.run_dir / "checkpoints")),
             layout=self.dims.describe(),
@@ -200,7 +202,10 @@ class Trainer:
     def train_step(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
         the device, without a host sync. The model is in train mode (see `evaluate`)."""
-        loss = self.model.forward_backward(batches, self.scaler.scale)
+        if self.cfg.training.oom_recovery:
+            loss = self._forward_backward_recovering(batches)
+        else:
+            loss = self.model.forward_backward(batches, self.scaler.scale)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -215,6 +220,30 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
+        """forward_backward that survives out-of-memory errors (see distrain/oom.py)."""
+        step = self.step + 1
+        while True:
+            hook = self.injected_oom.hook(step, len(batches))
+            try:
+                loss = self.model.forward_backward(
+                    batches, self.scaler.scale, sync=False, before_micro_batch=hook
+                )
+                failed = False
+            except torch.OutOfMemoryError:
+                failed = True
+            if not oom.any_rank_failed(failed, self.ctx.device):
+                self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
+                return loss
+            self.model.zero_grad()
+            oom.free_memory(self.ctx.device)
+            smaller = oom.halve_micro_batch(
+                self.loader.micro_batch_size, step=step, logger=self.log
+            )
+            self.loader.set_micro_batch_size(smaller)
+            batches = oom.split(batches, smaller)
+            self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so

@@ -96,6 +96,15 @@ class DistributedBatchLoader:
         m = self.micro_batch_size
         return [self.dataset.get_batch(indices[i : i + m]) for i in range(0, share, m)]
 
+    def set_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the split of each rank's share (after an out-of-memory step, say); the global
+        batch, and so the math, stay the same."""
+        share = self.global_batch_size // self.dp_size
+        if micro_batch_size < 1 or share % micro_batch_size:
+            raise ValueError(f"micro-batch {micro_batch_size} does not divide the share {share}")
+        self.micro_batch_size = micro_batch_size
+        self.accum_steps = share // micro_batch_size
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         # Tensors only: checkpoints load with weights_only / DCP, which refuse arbitrary objects.
         return {"samples_consumed": torch.tensor(self.samples_consumed, dtype=torch.int64)}

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -107,10 +108,16 @@ class ParallelModel:
         return part.no_sync()
 
     def forward_backward(
-        self, batches: list[Batch], scale: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        batches: list[Batch],
+        scale: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        sync: bool = True,
+        before_micro_batch: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; the mean loss (a device tensor,
-        the same on every rank of a pipeline)."""
+        the same on every rank of a pipeline). With sync=False no gradient leaves the rank:
+        `all_reduce_gradients` must follow (DDP layouts only)."""
         if self.runner is not None:
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
@@ -119,13 +126,41 @@ class ParallelModel:
             return self.runner.broadcast_loss(_local(loss) if loss is not None else None)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
-            with self._sync_context(i == len(batches) - 1), self.loss_context():
+            if before_micro_batch is not None:
+                before_micro_batch(i)
+            with self._sync_context(sync and i == len(batches) - 1), self.loss_context():
                 with self.autocast:
                     logits = self.parts[0](inputs.to(self.device, non_blocking=True))
                 loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
                 scale(loss / len(batches)).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / len(batches)
+
+    @torch.no_grad()
+    def all_reduce_gradients(self, dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
+        """Average gradients over the data-parallel group in flat buckets, as DDP would have in
+        the last backward (used when that backward ran without sync)."""
+        size = dist.get_world_size(dp_group)
+        if size == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        limit = max(1, int(bucket_mb * 2**20) // 4)
+        bucket: list[torch.Tensor] = []
+        for i, grad in enumerate(grads):
+            bucket.append(grad)
+            if sum(g.numel() for g in bucket) >= limit or i == len(grads) - 1:
+                flat = torch.cat([g.flatten() for g in bucket])
+                dist.all_reduce(flat, group=dp_group)
+                flat /= size
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket = []
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
@@ -176,6 +211,11 @@ def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
             "parallel.pp_schedule = 'zero_bubble' with data parallelism gives wrong gradients in "
             "torch (no error raised); use gpipe, 1f1b or interleaved_1f1b with dp > 1, or "
             "zero_bubble with a data-parallel size of 1"
+        )
+    if cfg.training.oom_recovery and (dims.tp > 1 or dims.pp > 1 or dims.zero_stage >= 2):
+        raise ConfigError(
+            "training.oom_recovery works with data-parallel layouts only (zero_stage 0/1, "
+            "parallel.tp = parallel.pp = 1); turn it off or change the layout"
         )
     if dims.pp > 1 and dims.tp > 1 and p.sequence_parallel:
         raise ConfigError(
