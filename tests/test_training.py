@@ -75,7 +75,11 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
-    fields = dict(BASE, training__micro_batch_size=4, checkpoint__interval_steps=3)
+    # Async saves: the checkpoint is written in the background while training goes on.
+    fields = dict(
+        BASE, training__micro_batch_size=4, checkpoint__interval_steps=3,
+        checkpoint__async_mode="async",
+    )
     check_ok(train_cli(tmp_path / "full", 2, **fields))
     run = tmp_path / "resumed"
     failed = train_cli(run, 2, **fields, debug__fail_at_step=5, debug__fail_rank=1)
