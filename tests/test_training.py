@@ -77,7 +77,9 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
 def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
     # Async saves: the checkpoint is written in the background while training goes on.
     fields = dict(
-        BASE, training__micro_batch_size=4, checkpoint__interval_steps=3,
+        BASE,
+        training__micro_batch_size=4,
+        checkpoint__interval_steps=3,
         checkpoint__async_mode="async",
     )
     check_ok(train_cli(tmp_path / "full", 2, **fields))
