@@ -113,8 +113,19 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OneBitConfig:
+    freeze_step: int = doc(
+        100,
+        "1-bit Adam: steps of ordinary Adam (fp32 gradient all-reduce) before the variance is "
+        "frozen and the momentum is communicated 1-bit compressed.",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    name: Literal["adamw"] = doc("adamw", "Optimizer.")
+    name: Literal["adamw", "onebit_adam"] = doc(
+        "adamw", "Optimizer: adamw, or onebit_adam (Tang et al. 2021; DDP layouts only)."
+    )
     lr: float = doc(2e-3, "Peak learning rate.")
     min_lr_ratio: float = doc(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
     warmup_steps: int = doc(20, "Linear warmup steps.")
@@ -123,6 +134,7 @@ class OptimConfig:
     beta2: float = doc(0.95, "AdamW beta2.")
     eps: float = doc(1e-8, "AdamW epsilon.")
     max_grad_norm: float = doc(1.0, "Clip gradients to this global norm (0 = no clipping).")
+    onebit: OneBitConfig = field(default_factory=OneBitConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -163,6 +175,20 @@ class ParallelConfig:
 @dataclass(kw_only=True, slots=True)
 class CommConfig:
     bucket_cap_mb: float = doc(25.0, "DDP gradient bucket size in MiB.")
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd", "onebit"] = doc(
+        "none",
+        "DDP gradient compression hook: fp16/bf16 casts; powersgd low-rank (with error "
+        "feedback); onebit = signs + one scale per bucket, with error feedback.",
+    )
+    powersgd_rank: int = doc(2, "PowerSGD approximation rank.")
+    powersgd_start_step: int = doc(
+        10, "PowerSGD: steps of uncompressed all-reduce before compression starts."
+    )
+    hierarchical: bool = doc(
+        False,
+        "Topology-aware all-reduce: reduce inside each node, all-reduce across one rank per "
+        "node, broadcast inside the node (node size from torchrun's LOCAL_WORLD_SIZE).",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -302,19 +328,34 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
 
 
 def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
-    """Set `section.field` on cfg, checking the name and type."""
+    """Set `section.field` (or `section.subsection.field`) on cfg, checking the name and type."""
     parts = dotted.split(".")
     known = sections(cfg)
-    if len(parts) != 2 or parts[0] not in known:
+    if len(parts) < 2 or parts[0] not in known:
         raise ConfigError(
             f"unknown config field {dotted!r}; sections are: {', '.join(known)} "
             "(write section.field, e.g. training.steps)"
         )
-    section = known[parts[0]]
-    types_ = _field_types(section)
-    if parts[1] not in types_:
-        raise ConfigError(f"unknown config field {dotted!r}; {parts[0]} has: {', '.join(types_)}")
-    setattr(section, parts[1], _coerce(dotted, types_[parts[1]], value, from_text=from_text))
+    node, path = known[parts[0]], parts[0]
+    for name in parts[1:-1]:
+        child = getattr(node, name, None) if name in _field_types(node) else None
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"unknown config section {path}.{name!r} in {dotted!r}")
+        node, path = child, f"{path}.{name}"
+    types_ = _field_types(node)
+    leaf = parts[-1]
+    if leaf not in types_ or dataclasses.is_dataclass(getattr(node, leaf)):
+        fields = ", ".join(k for k in types_ if not dataclasses.is_dataclass(getattr(node, k)))
+        raise ConfigError(f"unknown config field {dotted!r}; {path} has: {fields}")
+    setattr(node, leaf, _coerce(dotted, types_[leaf], value, from_text=from_text))
+
+
+def _flatten_table(prefix: str, table: dict[str, Any]) -> list[tuple[str, Any]]:
+    items = []
+    for key, value in table.items():
+        name = f"{prefix}.{key}"
+        items += _flatten_table(name, value) if isinstance(value, dict) else [(name, value)]
+    return items
 
 
 def apply_toml(cfg: Config, path: str | Path) -> None:
@@ -328,8 +369,8 @@ def apply_toml(cfg: Config, path: str | Path) -> None:
     for section_name, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{p}: top-level key {section_name!r} must be a [section] table")
-        for key, value in values.items():
-            set_field(cfg, f"{section_name}.{key}", value, from_text=False)
+        for key, value in _flatten_table(section_name, values):
+            set_field(cfg, key, value, from_text=False)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -410,11 +451,16 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{name} must be >= 0")
 
 
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """A TOML-ready dict; None values are left out (TOML has no null)."""
     return {
-        name: {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
-        for name, section in sections(cfg).items()
+        name: _without_none(dataclasses.asdict(section)) for name, section in sections(cfg).items()
     }
 
 
@@ -422,16 +468,27 @@ def write_toml(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
 
 
+def _help_lines(path: str, node: Any) -> list[str]:
+    lines = [f"  [{path}]"]
+    hints = _field_types(node)
+    nested = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((f"{path}.{f.name}", value))
+            continue
+        lines.append(
+            f"    {path}.{f.name} ({_describe(hints[f.name])}, default {value!r}): "
+            f"{f.metadata.get('help', '')}"
+        )
+    for sub_path, sub in nested:
+        lines += _help_lines(sub_path, sub)
+    return lines
+
+
 def help_text() -> str:
     """Every field with its type, default and meaning, for `distrain train --help`."""
     lines = ["config fields (TOML [section] key, or --section.field VALUE on the command line):"]
     for name, section in sections(Config()).items():
-        lines.append(f"  [{name}]")
-        hints = _field_types(section)
-        for f in dataclasses.fields(section):
-            default = getattr(section, f.name)
-            lines.append(
-                f"    {name}.{f.name} ({_describe(hints[f.name])}, default {default!r}): "
-                f"{f.metadata.get('help', '')}"
-            )
+        lines += _help_lines(name, section)
     return "\n".join(lines)
