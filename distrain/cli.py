@@ -19,12 +19,46 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
         description="Train a GPT with the layout and settings of the config.",
         epilog=help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # Exact option names only: launcher options are stripped from the workers' arguments by
+        # name, and an abbreviation would slip through to them.
+        allow_abbrev=False,
     )
     parser.add_argument("--config", help="TOML config file; command-line overrides win over it.")
     parser.add_argument(
         "--nproc",
         type=int,
         help="Local worker processes, started through torchrun (default: all GPUs, or 2 on CPU).",
+    )
+    parser.add_argument(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        help="Nodes (machines, or agents) in the run. Giving this or any --rdzv-*/--node-rank "
+        "option launches through an elastic c10d rendezvous instead of --standalone; with "
+        "MIN:MAX the run starts once MIN nodes joined and the world size may change between "
+        "attempts (the global batch stays fixed: accumulation makes up for missing ranks).",
+    )
+    parser.add_argument(
+        "--node-rank",
+        metavar="R",
+        help="This node's number in [0, MAX); node 0 hosts the rendezvous store at "
+        "--rdzv-endpoint. Global ranks are assigned by the rendezvous (default: torchrun guesses "
+        "the store host from the endpoint's address).",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="Address of node 0's rendezvous store, the same on every node; needed when MAX > 1.",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        metavar="ID",
+        help="Rendezvous (job) id, the same on every node (default: 'distrain').",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        metavar="N",
+        help="Restart the worker group up to N times after a worker fails (default 0); every rank "
+        "resumes from the newest complete checkpoint. Works with and without --nnodes.",
     )
     parser.add_argument("--run-dir", help="Run directory (same as --run.dir).")
     parser.add_argument(
@@ -33,6 +67,17 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
         help="Require a complete checkpoint in the run directory and continue from it.",
     )
     return parser
+
+
+# Options read by the launcher only (option -> argparse dest); workers never see them.
+LAUNCH_OPTIONS = {
+    "--nproc": "nproc",
+    "--nnodes": "nnodes",
+    "--node-rank": "node_rank",
+    "--rdzv-endpoint": "rdzv_endpoint",
+    "--rdzv-id": "rdzv_id",
+    "--max-restarts": "max_restarts",
+}
 
 
 def parse_train_args(argv: list[str], *, worker: bool) -> tuple[argparse.Namespace, Config]:
@@ -45,10 +90,13 @@ def parse_train_args(argv: list[str], *, worker: bool) -> tuple[argparse.Namespa
     if ns.resume:
         overrides.append(("run.resume", "true"))
     cfg = load_config(ns.config, overrides)
-    if worker and ns.nproc is not None:
-        raise ConfigError(
-            "--nproc is for `distrain train`; under torchrun set --nproc-per-node instead"
-        )
+    if worker:
+        given = [opt for opt, dest in LAUNCH_OPTIONS.items() if getattr(ns, dest) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: for `distrain train`; under torchrun use torchrun's own "
+                "options (--nproc-per-node, --nnodes, --rdzv-endpoint, --max-restarts, ...)"
+            )
     return ns, cfg
 
 
@@ -59,7 +107,7 @@ def default_nproc(cfg: Config) -> int:
 
 
 def cmd_train(argv: list[str]) -> None:
-    from distrain.launch import launch_local, under_torchrun
+    from distrain.launch import launch, make_plan, under_torchrun
     from distrain.mesh import ParallelDims
 
     if under_torchrun():
@@ -69,22 +117,39 @@ def cmd_train(argv: list[str]) -> None:
         run_training(cfg)
         return
     ns, cfg = parse_train_args(argv, worker=False)
-    nproc = ns.nproc if ns.nproc is not None else default_nproc(cfg)
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-    ParallelDims.from_config(cfg, nproc)  # fail here, in one line, before starting any worker
-    worker_argv = _strip_nproc(argv)
-    launch_local(nproc, worker_argv, run_dir=cfg.run.dir)
+    plan = make_plan(
+        ns.nproc if ns.nproc is not None else default_nproc(cfg),
+        nnodes=ns.nnodes,
+        node_rank=_int_option("--node-rank", ns.node_rank),
+        rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
+        max_restarts=_int_option("--max-restarts", ns.max_restarts) or 0,
+    )
+    # Fail here, in one line, before starting any worker. With MIN < MAX nodes the world size is
+    # only known at each rendezvous; the workers check the layout against it then.
+    if plan.world_size is not None:
+        ParallelDims.from_config(cfg, plan.world_size)
+    launch(plan, _strip_launch_options(argv), run_dir=cfg.run.dir)
 
 
-def _strip_nproc(argv: list[str]) -> list[str]:
+def _int_option(name: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
+
+
+def _strip_launch_options(argv: list[str]) -> list[str]:
+    """`argv` without the options that only the launcher reads (`--opt V` and `--opt=V`)."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in LAUNCH_OPTIONS:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif arg.split("=", 1)[0] not in LAUNCH_OPTIONS:
             out.append(arg)
     return out
 

@@ -1,17 +1,29 @@
-"""Starting local workers through torchrun's own machinery (torch.distributed.run and its elastic
-agent), never a hand-made process pool. `distrain train --nproc N` lands here; a user with their
-own launcher runs `torchrun ... -m distrain.train` instead and skips this module."""
+"""Starting workers through torchrun's own machinery (torch.distributed.run and its elastic agent),
+never a hand-made process pool. `distrain train --nproc N` lands here; a user with their own
+launcher runs `torchrun ... -m distrain.train` instead and skips this module.
+
+Two modes. Standalone (the default): one node, a private rendezvous on a free local port. Elastic
+(any of --nnodes, --node-rank, --rdzv-endpoint, --rdzv-id): a c10d rendezvous that agents on one
+or more machines join, so membership may change between attempts. In both, --max-restarts lets the
+agent restart a failed worker group; the restarted workers resume from the newest complete
+checkpoint on their own (the trainer does that), so a restart costs at most the steps since it.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from distrain.errors import DistrainError
+from distrain.errors import ConfigError, DistrainError
 
 WORKER_MODULE = "distrain.train"
+DEFAULT_RDZV_ID = "distrain"
+# torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
+# is paid at every restart). 1 s still lets agents that start together join one round.
+LAST_CALL_TIMEOUT_S = 1
 
 
 def under_torchrun() -> bool:
@@ -19,22 +31,136 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_local(nproc: int, worker_argv: list[str], *, run_dir: str) -> None:
-    """Run `python -m distrain.train worker_argv` on `nproc` local processes (standalone)."""
-    torchrun_argv = [
-        "--standalone",
-        f"--nproc-per-node={nproc}",
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    """How many workers to start where, and how they find each other."""
+
+    nproc: int
+    """Workers on this node."""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    max_restarts: int = 0
+    """Restarts of the worker group after a failure, before the run fails."""
+    elastic: bool = False
+    """c10d rendezvous that other agents may join (else torchrun --standalone)."""
+    node_rank: int | None = None
+    """Node 0 hosts the rendezvous store; None lets torchrun decide from the endpoint's host."""
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = DEFAULT_RDZV_ID
+
+    @property
+    def world_size(self) -> int | None:
+        """The number of ranks when every attempt has the same one, else None."""
+        return self.nproc * self.min_nodes if self.min_nodes == self.max_nodes else None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`N` or `MIN:MAX` -> (min, max) with 1 <= min <= max."""
+    try:
+        bounds = [int(part) for part in text.split(":")]
+    except ValueError:
+        bounds = []
+    if len(bounds) not in (1, 2):
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX (integers), got {text!r}")
+    low, high = bounds[0], bounds[-1]
+    if not 1 <= low <= high:
+        raise ConfigError(f"--nnodes {text}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_endpoint(text: str) -> str:
+    """Check `HOST:PORT` (an IPv6 host in brackets) and return it unchanged."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f"--rdzv-endpoint: expected HOST:PORT with a port in 1..65535, got {text!r}"
+        )
+    return text
+
+
+def make_plan(
+    nproc: int,
+    *,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    max_restarts: int,
+) -> LaunchPlan:
+    """Validate the launch options together; every error is one line naming the option."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes is not None else (1, 1)
+    if node_rank is not None and not 0 <= node_rank < max_nodes:
+        raise ConfigError(f"--node-rank must be in [0, {max_nodes}) for --nnodes {nnodes}")
+    if rdzv_endpoint is not None:
+        parse_endpoint(rdzv_endpoint)
+    elif max_nodes > 1:
+        raise ConfigError(
+            f"--nnodes {nnodes} lets other nodes join: give every node --rdzv-endpoint HOST:PORT "
+            "(an address of node 0, where the rendezvous store runs)"
+        )
+    if rdzv_id == "":
+        raise ConfigError("--rdzv-id must not be empty")
+    return LaunchPlan(
+        nproc=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        max_restarts=max_restarts,
+        elastic=any(v is not None for v in (nnodes, node_rank, rdzv_endpoint, rdzv_id)),
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id or DEFAULT_RDZV_ID,
+    )
+
+
+def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
+    """torchrun's arguments for `plan`, ending with `-m distrain.train worker_argv`."""
+    rdzv_conf = [f"last_call_timeout={LAST_CALL_TIMEOUT_S}"]
+    if plan.elastic:
+        # Without an endpoint this node hosts a private store on a free port, as --standalone does.
+        endpoint = plan.rdzv_endpoint or "localhost:0"
+        if plan.node_rank is not None:
+            # Decides who serves the store at the endpoint, so agents sharing one machine (all of
+            # whom match the endpoint's host) don't rely on torchrun's bind-and-retry guess.
+            # Global ranks still come from the rendezvous's join order, not from this number.
+            rdzv_conf.append(f"is_host={str(plan.node_rank == 0).lower()}")
+        where = [
+            f"--nnodes={plan.min_nodes}:{plan.max_nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={plan.rdzv_id}",
+        ]
+    else:
+        where = ["--standalone"]
+    return [
+        *where,
+        f"--rdzv-conf={','.join(rdzv_conf)}",
+        f"--nproc-per-node={plan.nproc}",
+        f"--max-restarts={plan.max_restarts}",
         "--module",
         WORKER_MODULE,
         *worker_argv,
     ]
+
+
+def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
+    """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node."""
+    # Restarted workers must not reuse the agent's TCP store address of the previous attempt:
+    # with torch's default (share it) restarts fail with "Gloo connectFullMesh failed" or hang.
+    # The variable is read by the agent's rendezvous handler, i.e. in this process.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
-        run(get_args_parser().parse_args(torchrun_argv))
+        run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except ChildFailedError as e:
         failed = ", ".join(
             f"rank {rank} (exit code {failure.exitcode})"
             for rank, failure in sorted(e.failures.items())
         )
+        attempts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
         raise DistrainError(
-            f"worker(s) failed: {failed}; see the error above and {run_dir}/logs/rank<N>.log"
+            f"worker(s) failed{attempts}: {failed}; see the error above and "
+            f"{run_dir}/logs/rank<N>.log"
         ) from None

@@ -173,3 +173,24 @@ class ParallelDims:
             mesh_dim_names=AXES,
         )
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def node_groups(
+    local_world_size: int, dp_ranks: list[int]
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """Groups for a topology-aware all-reduce over the data-parallel ranks `dp_ranks`: this
+    rank's node (ranks sharing rank // local_world_size) and, on each node's first rank, the
+    group of those first ranks. Every rank creates every group, in the same order, as
+    `new_group` requires."""
+    by_node: dict[int, list[int]] = {}
+    for r in dp_ranks:
+        by_node.setdefault(r // local_world_size, []).append(r)
+    me = dist.get_rank()
+    intra = None
+    for members in by_node.values():
+        group = dist.new_group(members)
+        if me in members:
+            intra = group
+    leaders = [members[0] for members in by_node.values()]
+    inter = dist.new_group(leaders)
+    return intra, inter if me in leaders else None

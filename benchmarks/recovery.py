@@ -1,0 +1,231 @@
+"""Recovery time of an elastic run: from a rank's death to the first step completed after resume.
+
+Each run is a real `distrain train --nproc 2 --max-restarts 1` (CPU, gloo, `tiny` preset) in which
+rank 1 SIGKILLs itself as step K begins (`debug.fail_mode = kill`), right after the checkpoint of
+step K-1. torchrun's agent notices the dead worker, stops the survivor, rendezvouses again and
+starts a new worker group, whose ranks resume from step K-1 and complete step K.
+
+The milestones come from clocks on this machine, without changes to the trainer:
+- kill: the timestamp of rank 1's "crashes at step K (kill)" log line, written just before SIGKILL;
+- detected: arrival of the agent's "Worker group FAILED" line on its stderr (LOGLEVEL=INFO);
+- rendezvous: arrival of the agent's next "Rendezvous complete" line (survivor stopped, new round);
+- workers up: rank 0's next "rank 0/2 on" log line (spawn, `import torch`, process group);
+- resumed: rank 0's next "resumed from" log line (data, model build, checkpoint load);
+- first step: arrival of step K's row in metrics.jsonl, which this script polls every 5 ms.
+Log timestamps have 1 ms resolution; arrival times are stamped here as lines appear.
+
+Run from the repository root:
+
+    python3 benchmarks/recovery.py                 # 3 runs, kill at step 5
+    python3 benchmarks/recovery.py --runs 5 --kill-step 9
+
+It prints a table (per run and the median) and writes JSON to --out
+(default benchmarks/results/recovery.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NUM_RANKS = 2
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
+POLL_S = 0.005
+# (phase, milestone that ends it); each phase starts where the previous one ended, at "kill" first.
+PHASES = [
+    ("detect death", "detected"),
+    ("stop + rendezvous", "rendezvous"),
+    ("worker start", "workers_up"),
+    ("build + resume load", "resumed"),
+    ("first step", "first_step"),
+]
+
+
+def log_times(path: Path, needle: str) -> list[float]:
+    """Wall-clock times of the lines of a distrain rank log that contain `needle`."""
+    times = []
+    for line in path.read_text().splitlines():
+        if needle in line:
+            stamp = " ".join(line.split(" ", 2)[:2])
+            times.append(datetime.strptime(stamp, LOG_TIME_FORMAT).timestamp())
+    return times
+
+
+def first_after(times: list[float], start: float, what: str) -> float:
+    later = [t for t in times if t >= start]
+    if not later:
+        raise RuntimeError(f"no {what} after the kill; did the log format change?")
+    return later[0]
+
+
+class MetricsPoller(threading.Thread):
+    """Stamps each metrics.jsonl row with the wall-clock time it was first seen."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.rows: list[tuple[float, dict[str, Any]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        offset, partial = 0, ""
+        while not self.done.is_set():
+            if self.path.exists():
+                with open(self.path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset = f.tell()
+                now = time.time()
+                *lines, partial = (partial + chunk).split("\n")
+                self.rows += [(now, json.loads(line)) for line in lines if line.strip()]
+            time.sleep(POLL_S)
+
+
+def stderr_lines(proc: subprocess.Popen, out: list[tuple[float, str]]) -> None:
+    for line in proc.stderr:
+        out.append((time.time(), line))
+
+
+def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, float]:
+    """Train with an injected SIGKILL; returns each milestone's wall-clock time."""
+    fields = {
+        "run.dir": str(run_dir),
+        "data.max_bytes": "4000000",
+        "training.steps": str(kill_step + 2),
+        "training.global_batch_size": "8",
+        "training.micro_batch_size": "2",
+        "training.seq_len": "64",
+        "training.log_interval_steps": "1",
+        "training.eval_interval_steps": "0",
+        "checkpoint.interval_steps": str(kill_step - 1),
+        "checkpoint.at_end": "false",
+        "metrics.progress_bar": "false",
+        "metrics.tensorboard": "false",
+        "debug.fail_at_step": str(kill_step),
+        "debug.fail_rank": "1",
+        "debug.fail_mode": "kill",
+    }
+    args = [sys.executable, "-m", "distrain", "train", "--nproc", str(NUM_RANKS)]
+    args += ["--max-restarts", "1"]
+    for key, value in fields.items():
+        args += [f"--{key}", value]
+    run_dir.mkdir(parents=True)
+    poller = MetricsPoller(run_dir / "metrics.jsonl")
+    poller.start()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+    proc = subprocess.Popen(
+        args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    agent_lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=stderr_lines, args=(proc, agent_lines), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        proc.kill()
+        reader.join()
+        poller.done.set()
+        poller.join()
+    if proc.returncode != 0:
+        tail = "".join(line for _, line in agent_lines[-40:])
+        raise RuntimeError(f"training exited with {proc.returncode}:\n{tail}")
+
+    logs = run_dir / "logs"
+    kill = log_times(logs / "rank1.log", f"crashes at step {kill_step} (kill)")[-1]
+    detected = first_after(
+        [t for t, line in agent_lines if "Worker group FAILED" in line], kill, "failure report"
+    )
+    rendezvous = first_after(
+        [t for t, line in agent_lines if "Rendezvous complete" in line], detected, "rendezvous"
+    )
+    step_times = [r["step_time_s"] for _, r in poller.rows if "step_time_s" in r]
+    return {
+        "kill": kill,
+        "detected": detected,
+        "rendezvous": rendezvous,
+        "workers_up": first_after(log_times(logs / "rank0.log", "rank 0/"), kill, "worker start"),
+        "resumed": first_after(log_times(logs / "rank0.log", "resumed from"), kill, "resume"),
+        "first_step": first_after(
+            [t for t, row in poller.rows if row.get("step") == kill_step and "loss" in row],
+            kill,
+            f"step {kill_step} row",
+        ),
+        "median_step_s": statistics.median(step_times),
+    }
+
+
+def breakdown(times: dict[str, float]) -> dict[str, float]:
+    """Seconds spent in each phase, and the total from the kill to the first completed step."""
+    out, start = {}, times["kill"]
+    for phase, milestone in PHASES:
+        out[phase] = times[milestone] - start
+        start = times[milestone]
+    out["total"] = times["first_step"] - times["kill"]
+    out["steady step"] = times["median_step_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="Runs to take the median over.")
+    parser.add_argument("--kill-step", type=int, default=5, help="Step at whose start rank 1 dies.")
+    parser.add_argument("--timeout-s", type=float, default=180, help="Limit for one run.")
+    parser.add_argument("--out", default="benchmarks/results/recovery.json")
+    ns = parser.parse_args()
+    if ns.kill_step < 2:
+        parser.error("--kill-step must be >= 2 (a checkpoint must precede the kill)")
+
+    tmp = Path(tempfile.mkdtemp(prefix="distrain-recovery-"))
+    try:
+        runs = [
+            breakdown(one_run(tmp / f"run{i}", kill_step=ns.kill_step, timeout_s=ns.timeout_s))
+            for i in range(ns.runs)
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+    columns = list(median)
+    print(f"{'run':<8}" + "".join(f"{c:>21}" for c in columns))
+    for name, row in [*((str(i + 1), run) for i, run in enumerate(runs)), ("median", median)]:
+        print(f"{name:<8}" + "".join(f"{row[c]:>20.3f}s" for c in columns))
+
+    result = {
+        "config": {
+            "ranks": NUM_RANKS,
+            "preset": "tiny",
+            "kill_step": ns.kill_step,
+            "checkpoint_step": ns.kill_step - 1,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "seq_len": 64,
+            "backend": "gloo",
+            "launch": "distrain train --nproc 2 --max-restarts 1 (standalone)",
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+        },
+        "phases": [phase for phase, _ in PHASES],
+        "runs_s": runs,
+        "median_s": median,
+    }
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
