@@ -436,6 +436,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}"
         )
+    if cfg.comm.powersgd_start_step < 2:
+        raise ConfigError(
+            "comm.powersgd_start_step must be >= 2 (DDP rebuilds its buckets after step 1)"
+        )
     if cfg.comm.bucket_cap_mb <= 0:
         raise ConfigError(f"comm.bucket_cap_mb must be > 0, got {cfg.comm.bucket_cap_mb}")
     for name in (

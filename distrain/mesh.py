@@ -28,6 +28,7 @@ class DistContext:
     world_size: int
     device: torch.device
     backend: str
+    local_world_size: int = 1
 
 
 def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
@@ -57,6 +58,7 @@ def init_distributed(requested_device: str) -> DistContext:
         world_size=dist.get_world_size(),
         device=device,
         backend=backend,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
     )
 
 

@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distrain.config import OptimConfig
+from distrain.parallel.compress import CommStats
+from distrain.parallel.onebit_adam import OneBitAdam
 
 
 def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
@@ -47,13 +49,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, zero1_group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    zero1_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    comm_stats: CommStats | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW; with `zero1_group` (ZeRO stage 1) its state is partitioned across that group by
-    torch's ZeroRedundancyOptimizer, each rank updating its share and broadcasting it."""
+    torch's ZeroRedundancyOptimizer, each rank updating its share and broadcasting it. Or 1-bit
+    Adam, which averages its momentum over `dp_group` itself."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "onebit_adam":
+        return OneBitAdam(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            freeze_step=cfg.onebit.freeze_step,
+            group=dp_group,
+            stats=comm_stats,
+        )
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.
     options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
-    groups = param_groups(model, cfg.weight_decay)
     if zero1_group is None:
         return torch.optim.AdamW(groups, **options)
     from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when used

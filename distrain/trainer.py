@@ -38,6 +38,7 @@ from distrain.optim import (
     set_lr,
 )
 from distrain.parallel import build_parallel_model
+from distrain.parallel.compress import CommStats
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.rng import rng_state, seed_everything, set_rng_state
@@ -132,10 +133,17 @@ class Trainer:
         )
 
         self.args = model_args(cfg.model, seq_len=t.seq_len)
-        self.model = build_parallel_model(self.args, cfg, self.dims, self.mesh, dp_mesh, ctx.device)
+        self.comm_stats = CommStats()
+        self.model = build_parallel_model(
+            self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
+        )
         self.optimizers = [
             build_optimizer(
-                part, cfg.optim, zero1_group=self.dp_group if self.dims.zero_stage == 1 else None
+                part,
+                cfg.optim,
+                zero1_group=self.dp_group if self.dims.zero_stage == 1 else None,
+                dp_group=self.dp_group,
+                comm_stats=self.comm_stats,
             )
             for part in self.model.parts
         ]
@@ -202,16 +210,19 @@ class Trainer:
     def train_step(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
         the device, without a host sync. The model is in train mode (see `evaluate`)."""
+        # 1-bit Adam past its warm-up averages the momentum itself: gradients stay local.
+        local = any(getattr(o, "compressing", lambda: False)() for o in self.optimizers)
         if self.cfg.training.oom_recovery:
             loss = self._forward_backward_recovering(batches)
         else:
-            loss = self.model.forward_backward(batches, self.scaler.scale)
+            loss = self.model.forward_backward(batches, self.scaler.scale, sync=not local)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
             self.model.parameters(),
             self.cfg.optim.max_grad_norm or math.inf,
-            holders=self.ctx.world_size // self.dims.pp,
+            holders=1 if local else self.ctx.world_size // self.dims.pp,
+            local=local,
         )
         for optimizer in self.optimizers:
             set_lr(optimizer, lr)
@@ -244,6 +255,21 @@ class Trainer:
             self.loader.set_micro_batch_size(smaller)
             batches = oom.split(batches, smaller)
             self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
+
+    def _comm_metrics(self, steps: int) -> dict[str, float]:
+        """This rank's gradient-communication cost per step over the logging window, counted
+        where each collective was issued (DDP hook, 1-bit Adam); none without data parallelism
+        through DDP."""
+        snap = self.comm_stats.snapshot()
+        self.comm_stats.reset()
+        if not snap["fp32_equivalent_bytes"]:
+            return {}
+        return {
+            "comm_bytes": snap["bytes_sent"] / steps,
+            "comm_fp32_bytes": snap["fp32_equivalent_bytes"] / steps,
+            "comm_compression_ratio": snap["compression_ratio"],
+            "comm_time_s": snap["comm_time_s"] / steps,
+        }
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so
@@ -307,6 +333,7 @@ class Trainer:
                     "grad_norm": norm_value,
                     "tokens_per_s": tokens_per_step * window_steps / elapsed,
                     "step_time_s": elapsed / window_steps,
+                    **self._comm_metrics(window_steps),
                 }
                 self.metrics.log(row)
                 if self.cfg.debug.check_replicas:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,24 @@ def train_cli(run_dir: Path, nproc: int, **fields: object) -> subprocess.Complet
 def losses(rows: list[dict]) -> dict[int, float]:
     """step -> training loss; a later row for the same step (after a resume) wins."""
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def free_port() -> int:
+    """A port no one listens on now: the OS picks it for a socket bound to port 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_train(run_dir: Path, *launch_args: str, **fields: object) -> subprocess.Popen:
+    """`distrain train launch_args --section.field value ...` in the background."""
+    args = [sys.executable, "-m", "distrain", "train", *launch_args]
+    for key, value in overrides(run_dir, **fields):
+        args += [f"--{key}", value]
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )

@@ -4,14 +4,10 @@ agents rendezvousing as two nodes. Each run goes through `distrain train`, as a 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import losses, overrides, run_cli, train_cli
+from helpers import free_port, losses, overrides, run_cli, start_train, train_cli
 
 from distrain.observe.metrics import read_metrics
 
@@ -37,27 +33,6 @@ def assert_rel_close(got: dict[int, float], want: dict[int, float], rel: float) 
 
 def run_losses(run_dir: Path) -> dict[int, float]:
     return losses(read_metrics(run_dir / "metrics.jsonl"))
-
-
-def free_port() -> int:
-    """A port no one listens on now: the OS picks it for a socket bound to port 0."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_train(run_dir: Path, *launch_args: str, **fields: object) -> subprocess.Popen:
-    """`distrain train launch_args --section.field value ...` in the background."""
-    args = [sys.executable, "-m", "distrain", "train", *launch_args]
-    for key, value in overrides(run_dir, **fields):
-        args += [f"--{key}", value]
-    return subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
 
 
 @pytest.fixture(scope="module")

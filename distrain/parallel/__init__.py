@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
 from distrain.errors import ConfigError
-from distrain.mesh import ParallelDims
+from distrain.mesh import DistContext, ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.parallel.compress import CommStats
 from distrain.parallel.data import apply_ddp, apply_fsdp
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
 
@@ -217,6 +218,28 @@ def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
             "training.oom_recovery works with data-parallel layouts only (zero_stage 0/1, "
             "parallel.tp = parallel.pp = 1); turn it off or change the layout"
         )
+    c = cfg.comm
+    if (c.gradient_compression != "none" or c.hierarchical) and dims.dp_wrapper == "fsdp":
+        raise ConfigError(
+            "comm.gradient_compression and comm.hierarchical are DDP communication hooks; they "
+            "need zero_stage 0/1 without tp/pp"
+        )
+    if c.gradient_compression != "none" and c.hierarchical:
+        raise ConfigError(
+            "comm.hierarchical cannot be combined with comm.gradient_compression (DDP takes one "
+            "communication hook); choose one"
+        )
+    if cfg.optim.name == "onebit_adam" and (
+        dims.dp_wrapper == "fsdp"
+        or dims.zero_stage == 1
+        or c.gradient_compression != "none"
+        or cfg.training.oom_recovery
+    ):
+        raise ConfigError(
+            "optim.name = 'onebit_adam' communicates the momentum itself: it needs plain data "
+            "parallel (zero_stage 0, no tp/pp, comm.gradient_compression = 'none', no "
+            "training.oom_recovery); it does not compose with sharded data parallel"
+        )
     if dims.pp > 1 and dims.tp > 1 and p.sequence_parallel:
         raise ConfigError(
             "parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages would "
@@ -235,8 +258,12 @@ def build_parallel_model(
     dims: ParallelDims,
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
-    device: torch.device,
+    ctx: DistContext,
+    comm_stats: CommStats,
 ) -> ParallelModel:
+    """The model parts for this rank, laid out per `dims`; DDP's gradient hook counts its bytes
+    into `comm_stats`."""
+    device = ctx.device
     check_layout(args, cfg, dims)
     with torch.device("meta"):
         model = GPT(args)
@@ -278,7 +305,14 @@ def build_parallel_model(
         init_weights(part, args, cfg.training.seed)
     if dims.dp_wrapper == "ddp":
         parts = [
-            apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
+            apply_ddp(
+                part,
+                dp_mesh,
+                comm=cfg.comm,
+                stats=comm_stats,
+                local_world_size=ctx.local_world_size,
+                device=device,
+            )
             for part in parts
         ]
     return ParallelModel(

@@ -4,29 +4,67 @@ replication under tp/pp) over the dp_replicate x dp_shard axes."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.mesh import ParallelDims
+from distrain.config import CommConfig
+from distrain.mesh import ParallelDims, node_groups
 from distrain.models.gpt import GPT
+from distrain.parallel.compress import (
+    CommStats,
+    HierarchicalState,
+    build_comm_hook,
+    hierarchical_allreduce_hook,
+)
 
 
 def apply_ddp(
-    model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float, device: torch.device
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    comm: CommConfig,
+    stats: CommStats,
+    local_world_size: int,
+    device: torch.device,
 ) -> DistributedDataParallel:
-    """Wrap `model` (already materialized and initialized identically on every rank) in DDP.
+    """Wrap `model` (already materialized and initialized identically on every rank) in DDP with
+    the configured gradient communication hook, which also counts the bytes it issues.
 
     DDP broadcasts rank 0's parameters at construction; since init is seeded and rank-independent
     that broadcast changes nothing, but it guards against any rank-dependent init sneaking in.
     """
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         process_group=dp_mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=bucket_cap_mb,
+        bucket_cap_mb=comm.bucket_cap_mb,
     )
+    if comm.hierarchical:
+        intra, inter = node_groups(
+            local_world_size, dist.get_process_group_ranks(dp_mesh.get_group())
+        )
+        state = HierarchicalState(
+            intra_group=intra,
+            inter_group=inter,
+            leader_global_rank=min(dist.get_process_group_ranks(intra)),
+            world_size=dp_mesh.size(),
+            stats=stats,
+        )
+        ddp.register_comm_hook(state, hierarchical_allreduce_hook)
+    else:
+        ddp.register_comm_hook(
+            *build_comm_hook(
+                comm.gradient_compression,
+                process_group=dp_mesh.get_group(),
+                stats=stats,
+                powersgd_rank=comm.powersgd_rank,
+                powersgd_start_iter=comm.powersgd_start_step,
+            )
+        )
+    return ddp
 
 
 def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: str) -> GPT:

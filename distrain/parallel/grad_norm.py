@@ -39,16 +39,18 @@ def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, *, holders: int
+    params: list[torch.nn.Parameter], max_norm: float, *, holders: int, local: bool = False
 ) -> torch.Tensor:
     """Clip in place to `max_norm` (math.inf: measure only); returns the total norm (a tensor
-    on the gradients' device, no host sync). `holders` = world size / pipeline degree."""
+    on the gradients' device, no host sync). `holders` = world size / pipeline degree.
+    local=True: the gradients were not synchronized (1-bit Adam's compressed phase), so each
+    rank clips its own gradient by its own norm."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for grad in grads:
         total_sq += _local_square_sum(grad, holders)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not local and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm != math.inf:
