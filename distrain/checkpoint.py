@@ -382,6 +382,17 @@ class Checkpointer:
         return box[0]
 
 
+def corrupt_one_shard(storage: Storage, step: int) -> str:
+    """Fault injection (debug.corrupt_checkpoint_step): flip the first byte of one shard file of
+    a committed checkpoint, as bit rot or a bad disk would. Returns the damaged file."""
+    path = storage.path(step_name(step))
+    shard = next(n for n in storage.listdir(path) if n.endswith(".distcp"))
+    data = bytearray(storage.fs.cat_file(f"{path}/{shard}"))
+    data[0] ^= 0xFF
+    storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
+    return f"{path}/{shard}"
+
+
 def write_manifest(storage: Storage, path: str, manifest: dict[str, Any]) -> None:
     """The commit point: nothing refers to a checkpoint before its manifest exists."""
     storage.write_text_atomic(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))

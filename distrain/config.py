@@ -233,6 +233,11 @@ class DebugConfig:
         "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
         "restarted workers run on.",
     )
+    corrupt_checkpoint_step: int = doc(
+        0,
+        "Fault injection: after the checkpoint of this step is committed, flip one byte of one "
+        "of its shard files, so the next resume must detect it and fall back (0 = never).",
+    )
     oom_at_step: int = doc(
         0, "Fault injection: raise an out-of-memory error inside this step (0 = never)."
     )

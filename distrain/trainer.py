@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
 
 from distrain import oom
-from distrain.checkpoint import Checkpointer
+from distrain.checkpoint import Checkpointer, corrupt_one_shard
 from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
@@ -190,6 +190,11 @@ class Trainer:
     def save_checkpoint(self, kind: str) -> None:
         self.step_state["step"].fill_(self.step)
         self.checkpointer.save(self.step, self._state(), permanent=kind == "permanent")
+        if self.cfg.debug.corrupt_checkpoint_step == self.step:
+            self.checkpointer.wait()
+            if self.ctx.rank == 0:
+                damaged = corrupt_one_shard(self.checkpointer.storage, self.step)
+                self.log.warning("debug.corrupt_checkpoint_step: damaged %s", damaged)
 
     def maybe_resume(self) -> None:
         step = self.checkpointer.restore_latest(self._state())

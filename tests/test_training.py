@@ -73,6 +73,19 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
     assert resumed == full  # bit for bit: same floats, not merely close
 
 
+def test_corrupted_newest_checkpoint_is_skipped_on_resume(tmp_path):
+    fields = dict(BASE, training__micro_batch_size=4, checkpoint__interval_steps=2)
+    full = losses(train_in_process(tmp_path / "full", **fields))
+    run = tmp_path / "run"
+    with pytest.raises(InjectedFailure):
+        train_in_process(run, **fields, debug__corrupt_checkpoint_step=4, debug__fail_at_step=5)
+    resumed = losses(train_in_process(run, **fields))
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "step-00000004 is damaged" in log and "fails its SHA-256 checksum" in log
+    assert "resumed from checkpoint step-00000002" in log
+    assert resumed == full
+
+
 @pytest.mark.slow
 def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
     # Async saves: the checkpoint is written in the background while training goes on.
