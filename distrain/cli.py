@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from distrain.config import Config, ConfigError, help_text, load_config, parse_overrides
+from distrain.config import Config, ConfigError
+from distrain.config_io import help_text, load_config, parse_overrides
 from distrain.errors import DistrainError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from distrain.checkpoint import Checkpointer
-from distrain.config import load_config
+from distrain.config_io import load_config
 from distrain.data import ByteTokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.models.gpt import GPT

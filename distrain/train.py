@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from distrain.config import Config, write_toml
+from distrain.config import Config
+from distrain.config_io import write_toml
 from distrain.errors import DistrainError
 from distrain.mesh import init_distributed
 from distrain.observe.logs import close_logging, setup_logging

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distrain.config import load_config
+from distrain.config_io import load_config
 from distrain.observe.metrics import read_metrics
 
 # Small enough for CI's 2 cores, big enough that the loss moves: 4 MB of stdlib source.

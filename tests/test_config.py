@@ -4,7 +4,8 @@ import tomllib
 
 import pytest
 
-from distrain.config import ConfigError, help_text, load_config, parse_overrides, write_toml
+from distrain.config import ConfigError
+from distrain.config_io import help_text, load_config, parse_overrides, write_toml
 
 
 def test_defaults_validate():

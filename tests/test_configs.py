@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from distrain.config import load_config
+from distrain.config_io import load_config
 from distrain.models import model_args
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
