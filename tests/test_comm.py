@@ -105,3 +105,13 @@ def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_o
     assert got.keys() == want.keys()
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-6 * want[step], (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_onebit_adam_refuses_sharded_data_parallel(tmp_path):
+    result = train_cli(
+        tmp_path / "run", 2, **FIELDS, optim__name="onebit_adam", parallel__zero_stage=2
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert errors and "it does not compose with sharded data parallel" in errors[0]
