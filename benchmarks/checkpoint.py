@@ -36,17 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.run import get_args_parser, run
+from selflaunch import is_worker, launch_self
 
 from distrain.checkpoint import committed
 from distrain.config import Config, validate
@@ -247,33 +245,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(argv: list[str]) -> None:
-    """Start this script on NUM_RANKS local ranks, sharing a temporary run directory."""
-    run_dir = tempfile.mkdtemp(prefix="distrain-checkpoint-")
-    try:
-        run(
-            get_args_parser().parse_args(
-                [
-                    "--standalone",
-                    f"--nproc-per-node={NUM_RANKS}",
-                    __file__,
-                    *argv,
-                    "--run-dir",
-                    run_dir,
-                ]
-            )
-        )
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
-    if "RANK" in os.environ:
+    if is_worker():
         worker(args)
     else:
-        launch(argv)
+        launch_self(__file__, NUM_RANKS, argv, name="checkpoint")
 
 
 if __name__ == "__main__":

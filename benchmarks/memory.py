@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -40,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from selflaunch import is_worker, launch_ranks
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.run import get_args_parser, run
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config, validate
@@ -240,18 +239,7 @@ def launch(argv: list[str], args: argparse.Namespace) -> None:
         rows = []
         for n in args.world_sizes:
             (run_dir / f"world{n}").mkdir()
-            run(
-                get_args_parser().parse_args(
-                    [
-                        "--standalone",
-                        f"--nproc-per-node={n}",
-                        __file__,
-                        *argv,
-                        "--run-dir",
-                        str(run_dir / f"world{n}"),
-                    ]
-                )
-            )
+            launch_ranks(__file__, n, argv, run_dir=str(run_dir / f"world{n}"))
             rows += json.loads((run_dir / f"world{n}" / f"world{n}.json").read_text())
         report(args, summarize(rows))
     finally:
@@ -261,7 +249,7 @@ def launch(argv: list[str], args: argparse.Namespace) -> None:
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
-    if "RANK" in os.environ:
+    if is_worker():
         worker(args)
     else:
         launch(argv, args)

@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.run import get_args_parser, run
+from selflaunch import is_worker, launch_self
 
 from distrain.config import Config, validate
 from distrain.mesh import DistContext, init_distributed
@@ -252,33 +249,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(argv: list[str], args: argparse.Namespace) -> None:
-    """Start this script on args.nproc local ranks, sharing a temporary run directory."""
-    run_dir = tempfile.mkdtemp(prefix="distrain-mfu-")
-    try:
-        run(
-            get_args_parser().parse_args(
-                [
-                    "--standalone",
-                    f"--nproc-per-node={args.nproc}",
-                    __file__,
-                    *argv,
-                    "--run-dir",
-                    run_dir,
-                ]
-            )
-        )
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
-    if "RANK" in os.environ:
+    if is_worker():
         worker(args)
     else:
-        launch(argv, args)
+        launch_self(__file__, args.nproc, argv, name="mfu")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.run import get_args_parser, run
+from selflaunch import is_worker, launch_self
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import Config, validate
@@ -279,33 +276,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(argv: list[str]) -> None:
-    """Start this script on NUM_RANKS local ranks, sharing a temporary run directory."""
-    run_dir = tempfile.mkdtemp(prefix="distrain-overhead-")
-    try:
-        run(
-            get_args_parser().parse_args(
-                [
-                    "--standalone",
-                    f"--nproc-per-node={NUM_RANKS}",
-                    __file__,
-                    *argv,
-                    "--run-dir",
-                    run_dir,
-                ]
-            )
-        )
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
-    if "RANK" in os.environ:
+    if is_worker():
         worker(args)
     else:
-        launch(argv)
+        launch_self(__file__, NUM_RANKS, argv, name="overhead")
 
 
 if __name__ == "__main__":

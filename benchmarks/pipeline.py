@@ -73,9 +73,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from selflaunch import is_worker, launch_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.run import get_args_parser, run
 from torch.utils.hooks import RemovableHandle
 
 from distrain.mesh import init_distributed
@@ -321,15 +321,6 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(argv: list[str], args: argparse.Namespace) -> None:
-    """Start this script on --pp local ranks."""
-    run(
-        get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={args.pp}", __file__, *argv]
-        )
-    )
-
-
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
@@ -338,10 +329,10 @@ def main() -> None:
         raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
     if not hasattr(PipelineStage, BACKWARD_METHOD):
         raise SystemExit(f"this torch has no PipelineStage.{BACKWARD_METHOD} to time backward with")
-    if "RANK" in os.environ:
+    if is_worker():
         worker(args)
     else:
-        launch(argv, args)
+        launch_ranks(__file__, args.pp, argv)
 
 
 if __name__ == "__main__":
