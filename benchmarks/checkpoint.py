@@ -34,7 +34,6 @@ Rank 0 prints a table and writes JSON to --out (default benchmarks/results/check
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,12 +43,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from selflaunch import is_worker, launch_self
+from harness import is_worker, launch_self, worker_session, write_json
 
 from distrain.checkpoint import committed
 from distrain.config import Config, validate
-from distrain.mesh import DistContext, init_distributed
-from distrain.observe.logs import close_logging, setup_logging
+from distrain.mesh import DistContext
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
@@ -226,23 +224,15 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "stall_ratio_async_over_sync": ratio,
         "modes": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 def worker(args: argparse.Namespace) -> None:
-    ctx = init_distributed("cpu")
     run_dir = Path(args.run_dir)
-    logger = setup_logging(run_dir, ctx.rank)
-    try:
+    with worker_session(run_dir) as (ctx, logger):
         rows = measure(args, ctx, logger, run_dir)
         if ctx.rank == 0:
             report(args, rows)
-    finally:
-        close_logging(logger)
-        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -40,7 +40,6 @@ Prints the table and writes JSON to --out (default benchmarks/results/comm.json)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -57,6 +56,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from harness import write_json  # noqa: E402
 from netlab import NetLab, lab_available, net_lab  # noqa: E402
 
 from distrain.observe.metrics import read_metrics  # noqa: E402
@@ -291,10 +291,7 @@ def report(
         "solo_step_s": solo_step_s,
         "hidden_fraction": overlap,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 def main() -> None:

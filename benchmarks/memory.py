@@ -39,14 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from selflaunch import is_worker, launch_ranks
+from harness import is_worker, launch_ranks, worker_session, write_json
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config, validate
-from distrain.mesh import init_distributed
 from distrain.models.presets import num_params
-from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
@@ -144,11 +142,9 @@ def theory(psi: int, stage: int, n: int) -> dict[str, float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    ctx = init_distributed("cpu")
     run_dir = Path(args.run_dir)
-    logger = setup_logging(run_dir, ctx.rank)
     rows = []
-    try:
+    with worker_session(run_dir) as (ctx, logger):
         for stage in STAGES:
             cfg = make_config(args, stage, ctx.world_size, run_dir / f"stage{stage}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -172,9 +168,6 @@ def worker(args: argparse.Namespace) -> None:
             )
         if ctx.rank == 0:
             (run_dir / f"world{ctx.world_size}.json").write_text(json.dumps(rows))
-    finally:
-        close_logging(logger)
-        dist.destroy_process_group()
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -226,10 +219,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         },
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 def launch(argv: list[str], args: argparse.Namespace) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,12 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from selflaunch import is_worker, launch_self
+from harness import is_worker, launch_self, worker_session, write_json
 
 from distrain.config import Config, validate
-from distrain.mesh import DistContext, init_distributed
+from distrain.mesh import DistContext
 from distrain.models.presets import flops_per_token, num_params
-from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
@@ -228,25 +226,17 @@ def report(
         },
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 def worker(args: argparse.Namespace) -> None:
-    ctx = init_distributed("auto")
     run_dir = Path(args.run_dir)
-    logger = setup_logging(run_dir, ctx.rank)
-    try:
+    with worker_session(run_dir, "auto") as (ctx, logger):
         peak, source = peak_flops(args, ctx.device)
         variants = [False] if args.no_compile_variant else [False, True]
         rows = [run_variant(args, c, ctx, logger, run_dir) for c in variants]
         if ctx.rank == 0:
             report(args, rows, ctx, peak, source)
-    finally:
-        close_logging(logger)
-        dist.destroy_process_group()
 
 
 def main() -> None:

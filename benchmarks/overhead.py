@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -36,14 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from selflaunch import is_worker, launch_self
+from harness import is_worker, launch_self, worker_session, write_json
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import Config, validate
 from distrain.data import DistributedBatchLoader, TokenDataset
-from distrain.mesh import DistContext, init_distributed
+from distrain.mesh import DistContext
 from distrain.models.gpt import GPT, init_weights
-from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
@@ -255,25 +253,17 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "per_block": first["per_block"],
         "by_accum": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, result)
 
 
 def worker(args: argparse.Namespace) -> None:
-    ctx = init_distributed("cpu")
     run_dir = Path(args.run_dir)
-    logger = setup_logging(run_dir, ctx.rank)
-    try:
+    with worker_session(run_dir) as (ctx, logger):
         rows = [
             measure(args, accum, ctx, logger, run_dir) for accum in args.accum_list or [args.accum]
         ]
         if ctx.rank == 0:
             report(args, rows)
-    finally:
-        close_logging(logger)
-        dist.destroy_process_group()
 
 
 def main() -> None:

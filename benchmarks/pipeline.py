@@ -61,19 +61,17 @@ Rank 0 prints a table and writes JSON to --out (default benchmarks/results/pipel
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from selflaunch import is_worker, launch_ranks
+from harness import is_worker, launch_ranks, write_json
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.hooks import RemovableHandle
@@ -301,10 +299,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         "torch": torch.__version__,
         "idle": "1 - sum(busy) / sum(step), step = max over ranks of the barrier-aligned time",
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out, {"config": config, "results": results})
 
 
 def worker(args: argparse.Namespace) -> None:

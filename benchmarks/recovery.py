@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import write_json
 
 NUM_RANKS = 2
 LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
@@ -221,10 +222,7 @@ def main() -> None:
         "runs_s": runs,
         "median_s": median,
     }
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(ns.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""What every benchmark script shares: running on several ranks (a script started by hand
+re-launches itself on N local ranks through torchrun's API; started by torchrun, RANK set, it is
+a worker), a worker's process group and logger, and writing the JSON result."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.run import get_args_parser, run
+
+from distrain.mesh import DistContext, init_distributed
+from distrain.observe.logs import close_logging, setup_logging
+
+
+def is_worker() -> bool:
+    return "RANK" in os.environ
+
+
+def launch_ranks(script: str, nproc: int, argv: list[str], *, run_dir: str | None = None) -> None:
+    """Run `script argv [--run-dir RUN_DIR]` on `nproc` local ranks and wait for them."""
+    extra = ["--run-dir", run_dir] if run_dir is not None else []
+    run(
+        get_args_parser().parse_args(
+            ["--standalone", f"--nproc-per-node={nproc}", script, *argv, *extra]
+        )
+    )
+
+
+def launch_self(script: str, nproc: int, argv: list[str], *, name: str) -> None:
+    """launch_ranks with a temporary run directory shared by the workers, removed afterwards."""
+    run_dir = tempfile.mkdtemp(prefix=f"distrain-{name}-")
+    try:
+        launch_ranks(script, nproc, argv, run_dir=run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def worker_session(
+    run_dir: str | Path, device: str = "cpu"
+) -> Iterator[tuple[DistContext, logging.Logger]]:
+    """This worker's rank context and per-rank logger; torn down however the body ends."""
+    ctx = init_distributed(device)
+    logger = setup_logging(Path(run_dir), ctx.rank)
+    try:
+        yield ctx, logger
+    finally:
+        close_logging(logger)
+        dist.destroy_process_group()
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
