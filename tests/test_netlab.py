@@ -28,9 +28,9 @@ while chunk := conn.recv(1 << 20):
 conn.sendall(str(total).encode())
 """
 
-# Connects (retrying while the sink starts), sends argv[3] bytes, prints JSON timings.
-SOURCE = """
-import json, socket, sys, time
+# Client prologue: connect to argv addr port, waiting (at most 5 s) for the server to start.
+CONNECT = """
+import json, socket, statistics, sys, time
 deadline = time.monotonic() + 5
 while True:
     try:
@@ -40,7 +40,10 @@ while True:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.05)
-payload = b"x" * int(sys.argv[3])
+"""
+
+# Connects, sends argv[3] bytes, prints JSON timings.
+SOURCE = CONNECT + """payload = b"x" * int(sys.argv[3])
 start = time.perf_counter()
 conn.sendall(payload)
 conn.shutdown(socket.SHUT_WR)
@@ -57,18 +60,7 @@ conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while byte := conn.recv(1):
     conn.sendall(byte)
 """
-PING = """
-import socket, statistics, sys, time
-deadline = time.monotonic() + 5
-while True:
-    try:
-        conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+PING = CONNECT + """conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rtts = []
 for _ in range(7):
     start = time.perf_counter()
