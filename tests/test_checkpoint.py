@@ -13,7 +13,8 @@ from distrain import checkpoint
 from distrain.checkpoint import Checkpointer, committed
 from distrain.storage import Storage
 
-LOG = logging.getLogger("distrain.test")
+# Not under "distrain": setup_logging turns that logger's propagation off, hiding it from caplog.
+LOG = logging.getLogger("distrain_test.checkpoint")
 
 
 def _state(value: float) -> dict:
