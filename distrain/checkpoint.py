@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,12 +33,18 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 import distrain
+from distrain.config import Config
 from distrain.errors import CheckpointError
 from distrain.storage import Storage
 
 MANIFEST = "MANIFEST.json"
 STEP_PREFIX = "step-"
 DCP_METADATA = ".metadata"
+
+
+def checkpoint_storage(cfg: Config) -> Storage:
+    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default."""
+    return Storage(cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"))
 
 
 def step_name(step: int) -> str:

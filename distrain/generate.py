@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 
-from distrain.checkpoint import Checkpointer
+from distrain.checkpoint import Checkpointer, checkpoint_storage
 from distrain.config_io import load_config
 from distrain.data import ByteTokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
-from distrain.storage import Storage
 
 
 def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
@@ -27,7 +26,8 @@ def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
     if not config_path.is_file():
         raise ConfigError(f"--run-dir {run_dir}: no config.toml, so not a distrain run directory")
     cfg = load_config(str(config_path))
-    storage = Storage(cfg.checkpoint.dir or str(run_dir / "checkpoints"))
+    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    storage = checkpoint_storage(cfg)
     checkpointer = Checkpointer(
         storage, layout="", async_mode=False, keep_temporary=0, logger=logging.getLogger(LOGGER)
     )

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
 
 from distrain import oom
-from distrain.checkpoint import Checkpointer, corrupt_one_shard
+from distrain.checkpoint import Checkpointer, checkpoint_storage, corrupt_one_shard
 from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
@@ -42,7 +42,6 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.rng import rng_state, seed_everything, set_rng_state
-from distrain.storage import Storage
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -160,7 +159,7 @@ class Trainer:
         )
         self.injected_oom = oom.InjectedOOM(cfg.debug, ctx.rank)
         self.checkpointer = Checkpointer(
-            Storage(cfg.checkpoint.dir or str(self.run_dir / "checkpoints")),
+            checkpoint_storage(cfg),
             layout=self.dims.describe(),
             async_mode=cfg.checkpoint.async_mode == "async",
             keep_temporary=cfg.checkpoint.keep_temporary,
