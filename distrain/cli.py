@@ -4,101 +4,15 @@ presets). Errors a user can fix print as one `distrain: error: ...` line with a 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
 import torch
 
-from distrain.config import Config, ConfigError
-from distrain.config_io import help_text, load_config, parse_overrides
+from distrain.args import int_option, parse_train_args, strip_launch_options
+from distrain.config import Config
 from distrain.errors import DistrainError
-
-
-def _train_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a GPT with the layout and settings of the config.",
-        epilog=help_text(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        # Exact option names only: launcher options are stripped from the workers' arguments by
-        # name, and an abbreviation would slip through to them.
-        allow_abbrev=False,
-    )
-    parser.add_argument("--config", help="TOML config file; command-line overrides win over it.")
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        help="Local worker processes, started through torchrun (default: all GPUs, or 2 on CPU).",
-    )
-    parser.add_argument(
-        "--nnodes",
-        metavar="N|MIN:MAX",
-        help="Nodes (machines, or agents) in the run. Giving this or any --rdzv-*/--node-rank "
-        "option launches through an elastic c10d rendezvous instead of --standalone; with "
-        "MIN:MAX the run starts once MIN nodes joined and the world size may change between "
-        "attempts (the global batch stays fixed: accumulation makes up for missing ranks).",
-    )
-    parser.add_argument(
-        "--node-rank",
-        metavar="R",
-        help="This node's number in [0, MAX); node 0 hosts the rendezvous store at "
-        "--rdzv-endpoint. Global ranks are assigned by the rendezvous (default: torchrun guesses "
-        "the store host from the endpoint's address).",
-    )
-    parser.add_argument(
-        "--rdzv-endpoint",
-        metavar="HOST:PORT",
-        help="Address of node 0's rendezvous store, the same on every node; needed when MAX > 1.",
-    )
-    parser.add_argument(
-        "--rdzv-id",
-        metavar="ID",
-        help="Rendezvous (job) id, the same on every node (default: 'distrain').",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        metavar="N",
-        help="Restart the worker group up to N times after a worker fails (default 0); every rank "
-        "resumes from the newest complete checkpoint. Works with and without --nnodes.",
-    )
-    parser.add_argument("--run-dir", help="Run directory (same as --run.dir).")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="Require a complete checkpoint in the run directory and continue from it.",
-    )
-    return parser
-
-
-# Options read by the launcher only (option -> argparse dest); workers never see them.
-LAUNCH_OPTIONS = {
-    "--nproc": "nproc",
-    "--nnodes": "nnodes",
-    "--node-rank": "node_rank",
-    "--rdzv-endpoint": "rdzv_endpoint",
-    "--rdzv-id": "rdzv_id",
-    "--max-restarts": "max_restarts",
-}
-
-
-def parse_train_args(argv: list[str], *, worker: bool) -> tuple[argparse.Namespace, Config]:
-    """Parse `train` options plus dotted overrides into a validated Config."""
-    parser = _train_parser("python -m distrain.train" if worker else "distrain train")
-    ns, rest = parser.parse_known_args(argv)
-    overrides = parse_overrides(rest)
-    if ns.run_dir is not None:
-        overrides.append(("run.dir", ns.run_dir))
-    if ns.resume:
-        overrides.append(("run.resume", "true"))
-    cfg = load_config(ns.config, overrides)
-    if worker:
-        given = [opt for opt, dest in LAUNCH_OPTIONS.items() if getattr(ns, dest) is not None]
-        if given:
-            raise ConfigError(
-                f"{', '.join(given)}: for `distrain train`; under torchrun use torchrun's own "
-                "options (--nproc-per-node, --nnodes, --rdzv-endpoint, --max-restarts, ...)"
-            )
-    return ns, cfg
 
 
 def default_nproc(cfg: Config) -> int:
@@ -109,7 +23,8 @@ def default_nproc(cfg: Config) -> int:
 
 def cmd_train(argv: list[str]) -> None:
     from distrain.launch import launch, make_plan, under_torchrun
-    from distrain.mesh import ParallelDims
+    from distrain.layout import validate
+    from distrain.preflight import preflight
 
     if under_torchrun():
         from distrain.train import run_training
@@ -121,38 +36,17 @@ def cmd_train(argv: list[str]) -> None:
     plan = make_plan(
         ns.nproc if ns.nproc is not None else default_nproc(cfg),
         nnodes=ns.nnodes,
-        node_rank=_int_option("--node-rank", ns.node_rank),
+        node_rank=int_option("--node-rank", ns.node_rank),
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
-        max_restarts=_int_option("--max-restarts", ns.max_restarts) or 0,
+        max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
     )
-    # Fail here, in one line, before starting any worker. With MIN < MAX nodes the world size is
-    # only known at each rendezvous; the workers check the layout against it then.
-    if plan.world_size is not None:
-        ParallelDims.from_config(cfg, plan.world_size)
-    launch(plan, _strip_launch_options(argv), run_dir=cfg.run.dir)
-
-
-def _int_option(name: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
-
-
-def _strip_launch_options(argv: list[str]) -> list[str]:
-    """`argv` without the options that only the launcher reads (`--opt V` and `--opt=V`)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in LAUNCH_OPTIONS:
-            skip = True
-        elif arg.split("=", 1)[0] not in LAUNCH_OPTIONS:
-            out.append(arg)
-    return out
+    # Whatever depends only on the config and the world size fails here, once, in one line,
+    # before any worker starts. With MIN < MAX nodes the world size is only known at each
+    # rendezvous; the workers check the rules that need it then.
+    validate(cfg, plan.world_size)
+    preflight(cfg)
+    launch(plan, strip_launch_options(argv), run_dir=cfg.run.dir)
 
 
 def cmd_generate(argv: list[str]) -> None:
@@ -195,11 +89,22 @@ def cmd_presets(argv: list[str]) -> None:
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}
 
 
+USAGE = f"usage: distrain {{{','.join(COMMANDS)}}} [options]   (distrain COMMAND --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: distrain {train,generate,presets} [options]   (distrain COMMAND --help)")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(
+            f"distrain: error: unknown command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         COMMANDS[argv[0]](argv[1:])
     except DistrainError as e:

@@ -1,5 +1,7 @@
 """The run configuration's schema: typed dataclasses per component, a help text per field, and
-the checks that need no knowledge of the world size (mesh.py has those that do).
+the range of every number (a `Range` in each numeric field's metadata: the rule table of values),
+and the checks between fields that need neither the world size nor the model (layout.py has
+those).
 
 A config is resolved in three layers (see config_io.py): the dataclass defaults, then a TOML file
 (`--config`), then dotted command-line overrides (`--training.steps 200`).
@@ -8,15 +10,69 @@ A config is resolved in three layers (see config_io.py): the dataclass defaults,
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from distrain.errors import ConfigError
 
 
-def doc(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a help text shown by `--help`."""
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric field accepts: an interval (either end open or closed, or missing),
+    plus `also`, values outside it with a meaning of their own (-1 = "what is left over")."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[int, ...] = ()
+    why: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = (
+                f"in {'(' if self.low_open else '['}{_num(self.low)}, "
+                f"{_num(self.high)}{')' if self.high_open else ']'}"
+            )
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        also = "".join(f"{_num(a)} or " for a in self.also)
+        return f"{also}{text}" + (f" ({self.why})" if self.why else "")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# The ranges most fields use.
+POSITIVE = Range(low=0, low_open=True)
+AT_LEAST_0 = Range(low=0)
+AT_LEAST_1 = Range(low=1)
+FRACTION = Range(low=0, high=1)
+AUTO_OR_AT_LEAST_1 = Range(low=1, also=(-1,))
+ANY_RANK = Range(low=0, also=(-1,))
+BETA = Range(low=0, high=1, high_open=True)
+
+
+def doc(default: Any, help: str, valid: Range | None = None) -> Any:
+    """A dataclass field with a default, a help text shown by `--help` and, for a number, the
+    range of values it accepts (checked by `validate`)."""
+    metadata: dict[str, Any] = {"help": help}
+    if valid is not None:
+        metadata["range"] = valid
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,11 +93,19 @@ class RunConfig:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     preset: str = doc("tiny", "Named model preset (see `distrain presets`).")
-    vocab_size: int | None = doc(None, "Override the preset's vocabulary size.")
-    dim: int | None = doc(None, "Override the preset's hidden size.")
-    n_layers: int | None = doc(None, "Override the preset's number of transformer blocks.")
-    n_heads: int | None = doc(None, "Override the preset's number of attention heads.")
-    ffn_dim: int | None = doc(None, "Override the preset's MLP hidden size.")
+    vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
+    dim: int | None = doc(None, "Override the preset's hidden size.", AT_LEAST_1)
+    n_layers: int | None = doc(
+        None, "Override the preset's number of transformer blocks.", AT_LEAST_1
+    )
+    n_heads: int | None = doc(None, "Override the preset's number of attention heads.", AT_LEAST_1)
+    ffn_dim: int | None = doc(None, "Override the preset's MLP hidden size.", AT_LEAST_1)
+    max_seq_len: int | None = doc(
+        None,
+        "Override the preset's longest sequence (training.seq_len may not exceed it; learned "
+        "positions add max_seq_len x dim parameters).",
+        AT_LEAST_1,
+    )
     norm: Literal["rmsnorm", "layernorm"] | None = doc(None, "Override the preset's norm type.")
     pos_emb: Literal["rope", "learned"] | None = doc(None, "Override the position encoding.")
     tie_embeddings: bool | None = doc(
@@ -63,27 +127,36 @@ class DataConfig:
         "uint16", "Element type of a raw .bin token file."
     )
     glob: str = doc("**/*", "Files to read when data.path is a folder (default corpus: **/*.py).")
-    max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).")
-    val_fraction: float = doc(0.05, "Fraction of the corpus held out for validation.")
+    max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).", AT_LEAST_0)
+    val_fraction: float = doc(
+        0.05,
+        "Fraction of the corpus held out for validation.",
+        Range(low=0, high=1, low_open=True, high_open=True),
+    )
     max_skew: float = doc(
-        0.05, "Largest allowed relative difference between data-parallel ranks' sample counts."
+        0.05,
+        "Largest allowed relative difference between data-parallel ranks' sample counts.",
+        FRACTION,
     )
     skew_action: Literal["warn", "error"] = doc("warn", "What a data-skew above max_skew does.")
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    steps: int = doc(600, "Optimizer steps to train for.")
+    steps: int = doc(600, "Optimizer steps to train for.", AT_LEAST_1)
     global_batch_size: int = doc(
         32,
         "Sequences per optimizer step, summed over data-parallel ranks and accumulation steps.",
+        AT_LEAST_1,
     )
-    micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.")
-    seq_len: int = doc(128, "Tokens per sequence.")
+    micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.", AT_LEAST_1)
+    seq_len: int = doc(128, "Tokens per sequence.", AT_LEAST_1)
     precision: Literal["fp32", "bf16", "fp16"] = doc(
         "fp32", "Compute precision: bf16 by autocast; fp16 with loss scaling (CUDA only)."
     )
-    seed: int = doc(1234, "Seed for model init, data order and all RNGs.")
+    seed: int = doc(
+        1234, "Seed for model init, data order and all RNGs.", Range(low=0, high=2**32 - 1)
+    )
     deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
     activation_checkpointing: Literal["none", "full", "selective"] = doc(
         "none",
@@ -91,7 +164,9 @@ class TrainingConfig:
         "training.ac_every_layers-th block.",
     )
     ac_every_layers: int = doc(
-        2, "With selective activation checkpointing, checkpoint every k-th block."
+        2,
+        "With selective activation checkpointing, checkpoint every k-th block.",
+        AT_LEAST_1,
     )
     compile: bool = doc(False, "torch.compile each transformer block.")
     oom_recovery: bool = doc(
@@ -100,9 +175,11 @@ class TrainingConfig:
         "accumulation (same global batch). Gradients are then all-reduced after the last "
         "backward instead of overlapping it; data-parallel layouts (no tp/pp/FSDP) only.",
     )
-    log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.")
-    eval_interval_steps: int = doc(100, "Steps between validation passes (0 = only at the end).")
-    eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.")
+    log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.", AT_LEAST_1)
+    eval_interval_steps: int = doc(
+        100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
+    )
+    eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.", AT_LEAST_1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,6 +188,7 @@ class OneBitConfig:
         100,
         "1-bit Adam: steps of ordinary Adam (fp32 gradient all-reduce) before the variance is "
         "frozen and the momentum is communicated 1-bit compressed.",
+        AT_LEAST_0,
     )
 
 
@@ -119,14 +197,20 @@ class OptimConfig:
     name: Literal["adamw", "onebit_adam"] = doc(
         "adamw", "Optimizer: adamw, or onebit_adam (Tang et al. 2021; DDP layouts only)."
     )
-    lr: float = doc(2e-3, "Peak learning rate.")
-    min_lr_ratio: float = doc(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
-    warmup_steps: int = doc(20, "Linear warmup steps.")
-    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to norms, biases, embeddings).")
-    beta1: float = doc(0.9, "AdamW beta1.")
-    beta2: float = doc(0.95, "AdamW beta2.")
-    eps: float = doc(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = doc(1.0, "Clip gradients to this global norm (0 = no clipping).")
+    lr: float = doc(2e-3, "Peak learning rate.", POSITIVE)
+    min_lr_ratio: float = doc(
+        0.1, "Final learning rate of the cosine decay, as a fraction of lr.", FRACTION
+    )
+    warmup_steps: int = doc(20, "Linear warmup steps.", AT_LEAST_0)
+    weight_decay: float = doc(
+        0.1, "AdamW weight decay (not applied to norms, biases, embeddings).", AT_LEAST_0
+    )
+    beta1: float = doc(0.9, "AdamW beta1.", BETA)
+    beta2: float = doc(0.95, "AdamW beta2.", BETA)
+    eps: float = doc(1e-8, "AdamW epsilon.", POSITIVE)
+    max_grad_norm: float = doc(
+        1.0, "Clip gradients to this global norm (0 = no clipping).", AT_LEAST_0
+    )
     onebit: OneBitConfig = field(default_factory=OneBitConfig)
 
 
@@ -136,14 +220,18 @@ class ParallelConfig:
         -1,
         "Data-parallel replicas (DDP, or HSDP's replicate axis); -1 = what is left over "
         "(when zero_stage <= 1).",
+        AUTO_OR_AT_LEAST_1,
     )
     dp_shard: int = doc(
         -1,
         "Data-parallel shards (FSDP2, zero_stage 2/3); -1 = what is left over (1 when zero_stage "
         "<= 1).",
+        AUTO_OR_AT_LEAST_1,
     )
-    tp: int = doc(1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).")
-    pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).")
+    tp: int = doc(
+        1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).", AT_LEAST_1
+    )
+    pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).", AT_LEAST_1)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
         "1f1b", "Pipeline schedule (torch.distributed.pipelining)."
     )
@@ -151,14 +239,18 @@ class ParallelConfig:
         -1,
         "Pipeline micro-batches per step per data-parallel rank; -1 = global batch / "
         "(micro_batch_size x data-parallel size).",
+        AUTO_OR_AT_LEAST_1,
     )
     pp_stages_per_rank: int = doc(
-        1, "Pipeline stages per rank (>= 2 for the interleaved and zero-bubble schedules)."
+        1,
+        "Pipeline stages per rank (>= 2 for the interleaved and zero-bubble schedules).",
+        AT_LEAST_1,
     )
     zero_stage: int = doc(
         0,
         "ZeRO stage: 0 DDP; 1 + optimizer state sharded; 2 + gradients sharded (FSDP2, no "
         "reshard after forward); 3 + parameters sharded (FSDP2).",
+        Range(low=0, high=3),
     )
     sequence_parallel: bool = doc(
         True, "With tp > 1, shard norms and the residual stream along the sequence."
@@ -167,15 +259,17 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CommConfig:
-    bucket_cap_mb: float = doc(25.0, "DDP gradient bucket size in MiB.")
+    bucket_cap_mb: float = doc(25.0, "DDP gradient bucket size in MiB.", POSITIVE)
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd", "onebit"] = doc(
         "none",
         "DDP gradient compression hook: fp16/bf16 casts; powersgd low-rank (with error "
         "feedback); onebit = signs + one scale per bucket, with error feedback.",
     )
-    powersgd_rank: int = doc(2, "PowerSGD approximation rank.")
+    powersgd_rank: int = doc(2, "PowerSGD approximation rank.", AT_LEAST_1)
     powersgd_start_step: int = doc(
-        10, "PowerSGD: steps of uncompressed all-reduce before compression starts."
+        10,
+        "PowerSGD: steps of uncompressed all-reduce before compression starts.",
+        Range(low=2, why="DDP rebuilds its buckets after step 1"),
     )
     hierarchical: bool = doc(
         False,
@@ -191,12 +285,20 @@ class CheckpointConfig:
         "Where checkpoints go: a folder or an fsspec URL (s3://bucket/run); empty = "
         "<run_dir>/checkpoints.",
     )
-    interval_steps: int = doc(200, "Steps between temporary checkpoints (0 = off).")
-    interval_minutes: float = doc(60.0, "Minutes between temporary checkpoints (0 = off).")
-    keep_temporary: int = doc(2, "Newest temporary checkpoints kept; older ones are deleted.")
-    permanent_every_steps: int = doc(0, "Steps between permanent checkpoints (0 = off).")
+    interval_steps: int = doc(200, "Steps between temporary checkpoints (0 = off).", AT_LEAST_0)
+    interval_minutes: float = doc(
+        60.0, "Minutes between temporary checkpoints (0 = off).", AT_LEAST_0
+    )
+    keep_temporary: int = doc(
+        2, "Newest temporary checkpoints kept; older ones are deleted.", AT_LEAST_0
+    )
+    permanent_every_steps: int = doc(
+        0, "Steps between permanent checkpoints (0 = off).", AT_LEAST_0
+    )
     permanent_every_minutes: float = doc(
-        360.0, "Minutes between permanent checkpoints, never deleted by retention (0 = off)."
+        360.0,
+        "Minutes between permanent checkpoints, never deleted by retention (0 = off).",
+        AT_LEAST_0,
     )
     at_end: bool = doc(True, "Save a (permanent) checkpoint after the last step.")
     async_mode: Literal["none", "async"] = doc(
@@ -215,9 +317,11 @@ class MetricsConfig:
 @dataclass(kw_only=True, slots=True)
 class DebugConfig:
     fail_at_step: int = doc(
-        0, "Fault injection: crash when this step begins (0 = never); for tests and chaos runs."
+        0,
+        "Fault injection: crash when this step begins (0 = never); for tests and chaos runs.",
+        AT_LEAST_0,
     )
-    fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).")
+    fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).", ANY_RANK)
     fail_mode: Literal["exception", "kill"] = doc(
         "exception", "How the injected crash happens: raise an exception, or SIGKILL the process."
     )
@@ -225,16 +329,22 @@ class DebugConfig:
         0,
         "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
         "restarted workers run on.",
+        AT_LEAST_0,
     )
     corrupt_checkpoint_step: int = doc(
         0,
         "Fault injection: after the checkpoint of this step is committed, flip one byte of one "
         "of its shard files, so the next resume must detect it and fall back (0 = never).",
+        AT_LEAST_0,
     )
     oom_at_step: int = doc(
-        0, "Fault injection: raise an out-of-memory error inside this step (0 = never)."
+        0,
+        "Fault injection: raise an out-of-memory error inside this step (0 = never).",
+        AT_LEAST_0,
     )
-    oom_rank: int = doc(-1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).")
+    oom_rank: int = doc(
+        -1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).", ANY_RANK
+    )
     check_replicas: bool = doc(
         False,
         "After every logged step, check that parameters agree across data-parallel replicas; a "
@@ -260,48 +370,31 @@ def sections(cfg: Config) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
+def numeric_fields(node: Any, path: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
+    """(dotted name, value, field) of every int/float field under `node`, nested sections too."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        name = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            found += numeric_fields(value, name)
+        elif "range" in f.metadata or (
+            isinstance(value, int | float) and not isinstance(value, bool)
+        ):
+            found.append((name, value, f))
+    return found
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need no knowledge of the world size (see mesh.py for those that do)."""
+    """Checks that need no knowledge of the world size or the model (layout.py has those): every
+    number within its field's range, then the relations between fields."""
+    for name, value, f in numeric_fields(cfg):
+        valid = f.metadata.get("range")
+        if valid is not None and value is not None and value not in valid:
+            raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
     t = cfg.training
-    positive = {
-        "training.steps": t.steps,
-        "training.global_batch_size": t.global_batch_size,
-        "training.micro_batch_size": t.micro_batch_size,
-        "training.seq_len": t.seq_len,
-        "training.log_interval_steps": t.log_interval_steps,
-        "training.eval_batches": t.eval_batches,
-        "training.ac_every_layers": t.ac_every_layers,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value}")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"training.micro_batch_size ({t.micro_batch_size})"
         )
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
-    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}"
-        )
-    if cfg.comm.powersgd_start_step < 2:
-        raise ConfigError(
-            "comm.powersgd_start_step must be >= 2 (DDP rebuilds its buckets after step 1)"
-        )
-    if cfg.comm.bucket_cap_mb <= 0:
-        raise ConfigError(f"comm.bucket_cap_mb must be > 0, got {cfg.comm.bucket_cap_mb}")
-    for name in (
-        "checkpoint.interval_steps",
-        "checkpoint.interval_minutes",
-        "checkpoint.permanent_every_steps",
-        "checkpoint.permanent_every_minutes",
-        "checkpoint.keep_temporary",
-        "training.eval_interval_steps",
-    ):
-        section, key = name.split(".")
-        if getattr(getattr(cfg, section), key) < 0:
-            raise ConfigError(f"{name} must be >= 0")

@@ -189,8 +189,9 @@ def _help_lines(path: str, node: Any) -> list[str]:
         if dataclasses.is_dataclass(value):
             nested.append((f"{path}.{f.name}", value))
             continue
+        valid = f" {f.metadata['range']}," if "range" in f.metadata else ""
         lines.append(
-            f"    {path}.{f.name} ({_describe(hints[f.name])}, default {value!r}): "
+            f"    {path}.{f.name} ({_describe(hints[f.name])},{valid} default {value!r}): "
             f"{f.metadata.get('help', '')}"
         )
     for sub_path, sub in nested:

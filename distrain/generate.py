@@ -32,7 +32,7 @@ def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
         storage, layout="", async_mode=False, keep_temporary=0, logger=logging.getLogger(LOGGER)
     )
     with torch.device("meta"):
-        model = GPT(model_args(cfg.model, seq_len=cfg.training.seq_len))
+        model = GPT(model_args(cfg.model))
     model.to_empty(device=device)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
@@ -44,6 +44,18 @@ def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
         )
     model.load_state_dict(state["model"])
     return model.eval(), step
+
+
+def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse sampling options that would do nothing, or something else than asked, silently."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ConfigError(
+            f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = no top-k filtering), got {top_k}")
 
 
 @torch.no_grad()
@@ -83,6 +95,7 @@ def generate_text(
     top_k: int | None,
     seed: int,
 ) -> str:
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(run_dir, device)
     tokenizer = ByteTokenizer()

@@ -1,9 +1,8 @@
 """The one authority on devices, backends and process groups.
 
-`ParallelDims` turns the `[parallel]` config and the world size into named axis degrees, checks
-that they multiply to the world size, and builds the DeviceMesh. Only the data-parallel axis
-exists so far; later axes (dp_shard, tp, pp) are added here and nowhere else. Nothing else in
-distrain creates process groups.
+`ParallelDims` turns the `[parallel]` config and the world size into named axis degrees and
+builds the DeviceMesh; whether the degrees fit the world size is one of layout.py's rules, checked
+before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce.
 """
 
 from __future__ import annotations
@@ -31,11 +30,21 @@ class DistContext:
     local_world_size: int = 1
 
 
+CUDA_MISSING = "run.device = 'cuda' but CUDA is not available here; use auto or cpu"
+
+
+def device_type(requested: str) -> str:
+    """The device type run.device resolves to on this machine: auto picks cuda when present."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
 def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     """Device and backend in one place: CUDA with NCCL when present, else CPU with gloo."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+    if device_type(requested) == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("run.device = 'cuda' but CUDA is not available; use auto or cpu")
+            raise ConfigError(CUDA_MISSING)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 
@@ -84,46 +93,19 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+        """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
+        (layout.validate has checked that they fit)."""
         p = cfg.parallel
-        for name in ("tp", "pp"):
-            if getattr(p, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-        if world_size % (p.tp * p.pp):
-            raise ConfigError(
-                f"parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {p.tp * p.pp} does not divide the "
-                f"world size {world_size}; choose degrees whose product divides it"
-            )
         dp = world_size // (p.tp * p.pp)
         replicate, shard = p.dp_replicate, p.dp_shard
         if p.zero_stage <= 1:
-            if shard not in (-1, 1):
-                raise ConfigError(
-                    f"parallel.dp_shard = {shard} needs parallel.zero_stage 2 or 3 (FSDP2); "
-                    "with zero_stage 0/1 data parallelism is replication: set dp_shard = 1"
-                )
-            shard = 1
-            replicate = dp if replicate == -1 else replicate
+            replicate, shard = dp, 1
         elif shard == -1:
             replicate = 1 if replicate == -1 else replicate
-            if replicate < 1 or dp % replicate:
-                raise ConfigError(
-                    f"parallel.dp_replicate ({replicate}) must divide the data-parallel size {dp} "
-                    f"(world {world_size} / tp {p.tp} / pp {p.pp})"
-                )
             shard = dp // replicate
         elif replicate == -1:
-            if shard < 1 or dp % shard:
-                raise ConfigError(
-                    f"parallel.dp_shard ({shard}) must divide the data-parallel size {dp} "
-                    f"(world {world_size} / tp {p.tp} / pp {p.pp})"
-                )
             replicate = dp // shard
-        if replicate * shard != dp or replicate < 1 or shard < 1:
-            raise ConfigError(
-                f"parallel.dp_replicate ({p.dp_replicate}) x dp_shard ({p.dp_shard}) x tp ({p.tp}) "
-                f"x pp ({p.pp}) must equal the world size {world_size}; set one of them to -1"
-            )
-        dims = cls(
+        return cls(
             pp=p.pp,
             dp_replicate=replicate,
             dp_shard=shard,
@@ -131,8 +113,6 @@ class ParallelDims:
             zero_stage=p.zero_stage,
             world_size=world_size,
         )
-        dims.check_batch(cfg)
-        return dims
 
     @property
     def dp_size(self) -> int:
@@ -149,16 +129,6 @@ class ParallelDims:
         if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1:
             return "fsdp"
         return "ddp"
-
-    def check_batch(self, cfg: Config) -> None:
-        t = cfg.training
-        if t.global_batch_size % (t.micro_batch_size * self.dp_size):
-            raise ConfigError(
-                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
-                f"({self.dp_size}, from world size {self.world_size}); change the batch sizes or "
-                "the number of processes"
-            )
 
     def describe(self) -> str:
         return (

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from distrain.args import parse_train_args
 from distrain.config import Config
 from distrain.config_io import write_toml
 from distrain.errors import DistrainError
@@ -59,8 +60,6 @@ def run_training(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distrain.cli import parse_train_args
-
     try:
         _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
         run_training(cfg)

@@ -26,9 +26,10 @@ from distrain.checkpoint import Checkpointer, checkpoint_storage, corrupt_one_sh
 from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
-from distrain.errors import CheckpointError, ConfigError
-from distrain.mesh import DistContext, ParallelDims
-from distrain.models.presets import model_args, num_params
+from distrain.errors import CheckpointError
+from distrain.layout import validate as validate_layout
+from distrain.mesh import DistContext
+from distrain.models.presets import num_params
 from distrain.observe.metrics import MetricsWriter
 from distrain.optim import (
     build_optimizer,
@@ -96,17 +97,16 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext, logger: logging.Logger):
         self.cfg, self.ctx, self.log = cfg, ctx, logger
         t = cfg.training
-        if t.precision == "fp16" and ctx.device.type != "cuda":
-            raise ConfigError(
-                "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32"
-            )
         self.run_dir = Path(cfg.run.dir)
-        self.dims = ParallelDims.from_config(cfg, ctx.world_size)
+        layout = validate_layout(cfg, ctx.world_size)
+        self.dims, self.args = layout.dims, layout.model
         self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
         seed_everything(t.seed, deterministic=t.deterministic)
 
-        train_set, self.val_set = build_datasets(cfg.data, t.seq_len)
+        train_set, self.val_set = build_datasets(
+            cfg.data, t.seq_len, vocab_size=self.args.vocab_size
+        )
         self.loader = DistributedBatchLoader(
             train_set,
             global_batch_size=t.global_batch_size,
@@ -131,7 +131,6 @@ class Trainer:
             device=ctx.device,
         )
 
-        self.args = model_args(cfg.model, seq_len=t.seq_len)
         self.comm_stats = CommStats()
         self.model = build_parallel_model(
             self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats

@@ -34,7 +34,7 @@ def test_toml_int_accepted_for_float(tmp_path):
         (["--training.steps", "many"], "training.steps: expected int, got 'many'"),
         (["--training.precision", "fp8"], "choose one of fp32 | bf16 | fp16"),
         (["--training.micro_batch_size", "3"], "multiple of training.micro_batch_size (3)"),
-        (["--training.steps", "0"], "training.steps must be > 0"),
+        (["--training.steps", "0"], "training.steps = 0 is out of range: it must be >= 1"),
         (["steps=3"], "unrecognized argument 'steps=3'"),
         (["--training.steps"], "--training.steps: missing value"),
     ],

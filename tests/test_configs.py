@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from distrain.config_io import load_config
-from distrain.models import model_args
+from distrain.layout import validate
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -13,7 +13,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_is_valid(path):
     cfg = load_config(str(path))
-    model_args(cfg.model, seq_len=cfg.training.seq_len)
+    validate(cfg, None)
 
 
 def test_configs_exist():

@@ -67,9 +67,9 @@ def test_meta_build_then_materialize_matches_eager():
 
 
 def test_model_overrides_and_errors():
-    args = model_args(ModelConfig(preset="tiny", n_layers=2), seq_len=2048)
+    args = model_args(ModelConfig(preset="tiny", n_layers=2, max_seq_len=2048))
     assert args.n_layers == 2 and args.max_seq_len == 2048
     with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'"):
-        model_args(ModelConfig(preset="huge"), seq_len=8)
+        model_args(ModelConfig(preset="huge"))
     with pytest.raises(ConfigError, match=r"model.dim \(100\) must be divisible by model.n_heads"):
-        model_args(ModelConfig(dim=100, n_heads=3), seq_len=8)
+        model_args(ModelConfig(dim=100, n_heads=3))

@@ -9,7 +9,6 @@ variants share one process group: spawning 2 ranks costs ~3 s.
 from __future__ import annotations
 
 import json
-import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.parallel.tensor import (
     apply_tensor_parallel,
     check_sequence_length,
-    check_tensor_parallel,
     tp_loss_context,
 )
 
@@ -177,29 +175,6 @@ def test_tensor_parallel_matches_plain_model(tmp_path):
             assert got["grad"] <= GRAD_TOL, (name, got)
             assert got["grad_norm"] <= GRAD_NORM_RTOL, (name, got)
             assert got["step_loss"] <= STEP_LOSS_TOL, (name, got)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "tp", "field"),
-    [
-        ({"n_heads": 6, "dim": 48}, 4, "model.n_heads (6)"),
-        ({"n_heads": 8, "ffn_dim": 100}, 8, "model.ffn_dim (100)"),
-        ({"vocab_size": 257}, 2, "model.vocab_size (257)"),
-    ],
-)
-def test_check_tensor_parallel_refuses_uneven_splits(overrides, tp, field):
-    args = ModelArgs(**overrides)
-    with pytest.raises(
-        ConfigError, match=rf"^{re.escape(field)}.*parallel\.tp \({tp}\); choose parallel\.tp"
-    ):
-        check_tensor_parallel(args, tp)
-
-
-def test_check_tensor_parallel_suggests_degrees_that_fit_every_field():
-    args = ModelArgs(n_heads=6, dim=48, ffn_dim=96, vocab_size=96)
-    with pytest.raises(ConfigError, match=r"choose parallel\.tp in \{1, 2, 3, 6\}"):
-        check_tensor_parallel(args, 4)
-    check_tensor_parallel(args, 3)
 
 
 def test_check_sequence_length():

@@ -2,10 +2,13 @@
 
 Text is read as raw bytes (the byte tokenizer's tokens) and concatenated in sorted path order, so
 the same files give the same stream on every machine. Token files are memory-mapped, not copied.
+Opening the data also checks what only its contents can tell: token ids the model has no
+embedding for (refused), and "text" that is mostly not text, such as an executable (a warning).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sysconfig
 from pathlib import Path
@@ -14,17 +17,26 @@ import numpy as np
 
 from distrain.config import DataConfig
 from distrain.errors import DistrainError
+from distrain.observe.logs import LOGGER_NAME
 
 _SKIPPED_DIRS = ("site-packages", "dist-packages")
 _TOKEN_SUFFIXES = (".bin", ".npy")
+# Bytes that are no part of text: C0 controls other than tab, newlines, form feed; and DEL.
+_CONTROL_BYTES = np.array([b for b in range(32) if b not in b"\t\n\v\f\r"] + [127], np.uint8)
+# Above this share of invalid UTF-8 and control bytes, a text corpus is probably binary (an ELF
+# executable has ~65%, source code and prose ~0%).
+MAX_NON_TEXT_FRACTION = 0.3
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+_CHUNK_TOKENS = 1 << 24
 
 
 class DataError(DistrainError, ValueError):
     """Data that cannot be used for training; the message names the config field to change."""
 
 
-def read_corpus(cfg: DataConfig) -> np.ndarray:
-    """The whole corpus as a 1-D token array (uint8 for text; a read-only memmap for tokens)."""
+def read_corpus(cfg: DataConfig, *, vocab_size: int | None = None) -> np.ndarray:
+    """The whole corpus as a 1-D token array (uint8 for text; a read-only memmap for tokens).
+    With `vocab_size`, every token id must be in [0, vocab_size)."""
     if cfg.path == "":
         tokens = _read_files(_stdlib_sources(), cfg.max_bytes)
         where = "the standard library source (data.path is empty)"
@@ -43,9 +55,62 @@ def read_corpus(cfg: DataConfig) -> np.ndarray:
         else:
             tokens = _read_files([path], cfg.max_bytes)
         where = f"data.path {cfg.path!r}" + (f" (data.glob {cfg.glob!r})" if path.is_dir() else "")
+        if not is_tokens:
+            _warn_if_not_text(tokens, where)
     if tokens.size == 0:
         raise DataError(f"empty corpus: no data in {where}")
+    if vocab_size is not None:
+        check_token_ids(tokens, vocab_size, where)
     return tokens
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Refuse ids outside [0, vocab_size): the embedding would fail on them mid-training. One
+    chunked pass over the data, skipped when the element type cannot hold a bad id."""
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab_size:
+        return
+    low, high = 0, 0
+    for start in range(0, tokens.size, _CHUNK_TOKENS):
+        chunk = tokens[start : start + _CHUNK_TOKENS]
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    if low < 0:
+        raise DataError(f"{where}: token id {low} is negative; token ids must be >= 0")
+    if high >= vocab_size:
+        raise DataError(
+            f"{where}: token id {high} is beyond model.vocab_size {vocab_size} (ids must be < "
+            f"{vocab_size}); use data made for this model's vocabulary, or set model.vocab_size "
+            f">= {high + 1}"
+        )
+
+
+def non_text_fraction(data: np.ndarray) -> float:
+    """The share of invalid UTF-8 and control bytes in up to 16 evenly spread 64 KiB samples."""
+    n = data.size
+    if n <= _SAMPLES * _SAMPLE_BYTES:
+        samples = [data]
+    else:
+        starts = np.linspace(0, n - _SAMPLE_BYTES, _SAMPLES).astype(np.int64)
+        samples = [data[s : s + _SAMPLE_BYTES] for s in starts]
+    bad = total = 0
+    for sample in samples:
+        raw = sample.tobytes()
+        valid = raw.decode("utf-8", errors="ignore").encode("utf-8")
+        bad += len(raw) - len(valid) + int(np.isin(sample, _CONTROL_BYTES).sum())
+        total += len(raw)
+    return bad / total if total else 0.0
+
+
+def _warn_if_not_text(data: np.ndarray, where: str) -> None:
+    fraction = non_text_fraction(data)
+    if fraction > MAX_NON_TEXT_FRACTION:
+        logging.getLogger(LOGGER_NAME).warning(
+            "%s: %.0f%% of the sampled bytes are not UTF-8 text (a binary file?); training reads "
+            "them as tokens anyway: point data.path at text, or at a token file with "
+            "data.format = tokens",
+            where,
+            100 * fraction,
+        )
 
 
 def _stdlib_sources() -> list[Path]:

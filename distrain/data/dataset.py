@@ -89,9 +89,12 @@ class TokenDataset:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def build_datasets(cfg: DataConfig, seq_len: int) -> tuple[TokenDataset, TokenDataset]:
-    """(train, val) datasets of the configured corpus; both must hold at least one sample."""
-    tokens = read_corpus(cfg)
+def build_datasets(
+    cfg: DataConfig, seq_len: int, *, vocab_size: int | None = None
+) -> tuple[TokenDataset, TokenDataset]:
+    """(train, val) datasets of the configured corpus; both must hold at least one sample, and
+    with `vocab_size` every token id must be below it."""
+    tokens = read_corpus(cfg, vocab_size=vocab_size)
     train_ranges, val_ranges = split_tokens(tokens, cfg.val_fraction)
     train = TokenDataset(tokens, train_ranges, seq_len)
     val = TokenDataset(tokens, val_ranges, seq_len)

@@ -45,8 +45,13 @@ class DistributedBatchLoader:
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
-        if len(dataset) == 0:
-            raise DataError("the training split has no samples; use more data")
+        if len(dataset) < global_batch_size:
+            raise DataError(
+                f"the data set is too small: the training split holds {len(dataset)} sequences "
+                f"of {dataset.seq_len} tokens, one global batch needs {global_batch_size} "
+                "(training.global_batch_size); use more data (data.path, data.max_bytes), a "
+                "smaller training.global_batch_size or a shorter training.seq_len"
+            )
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size

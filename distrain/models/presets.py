@@ -38,8 +38,9 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def model_args(cfg: ModelConfig, *, seq_len: int) -> ModelArgs:
-    """The preset named by cfg.preset with cfg's non-None fields applied over it."""
+def model_args(cfg: ModelConfig) -> ModelArgs:
+    """The preset named by cfg.preset with cfg's non-None fields applied over it (a sequence
+    longer than its max_seq_len is refused by layout.py, never silently allowed for)."""
     if cfg.preset not in PRESETS:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}"
@@ -50,7 +51,6 @@ def model_args(cfg: ModelConfig, *, seq_len: int) -> ModelArgs:
         if f.name != "preset" and getattr(cfg, f.name) is not None
     }
     args = dataclasses.replace(PRESETS[cfg.preset], **overrides)
-    args.max_seq_len = max(args.max_seq_len, seq_len)
     try:
         args.check()
     except ValueError as e:

@@ -23,7 +23,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
-from distrain.errors import ConfigError
 from distrain.mesh import DistContext, ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats
@@ -176,16 +175,12 @@ class ParallelModel:
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         """A pipeline schedule runs one batch shape only: regroup the evaluation samples into
-        training-sized batches (a remainder smaller than one batch is left out)."""
+        training-sized batches (a remainder smaller than one batch is left out; layout.py makes
+        sure there is at least one)."""
         inputs = torch.cat([b[0] for b in batches]).to(self.device)
         targets = torch.cat([b[1] for b in batches]).to(self.device)
         size = self.train_batch_rows
         chunks = len(inputs) // size
-        if chunks == 0:
-            raise ConfigError(
-                f"training.eval_batches x micro_batch_size = {len(inputs)} evaluation sequences "
-                f"per rank is less than one pipeline batch ({size}); raise training.eval_batches"
-            )
         total = torch.zeros((), device=self.device)
         for i in range(chunks):
             rows = slice(i * size, (i + 1) * size)
@@ -197,59 +192,6 @@ class ParallelModel:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def check_layout(args: ModelArgs, cfg: Config, dims: ParallelDims) -> None:
-    """Refuse combinations that torch computes wrongly or that distrain does not support."""
-    p = cfg.parallel
-    if dims.zero_stage == 1 and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError(
-            "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) works with plain data parallel "
-            "only; with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3"
-        )
-    if dims.pp > 1 and p.pp_schedule == "zero_bubble" and dims.dp_size > 1:
-        raise ConfigError(
-            "parallel.pp_schedule = 'zero_bubble' with data parallelism gives wrong gradients in "
-            "torch (no error raised); use gpipe, 1f1b or interleaved_1f1b with dp > 1, or "
-            "zero_bubble with a data-parallel size of 1"
-        )
-    if cfg.training.oom_recovery and (dims.tp > 1 or dims.pp > 1 or dims.zero_stage >= 2):
-        raise ConfigError(
-            "training.oom_recovery works with data-parallel layouts only (zero_stage 0/1, "
-            "parallel.tp = parallel.pp = 1); turn it off or change the layout"
-        )
-    c = cfg.comm
-    if (c.gradient_compression != "none" or c.hierarchical) and dims.dp_wrapper == "fsdp":
-        raise ConfigError(
-            "comm.gradient_compression and comm.hierarchical are DDP communication hooks; they "
-            "need zero_stage 0/1 without tp/pp"
-        )
-    if c.gradient_compression != "none" and c.hierarchical:
-        raise ConfigError(
-            "comm.hierarchical cannot be combined with comm.gradient_compression (DDP takes one "
-            "communication hook); choose one"
-        )
-    if cfg.optim.name == "onebit_adam" and (
-        dims.dp_wrapper == "fsdp"
-        or dims.zero_stage == 1
-        or c.gradient_compression != "none"
-        or cfg.training.oom_recovery
-    ):
-        raise ConfigError(
-            "optim.name = 'onebit_adam' communicates the momentum itself: it needs plain data "
-            "parallel (zero_stage 0, no tp/pp, comm.gradient_compression = 'none', no "
-            "training.oom_recovery); it does not compose with sharded data parallel"
-        )
-    if dims.pp > 1 and dims.tp > 1 and p.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages would "
-            "exchange sequence-sharded activations); set parallel.sequence_parallel = false"
-        )
-    if cfg.training.precision == "fp16" and dims.dp_wrapper == "fsdp":
-        raise ConfigError(
-            "training.precision = 'fp16' (loss scaling) is supported with plain DDP only; use "
-            "bf16 with zero_stage 2/3, tp or pp"
-        )
 
 
 def build_parallel_model(
@@ -264,7 +206,6 @@ def build_parallel_model(
     """The model parts for this rank, laid out per `dims`; DDP's gradient hook counts its bytes
     into `comm_stats`."""
     device = ctx.device
-    check_layout(args, cfg, dims)
     with torch.device("meta"):
         model = GPT(args)
     stage_ids, num_stages, microbatches = [0], 1, 1
@@ -287,9 +228,8 @@ def build_parallel_model(
         parts = [model]
     for part in parts:
         if dims.tp > 1:
-            from distrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+            from distrain.parallel.tensor import apply_tensor_parallel
 
-            check_tensor_parallel(args, dims.tp)
             apply_tensor_parallel(
                 part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
             )

@@ -2,9 +2,10 @@
 
 This module owns the TP layout plan: which GPT parameters are split over the tensor-parallel mesh
 axis and where activations are gathered or scattered, expressed with DTensor parallel styles and
-applied from the outside by `parallelize_module` (the model itself holds no parallel code). It
-also owns the checks that a model can be split over `parallel.tp` ranks, and the loss context
-the trainer wraps the cross entropy and its backward in.
+applied from the outside by `parallelize_module` (the model itself holds no parallel code), and
+the loss context the trainer wraps the cross entropy and its backward in. Whether a model splits
+evenly over `parallel.tp` ranks is one of layout.py's rules (DTensor would accept uneven shards:
+a head cut between ranks is no longer attention).
 
 The split (Megatron-LM): attention heads and the MLP's hidden units are divided over the ranks
 (wq/wk/wv and w_up column-parallel, wo and w_down row-parallel), so each block costs one
@@ -36,7 +37,6 @@ What callers must know:
 from __future__ import annotations
 
 import contextlib
-import math
 from functools import partial
 from typing import Any
 
@@ -55,33 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from distrain.errors import ConfigError
-from distrain.models.gpt import GPT, ModelArgs
-
-
-def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Refuse a model that cannot be split evenly over `tp` ranks.
-
-    DTensor accepts uneven shards, but a head cut between ranks is no longer attention and
-    padded vocabulary shards change what the loss sees; so an uneven split is refused here, with
-    the degrees that would fit, rather than failing deep inside a forward or training a
-    different model.
-    """
-    if tp < 1:
-        raise ConfigError(f"parallel.tp ({tp}) must be at least 1")
-    sizes = {
-        "n_heads": args.n_heads,
-        "ffn_dim": args.ffn_dim,
-        "vocab_size": args.vocab_size,
-        "dim": args.dim,
-    }
-    for field, size in sizes.items():
-        if size % tp:
-            common = math.gcd(*sizes.values())
-            choices = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-            raise ConfigError(
-                f"model.{field} ({size}) must be divisible by parallel.tp ({tp}); choose "
-                f"parallel.tp in {{{choices}}} or change model.{field}"
-            )
+from distrain.models.gpt import GPT
 
 
 def check_sequence_length(seq_len: int, tp: int) -> None:
@@ -177,7 +151,6 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh (its tp axis), got {tp_mesh}")
-    check_tensor_parallel(model.args, tp_mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()
     if sequence_parallel and model.tok_emb is not None:
         tp = tp_mesh.size()
