@@ -1,0 +1,452 @@
+"""Bad input is refused in one line, before any worker starts: the layout rule table
+(distrain/layout.py), the numeric ranges of the schema, the launcher's preflight of paths, and the
+command line's own arguments."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAST, overrides, run_cli, train_in_process
+
+import distrain.launch
+from distrain import cli
+from distrain.config import Config, ConfigError, numeric_fields
+from distrain.config_io import help_text, load_config, parse_overrides
+from distrain.layout import RULES, LayoutError, validate
+
+# (rule, overrides, world size, texts the one-line message must hold). Every rule of the table
+# appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present.
+CASES = [
+    ("seq_len_within_model", {"training.seq_len": "2048"}, 1,
+     ["training.seq_len (2048) exceeds the model's max_seq_len (1024, preset 'tiny')",
+      "at most 1024", "model.max_seq_len = 2048"]),
+    ("cuda_available", {"run.device": "cuda"}, 1,
+     ["run.device = 'cuda' but CUDA is not available", "use auto or cpu"]),
+    ("fp16_needs_cuda", {"training.precision": "fp16", "run.device": "cpu"}, 1,
+     ["training.precision = 'fp16' needs CUDA", "use bf16 or fp32"]),
+    ("fp16_plain_data_parallel",
+     {"training.precision": "fp16", "run.device": "cuda", "parallel.pp": "2", "cuda": ""}, 2,
+     ["training.precision = 'fp16'", "pp 2 here", "use bf16"]),
+    ("fp16_plain_data_parallel",
+     {"training.precision": "fp16", "run.device": "cuda", "parallel.zero_stage": "2",
+      "cuda": ""}, 2,
+     ["zero_stage 2, tp 1, pp 1 here"]),
+    ("zero1_plain_data_parallel", {"parallel.zero_stage": "1", "parallel.tp": "2"}, 2,
+     ["parallel.zero_stage = 1", "use zero_stage 0, 2 or 3"]),
+    ("oom_recovery_plain_data_parallel",
+     {"training.oom_recovery": "true", "parallel.zero_stage": "3"}, 2,
+     ["training.oom_recovery works with data-parallel layouts only"]),
+    ("oom_recovery_without_comm_hooks",
+     {"training.oom_recovery": "true", "comm.gradient_compression": "powersgd"}, 2,
+     ["comm.gradient_compression ('powersgd')", "turn training.oom_recovery off"]),
+    ("oom_recovery_without_comm_hooks",
+     {"training.oom_recovery": "true", "comm.hierarchical": "true"}, 2,
+     ["comm.hierarchical (True) would be skipped"]),
+    ("comm_hooks_need_ddp", {"comm.gradient_compression": "fp16", "parallel.zero_stage": "2"}, 2,
+     ["DDP communication hooks", "zero_stage 2, tp 1, pp 1 here"]),
+    ("one_comm_hook", {"comm.gradient_compression": "bf16", "comm.hierarchical": "true"}, 2,
+     ["DDP takes one communication hook"]),
+    ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "2"},
+     2, ["it does not compose with sharded data parallel"]),
+    ("tp_splits_model", {"parallel.tp": "2", "model.vocab_size": "255"}, 2,
+     ["model.vocab_size (255) must be divisible by parallel.tp (2); choose parallel.tp in {1}"]),
+    ("tp_splits_model",
+     {"parallel.tp": "4", "model.n_heads": "6", "model.dim": "48", "model.ffn_dim": "96",
+      "model.vocab_size": "96"}, 4,
+     ["model.n_heads (6) must be divisible by parallel.tp (4)", "in {1, 2, 3, 6}"]),
+    ("sequence_parallel_splits_seq_len", {"parallel.tp": "2", "training.seq_len": "127"}, 2,
+     ["splits the 127 positions", "multiple of 2", "parallel.sequence_parallel = false"]),
+    ("sequence_parallel_without_pp", {"parallel.tp": "2", "parallel.pp": "2"}, 4,
+     ["set parallel.sequence_parallel = false"]),
+    ("single_stage_schedule",
+     {"parallel.pp": "2", "parallel.pp_schedule": "gpipe", "parallel.pp_stages_per_rank": "2"}, 2,
+     ["'gpipe' runs one stage per rank", "use interleaved_1f1b or zero_bubble"]),
+    ("multi_stage_schedule", {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble"}, 2,
+     ["'zero_bubble' interleaves several stages", "parallel.pp_stages_per_rank = 1"]),
+    ("a_layer_per_stage",
+     {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+      "parallel.pp_stages_per_rank": "4"}, 2,
+     ["model.n_layers (4) must be at least the number of pipeline stages (8"]),
+    ("untied_embeddings_across_stages", {"parallel.pp": "2", "model.tie_embeddings": "true"}, 2,
+     ["set model.tie_embeddings = false"]),
+    ("tp_pp_divide_world", {"parallel.tp": "2"}, 3,
+     ["parallel.tp (2) x parallel.pp (1) = 2 does not divide the world size 3",
+      "a multiple of 2 processes"]),
+    ("dp_shard_needs_fsdp", {"parallel.dp_shard": "2"}, 2,
+     ["parallel.dp_shard = 2 needs parallel.zero_stage 2 or 3"]),
+    ("dp_replicate_is_dp", {"parallel.dp_replicate": "4"}, 2,
+     ["parallel.dp_replicate (4) must equal the data-parallel size 2 (world 2 / tp 1 / pp 1)",
+      "set it to -1 (what is left over) or run 4 processes"]),
+    ("dp_replicate_divides_dp", {"parallel.zero_stage": "3", "parallel.dp_replicate": "3"}, 4,
+     ["parallel.dp_replicate (3) must divide the data-parallel size 4", "one of 1, 2, 4"]),
+    ("dp_shard_divides_dp", {"parallel.zero_stage": "2", "parallel.dp_shard": "3"}, 4,
+     ["parallel.dp_shard (3) must divide the data-parallel size 4", "one of 1, 2, 4"]),
+    ("dp_degrees_fill_dp",
+     {"parallel.zero_stage": "3", "parallel.dp_replicate": "2", "parallel.dp_shard": "4"}, 4,
+     ["parallel.dp_replicate (2) x parallel.dp_shard (4) must equal the data-parallel size 4"]),
+    ("batch_splits_over_dp", {}, 3,
+     ["training.global_batch_size (32) must be a multiple of training.micro_batch_size (8) x "
+      "data-parallel size (3, from world size 3)"]),
+    ("zero_bubble_without_dp",
+     {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
+      "parallel.pp_stages_per_rank": "2", "parallel.zero_stage": "2"}, 4,
+     ["'zero_bubble' with data parallelism gives wrong gradients"]),
+    ("pp_microbatches_split_batch", {"parallel.pp": "2", "parallel.pp_microbatches": "3"}, 2,
+     ["a local batch of 32 sequences", "parallel.pp_microbatches = 3", "a divisor of 32"]),
+    ("pp_eval_holds_a_batch", {"parallel.pp": "2", "training.eval_batches": "1"}, 2,
+     ["= 8 evaluation sequences per rank is less than one pipeline batch (32)",
+      "raise training.eval_batches to at least 4"]),
+]  # fmt: skip
+
+
+def _config(fields: dict[str, str]) -> Config:
+    return load_config(None, [(k, v) for k, v in fields.items() if k != "cuda"])
+
+
+@pytest.fixture
+def cuda_present(monkeypatch: pytest.MonkeyPatch):
+    """Make torch report CUDA (present or not) as a case needs, whatever this machine has."""
+
+    def set_present(present: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
+
+    return set_present
+
+
+@pytest.mark.parametrize(("rule", "fields", "world_size", "texts"), CASES)
+def test_layout_rule_refuses_in_one_line(rule, fields, world_size, texts, cuda_present):
+    cuda_present("cuda" in fields)
+    cfg = _config(fields)
+    with pytest.raises(LayoutError) as info:
+        validate(cfg, world_size)
+    message = str(info.value)
+    assert info.value.rule == rule, message
+    assert "\n" not in message
+    for text in texts:
+        assert text in message
+
+
+def test_every_rule_is_tested():
+    assert {case[0] for case in CASES} == {rule.name for rule in RULES}
+    assert len({rule.name for rule in RULES}) == len(RULES)
+
+
+def test_fixes_named_by_messages_are_accepted(cuda_present):
+    """The alternatives the messages offer pass the same table."""
+    cuda_present(False)
+    fixed = [
+        ({"training.seq_len": "2048", "model.max_seq_len": "2048"}, 1),
+        ({"parallel.dp_replicate": "-1"}, 2),
+        ({"parallel.dp_replicate": "2"}, 2),
+        ({"parallel.dp_replicate": "4"}, 4),
+        ({"parallel.zero_stage": "3", "parallel.dp_replicate": "2"}, 4),
+        ({"parallel.pp": "2", "parallel.pp_microbatches": "4"}, 2),
+        ({"parallel.pp": "2", "training.eval_batches": "4"}, 2),
+        ({"training.oom_recovery": "true"}, 2),
+        ({"comm.gradient_compression": "powersgd"}, 2),
+        ({"parallel.tp": "2", "parallel.pp": "2", "parallel.sequence_parallel": "false"}, 4),
+    ]
+    for fields, world_size in fixed:
+        layout = validate(_config(fields), world_size)
+        assert layout.dims is not None and layout.dims.world_size == world_size
+
+
+def test_every_tested_layout_passes_the_table():
+    """The layouts the parity matrix trains (proved correct there) are not refused."""
+    from test_parity import BASE, LAYOUTS
+
+    for layout in LAYOUTS:
+        cfg = load_config(None, overrides(Path("run"), **BASE, **layout.fields))
+        assert validate(cfg, layout.nproc).dims.world_size == layout.nproc, layout.name
+
+
+def test_unknown_world_size_checks_what_it_can():
+    """Elastic MIN:MAX: the world-size rules wait for the workers; the others still refuse."""
+    assert validate(_config({"parallel.dp_replicate": "4"}), None).dims is None
+    with pytest.raises(LayoutError, match="model.tie_embeddings"):
+        validate(_config({"parallel.pp": "2", "model.tie_embeddings": "true"}), None)
+
+
+def test_unknown_preset_is_refused():
+    with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'; choose one of"):
+        validate(_config({"model.preset": "huge"}), 2)
+
+
+def test_workers_run_the_table_again(tmp_path):
+    """A worker started by anyone's torchrun (here: one process) refuses the same way."""
+    with pytest.raises(LayoutError, match=r"parallel.dp_replicate \(2\) must equal"):
+        train_in_process(tmp_path / "run", parallel__dp_replicate=2)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --- numeric ranges of the schema ---
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("optim.max_grad_norm", "-1",
+         "optim.max_grad_norm = -1.0 is out of range: it must be >= 0"),
+        ("optim.warmup_steps", "-5", "optim.warmup_steps = -5 is out of range: it must be >= 0"),
+        ("optim.beta1", "1.5", "optim.beta1 = 1.5 is out of range: it must be in [0, 1)"),
+        ("optim.beta2", "1", "optim.beta2 = 1.0 is out of range: it must be in [0, 1)"),
+        ("optim.eps", "0", "optim.eps = 0.0 is out of range: it must be > 0"),
+        ("optim.lr", "nan", "optim.lr = nan is out of range: it must be > 0"),
+        ("optim.min_lr_ratio", "1.5", "it must be in [0, 1]"),
+        ("optim.weight_decay", "-0.1", "it must be >= 0"),
+        ("optim.onebit.freeze_step", "-1", "optim.onebit.freeze_step = -1 is out of range"),
+        ("data.val_fraction", "1", "data.val_fraction = 1.0 is out of range: it must be in (0, 1)"),
+        ("data.max_skew", "2", "it must be in [0, 1]"),
+        ("data.max_bytes", "-1", "it must be >= 0"),
+        ("training.steps", "0", "training.steps = 0 is out of range: it must be >= 1"),
+        ("training.seed", "-1",
+         "training.seed = -1 is out of range: it must be in [0, 4294967295]"),
+        ("training.eval_interval_steps", "-1", "it must be >= 0"),
+        ("model.dim", "0", "model.dim = 0 is out of range: it must be >= 1"),
+        ("parallel.dp_replicate", "0",
+         "parallel.dp_replicate = 0 is out of range: it must be -1 or >= 1"),
+        ("parallel.zero_stage", "4",
+         "parallel.zero_stage = 4 is out of range: it must be in [0, 3]"),
+        ("parallel.pp_microbatches", "0", "it must be -1 or >= 1"),
+        ("comm.powersgd_start_step", "1",
+         "it must be >= 2 (DDP rebuilds its buckets after step 1)"),
+        ("comm.bucket_cap_mb", "0", "it must be > 0"),
+        ("checkpoint.keep_temporary", "-1", "it must be >= 0"),
+        ("checkpoint.interval_minutes", "inf", "it must be >= 0"),
+        ("debug.fail_rank", "-2", "debug.fail_rank = -2 is out of range: it must be -1 or >= 0"),
+    ],
+)  # fmt: skip
+def test_out_of_range_number_is_one_line(field, value, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, parse_overrides([f"--{field}", value]))
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_numeric_field_has_a_range_holding_its_default():
+    fields = numeric_fields(Config())
+    assert len(fields) > 40
+    for name, value, f in fields:
+        assert "range" in f.metadata, f"{name} has no range: give its doc() one"
+        assert value is None or value in f.metadata["range"], name
+
+
+def test_ranges_reject_non_finite_and_edges():
+    ranges = {name: f.metadata["range"] for name, _, f in numeric_fields(Config())}
+    assert math.nan not in ranges["optim.lr"] and math.inf not in ranges["optim.lr"]
+    assert 0.0 in ranges["optim.beta1"] and 1.0 not in ranges["optim.beta1"]
+    assert 0.0 not in ranges["data.val_fraction"] and -1 in ranges["parallel.dp_shard"]
+
+
+def test_help_shows_each_range():
+    text = help_text()
+    assert "optim.beta1 (float, in [0, 1), default 0.9)" in text
+    assert "parallel.dp_replicate (int, -1 or >= 1, default -1)" in text
+
+
+def test_toml_values_are_range_checked(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[optim]\nmax_grad_norm = -1.0\n")
+    with pytest.raises(ConfigError, match="optim.max_grad_norm = -1.0 is out of range"):
+        load_config(str(path))
+
+
+# --- the command line: refused before any worker starts ---
+
+
+def _main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, list[str]]:
+    rc = cli.main(list(args))
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """Record, instead of starting, the workers a `distrain train` would launch."""
+    launched: list[int | None] = []
+    monkeypatch.setattr(
+        distrain.launch, "launch", lambda plan, argv, run_dir: launched.append(plan.world_size)
+    )
+    return launched
+
+
+def _train_args(run_dir: Path, **fields: str) -> list[str]:
+    args = ["train", "--nproc", "2", "--run-dir", str(run_dir)]
+    for key, value in {**FAST, **fields}.items():
+        args += [f"--{key}", value]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"parallel.dp_replicate": "4"}, "parallel.dp_replicate (4) must equal the data-parallel"),
+        ({"model.preset": "huge"}, "model.preset: unknown preset 'huge'"),
+        ({"data.path": "/nonexistent/corpus.txt"},
+         "data.path: no such file or folder '/nonexistent/corpus.txt'"),
+        ({"training.precision": "fp16", "run.device": "cpu"}, "'fp16' needs CUDA"),
+        ({"training.seq_len": "4096"}, "training.seq_len (4096) exceeds the model's max_seq_len"),
+        ({"optim.beta1": "1.5"}, "optim.beta1 = 1.5 is out of range: it must be in [0, 1)"),
+        ({"checkpoint.dir": "nosuch://bucket/run"}, "unknown protocol nosuch://"),
+    ],
+)  # fmt: skip
+def test_train_refuses_before_launch(fields, expected, tmp_path, capsys, no_launch):
+    rc, lines = _main(capsys, *_train_args(tmp_path / "run", **fields))
+    assert rc == 1 and no_launch == []
+    assert lines == [f"distrain: error: {lines[0].removeprefix('distrain: error: ')}"]
+    assert expected in lines[0]
+
+
+def test_cuda_requested_without_cuda_is_refused_before_launch(
+    tmp_path, capsys, no_launch, cuda_present
+):
+    cuda_present(False)
+    rc, lines = _main(capsys, *_train_args(tmp_path / "run", **{"run.device": "cuda"}))
+    assert (rc, no_launch) == (1, []) and len(lines) == 1
+    assert "run.device = 'cuda' but CUDA is not available here" in lines[0]
+
+
+def test_run_dir_that_is_a_file(tmp_path, capsys, no_launch):
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    rc, lines = _main(capsys, *_train_args(file))
+    assert (rc, no_launch, len(lines)) == (1, [], 1)
+    assert f"run.dir '{file}' is a file, not a folder; choose another path" in lines[0]
+    rc, lines = _main(capsys, *_train_args(file / "run"))
+    assert f"run.dir '{file}/run' cannot be created: '{file}' is a file" in lines[0]
+    rc, lines = _main(
+        capsys, *_train_args(tmp_path / "run", **{"checkpoint.dir": str(file / "ckpt")})
+    )
+    assert f"checkpoint.dir '{file}/ckpt' cannot be created: '{file}' is a file" in lines[0]
+    assert not (tmp_path / "run").exists()  # preflight leaves nothing behind
+
+
+def test_elastic_world_size_launches_after_the_rules_it_can_check(tmp_path, capsys, no_launch):
+    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400"]
+    fields = {"parallel.dp_replicate": "4"}  # fits a 4-rank attempt: the workers decide
+    assert _main(capsys, *_train_args(tmp_path / "a", **fields), *elastic)[0] == 0
+    assert no_launch == [None]
+    fields = {"parallel.pp": "2", "model.tie_embeddings": "true"}  # no attempt can run this
+    rc, lines = _main(capsys, *_train_args(tmp_path / "b", **fields), *elastic)
+    assert rc == 1 and no_launch == [None] and "model.tie_embeddings" in lines[0]
+
+
+def test_unknown_command(capsys):
+    rc, lines = _main(capsys, "trian")
+    assert rc == 2
+    assert lines == [
+        "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
+        "generate, presets"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
+        ("--max-new-tokens", "-5", "--max-new-tokens must be >= 1, got -5"),
+        (
+            "--temperature",
+            "-1",
+            "--temperature must be a finite number >= 0 (0 = greedy), got -1.0",
+        ),
+        (
+            "--temperature",
+            "nan",
+            "--temperature must be a finite number >= 0 (0 = greedy), got nan",
+        ),
+        ("--top-k", "-3", "--top-k must be >= 0 (0 = no top-k filtering), got -3"),
+    ],
+)
+def test_generate_options_are_checked_first(option, value, expected, capsys):
+    # The run dir does not exist: the options are checked before anything is loaded.
+    rc, lines = _main(capsys, "generate", "--run-dir", "/nonexistent/run", option, value)
+    assert (rc, lines) == (1, [f"distrain: error: {expected}"])
+
+
+# --- real processes: `distrain train` exits before torchrun starts anything ---
+
+
+def _assert_refused_alone(result: subprocess.CompletedProcess, expected: str) -> None:
+    """Exactly one line on stderr (no torchrun banner, no worker's copy) and a failing exit."""
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distrain: error: "), result.stderr[-2000:]
+    assert expected in lines[0]
+
+
+def test_train_process_refuses_without_starting_workers(tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(*_train_args(run, **{"parallel.dp_replicate": "4"}), timeout=60)
+    _assert_refused_alone(result, "parallel.dp_replicate (4) must equal the data-parallel size 2")
+    assert not run.exists()  # no worker ever wrote its log there
+
+
+def test_object_store_without_its_package(tmp_path):
+    # As if s3fs were not installed: importing it fails, as fsspec's registry would find.
+    code = "import sys; sys.modules['s3fs'] = None; from distrain.cli import main; sys.exit(main())"
+    args = _train_args(tmp_path / "run", **{"checkpoint.dir": "s3://bucket/run"})
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+    _assert_refused_alone(
+        result, "checkpoint.dir 's3://bucket/run' needs the s3fs package for s3:// URLs; pip "
+        "install s3fs"
+    )  # fmt: skip
+
+
+def _unshare_works() -> str:
+    """Why a read-only mount cannot be made here ("" when it can)."""
+    if shutil.which("unshare") is None:
+        return "no unshare command on this machine"
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"],
+        capture_output=True,
+        text=True,
+    )
+    return "" if probe.returncode == 0 else f"unshare -rm cannot mount: {probe.stderr.strip()}"
+
+
+# Runs `distrain train` for each argv given as JSON and prints [rc, stderr] of each as JSON.
+_MAIN_EACH = """
+import contextlib, io, json, sys
+from distrain.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out.append([main(argv), err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_read_only_folders_are_refused_before_launch(tmp_path):
+    """A real read-only filesystem (tmpfs mounted ro in a private mount namespace; root would
+    write through any chmod): as run.dir, and as checkpoint.dir. One process for both."""
+    reason = _unshare_works()
+    if reason:
+        pytest.skip(reason)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    target = ro / "sub"
+    argvs = [_train_args(target), _train_args(tmp_path / "run", **{"checkpoint.dir": str(target)})]
+    script = f'mount -t tmpfs -o ro tmpfs "{ro}" && exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, "-c", _MAIN_EACH,
+         json.dumps(argvs)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    for field, (rc, stderr) in zip(
+        ["run.dir", "checkpoint.dir"], json.loads(result.stdout), strict=True
+    ):
+        assert rc == 1
+        assert stderr.splitlines() == [
+            f"distrain: error: {field} '{target}' is not writable (Read-only file system "
+            f"creating a file in '{ro}'); choose a writable folder"
+        ]
