@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from distrain.data import (
     split_tokens,
     val_batches,
 )
-from distrain.data.corpus import _stdlib_sources
+from distrain.data.corpus import _stdlib_sources, non_text_fraction
 
 
 def test_tokenizer_round_trip_and_invalid_bytes() -> None:
@@ -273,3 +274,79 @@ def test_check_data_skew_actions(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(UserWarning, match="data skew"):
         check_data_skew(10, max_skew=0.05, action="warn")
     assert check_data_skew(10, max_skew=0.6, action="error") == [10, 5]
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "vocab_size", "expected"),
+    [
+        ("other.bin", np.array([5, 70000, 9], np.int32), 50304,
+         "token id 70000 is beyond model.vocab_size 50304 (ids must be < 50304); use data made for "
+         "this model's vocabulary, or set model.vocab_size >= 70001"),
+        ("neg.npy", np.array([5, -1, 9], np.int32), 256, "token id -1 is negative"),
+        ("bytes.txt", np.frombuffer("héllo wörld".encode(), np.uint8), 128,
+         "token id 195 is beyond model.vocab_size 128"),
+    ],
+)  # fmt: skip
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, name, values, vocab_size, expected):
+    path = tmp_path / name
+    np.save(path, values) if name.endswith(".npy") else values.tofile(path)
+    cfg = DataConfig(path=str(path), token_dtype="int32")
+    with pytest.raises(DataError) as info:
+        build_datasets(cfg, 2, vocab_size=vocab_size)
+    assert expected in str(info.value) and f"data.path {str(path)!r}" in str(info.value)
+    if values.min() >= 0:  # a vocabulary just large enough accepts the same data
+        assert read_corpus(cfg, vocab_size=int(values.max()) + 1).size == values.size
+
+
+def test_token_ids_are_checked_when_training_opens_the_data(tmp_path) -> None:
+    from helpers import train_in_process
+
+    path = tmp_path / "other-tokenizer.bin"
+    (np.arange(20000, dtype=np.uint16) % 300).tofile(path)  # ids up to 299, tiny's vocab is 256
+    with pytest.raises(DataError, match="token id 299 is beyond model.vocab_size 256"):
+        train_in_process(tmp_path / "run", data__path=str(path))
+
+
+@pytest.fixture
+def data_warnings(caplog: pytest.LogCaptureFixture):
+    """Warnings of the `distrain` logger, whose propagation an earlier run may have turned off."""
+    logger = logging.getLogger("distrain")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger="distrain")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_binary_file_as_text_warns(data_warnings) -> None:
+    binary = Path(sys.executable).resolve()  # an executable: ELF on Linux, Mach-O on macOS
+    read_corpus(DataConfig(path=str(binary), max_bytes=1 << 20))
+    messages = [r.getMessage() for r in data_warnings.records]
+    assert len(messages) == 1
+    assert f"data.path {str(binary)!r}: " in messages[0]
+    assert "of the sampled bytes are not UTF-8 text (a binary file?)" in messages[0]
+
+
+def test_text_does_not_warn(tmp_path, data_warnings) -> None:
+    (tmp_path / "prose.txt").write_text("Grüße, 世界! naïve café\tdone\n" * 5000)
+    read_corpus(DataConfig(path=str(tmp_path / "prose.txt")))
+    read_corpus(DataConfig(max_bytes=2_000_000))  # the default corpus: the stdlib's source
+    assert data_warnings.records == []
+
+
+def test_non_text_fraction_measures_invalid_and_control_bytes() -> None:
+    text = np.frombuffer(("ab\n" * 100).encode(), np.uint8)
+    assert non_text_fraction(text) == 0.0
+    half = np.frombuffer(b"ab" * 100 + b"\x00\xff" * 100, np.uint8)  # NUL and an invalid byte
+    assert non_text_fraction(half) == 0.5
+
+
+def test_data_set_smaller_than_a_global_batch_is_refused() -> None:
+    with pytest.raises(DataError) as info:
+        DistributedBatchLoader(
+            _dataset(num_samples=6), global_batch_size=16, micro_batch_size=8, dp_rank=0,
+            dp_size=2, seed=0,
+        )  # fmt: skip
+    assert str(info.value).startswith(
+        "the data set is too small: the training split holds 6 sequences of 3 tokens, one global "
+        "batch needs 16 (training.global_batch_size)"
+    )
