@@ -4,6 +4,7 @@ command line's own arguments."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import shutil
@@ -450,3 +451,15 @@ def test_read_only_folders_are_refused_before_launch(tmp_path):
             f"distrain: error: {field} '{target}' is not writable (Read-only file system "
             f"creating a file in '{ro}'); choose a writable folder"
         ]
+
+
+def test_worker_entry_does_not_import_the_cli():
+    """cli.py imports train.py (to run a worker); train.py and args.py must not import cli.py."""
+    root = Path(__file__).parent.parent / "distrain"
+    for module in ("train.py", "args.py", "layout.py", "preflight.py"):
+        tree = ast.parse((root / module).read_text())
+        imported = {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+        } | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}  # fmt: skip
+        assert "distrain.cli" not in imported, module
