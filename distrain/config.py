@@ -204,6 +204,21 @@ class CheckpointConfig:
         "async: write checkpoints in the background while training goes on (at most one in "
         "flight; the next save and the end of training wait for it).",
     )
+    max_failed_saves: int = doc(
+        3,
+        "Stop the run (non-zero exit, newest committed checkpoint intact) after this many "
+        "checkpoint saves in a row have failed (full disk, unreachable storage, ...).",
+    )
+    storage_retry_s: float = doc(
+        120.0,
+        "How long a checkpoint storage call is retried (exponential backoff) while its error "
+        "may pass (connection refused, timeout, server error) before the save counts as failed.",
+    )
+    collective_timeout_s: float = doc(
+        7200.0,
+        "Timeout of the checkpoint collectives (a save's planning and commit, verifying on "
+        "resume): long enough to write or hash the largest checkpoint over the slowest storage.",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -305,3 +320,17 @@ def validate(cfg: Config) -> None:
         section, key = name.split(".")
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"{name} must be >= 0")
+    if cfg.checkpoint.max_failed_saves < 1:
+        raise ConfigError(
+            f"checkpoint.max_failed_saves must be >= 1, got {cfg.checkpoint.max_failed_saves}"
+        )
+    if cfg.checkpoint.storage_retry_s < 0:
+        raise ConfigError(
+            f"checkpoint.storage_retry_s must be >= 0 (0 = no retries), got "
+            f"{cfg.checkpoint.storage_retry_s}"
+        )
+    if cfg.checkpoint.collective_timeout_s <= 0:
+        raise ConfigError(
+            "checkpoint.collective_timeout_s must be > 0, got "
+            f"{cfg.checkpoint.collective_timeout_s}"
+        )

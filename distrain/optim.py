@@ -7,6 +7,7 @@ so a checkpoint's step is all it needs to resume exactly.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -98,42 +99,25 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state flattened to `state.<param name>.<key>` entries (layout-independent).
 
-    A ZeRO-1 optimizer is first consolidated and expanded into a plain AdamW over the whole model,
-    so the checkpoint has the same entries as under any other layout. That costs a full copy of
-    the optimizer state on each rank while saving, the price of interchangeable checkpoints.
+    Under ZeRO-1 each rank returns the entries of the parameters whose state it owns (its
+    partition's local AdamW), so each rank saves its own shard and nothing is gathered; the
+    names are the same as under any other layout, so any layout can load them.
     """
-    if not _is_zero1(optimizer):
-        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
-    full = _plain_twin(model, optimizer)
-    full.load_state_dict(_consolidated(optimizer))
-    return get_optimizer_state_dict(model, full, options=_FLAT)
+    return get_optimizer_state_dict(model, _local(optimizer), options=_FLAT)
 
 
 def load_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    if not _is_zero1(optimizer):
-        set_optimizer_state_dict(model, optimizer, state, options=_FLAT)
-        return
-    full = _plain_twin(model, optimizer)
-    set_optimizer_state_dict(model, full, state, options=_FLAT)
-    optimizer.load_state_dict(full.state_dict())  # each rank keeps its own partition
+    """Load flattened entries; under ZeRO-1 each rank loads those of its own partition."""
+    set_optimizer_state_dict(model, _local(optimizer), state, options=_FLAT)
 
 
-def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
-def _plain_twin(model: nn.Module, zero: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """An AdamW over the same parameter groups, in the same order, as the ZeRO-1 optimizer."""
-    groups = [{**g, "params": list(g["params"])} for g in zero.param_groups]
-    return torch.optim.AdamW(groups)
-
-
-def _consolidated(zero: torch.optim.Optimizer) -> dict:
-    """The whole ZeRO-1 state on every rank: gathered to rank 0, then broadcast."""
-    zero.consolidate_state_dict(to=0)
-    group = zero.process_group
-    box = [zero.state_dict() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
+def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's per-partition AdamW, else itself."""
+    # build_optimizer imports torch.distributed.optim whenever it makes a ZeRO-1 optimizer, so
+    # without that module loaded there is none (and its slow import is not paid for nothing).
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
