@@ -134,6 +134,12 @@ _MB = 1 << 20
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
+def _mb(num_bytes: int) -> str:
+    """MiB with one decimal, or three significant digits below 0.1."""
+    mb = num_bytes / _MB
+    return f"{mb:.1f}" if mb >= 0.1 else f"{mb:.3g}"
+
+
 @dataclass(frozen=True)
 class _Attempt:
     """One rank's part of a save: None error when its files and record are written."""
@@ -318,10 +324,8 @@ class Checkpointer:
             return
         needed = sum(a.planned_bytes for a in attempts)
         if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
-            free = "?" if free_bytes is None else f"{free_bytes / _MB:.1f}"
-            cause = (
-                f"disk full on {self.storage.url} ({free} MB free, {needed / _MB:.1f} MB needed)"
-            )
+            free = "?" if free_bytes is None else _mb(free_bytes)
+            cause = f"disk full on {self.storage.url} ({free} MB free, {_mb(needed)} MB needed)"
         else:
             cause = failed[0].error if failed else f"commit failed ({commit_error})"
         self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,25 +100,37 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state flattened to `state.<param name>.<key>` entries (layout-independent).
 
-    Under ZeRO-1 each rank returns the entries of the parameters whose state it owns (its
-    partition's local AdamW), so each rank saves its own shard and nothing is gathered; the
-    names are the same as under any other layout, so any layout can load them.
+    Under ZeRO-1 each rank returns the state of the parameters it owns (its partition's local
+    AdamW, shared, not copied), so each rank saves its own shard and nothing is gathered; the
+    names are those of any other layout, so any layout can load them. The group
+    hyperparameters (`param_groups.<param name>.<key>`) are returned for every parameter: DCP
+    saves non-tensor entries from its coordinator rank only.
     """
-    return get_optimizer_state_dict(model, _local(optimizer), options=_FLAT)
+    zero = _zero1(optimizer)
+    if zero is None:
+        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    if not zero.optim.state:  # before the first step: let torch initialize the local state
+        local = get_optimizer_state_dict(model, zero.optim, options=_FLAT)
+        if not zero.optim.state:
+            return local  # this rank owns no parameter (rank 0 always owns one)
+    twin = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in zero.param_groups])
+    twin.state = zero.optim.state
+    return get_optimizer_state_dict(model, twin, options=_FLAT)
 
 
 def load_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
     """Load flattened entries; under ZeRO-1 each rank loads those of its own partition."""
-    set_optimizer_state_dict(model, _local(optimizer), state, options=_FLAT)
+    zero = _zero1(optimizer)
+    set_optimizer_state_dict(model, optimizer if zero is None else zero.optim, state, options=_FLAT)
 
 
-def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state: ZeRO-1's per-partition AdamW, else itself."""
+def _zero1(optimizer: torch.optim.Optimizer) -> Any:
+    """`optimizer` if it is a ZeroRedundancyOptimizer (its `optim` holds this rank's state)."""
     # build_optimizer imports torch.distributed.optim whenever it makes a ZeRO-1 optimizer, so
     # without that module loaded there is none (and its slow import is not paid for nothing).
-    zero = sys.modules.get("torch.distributed.optim")
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
-        return optimizer.optim
-    return optimizer
+    module = sys.modules.get("torch.distributed.optim")
+    if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer):
+        return optimizer
+    return None
