@@ -1,7 +1,10 @@
 """Checkpoint protocol in one process: commit by manifest, verification and fallback, retention,
 async saves, safe loading, and a full disk. Multi-rank saves are covered in test_training.py."""
 
+import builtins
 import errno
+import hashlib
+import io
 import json
 import logging
 import pickle
@@ -98,6 +101,52 @@ def test_nothing_intact_restores_nothing(tmp_path):
     ckpt.save(1, _state(1.0), permanent=False)
     next((tmp_path / "step-00000001").glob("*.distcp")).write_bytes(b"junk")
     assert _restored(_checkpointer(tmp_path))[0] is None
+
+
+def test_checkpoint_without_manifest_is_reported(tmp_path, caplog):
+    ckpt = _checkpointer(tmp_path)
+    ckpt.save(1, _state(1.0), permanent=False)
+    ckpt.save(2, _state(2.0), permanent=False)
+    (tmp_path / "step-00000002" / "MANIFEST.json").unlink()
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        assert _restored(_checkpointer(tmp_path)) == (1, 1.0)
+    assert (
+        f"checkpoint {tmp_path / 'step-00000002'} is incomplete (no MANIFEST.json: its save "
+        "never finished, or the manifest was deleted); ignoring it"
+    ) in caplog.text
+
+
+def test_save_hashes_while_writing_and_reads_nothing_back(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path / "ckpt")
+    reads: list[str] = []
+    real_open = io.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if str(tmp_path) in str(file) and not any(c in mode for c in "wax+"):
+            reads.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def no_second_pass(*_args, **_kwargs):
+        raise AssertionError("a save must not stat or re-read what it wrote")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(io, "open", counting_open)
+        patch.setattr(builtins, "open", counting_open)
+        patch.setattr(Storage, "sha256", no_second_pass)
+        patch.setattr(Storage, "size", no_second_pass)
+        ckpt.save(1, _state(1.0), permanent=False)
+        ckpt.save(2, {"model": {"w": torch.randn(300, 70)}}, permanent=True)
+    # Rank 0 reads the small rank records to write a manifest, and retention reads manifests;
+    # the data files written (.distcp shards, .metadata) are never opened for reading.
+    assert {r.rsplit("/", 1)[1] for r in reads} == {"rank0.json", "MANIFEST.json"}
+    for step in (1, 2):
+        folder = tmp_path / "ckpt" / f"step-{step:08d}"
+        files = json.loads((folder / "MANIFEST.json").read_text())["files"]
+        on_disk = {p.name for p in folder.iterdir()} - {"MANIFEST.json", "rank0.json"}
+        assert set(files) == on_disk
+        for name, info in files.items():
+            data = (folder / name).read_bytes()
+            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def test_retention_keeps_newest_temporary_and_every_permanent(tmp_path):
