@@ -2,6 +2,7 @@
 async saves, safe loading, and a full disk. Multi-rank saves are covered in test_training.py."""
 
 import builtins
+import contextlib
 import errno
 import hashlib
 import io
@@ -16,10 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import train_in_process
 
 from distrain import checkpoint
 from distrain.checkpoint import Checkpointer, committed
 from distrain.config import OptimConfig
+from distrain.observe.metrics import read_metrics
 from distrain.optim import build_optimizer, optimizer_state_dict
 from distrain.storage import Storage
 
@@ -239,13 +242,12 @@ def test_async_failure_is_settled_at_the_next_wait(tmp_path, monkeypatch):
     assert ckpt.newest_committed == 1
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 3 MiB filesystem (tmpfs), unmounted afterwards."""
-    mount_point = tmp_path / "small_disk"
+@contextlib.contextmanager
+def _tmpfs(mount_point, size: str):
+    """A real filesystem of `size` (tmpfs) at `mount_point`, unmounted afterwards."""
     mount_point.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
     )
@@ -255,6 +257,12 @@ def small_disk(tmp_path):
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with _tmpfs(tmp_path / "small_disk", "3m") as mount_point:
+        yield mount_point
 
 
 def test_real_full_disk(small_disk):
@@ -286,6 +294,40 @@ def test_async_save_commits_after_wait(tmp_path):
     assert _restored(_checkpointer(tmp_path)) == (4, 3.0)
 
 
+def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
+    """The user's view: a run whose checkpoint disk holds one checkpoint (~10 MB) but not two."""
+    fields = {
+        "training__steps": 6,
+        "training__global_batch_size": 4,
+        "training__micro_batch_size": 4,
+        "training__seq_len": 32,
+        "checkpoint__interval_steps": 2,
+        "checkpoint__keep_temporary": 1,
+    }
+    with _tmpfs(tmp_path / "disk", "16m") as disk:
+        # Saves at 2 (fits), 4 and 6 (no room beside step 2): two failures, then it finishes.
+        run = tmp_path / "finishes"
+        train_in_process(run, **fields, checkpoint__dir=disk / "a")
+        failed = [r for r in read_metrics(run / "metrics.jsonl") if "checkpoint_failed" in r]
+        assert [r["step"] for r in failed] == [4, 6]
+        assert re.fullmatch(_disk_full_message(4, disk / "a"), failed[0]["checkpoint_error"])
+        log = (run / "logs" / "rank0.log").read_text()
+        assert "finished 6 steps (newest committed checkpoint: step-00000002)" in log
+        assert [p.name for p in (disk / "a").iterdir()] == ["step-00000002"]
+        shutil.rmtree(disk / "a")
+
+        run = tmp_path / "stops"
+        with pytest.raises(checkpoint.CheckpointError) as stopped:
+            train_in_process(
+                run, **fields, checkpoint__dir=disk / "b", checkpoint__max_failed_saves=2
+            )
+        assert re.match(_disk_full_message(6, disk / "b"), str(stopped.value))
+        assert str(stopped.value).endswith("newest committed checkpoint: step-00000002")
+        assert [p.name for p in (disk / "b").iterdir()] == ["step-00000002"]
+        (intact,) = committed(Storage(str(disk / "b")))
+        assert intact.step == 2 and checkpoint.verify(Storage(str(disk / "b")), intact) is None
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("pwned",))
@@ -306,9 +348,7 @@ def test_metadata_cannot_run_code(tmp_path, capsys):
 
 def _init(rank: int, tmp_path) -> None:
     torch.set_num_threads(1)  # all ranks share 2 cores
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=2)
 
 
 def _adamw_pair(zero: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
