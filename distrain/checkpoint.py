@@ -245,7 +245,11 @@ class Checkpointer:
         writer = self.storage.dcp_writer(path)
         start = time.perf_counter()
         if self.async_mode:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            try:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            except (Exception, CheckpointException) as e:  # staging failed: nothing in flight
+                self._settle(step, path, kind, self._finish_part(path, writer, e), free_bytes)
+                return
             pending = _Pending(step, path, kind, free_bytes, future, threading.Event())
 
             def record(done: Future) -> None:
