@@ -1,25 +1,28 @@
 """Checkpoints: sharded DCP saves in <checkpoint dir>/step-<NNNNNNNN>/, committed by a manifest.
 
 Protocol (the same for a local folder and an object store):
-1. every rank writes its DCP shards (synchronously, or in a background thread with `async`);
+1. every rank writes its DCP shards (synchronously, or in a background thread with `async`),
+   hashing each file's bytes as they go out (storage.HashingWriter: nothing is read back);
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
    step, kind, world size, layout, versions) last and atomically. Only then does the checkpoint
    exist for resume, and only then does retention delete older temporary checkpoints.
-Resume takes the newest checkpoint whose manifest verifies; a torn, truncated or corrupted one is
-reported and skipped. Loading never unpickles arbitrary objects: DCP's metadata goes through an
-allow-list unpickler and byte entries through `torch.load(weights_only=True)`.
+A save that fails on any rank fails on all: its directory is removed and the cause reported in
+one line; too many failures in a row stop the run. Resume takes the newest checkpoint whose
+manifest verifies (every rank hashing a share of its files); a torn, truncated or corrupted one
+is reported and skipped. Loading (checkpoint_load.py) never unpickles arbitrary objects.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import errno
 import json
 import logging
-import pickle
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
 
 import distrain
+from distrain.checkpoint_load import load, root_cause
 from distrain.config import Config
 from distrain.errors import CheckpointError
-from distrain.storage import Storage
+from distrain.mesh import checkpoint_group
+from distrain.storage import HashingWriter, Storage, StorageError, one_line
 
 MANIFEST = "MANIFEST.json"
 STEP_PREFIX = "step-"
@@ -44,7 +47,10 @@ DCP_METADATA = ".metadata"
 
 def checkpoint_storage(cfg: Config) -> Storage:
     """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default."""
-    return Storage(cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"))
+    return Storage(
+        cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
+        retry_s=cfg.checkpoint.storage_retry_s,
+    )
 
 
 def step_name(step: int) -> str:
@@ -73,28 +79,39 @@ class Entry:
         return self.manifest.get("kind") == "permanent"
 
 
-def committed(storage: Storage) -> list[Entry]:
-    """Every checkpoint with a manifest, oldest first (not yet verified)."""
-    found = []
+def scan(storage: Storage) -> tuple[list[Entry], list[str]]:
+    """Every checkpoint with a manifest, oldest first (not yet verified), and the names of the
+    step folders without one (torn saves, deleted manifests)."""
+    found, torn = [], []
     for name in storage.listdir():
         step = _step_of(name)
+        if step is None:
+            continue
         path = storage.path(name)
-        if step is None or not storage.exists(f"{path}/{MANIFEST}"):
+        if not storage.exists(f"{path}/{MANIFEST}"):
+            torn.append(name)
             continue
         try:
             manifest = json.loads(storage.read_text(f"{path}/{MANIFEST}"))
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # not StorageError: an unreachable store is no verdict
             manifest = {"unreadable": True}
         found.append(Entry(step, path, manifest))
-    return sorted(found, key=lambda e: e.step)
+    return sorted(found, key=lambda e: e.step), torn
 
 
-def verify(storage: Storage, entry: Entry) -> str | None:
-    """None if every file the manifest lists is there with its size and checksum, else why not."""
+def committed(storage: Storage) -> list[Entry]:
+    """Every checkpoint with a manifest, oldest first (not yet verified)."""
+    return scan(storage)[0]
+
+
+def verify(storage: Storage, entry: Entry, names: list[str] | None = None) -> str | None:
+    """None if the files `names` (default: all the manifest lists) are there with their size and
+    checksum, else why not."""
     files = entry.manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "manifest unreadable or lists no files"
-    for name, info in sorted(files.items()):
+    for name in sorted(files) if names is None else names:
+        info = files[name]
         path = f"{entry.path}/{name}"
         if not storage.exists(path):
             return f"{name} is missing"
@@ -105,101 +122,6 @@ def verify(storage: Storage, entry: Entry) -> str | None:
     return None
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: its own dataclasses, torch dtypes/sizes and plain containers."""
-
-    _builtins = {
-        "dict",
-        "list",
-        "tuple",
-        "set",
-        "frozenset",
-        "slice",
-        "int",
-        "float",
-        "str",
-        "bytes",
-    }
-    _extras = {
-        ("collections", "OrderedDict"),
-        ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided & co.
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (
-                module == "torch"
-                and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
-            )
-            or (module == "builtins" and name in self._builtins)
-            or (module, name) in self._extras
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not allowed"
-            )
-        return super().find_class(module, name)
-
-
-def _safe_reader(storage: Storage, path: str) -> Any:
-    """A DCP reader for `path` whose metadata is read through the allow-list unpickler."""
-    base = storage.dcp_reader_class()
-
-    class SafeReader(base):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            meta_path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(meta_path, "rb") as stream:
-                metadata = _AllowListUnpickler(io.BytesIO(stream.read())).load()
-            if getattr(metadata, "storage_meta", None) is not None:
-                metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(storage.reader_path(path))
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner, but non-tensor entries load with weights_only=True."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def load(storage: Storage, path: str, state: dict[str, Any], *, partial: bool = False) -> None:
-    """Load the checkpoint at `path` into `state` in place (resharding to the current layout)."""
-    try:
-        dcp.load(
-            state,
-            storage_reader=_safe_reader(storage, path),
-            planner=SafeLoadPlanner(allow_partial_load=partial),
-        )
-    # DCP wraps per-rank failures in CheckpointException (a BaseException); the cause is what the
-    # user needs.
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(
-            f"checkpoint {storage.url_of(path)} is corrupt or unreadable ({_root_cause(e)}); "
-            "delete it or resume from an earlier one"
-        ) from e
-
-
-def _root_cause(error: BaseException) -> str:
-    """The first rank's underlying exception, as one short line."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-        if isinstance(error, AssertionError) and "; " in str(error):  # DCP's metadata read summary
-            return " ".join(str(error).split())[:300]
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line[:300]}"
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -208,13 +130,57 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier(group: dist.ProcessGroup | None = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+_MB = 1 << 20
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _mb(num_bytes: int) -> str:
+    """MiB with one decimal, or three significant digits below 0.1."""
+    mb = num_bytes / _MB
+    return f"{mb:.1f}" if mb >= 0.1 else f"{mb:.3g}"
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One rank's part of a save: None error when its files and record are written."""
+
+    error: str | None = None
+    disk_full: bool = False
+    planned_bytes: int = 0
+
+
+@dataclass
+class _Pending:
+    """The async save in flight; `attempt` is set, then `recorded`, by the saving thread."""
+
+    step: int
+    path: str
+    kind: str
+    free_bytes: int | None
+    future: Future
+    recorded: threading.Event
+    attempt: _Attempt | None = None
+
+
+def _disk_full(error: BaseException | None, writer: HashingWriter) -> bool:
+    """Whether the write failed for want of space: an ENOSPC/EDQUOT raised by a write, or
+    anywhere in the exception chain (torch.save reports it as "unexpected pos")."""
+    seen: list[BaseException] = [writer.write_error] if writer.write_error else []
+    while error is not None:
+        seen.append(error)
+        if isinstance(error, CheckpointException):
+            seen += [f[0] for f in error.failures.values() if isinstance(f[0], BaseException)]
+        error = error.__cause__ or error.__context__
+    return any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS for e in seen)
 
 
 class Checkpointer:
-    """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints."""
+    """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
+
+    A save that fails on any rank is failed on every rank: its directory is removed, the cause
+    is logged as one line and passed to `on_failure`, and after `max_failed_saves` failures in a
+    row `CheckpointError` stops the run (the newest committed checkpoint stays intact).
+    """
 
     def __init__(
         self,
@@ -224,114 +190,220 @@ class Checkpointer:
         async_mode: bool,
         keep_temporary: int,
         logger: logging.Logger,
+        max_failed_saves: int = 3,
+        collective_timeout_s: float = 7200.0,
+        on_failure: Callable[[int, str], None] | None = None,
     ):
         self.storage, self.layout, self.async_mode = storage, layout, async_mode
         self.keep_temporary, self.log = keep_temporary, logger
+        self.max_failed_saves, self.on_failure = max_failed_saves, on_failure
         self.rank, self.world_size = _rank(), _world()
-        # Background saves get their own gloo group: a collective of theirs interleaved with the
-        # training group's would abort the process (gloo has no mismatch error, only SIGABRT).
-        self.group = (
-            dist.new_group(backend="gloo") if async_mode and dist.is_initialized() else None
-        )
-        # The save in flight: its step, the event set once this rank's record is written (done
-        # callbacks run after result() returns, so waiting on the future alone is not enough).
-        self.pending: tuple[int, threading.Event, Future] | None = None
+        self.group = checkpoint_group(collective_timeout_s)
+        self.pending: _Pending | None = None
         self.uncommitted: dict[int, tuple[str, str]] = {}  # rank 0: step -> (path, kind)
+        self.failed_in_a_row = 0
+        self.newest_committed: int | None = None
+
+    # --- collectives on the checkpoint group ---------------------------------------------------
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
 
     # --- saving ------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, permanent: bool) -> None:
-        """Collective. Returns once the state is captured (async) or written (sync)."""
+        """Collective. Returns once the state is captured (async) or written and committed
+        (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed."""
         self.wait()
         kind = "permanent" if permanent else "temporary"
         path = self.storage.path(step_name(step))
+        prepared: tuple[str | None, int | None] = (None, None)
         if self.rank == 0:
-            self.storage.remove(path)  # a torn save of this step from an earlier attempt
-            self.storage.makedirs(path)
-        _barrier()
+            try:
+                self.storage.remove(path)  # a torn save of this step from an earlier attempt
+                self.storage.makedirs(path)
+                prepared = (None, self.storage.free_bytes())
+            except Exception as e:
+                prepared = (str(e) if isinstance(e, StorageError) else one_line(e), None)
+        prep_error, free_bytes = self._broadcast(prepared)
+        if prep_error is not None:
+            self._settle(step, path, kind, _Attempt(error=prep_error), free_bytes)
+            return
         writer = self.storage.dcp_writer(path)
         start = time.perf_counter()
         if self.async_mode:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            recorded = threading.Event()
+            try:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            except (Exception, CheckpointException) as e:  # staging failed: nothing in flight
+                self._settle(step, path, kind, self._finish_part(path, writer, e), free_bytes)
+                return
+            pending = _Pending(step, path, kind, free_bytes, future, threading.Event())
 
-            def record(done: Future, path: str = path) -> None:
+            def record(done: Future) -> None:
                 try:
-                    self._record_part(path, done)
+                    pending.attempt = self._finish_part(path, writer, done.exception())
                 finally:
-                    recorded.set()
+                    pending.recorded.set()
 
             future.add_done_callback(record)
-            self.pending = (step, recorded, future)
-        else:
-            try:
-                dcp.save(state, storage_writer=writer)
-            except (Exception, CheckpointException) as e:
-                self.log.error("checkpoint step %d failed, not committed: %s", step, _root_cause(e))
-                return
-            self._record_part(path, None)
-        if self.rank == 0:
-            self.uncommitted[step] = (path, kind)
-        self.log.info(
-            "checkpoint step %d (%s) %s in %.2fs",
-            step,
-            kind,
-            "captured" if self.async_mode else "written",
-            time.perf_counter() - start,
-        )
-        if not self.async_mode:
-            _barrier()
-            self.commit_ready()
-            _barrier()
-
-    def _record_part(self, path: str, future: Future | None) -> None:
-        """Write this rank's file record once its part is on storage (in the saving thread for
-        async saves). A failed save writes none, so it can never be committed."""
-        if future is not None and future.exception() is not None:
-            self.log.error(
-                "async checkpoint %s failed, not committed: %s",
-                path,
-                _root_cause(future.exception()),
+            self.pending = pending
+            if self.rank == 0:
+                self.uncommitted[step] = (path, kind)
+            self.log.info(
+                "checkpoint step %d (%s) captured in %.2fs", step, kind, time.perf_counter() - start
             )
             return
-        prefix = f"__{self.rank}_"
-        files = {}
-        for name in self.storage.listdir(path):
-            if name.startswith(prefix) or (self.rank == 0 and name == DCP_METADATA):
-                full = f"{path}/{name}"
-                files[name] = {"size": self.storage.size(full), "sha256": self.storage.sha256(full)}
-        self.storage.write_text_atomic(f"{path}/{_rank_record(self.rank)}", json.dumps(files))
+        error: BaseException | None = None
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+        except (Exception, CheckpointException) as e:
+            error = e
+        attempt = self._finish_part(path, writer, error)
+        if attempt.error is None:
+            self.log.info(
+                "checkpoint step %d (%s) written in %.2fs", step, kind, time.perf_counter() - start
+            )
+            if self.rank == 0:
+                self.uncommitted[step] = (path, kind)
+        self._settle(step, path, kind, attempt, free_bytes)
+
+    def _finish_part(
+        self, path: str, writer: HashingWriter, error: BaseException | None
+    ) -> _Attempt:
+        """This rank's verdict on its part; on success its file record (size and SHA-256 of
+        each file, hashed while writing) goes beside the files. Runs in the saving thread for
+        async saves, so it never raises."""
+        if error is None:
+            try:
+                self.storage.write_text_atomic(
+                    f"{path}/{_rank_record(self.rank)}", json.dumps(writer.written)
+                )
+            except Exception as e:
+                error = e
+        if error is None:
+            return _Attempt(planned_bytes=writer.planned_bytes)
+        if isinstance(error, StorageError):
+            cause = str(error)
+        else:
+            cause = (
+                f"writing to {self.storage.url} failed on rank {self.rank} ({root_cause(error)})"
+            )
+        return _Attempt(
+            error=cause,
+            disk_full=_disk_full(error, writer),
+            planned_bytes=writer.planned_bytes,
+        )
+
+    def _settle(
+        self, step: int, path: str, kind: str, attempt: _Attempt, free_bytes: int | None
+    ) -> None:
+        """Collective: combine every rank's attempt; commit the save if all succeeded, else
+        remove it and count the failure."""
+        attempts = self._all_gather(attempt)
+        failed = [a for a in attempts if a.error is not None]
+        commit_error = None
+        if not failed:
+            if self.rank == 0:
+                try:
+                    self._commit(step)
+                except Exception as e:
+                    commit_error = str(e) if isinstance(e, StorageError) else one_line(e)
+            commit_error = self._broadcast(commit_error)
+        if not failed and commit_error is None:
+            self.failed_in_a_row = 0
+            self.newest_committed = step
+            return
+        needed = sum(a.planned_bytes for a in attempts)
+        if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
+            free = "?" if free_bytes is None else _mb(free_bytes)
+            cause = f"disk full on {self.storage.url} ({free} MB free, {_mb(needed)} MB needed)"
+        else:
+            cause = failed[0].error if failed else f"commit failed ({commit_error})"
+        self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")
+
+    def _failed(self, step: int, path: str, message: str) -> None:
+        """A failed save on every rank: remove its files, report it, stop after too many."""
+        self.uncommitted.pop(step, None)
+        if self.rank == 0:
+            try:
+                self.storage.remove(path)
+            except Exception as e:
+                self.log.warning("could not remove the failed save %s: %s", path, one_line(e))
+        self.failed_in_a_row += 1
+        self.log.error("%s", message)
+        if self.on_failure is not None:
+            self.on_failure(step, message)
+        if self.failed_in_a_row >= self.max_failed_saves:
+            newest = "none" if self.newest_committed is None else step_name(self.newest_committed)
+            raise CheckpointError(
+                f"{message}; {self.failed_in_a_row} saves in a row failed "
+                f"(checkpoint.max_failed_saves = {self.max_failed_saves}), stopping; newest "
+                f"committed checkpoint: {newest}"
+            )
+
+    def _commit(self, step: int) -> None:
+        """Rank 0: write the manifest of a save whose ranks have all recorded their part."""
+        if step not in self.uncommitted:
+            return  # committed already by commit_ready
+        path, kind = self.uncommitted[step]
+        files: dict[str, Any] = {}
+        for r in range(self.world_size):
+            files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
+        manifest = {
+            "step": step,
+            "kind": kind,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "distrain_version": distrain.__version__,
+            "torch_version": torch.__version__,
+            "time": time.time(),
+            "files": files,
+        }
+        write_manifest(self.storage, path, manifest)
+        del self.uncommitted[step]
+        self.newest_committed = step
+        self.log.info("checkpoint %s committed", self.storage.url_of(path))
+        self.prune()
 
     def commit_ready(self) -> None:
-        """Rank 0, no collective: commit every save whose ranks have all recorded their part,
-        then apply retention. Cheap enough to call at every logging step."""
+        """Rank 0, no collective: commit an async save whose ranks have all recorded their part,
+        then apply retention. Cheap enough to call at every logging step; a storage error here
+        is a warning (the collective `wait` settles the save for good)."""
         if self.rank != 0:
             return
-        for step, (path, kind) in sorted(self.uncommitted.items()):
-            names = set(self.storage.listdir(path))
-            if not all(_rank_record(r) in names for r in range(self.world_size)):
-                continue
-            files: dict[str, Any] = {}
-            for r in range(self.world_size):
-                files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
-            manifest = {
-                "step": step,
-                "kind": kind,
-                "world_size": self.world_size,
-                "layout": self.layout,
-                "distrain_version": distrain.__version__,
-                "torch_version": torch.__version__,
-                "time": time.time(),
-                "files": files,
-            }
-            write_manifest(self.storage, path, manifest)
-            del self.uncommitted[step]
-            self.log.info("checkpoint %s committed", self.storage.url_of(path))
-            self.prune()
+        for step, (path, _) in sorted(self.uncommitted.items()):
+            try:
+                names = set(self.storage.listdir(path))
+                if all(_rank_record(r) in names for r in range(self.world_size)):
+                    self._commit(step)
+            except Exception as e:
+                self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
 
     def prune(self) -> None:
         """Keep the newest `keep_temporary` temporary checkpoints and every permanent one; drop
-        torn saves older than the newest committed checkpoint. Only ever after a commit."""
+        torn saves older than the newest committed checkpoint. Only ever after a commit, and
+        never fatal: a storage error leaves the files for the next prune and logs a warning."""
+        try:
+            self._prune()
+        except Exception as e:
+            self.log.warning(
+                "retention skipped on %s: %s", self.storage.url, str(e).splitlines()[0][:400]
+            )
+
+    def _prune(self) -> None:
         entries = committed(self.storage)
         temporary = [e for e in entries if not e.permanent]
         for entry in temporary[: max(0, len(temporary) - self.keep_temporary)]:
@@ -350,25 +422,43 @@ class Checkpointer:
                 self.storage.remove(self.storage.path(name))
 
     def wait(self) -> None:
-        """Collective: finish the save in flight (if any) and commit it."""
-        if self.pending is not None:
-            step, recorded, future = self.pending
-            self.pending = None
-            try:
-                future.result()
-            except (Exception, CheckpointException) as e:
-                self.log.error("async checkpoint step %d failed: %s", step, _root_cause(e))
-            recorded.wait()
-        _barrier()
-        self.commit_ready()
-        _barrier()
+        """Collective: finish the async save in flight (if any) and settle it (commit, or count
+        it as failed)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        with contextlib.suppress(Exception, CheckpointException):
+            pending.future.result()  # its exception, if any, is in pending.attempt
+        pending.recorded.wait()
+        attempt = pending.attempt or _Attempt(error="the save thread ended without a verdict")
+        self._settle(pending.step, pending.path, pending.kind, attempt, pending.free_bytes)
 
     # --- restoring ---------------------------------------------------------------------------
 
     def restore_latest(self, state: dict[str, Any]) -> int | None:
-        """Collective. Load the newest checkpoint that verifies; returns its step, or None."""
-        for entry in reversed(committed(self.storage)):
-            problem = self._agree(verify(self.storage, entry) if self.rank == 0 else None)
+        """Collective. Load the newest checkpoint that verifies; returns its step, or None.
+        Rank 0 lists the candidates; every rank verifies a share of each one's files."""
+        found: tuple[list[Entry], list[str], str | None] = ([], [], None)
+        if self.rank == 0:
+            try:
+                found = (*scan(self.storage), None)
+            except Exception as e:
+                found = ([], [], str(e) if isinstance(e, StorageError) else one_line(e))
+        entries, torn, error = self._broadcast(found)
+        if error is not None:
+            raise CheckpointError(
+                f"cannot list checkpoints under {self.storage.url}: {error}; resuming is "
+                "impossible until the storage answers"
+            )
+        for name in torn:
+            self.log.warning(
+                "checkpoint %s is incomplete (no %s: its save never finished, or the manifest "
+                "was deleted); ignoring it",
+                self.storage.url_of(self.storage.path(name)),
+                MANIFEST,
+            )
+        for entry in reversed(entries):
+            problem = self._verify_shared(entry)
             if problem is not None:
                 self.log.warning(
                     "checkpoint %s is damaged (%s); skipping it for the previous one",
@@ -376,17 +466,31 @@ class Checkpointer:
                     problem,
                 )
                 continue
-            load(self.storage, entry.path, state)
+            load(self.storage, entry.path, state, process_group=self.group)
+            self.newest_committed = entry.step
             return entry.step
         return None
 
-    def _agree(self, value: str | None) -> str | None:
-        """Rank 0's verdict on every rank (verification reads the files once, on rank 0)."""
-        if not dist.is_initialized() or self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def _verify_shared(self, entry: Entry) -> str | None:
+        """Every rank checks every world_size-th file of `entry`; the first problem found (by
+        rank) is everyone's verdict. A storage that cannot be read stops the resume instead:
+        falling back to an older checkpoint for that would lose work for no reason."""
+        files = entry.manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return "manifest unreadable or lists no files"
+        share = sorted(files)[self.rank :: self.world_size]
+        verdict: tuple[str | None, str | None] = (None, None)
+        try:
+            verdict = (verify(self.storage, entry, share), None)
+        except Exception as e:
+            verdict = (None, str(e) if isinstance(e, StorageError) else one_line(e))
+        verdicts = self._all_gather(verdict)
+        fatal = [v[1] for v in verdicts if v[1] is not None]
+        if fatal:
+            raise CheckpointError(
+                f"cannot verify checkpoint {self.storage.url_of(entry.path)}: {fatal[0]}"
+            )
+        return next((v[0] for v in verdicts if v[0] is not None), None)
 
 
 def corrupt_one_shard(storage: Storage, step: int) -> str:

@@ -306,6 +306,25 @@ class CheckpointConfig:
         "async: write checkpoints in the background while training goes on (at most one in "
         "flight; the next save and the end of training wait for it).",
     )
+    max_failed_saves: int = doc(
+        3,
+        "Stop the run (non-zero exit, newest committed checkpoint intact) after this many "
+        "checkpoint saves in a row have failed (full disk, unreachable storage, ...).",
+        AT_LEAST_1,
+    )
+    storage_retry_s: float = doc(
+        120.0,
+        "How long a checkpoint storage call is retried (exponential backoff) while its error "
+        "may pass (connection refused, timeout, server error) before the save counts as failed "
+        "(0 = no retries).",
+        AT_LEAST_0,
+    )
+    collective_timeout_s: float = doc(
+        7200.0,
+        "Timeout of the checkpoint collectives (a save's planning and commit, verifying on "
+        "resume): long enough to write or hash the largest checkpoint over the slowest storage.",
+        POSITIVE,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

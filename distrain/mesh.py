@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -166,3 +167,14 @@ def node_groups(
     leaders = [members[0] for members in by_node.values()]
     inter = dist.new_group(leaders)
     return intra, inter if me in leaders else None
+
+
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """The group every checkpoint collective runs on (None in a 1-process run): gloo, since
+    DCP's planning and the checkpointer's verdicts move Python objects, not device tensors; its
+    own group so that a background save never interleaves with training collectives (gloo has
+    no mismatch error, only SIGABRT); and a timeout sized for writing or verifying a large
+    checkpoint, which the default group's (10-30 minutes) is not."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

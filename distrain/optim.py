@@ -7,6 +7,8 @@ so a checkpoint's step is all it needs to resume exactly.
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,42 +100,37 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state flattened to `state.<param name>.<key>` entries (layout-independent).
 
-    A ZeRO-1 optimizer is first consolidated and expanded into a plain AdamW over the whole model,
-    so the checkpoint has the same entries as under any other layout. That costs a full copy of
-    the optimizer state on each rank while saving, the price of interchangeable checkpoints.
+    Under ZeRO-1 each rank returns the state of the parameters it owns (its partition's local
+    AdamW, shared, not copied), so each rank saves its own shard and nothing is gathered; the
+    names are those of any other layout, so any layout can load them. The group
+    hyperparameters (`param_groups.<param name>.<key>`) are returned for every parameter: DCP
+    saves non-tensor entries from its coordinator rank only.
     """
-    if not _is_zero1(optimizer):
+    zero = _zero1(optimizer)
+    if zero is None:
         return get_optimizer_state_dict(model, optimizer, options=_FLAT)
-    full = _plain_twin(model, optimizer)
-    full.load_state_dict(_consolidated(optimizer))
-    return get_optimizer_state_dict(model, full, options=_FLAT)
+    if not zero.optim.state:  # before the first step: let torch initialize the local state
+        local = get_optimizer_state_dict(model, zero.optim, options=_FLAT)
+        if not zero.optim.state:
+            return local  # this rank owns no parameter (rank 0 always owns one)
+    twin = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in zero.param_groups])
+    twin.state = zero.optim.state
+    return get_optimizer_state_dict(model, twin, options=_FLAT)
 
 
 def load_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    if not _is_zero1(optimizer):
-        set_optimizer_state_dict(model, optimizer, state, options=_FLAT)
-        return
-    full = _plain_twin(model, optimizer)
-    set_optimizer_state_dict(model, full, state, options=_FLAT)
-    optimizer.load_state_dict(full.state_dict())  # each rank keeps its own partition
+    """Load flattened entries; under ZeRO-1 each rank loads those of its own partition."""
+    zero = _zero1(optimizer)
+    set_optimizer_state_dict(model, optimizer if zero is None else zero.optim, state, options=_FLAT)
 
 
-def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
-def _plain_twin(model: nn.Module, zero: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """An AdamW over the same parameter groups, in the same order, as the ZeRO-1 optimizer."""
-    groups = [{**g, "params": list(g["params"])} for g in zero.param_groups]
-    return torch.optim.AdamW(groups)
-
-
-def _consolidated(zero: torch.optim.Optimizer) -> dict:
-    """The whole ZeRO-1 state on every rank: gathered to rank 0, then broadcast."""
-    zero.consolidate_state_dict(to=0)
-    group = zero.process_group
-    box = [zero.state_dict() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
+def _zero1(optimizer: torch.optim.Optimizer) -> Any:
+    """`optimizer` if it is a ZeroRedundancyOptimizer (its `optim` holds this rank's state)."""
+    # build_optimizer imports torch.distributed.optim whenever it makes a ZeRO-1 optimizer, so
+    # without that module loaded there is none (and its slow import is not paid for nothing).
+    module = sys.modules.get("torch.distributed.optim")
+    if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer):
+        return optimizer
+    return None

@@ -3,28 +3,103 @@
 Credentials and endpoints come from the environment the way each fsspec backend reads them
 (for s3fs: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...), so the same URL
 works on a laptop and on a cluster without code-level options.
+
+Every storage call goes through one retry policy: an error that may pass (a refused connection,
+a timeout, a 5xx) is retried with exponential backoff until `retry_s` seconds have gone by, then
+raised as a one-line StorageError naming the URL and the cause. Errors that cannot pass by
+waiting (a missing file, no permission, a full disk) are raised at once, unchanged.
+
+DCP writes through `HashingWriter`s: each file's size and SHA-256 are computed from the bytes as
+they go out, so no rank reads back what it wrote to describe it in the manifest.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import posixpath
+import shutil
+import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+
+from distrain.errors import CheckpointError
+
+T = TypeVar("T")
+
+# Errors no amount of waiting fixes: retrying them only delays the report.
+_PERMANENT_TYPES = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    ValueError,
+    TypeError,
+    KeyError,
+)
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_FIRST_DELAY_S = 0.1
+_MAX_DELAY_S = 5.0
+
+
+class StorageError(CheckpointError):
+    """Storage that could not be reached within checkpoint.storage_retry_s."""
+
+
+def transient(error: BaseException) -> bool:
+    """Whether `error` may pass by waiting (connection, timeout, server errors)."""
+    if isinstance(error, _PERMANENT_TYPES):
+        return False
+    if isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS:
+        return False
+    return isinstance(error, Exception)
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, short enough for a log line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 class Storage:
-    """A root folder on some filesystem, with the few operations checkpoints need."""
+    """A root folder on some filesystem, with the few operations checkpoints need, each retried
+    for up to `retry_s` seconds while its error may pass."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, *, retry_s: float = 0.0):
+        self.url, self.retry_s = url, retry_s
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.local = isinstance(self.fs, LocalFileSystem)
+
+    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` under the retry policy; `what` names the operation in errors."""
+        start = time.monotonic()
+        delay, attempts = _FIRST_DELAY_S, 1
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                waited = time.monotonic() - start
+                if not transient(e):
+                    raise
+                if waited + delay > self.retry_s:
+                    raise StorageError(
+                        f"storage {self.url} unreachable: {what} failed ({one_line(e)}) after "
+                        f"{attempts} attempt(s) in {waited:.1f} s (checkpoint.storage_retry_s = "
+                        f"{self.retry_s:g})"
+                    ) from e
+                time.sleep(delay)
+                delay, attempts = min(2 * delay, _MAX_DELAY_S), attempts + 1
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
@@ -36,53 +111,190 @@ class Storage:
     def listdir(self, path: str | None = None) -> list[str]:
         """Names directly under `path` (the root by default); none when it does not exist."""
         path = path or self.root
-        self.fs.invalidate_cache(path)  # other ranks and processes write here too
-        if not self.fs.exists(path):
-            return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
+
+        def names() -> list[str]:
+            self.fs.invalidate_cache(path)  # other ranks and processes write here too
+            if not self.fs.exists(path):
+                return []
+            return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
+
+        return self.call(f"listing {self.url_of(path)}", names)
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        return self.call(f"checking {self.url_of(path)}", self.fs.exists, path)
 
     def read_text(self, path: str) -> str:
-        with self.fs.open(path, "r") as f:
-            return f.read()
+        def read() -> str:
+            with self.fs.open(path, "r") as f:
+                return f.read()
+
+        return self.call(f"reading {self.url_of(path)}", read)
 
     def write_text_atomic(self, path: str, text: str) -> None:
         """Readers see the old state or the whole new file, never a part of it. Object stores
         publish an object whole on PUT; a local file is written aside, synced, then renamed."""
         if not self.local:
-            self.fs.pipe_file(path, text.encode())
+            self.call(f"writing {self.url_of(path)}", self.fs.pipe_file, path, text.encode())
             return
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def remove(self, path: str) -> None:
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        def rm() -> None:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+
+        self.call(f"removing {self.url_of(path)}", rm)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        self.call(f"creating {self.url_of(path)}", self.fs.makedirs, path, exist_ok=True)
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        return int(self.call(f"sizing {self.url_of(path)}", self.fs.size, path))
 
     def sha256(self, path: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        return digest.hexdigest()
+        def digest() -> str:
+            h = hashlib.sha256()
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            return h.hexdigest()
 
-    def dcp_writer(self, path: str) -> FileSystemWriter:
-        return FileSystemWriter(path) if self.local else FsspecWriter(self.url_of(path))
+        return self.call(f"reading {self.url_of(path)}", digest)
+
+    def free_bytes(self) -> int | None:
+        """Free space where the checkpoints go (local folders only; None for object stores)."""
+        if not self.local:
+            return None
+        probe = self.root
+        while not os.path.exists(probe) and probe != os.path.dirname(probe):
+            probe = os.path.dirname(probe)
+        return shutil.disk_usage(probe).free
+
+    def dcp_writer(self, path: str) -> HashingWriter:
+        cls = HashingFileSystemWriter if self.local else HashingFsspecWriter
+        return cls(path if self.local else self.url_of(path))
 
     def dcp_reader_class(self) -> type[FileSystemReader]:
         return FileSystemReader if self.local else FsspecReader
 
     def reader_path(self, path: str) -> str:
         return path if self.local else self.url_of(path)
+
+
+class _HashingStream:
+    """A write stream that feeds every byte it passes on to a SHA-256 and a byte count, and
+    notes the first OSError of a write (torch.save turns it into a vaguer error)."""
+
+    def __init__(self, raw: Any, on_error: Callable[[OSError], None]):
+        self.raw, self.on_error = raw, on_error
+        self.digest, self.size = hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            written = self.raw.write(view)
+        except OSError as e:
+            self.on_error(e)
+            raise
+        # A raw stream may take part of the buffer; hash exactly what it took.
+        taken = len(view) if written is None else written
+        self.digest.update(view[:taken])
+        self.size += taken
+        return taken
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem:
+    """DCP's filesystem object with `create_stream` hashing what it writes; renames carry the
+    record along (DCP writes `.metadata` under a temporary name, then renames it)."""
+
+    def __init__(self, inner: Any, writer: HashingWriter):
+        self.inner, self.writer = inner, writer
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "r" in mode and "+" not in mode:
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            with self.inner.create_stream(path, mode) as raw:
+                stream = _HashingStream(raw, self.writer.note_error)
+                yield stream
+        except OSError as e:  # also from the final flush when the file closes
+            self.writer.note_error(e)
+            raise
+        self.writer.record(path, stream.size, stream.digest.hexdigest())
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self.inner.rename(path, new_path)
+        self.writer.renamed(path, new_path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class HashingWriter:
+    """Mixin for DCP's file writers: `written` maps each file this rank wrote (by name) to its
+    size and SHA-256, computed while writing; `planned_bytes` is what this rank set out to write;
+    `write_error` is the first OSError a write raised (torch.save may re-raise it as something
+    less telling, such as "unexpected pos")."""
+
+    fs: Any
+
+    def _start_hashing(self) -> None:
+        self._lock = threading.Lock()
+        self.written: dict[str, dict[str, Any]] = {}
+        self.planned_bytes = 0
+        self.write_error: OSError | None = None
+        self.fs = _HashingFileSystem(self.fs, self)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        self.planned_bytes = sum(
+            _item_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO
+        )
+        return super().write_data(plan, planner)  # type: ignore[misc]
+
+    def record(self, path: Any, size: int, sha256: str) -> None:
+        with self._lock:
+            self.written[posixpath.basename(os.fspath(path))] = {"size": size, "sha256": sha256}
+
+    def renamed(self, path: Any, new_path: Any) -> None:
+        old, new = (posixpath.basename(os.fspath(p)) for p in (path, new_path))
+        with self._lock:
+            if old in self.written:
+                self.written[new] = self.written.pop(old)
+
+    def note_error(self, error: OSError) -> None:
+        with self._lock:
+            self.write_error = self.write_error or error
+
+
+def _item_bytes(item: Any) -> int:
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+class HashingFileSystemWriter(HashingWriter, FileSystemWriter):
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._start_hashing()
+
+
+class HashingFsspecWriter(HashingWriter, FsspecWriter):
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._start_hashing()

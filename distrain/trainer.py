@@ -22,7 +22,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tqdm import tqdm
 
 from distrain import oom
-from distrain.checkpoint import Checkpointer, checkpoint_storage, corrupt_one_shard
+from distrain.checkpoint import (
+    Checkpointer,
+    checkpoint_storage,
+    corrupt_one_shard,
+    step_name,
+)
 from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
@@ -163,6 +168,9 @@ class Trainer:
             async_mode=cfg.checkpoint.async_mode == "async",
             keep_temporary=cfg.checkpoint.keep_temporary,
             logger=logger,
+            max_failed_saves=cfg.checkpoint.max_failed_saves,
+            collective_timeout_s=cfg.checkpoint.collective_timeout_s,
+            on_failure=self._checkpoint_failed,
         )
         self.checkpoint_policy = CheckpointPolicy(
             cfg.checkpoint, total_steps=t.steps, device=ctx.device
@@ -193,6 +201,9 @@ class Trainer:
             if self.ctx.rank == 0:
                 damaged = corrupt_one_shard(self.checkpointer.storage, self.step)
                 self.log.warning("debug.corrupt_checkpoint_step: damaged %s", damaged)
+
+    def _checkpoint_failed(self, step: int, message: str) -> None:
+        self.metrics.log({"step": step, "checkpoint_failed": 1, "checkpoint_error": message})
 
     def maybe_resume(self) -> None:
         step = self.checkpointer.restore_latest(self._state())
@@ -316,7 +327,6 @@ class Trainer:
             disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
         )
         self.model.train(True)
-        last_saved = self.step
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
             self._maybe_inject_failure()
@@ -350,14 +360,18 @@ class Trainer:
             kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
             if kind is not None:
                 self.save_checkpoint(kind)
-                last_saved = self.step
             if log_step:
                 self.checkpointer.commit_ready()
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
         self.checkpointer.wait()
-        self.log.info("finished %d steps (last checkpoint at step %d)", self.step, last_saved)
+        newest = self.checkpointer.newest_committed
+        self.log.info(
+            "finished %d steps (newest committed checkpoint: %s)",
+            self.step,
+            "none" if newest is None else step_name(newest),
+        )
 
     def _maybe_inject_failure(self) -> None:
         debug = self.cfg.debug

@@ -12,6 +12,10 @@ SeaweedFS quirk: a "directory" whose objects were all deleted stays listed (as a
 and by `exists`) for a while; real S3 and moto drop it at once. Decide what exists by a marker
 object, not by a listed prefix, or pick moto (`DISTRAIN_TEST_S3=moto`) for such a test.
 
+`Gateway` puts a TCP relay in front of a server that a test can cut (every connection is then
+reset, as by a balancer with no backend) and restore: an outage of the storage as its clients
+see it, without stopping the server.
+
 The module-scoped fixture `s3` also applies `env` to this process's `os.environ` (restored
 afterwards) and clears s3fs's instance cache, so in-process code works the same way. Use it
 from a test module with `from s3 import s3  # noqa: F401` (or `pytest_plugins = ["s3"]` in
@@ -24,14 +28,16 @@ import contextlib
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -246,6 +252,93 @@ def s3_server(bucket: str = "distrain-test", kind: str | None = None) -> Iterato
         with server as endpoint:
             _make_bucket(endpoint, bucket)
             yield S3Server(endpoint, bucket, kind, client_env(endpoint))
+
+
+class Gateway:
+    """A loopback TCP relay to `target` ("http://host:port"); `cut()` resets every connection,
+    open or new, until `restore()`. `refused` counts connections reset while cut."""
+
+    def __init__(self, target: str):
+        host, port = target.removeprefix("http://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint_url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.down = False
+        self.refused = 0
+        self._live: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            self.down = True
+            live, self._live = self._live, set()
+        for sock in live:
+            _reset(sock)
+
+    def restore(self) -> None:
+        with self._lock:
+            self.down = False
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                down = self.down
+                if down:
+                    self.refused += 1
+            if down:
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                _reset(client)
+                continue
+            with self._lock:
+                self._live |= {client, upstream}
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self._live -= {src, dst}
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with an RST (linger 0), as a host with nothing behind the port does."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+@contextlib.contextmanager
+def through_gateway(server: S3Server) -> Iterator[tuple[S3Server, Gateway]]:
+    """`server` as reached through a new Gateway (its env points clients at the relay)."""
+    gateway = Gateway(server.endpoint_url)
+    try:
+        relayed = replace(
+            server, endpoint_url=gateway.endpoint_url, env=client_env(gateway.endpoint_url)
+        )
+        yield relayed, gateway
+    finally:
+        gateway.close()
 
 
 def _clear_s3fs_cache() -> None:

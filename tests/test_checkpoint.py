@@ -1,16 +1,29 @@
 """Checkpoint protocol in one process: commit by manifest, verification and fallback, retention,
 async saves, safe loading, and a full disk. Multi-rank saves are covered in test_training.py."""
 
+import builtins
+import contextlib
 import errno
+import hashlib
+import io
 import json
 import logging
 import pickle
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import train_in_process
 
 from distrain import checkpoint
 from distrain.checkpoint import Checkpointer, committed
+from distrain.config import OptimConfig
+from distrain.observe.metrics import read_metrics
+from distrain.optim import build_optimizer, optimizer_state_dict
 from distrain.storage import Storage
 
 # Not under "distrain": setup_logging turns that logger's propagation off, hiding it from caplog.
@@ -93,6 +106,52 @@ def test_nothing_intact_restores_nothing(tmp_path):
     assert _restored(_checkpointer(tmp_path))[0] is None
 
 
+def test_checkpoint_without_manifest_is_reported(tmp_path, caplog):
+    ckpt = _checkpointer(tmp_path)
+    ckpt.save(1, _state(1.0), permanent=False)
+    ckpt.save(2, _state(2.0), permanent=False)
+    (tmp_path / "step-00000002" / "MANIFEST.json").unlink()
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        assert _restored(_checkpointer(tmp_path)) == (1, 1.0)
+    assert (
+        f"checkpoint {tmp_path / 'step-00000002'} is incomplete (no MANIFEST.json: its save "
+        "never finished, or the manifest was deleted); ignoring it"
+    ) in caplog.text
+
+
+def test_save_hashes_while_writing_and_reads_nothing_back(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path / "ckpt")
+    reads: list[str] = []
+    real_open = io.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if str(tmp_path) in str(file) and not any(c in mode for c in "wax+"):
+            reads.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def no_second_pass(*_args, **_kwargs):
+        raise AssertionError("a save must not stat or re-read what it wrote")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(io, "open", counting_open)
+        patch.setattr(builtins, "open", counting_open)
+        patch.setattr(Storage, "sha256", no_second_pass)
+        patch.setattr(Storage, "size", no_second_pass)
+        ckpt.save(1, _state(1.0), permanent=False)
+        ckpt.save(2, {"model": {"w": torch.randn(300, 70)}}, permanent=True)
+    # Rank 0 reads the small rank records to write a manifest, and retention reads manifests;
+    # the data files written (.distcp shards, .metadata) are never opened for reading.
+    assert {r.rsplit("/", 1)[1] for r in reads} == {"rank0.json", "MANIFEST.json"}
+    for step in (1, 2):
+        folder = tmp_path / "ckpt" / f"step-{step:08d}"
+        files = json.loads((folder / "MANIFEST.json").read_text())["files"]
+        on_disk = {p.name for p in folder.iterdir()} - {"MANIFEST.json", "rank0.json"}
+        assert set(files) == on_disk
+        for name, info in files.items():
+            data = (folder / name).read_bytes()
+            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def test_retention_keeps_newest_temporary_and_every_permanent(tmp_path):
     ckpt = _checkpointer(tmp_path, keep=2)
     for step in range(1, 8):
@@ -107,24 +166,123 @@ def test_retention_keeps_newest_temporary_and_every_permanent(tmp_path):
     ]
 
 
-def test_full_disk_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
-    ckpt = _checkpointer(tmp_path, keep=1)
-    ckpt.save(1, _state(1.0), permanent=False)
+def _failing_writer(ckpt: Checkpointer, monkeypatch, error: BaseException) -> None:
+    """Make every later save's DCP write raise `error`, as its storage would."""
     real_writer = ckpt.storage.dcp_writer
 
-    def full_disk_writer(path):
+    def writer_that_fails(path):
         writer = real_writer(path)
 
-        def no_space(*_args, **_kwargs):
-            raise OSError(errno.ENOSPC, "No space left on device")
+        def fail(*_args, **_kwargs):
+            raise error
 
-        writer.write_data = no_space
+        writer.write_data = fail
         return writer
 
-    monkeypatch.setattr(ckpt.storage, "dcp_writer", full_disk_writer)
-    ckpt.save(2, _state(2.0), permanent=False)  # logged, not raised: training may go on
-    assert [e.step for e in committed(ckpt.storage)] == [1]
+    monkeypatch.setattr(ckpt.storage, "dcp_writer", writer_that_fails)
+
+
+def _disk_full_message(step: int, where) -> str:
+    return (
+        rf"checkpoint step-{step:08d} not saved: disk full on {re.escape(str(where))} "
+        r"\([\d.]+ MB free, [\d.]+ MB needed\)"
+    )
+
+
+def test_failed_saves_are_reported_removed_and_stop_the_run(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path, keep=1)
+    failures: list[tuple[int, str]] = []
+    ckpt.on_failure = lambda step, message: failures.append((step, message))
+    ckpt.save(1, _state(1.0), permanent=False)
+    _failing_writer(ckpt, monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    ckpt.save(2, _state(2.0), permanent=False)
+    ckpt.save(3, _state(3.0), permanent=False)
+    assert [s for s, _ in failures] == [2, 3]
+    assert re.fullmatch(_disk_full_message(2, tmp_path), failures[0][1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # torn dirs removed
+    assert ckpt.newest_committed == 1
+    with pytest.raises(checkpoint.CheckpointError) as stopped:
+        ckpt.save(4, _state(4.0), permanent=False)  # the third failure in a row
+    assert re.match(_disk_full_message(4, tmp_path), str(stopped.value))
+    assert "3 saves in a row failed (checkpoint.max_failed_saves = 3)" in str(stopped.value)
+    assert str(stopped.value).endswith("newest committed checkpoint: step-00000001")
     assert _restored(_checkpointer(tmp_path)) == (1, 1.0)
+
+
+def test_a_success_resets_the_failure_count_and_other_causes_are_named(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path)
+    ckpt.max_failed_saves = 2
+    failures: list[str] = []
+    ckpt.on_failure = lambda step, message: failures.append(message)
+    with monkeypatch.context() as patch:
+        _failing_writer(ckpt, patch, RuntimeError("bad tensor\nsecond line"))
+        ckpt.save(1, _state(1.0), permanent=False)
+    ckpt.save(2, _state(2.0), permanent=False)
+    with monkeypatch.context() as patch:
+        _failing_writer(ckpt, patch, RuntimeError("bad tensor"))
+        ckpt.save(3, _state(3.0), permanent=False)  # 1 in a row again: no stop
+    assert failures[0] == (
+        f"checkpoint step-00000001 not saved: writing to {tmp_path} failed on rank 0 "
+        "(RuntimeError: bad tensor)"
+    )
+    assert len(failures) == 2 and ckpt.newest_committed == 2
+
+
+def test_async_failure_is_settled_at_the_next_wait(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path, async_mode=True)
+    failures: list[str] = []
+    ckpt.on_failure = lambda step, message: failures.append(message)
+    ckpt.save(1, _state(1.0), permanent=False)
+    _failing_writer(ckpt, monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    ckpt.save(2, _state(2.0), permanent=False)  # settles step 1, starts step 2
+    ckpt.commit_ready()  # never commits a save that failed
+    ckpt.wait()
+    assert len(failures) == 1 and re.fullmatch(_disk_full_message(2, tmp_path), failures[0])
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert ckpt.newest_committed == 1
+
+
+@contextlib.contextmanager
+def _tmpfs(mount_point, size: str):
+    """A real filesystem of `size` (tmpfs) at `mount_point`, unmounted afterwards."""
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with _tmpfs(tmp_path / "small_disk", "3m") as mount_point:
+        yield mount_point
+
+
+def test_real_full_disk(small_disk):
+    ckpt = _checkpointer(small_disk, keep=1)
+    failures: list[str] = []
+    ckpt.on_failure = lambda step, message: failures.append(message)
+    big = {"w": torch.full((512, 512), 1.0)}  # 1 MiB
+    ckpt.save(1, big, permanent=False)
+    filler = small_disk / "filler"
+    filler.write_bytes(b"x" * (shutil.disk_usage(small_disk).free - (256 << 10)))
+    ckpt.save(2, {"w": torch.full((512, 512), 2.0)}, permanent=False)
+    assert len(failures) == 1
+    assert re.fullmatch(_disk_full_message(2, small_disk), failures[0]), failures[0]
+    free_mb, needed_mb = map(float, re.findall(r"([\d.]+) MB", failures[0]))
+    assert free_mb < needed_mb and needed_mb == pytest.approx(1.0, abs=0.01)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "step-00000001"]
+    filler.unlink()
+    target = {"w": torch.zeros(512, 512)}
+    assert _checkpointer(small_disk).restore_latest(target) == 1
+    assert float(target["w"][0, 0]) == 1.0
 
 
 def test_async_save_commits_after_wait(tmp_path):
@@ -134,6 +292,40 @@ def test_async_save_commits_after_wait(tmp_path):
     state["model"]["w"].fill_(99.0)  # training goes on: the save holds its own copy
     ckpt.wait()
     assert _restored(_checkpointer(tmp_path)) == (4, 3.0)
+
+
+def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
+    """The user's view: a run whose checkpoint disk holds one checkpoint (~10 MB) but not two."""
+    fields = {
+        "training__steps": 6,
+        "training__global_batch_size": 4,
+        "training__micro_batch_size": 4,
+        "training__seq_len": 32,
+        "checkpoint__interval_steps": 2,
+        "checkpoint__keep_temporary": 1,
+    }
+    with _tmpfs(tmp_path / "disk", "16m") as disk:
+        # Saves at 2 (fits), 4 and 6 (no room beside step 2): two failures, then it finishes.
+        run = tmp_path / "finishes"
+        train_in_process(run, **fields, checkpoint__dir=disk / "a")
+        failed = [r for r in read_metrics(run / "metrics.jsonl") if "checkpoint_failed" in r]
+        assert [r["step"] for r in failed] == [4, 6]
+        assert re.fullmatch(_disk_full_message(4, disk / "a"), failed[0]["checkpoint_error"])
+        log = (run / "logs" / "rank0.log").read_text()
+        assert "finished 6 steps (newest committed checkpoint: step-00000002)" in log
+        assert [p.name for p in (disk / "a").iterdir()] == ["step-00000002"]
+        shutil.rmtree(disk / "a")
+
+        run = tmp_path / "stops"
+        with pytest.raises(checkpoint.CheckpointError) as stopped:
+            train_in_process(
+                run, **fields, checkpoint__dir=disk / "b", checkpoint__max_failed_saves=2
+            )
+        assert re.match(_disk_full_message(6, disk / "b"), str(stopped.value))
+        assert str(stopped.value).endswith("newest committed checkpoint: step-00000002")
+        assert [p.name for p in (disk / "b").iterdir()] == ["step-00000002"]
+        (intact,) = committed(Storage(str(disk / "b")))
+        assert intact.step == 2 and checkpoint.verify(Storage(str(disk / "b")), intact) is None
 
 
 class _Evil:
@@ -149,3 +341,122 @@ def test_metadata_cannot_run_code(tmp_path, capsys):
     with pytest.raises(checkpoint.CheckpointError, match="builtins.print, which is not allowed"):
         checkpoint.load(ckpt.storage, str(path), _state(0.0))
     assert "pwned" not in capsys.readouterr().out
+
+
+# --- two ranks: ZeRO-1 shards, shared verification, a failure on one rank ------------------
+
+
+def _init(rank: int, tmp_path) -> None:
+    torch.set_num_threads(1)  # all ranks share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=2)
+
+
+def _adamw_pair(zero: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    group = dist.group.WORLD if zero else None
+    return model, build_optimizer(model, OptimConfig(lr=0.1), zero1_group=group)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    torch.manual_seed(1)  # the same batches on every rank and in the reference
+    for _ in range(steps):
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _two_rank_worker(rank: int, tmp_path) -> None:
+    _init(rank, tmp_path)
+    report: dict = {}
+    storage = Storage(str(tmp_path / "ckpt"))
+    ckpt = Checkpointer(storage, layout="dp2", async_mode=False, keep_temporary=5, logger=LOG)
+    report["group_is_own"] = ckpt.group is not None and ckpt.group != dist.group.WORLD
+
+    # ZeRO-1: each rank saves the state of its own partition; nothing is consolidated.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def no_gather(*_args, **_kwargs):
+        raise AssertionError("a ZeRO-1 save must not consolidate the optimizer state")
+
+    ZeroRedundancyOptimizer.consolidate_state_dict = no_gather
+    model, zero = _adamw_pair(zero=True)
+    _train(model, zero)
+    flat = optimizer_state_dict(model, zero)
+    report["state_keys"] = sorted(k for k in flat if k.startswith("state."))
+    ckpt.save(3, {"optim": flat}, permanent=False)
+
+    # Resume: each rank hashes its share of the files; the verdicts are combined.
+    hashed: list[str] = []
+    real_sha256 = Storage.sha256
+
+    def counting_sha256(self, path):
+        hashed.append(path.rsplit("/", 1)[-1])
+        return real_sha256(self, path)
+
+    Storage.sha256 = counting_sha256
+    target = optimizer_state_dict(*_adamw_pair(zero=True))
+    report["restored"] = ckpt.restore_latest({"optim": target})
+    report["hashed"] = hashed
+    Storage.sha256 = real_sha256
+
+    # A full disk on rank 1 only fails the save on both ranks and removes its directory.
+    real_writer = ckpt.storage.dcp_writer
+
+    def full_on_rank1(path):
+        writer = real_writer(path)
+        if rank == 1:
+
+            def no_space(*_args, **_kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            writer.write_data = no_space
+        return writer
+
+    ckpt.storage.dcp_writer = full_on_rank1
+    failures: list[str] = []
+    ckpt.on_failure = lambda step, message: failures.append(message)
+    ckpt.save(4, {"optim": flat}, permanent=False)
+    report["failures"] = failures
+    report["newest"] = ckpt.newest_committed
+    (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_zero1_shards_shared_verification_and_one_rank_failing(tmp_path):
+    mp.spawn(_two_rank_worker, args=(tmp_path,), nprocs=2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["group_is_own"] for r in reports)
+
+    # Each rank held the state of a disjoint share of the parameters, together all of them.
+    keys = [set(r["state_keys"]) for r in reports]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    model, reference = _adamw_pair(zero=False)
+    _train(model, reference)
+    want = optimizer_state_dict(model, reference)
+    assert keys[0] | keys[1] == {k for k in want if k.startswith("state.")}
+
+    # The shards load as one plain AdamW state, equal to a plain AdamW trained alike.
+    got = optimizer_state_dict(*_adamw_pair(zero=False))
+    step3 = str(tmp_path / "ckpt" / "step-00000003")
+    checkpoint.load(Storage(str(tmp_path / "ckpt")), step3, {"optim": got})
+    for key in want:
+        if key.startswith("state."):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+    # Verification: each rank hashed a different half of the files, together all of them.
+    assert all(r["restored"] == 3 for r in reports)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000003" / "MANIFEST.json").read_text())
+    hashed = [set(r["hashed"]) for r in reports]
+    assert hashed[0] and hashed[1] and not hashed[0] & hashed[1]
+    assert hashed[0] | hashed[1] == set(manifest["files"])
+
+    # The failure on rank 1 failed the save on both ranks, said why, and left step 3 newest.
+    for r in reports:
+        assert len(r["failures"]) == 1 and r["failures"][0].startswith(
+            "checkpoint step-00000004 not saved: disk full on "
+        )
+        assert r["newest"] == 3
+    assert not (tmp_path / "ckpt" / "step-00000004").exists()

@@ -1,15 +1,24 @@
 """Checkpoints on an object store: a 2-rank run saves, lists, prunes and resumes through
-`s3://` URLs on a real S3-compatible server (tests/s3.py), and continues bit for bit."""
+`s3://` URLs on a real S3-compatible server (tests/s3.py), and continues bit for bit; a save
+reads nothing back; a run survives a short outage of the store and stops cleanly, in one line
+naming the URL, on a long one."""
+
+import hashlib
+import logging
+import re
+import time
 
 import fsspec
 import pytest
-from helpers import losses, train_cli
-from s3 import S3Server, s3  # noqa: F401  (s3: the module-scoped fixture)
+import torch
+from helpers import losses, start_train, train_cli
+from s3 import Gateway, S3Server, s3, through_gateway  # noqa: F401  (s3: module-scoped fixture)
 
-from distrain.checkpoint import committed
+from distrain.checkpoint import Checkpointer, committed
 from distrain.observe.metrics import read_metrics
 from distrain.storage import Storage
 
+LOG = logging.getLogger("distrain_test.s3_checkpoints")
 FIELDS = {
     "training__steps": 6,
     "training__global_batch_size": 8,
@@ -36,3 +45,124 @@ def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa
     assert fs.exists(f"{root}/step-00000006/MANIFEST.json")
     want = losses(read_metrics(tmp_path / "local" / "metrics.jsonl"))
     assert losses(read_metrics(tmp_path / "s3" / "metrics.jsonl")) == want
+
+
+def test_s3_save_hashes_while_writing_and_reads_nothing_back(
+    s3: S3Server,  # noqa: F811
+    monkeypatch,
+):
+    import s3fs
+
+    url = s3.url("nothing-read-back")
+    storage = Storage(url)
+    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    opened: list[tuple[str, str]] = []
+    real_open = s3fs.S3FileSystem._open
+
+    def counting_open(self, path, mode="rb", *args, **kwargs):
+        opened.append((path.rsplit("/", 1)[-1], mode))
+        return real_open(self, path, mode, *args, **kwargs)
+
+    def no_second_pass(*_args, **_kwargs):
+        raise AssertionError("a save must not stat or re-read what it wrote")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(s3fs.S3FileSystem, "_open", counting_open)
+        patch.setattr(s3fs.S3FileSystem, "cat_file", no_second_pass)
+        patch.setattr(Storage, "sha256", no_second_pass)
+        patch.setattr(Storage, "size", no_second_pass)
+        ckpt.save(1, {"w": torch.randn(200, 50), "step": torch.tensor(1)}, permanent=False)
+    read = {name for name, mode in opened if "r" in mode}
+    assert read <= {"rank0.json", "MANIFEST.json"}  # records for the manifest; no data file
+    assert any(name.endswith(".distcp") and "w" in mode for name, mode in opened)
+    files = committed(storage)[0].manifest["files"]
+    for name, info in files.items():
+        data = storage.fs.cat_file(storage.path("step-00000001", name))
+        assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+OUTAGE_FIELDS = dict(FIELDS, training__steps=10, checkpoint__interval_steps=1)
+
+
+def _outage_run(run_dir, url: str, gateway: Gateway, *, outage_s: float | None, **fields):
+    """Start a 2-rank run saving through `gateway`, cut it once step 2 is logged, restore it
+    after `outage_s` (None: never); returns the finished process, its stderr and the number of
+    connections the cut refused."""
+    proc = start_train(run_dir, "--nproc", "2", **OUTAGE_FIELDS, checkpoint__dir=url, **fields)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and any(r.get("step", 0) >= 2 for r in read_metrics(metrics))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    gateway.cut()
+    if outage_s is not None:
+        time.sleep(outage_s)
+        gateway.restore()
+    _, stderr = proc.communicate(timeout=240)
+    return proc, stderr, gateway.refused
+
+
+def _direct_storage(url: str, monkeypatch) -> Storage:
+    """`url` reached directly again, not through the test's gateway."""
+    import s3fs
+
+    monkeypatch.undo()
+    s3fs.S3FileSystem.clear_instance_cache()  # instances keep the endpoint they were made with
+    return Storage(url)
+
+
+@pytest.mark.slow
+def test_short_outage_is_survived(s3: S3Server, tmp_path, monkeypatch):  # noqa: F811
+    url = s3.url("short-outage")
+    with through_gateway(s3) as (relayed, gateway):
+        for key, value in relayed.env.items():
+            monkeypatch.setenv(key, value)
+        # botocore's own retries (~4-6 s per call here) would only stretch the test; the retry
+        # policy under test is distrain's.
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        proc, stderr, refused = _outage_run(
+            tmp_path / "run", url, gateway, outage_s=3.0, checkpoint__storage_retry_s=60
+        )
+    assert proc.returncode == 0, stderr[-3000:]
+    assert refused > 0  # the run did reach for the storage while it was cut
+    assert "finished 10 steps (newest committed checkpoint: step-00000010)" in stderr
+    kept = [e.step for e in committed(_direct_storage(url, monkeypatch))]
+    assert kept == [9, 10]  # keep_temporary = 1, and the permanent one at the end
+
+
+@pytest.mark.slow
+def test_long_outage_stops_the_run_with_one_line_naming_the_url(
+    s3: S3Server,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    url = s3.url("long-outage")
+    with through_gateway(s3) as (relayed, gateway):
+        for key, value in relayed.env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        proc, stderr, refused = _outage_run(
+            tmp_path / "run",
+            url,
+            gateway,
+            outage_s=None,
+            checkpoint__storage_retry_s=1,
+            checkpoint__max_failed_saves=2,
+        )
+    assert proc.returncode != 0 and refused > 0
+    errors = [line for line in stderr.splitlines() if line.startswith("distrain: error:")]
+    assert errors, stderr[-3000:]
+    assert re.fullmatch(
+        rf"distrain: error: checkpoint step-\d{{8}} not saved: storage {re.escape(url)} "
+        r"unreachable: .+ failed \(.+\) after \d+ attempt\(s\) in [\d.]+ s "
+        r"\(checkpoint\.storage_retry_s = 1\); 2 saves in a row failed "
+        r"\(checkpoint\.max_failed_saves = 2\), stopping; newest committed checkpoint: "
+        r"step-\d{8}",
+        errors[0],
+    ), errors[0]
+    failed = [
+        r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "checkpoint_failed" in r
+    ]
+    assert len(failed) == 2 and all(url in r["checkpoint_error"] for r in failed)
+    newest = committed(_direct_storage(url, monkeypatch))[-1].step
+    assert errors[0].endswith(f"newest committed checkpoint: step-{newest:08d}")

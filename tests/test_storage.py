@@ -1,0 +1,83 @@
+"""Storage's retry policy: transient errors are retried with backoff until a deadline, then
+reported in one line naming the URL; permanent ones are raised at once; and non-essential calls
+(retention) never stop a save."""
+
+import errno
+import logging
+import time
+
+import pytest
+import torch
+
+from distrain.checkpoint import Checkpointer, committed
+from distrain.storage import Storage, StorageError
+
+LOG = logging.getLogger("distrain_test.storage")
+
+
+class Flaky:
+    """A storage call that raises `error` for its first `failures` calls, then returns "ok"."""
+
+    def __init__(self, error: BaseException, failures: int):
+        self.error, self.failures, self.calls = error, failures, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return "ok"
+
+
+def test_transient_error_is_retried_until_it_passes(tmp_path):
+    call = Flaky(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), failures=2)
+    start = time.monotonic()
+    assert Storage(str(tmp_path), retry_s=10).call("listing", call) == "ok"
+    assert call.calls == 3
+    assert time.monotonic() - start >= 0.3  # backoff 0.1 s, then 0.2 s
+
+
+def test_outage_longer_than_the_deadline_is_one_line_naming_the_url():
+    storage = Storage("memory://bucket/run", retry_s=0.5)
+    call = Flaky(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), failures=99)
+    start = time.monotonic()
+    with pytest.raises(StorageError) as failed:
+        storage.call("writing memory://bucket/run/x", call)
+    waited = time.monotonic() - start
+    assert 0.3 <= waited <= 0.5 and call.calls == 3  # 0.1 + 0.2 s of backoff; 0.4 more > 0.5
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "storage memory://bucket/run unreachable: writing memory://bucket/run/x failed "
+        "(ConnectionRefusedError: [Errno 111] Connection refused) after 3 attempt(s) in "
+    )
+    assert message.endswith("(checkpoint.storage_retry_s = 0.5)")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [FileNotFoundError("gone"), OSError(errno.ENOSPC, "No space left"), PermissionError("no")],
+    ids=["missing", "disk_full", "permission"],
+)
+def test_permanent_errors_are_not_retried(tmp_path, error):
+    call = Flaky(error, failures=99)
+    with pytest.raises(type(error)):
+        Storage(str(tmp_path), retry_s=10).call("reading", call)
+    assert call.calls == 1
+
+
+def test_retention_failure_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
+    storage = Storage(str(tmp_path))
+    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    state = {"w": torch.ones(4)}
+    ckpt.save(1, state, permanent=False)
+
+    def unreachable(*_args, **_kwargs):
+        raise StorageError(f"storage {storage.url} unreachable: listing failed")
+
+    monkeypatch.setattr(storage, "listdir", unreachable)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        ckpt.save(2, state, permanent=False)
+    assert ckpt.newest_committed == 2 and ckpt.failed_in_a_row == 0
+    assert f"retention skipped on {tmp_path}: storage {tmp_path} unreachable" in caplog.text
+    monkeypatch.undo()
+    assert [e.step for e in committed(storage)] == [1, 2]  # step 1 waits for the next prune
