@@ -50,7 +50,7 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the run's last checkpoint (weights, Adam moments, ...), by its name."""
+    """Every weight and optimizer tensor of the run's last checkpoint, by its name."""
     out = run_dir / "final.pt"
     dcp_to_torch_save(run_dir / "checkpoints" / f"step-{STEPS:08d}", out)
     flat: dict[str, torch.Tensor] = {}
@@ -62,7 +62,9 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
         elif isinstance(value, torch.Tensor):
             flat[prefix] = value
 
-    walk("", torch.load(out, weights_only=False))
+    saved = torch.load(out, weights_only=False)
+    walk("model", saved["model"])
+    walk("optim", saved["optim"])
     return flat
 
 
