@@ -162,8 +162,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "losses": [r["loss"] for r in rows],
     }
     if "comm_bytes" in steady[0]:
+        # comm_time_s is timed by hooks only: DDP's plain all-reduce ("none") runs untimed.
         for key in ("comm_bytes", "comm_compression_ratio", "comm_time_s"):
-            summary[key] = statistics.median(r[key] for r in steady)
+            if key in steady[0]:
+                summary[key] = statistics.median(r[key] for r in steady)
     return summary
 
 
@@ -266,12 +268,14 @@ def report(
             line += f"{step_s * 1e3:>12.0f} ({ratio:4.2f}x)"
         print(line + f"{first['final_loss']:>12.4f}")
     overlap: dict[str, float] = {}
-    if "none" in results:
+    if "none" in results and all("comm_time_s" in results["none"][link] for link in links):
         overlap = {link: hidden_fraction(results["none"][link], solo_step_s) for link in links}
         print(
             f"overlap (none vs 2 side-by-side single-rank runs, {solo_step_s * 1e3:.0f} ms/step): "
             + ", ".join(f"{link} {frac:.0%} of comm hidden" for link, frac in overlap.items())
         )
+    elif "none" in results:
+        print("overlap: not estimated (DDP's plain all-reduce is counted, not timed)")
     result = {
         "config": {
             "preset": args.preset,

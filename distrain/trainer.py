@@ -45,6 +45,7 @@ from distrain.optim import (
 )
 from distrain.parallel import build_parallel_model
 from distrain.parallel.compress import CommStats
+from distrain.parallel.data import KeepsGradientsLocal
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.rng import rng_state, seed_everything, set_rng_state
@@ -221,15 +222,23 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def train_step(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(
+        self, batches: list[Batch], lr: float, *, report_loss: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
-        the device, without a host sync. The model is in train mode (see `evaluate`)."""
-        # 1-bit Adam past its warm-up averages the momentum itself: gradients stay local.
-        local = any(getattr(o, "compressing", lambda: False)() for o in self.optimizers)
+        the device, without a host sync. The model is in train mode (see `evaluate`). With
+        report_loss=False the loss is left where it was computed (see
+        `ParallelModel.forward_backward`): for steps that are not logged."""
+        local = any(
+            isinstance(o, KeepsGradientsLocal) and o.keeps_gradients_local()
+            for o in self.optimizers
+        )
         if self.cfg.training.oom_recovery:
             loss = self._forward_backward_recovering(batches)
         else:
-            loss = self.model.forward_backward(batches, self.scaler.scale, sync=not local)
+            loss = self.model.forward_backward(
+                batches, self.scaler.scale, sync=not local, report_loss=report_loss
+            )
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -278,12 +287,16 @@ class Trainer:
         self.comm_stats.reset()
         if not snap["fp32_equivalent_bytes"]:
             return {}
-        return {
+        row = {
             "comm_bytes": snap["bytes_sent"] / steps,
             "comm_fp32_bytes": snap["fp32_equivalent_bytes"] / steps,
             "comm_compression_ratio": snap["compression_ratio"],
-            "comm_time_s": snap["comm_time_s"] / steps,
         }
+        # Only hooks and 1-bit Adam time their collectives; DDP's plain all-reduce is counted
+        # from its bucket sizes, untimed, so a window without a timed collective reports none.
+        if snap["comm_time_s"]:
+            row["comm_time_s"] = snap["comm_time_s"] / steps
+        return row
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so
@@ -331,7 +344,8 @@ class Trainer:
         while self.step < t.steps:
             self._maybe_inject_failure()
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
-            loss, grad_norm = self.train_step(self.loader.next_batch(), lr)
+            logged = (self.step + 1) % t.log_interval_steps == 0 or self.step + 1 == t.steps
+            loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
             self.step += 1
             window_steps += 1
             bar.update(1)

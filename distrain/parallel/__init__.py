@@ -26,7 +26,13 @@ from distrain.config import Config
 from distrain.mesh import DistContext, ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats
-from distrain.parallel.data import apply_ddp, apply_fsdp
+from distrain.parallel.data import (
+    allreduce_payload,
+    apply_ddp,
+    apply_fsdp,
+    install_comm_hook,
+    settle_bucket_layout,
+)
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -68,6 +74,10 @@ class ParallelModel:
             "fp32" if dims.dp_wrapper == "fsdp" and self.precision == "bf16" else self.precision,
             device,
         )
+        self.comm_stats: CommStats | None = None
+        # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
+        # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
+        self.allreduce_payload: tuple[int, int] | None = None
         self.runner = None
         if dims.pp > 1:
             from distrain.parallel.pipeline import PipelineRunner
@@ -114,16 +124,26 @@ class ParallelModel:
         *,
         sync: bool = True,
         before_micro_batch: Callable[[int], None] | None = None,
+        report_loss: bool = True,
     ) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches; the mean loss (a device tensor,
-        the same on every rank of a pipeline). With sync=False no gradient leaves the rank:
-        `all_reduce_gradients` must follow (DDP layouts only)."""
+        """Forward and backward over this rank's micro-batches; the mean loss (a device tensor).
+        With sync=False no gradient leaves the rank: `all_reduce_gradients` must follow (DDP
+        layouts only).
+
+        Under pp only the last stage computes the loss; with report_loss it is broadcast to the
+        other pp ranks (a collective that makes every stage wait for the last one), so that every
+        rank returns it. Without, a rank that does not hold the last stage returns zero: pass
+        report_loss=False only for a step whose loss nobody reads.
+        """
         if self.runner is not None:
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets)
-            return self.runner.broadcast_loss(_local(loss) if loss is not None else None)
+            local = _local(loss) if loss is not None else None
+            if report_loss:
+                return self.runner.broadcast_loss(local)
+            return local if local is not None else torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             if before_micro_batch is not None:
@@ -134,7 +154,15 @@ class ParallelModel:
                 loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
                 scale(loss / len(batches)).backward()
             loss_sum += _local(loss.detach())
+        if sync and self.allreduce_payload is not None:
+            self._count_allreduce(*self.allreduce_payload)
         return loss_sum / len(batches)
+
+    def _count_allreduce(self, numel: int, nbytes: int) -> None:
+        """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
+        so no time is taken (comm_time_s stays a hooks-only figure)."""
+        if self.comm_stats is not None:
+            self.comm_stats.add_completed(nbytes, fp32_values=numel, seconds=0.0)
 
     @torch.no_grad()
     def all_reduce_gradients(self, dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
@@ -151,6 +179,7 @@ class ParallelModel:
             if sum(g.numel() for g in bucket) >= limit or i == len(grads) - 1:
                 flat = torch.cat([g.flatten() for g in bucket])
                 dist.all_reduce(flat, group=dp_group)
+                self._count_allreduce(flat.numel(), flat.nbytes)
                 flat /= size
                 offset = 0
                 for g in bucket:
@@ -203,8 +232,8 @@ def build_parallel_model(
     ctx: DistContext,
     comm_stats: CommStats,
 ) -> ParallelModel:
-    """The model parts for this rank, laid out per `dims`; DDP's gradient hook counts its bytes
-    into `comm_stats`."""
+    """The model parts for this rank, laid out per `dims`; gradient communication (DDP's hook,
+    or the model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`."""
     device = ctx.device
     with torch.device("meta"):
         model = GPT(args)
@@ -245,17 +274,10 @@ def build_parallel_model(
         init_weights(part, args, cfg.training.seed)
     if dims.dp_wrapper == "ddp":
         parts = [
-            apply_ddp(
-                part,
-                dp_mesh,
-                comm=cfg.comm,
-                stats=comm_stats,
-                local_world_size=ctx.local_world_size,
-                device=device,
-            )
+            apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
             for part in parts
         ]
-    return ParallelModel(
+    model = ParallelModel(
         parts,
         dims=dims,
         mesh=mesh,
@@ -265,3 +287,21 @@ def build_parallel_model(
         num_stages=num_stages,
         pp_microbatches=microbatches,
     )
+    if dims.dp_wrapper == "ddp":
+        (ddp,) = parts
+        tokens = torch.zeros(
+            cfg.training.micro_batch_size, cfg.training.seq_len, dtype=torch.long, device=device
+        )
+        settle_bucket_layout(
+            ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss)
+        )
+        hooked = install_comm_hook(
+            ddp,
+            dp_mesh,
+            comm=cfg.comm,
+            stats=comm_stats,
+            local_world_size=ctx.local_world_size,
+        )
+        model.allreduce_payload = None if hooked else allreduce_payload(ddp)
+    model.comm_stats = comm_stats
+    return model

@@ -1,0 +1,176 @@
+"""Resume equals the uninterrupted run bit for bit (fp32, CPU), where a+b+c order matters:
+
+- 4 ranks, a worker killed with SIGKILL from outside (and by debug injection), restarted by
+  torchrun's agent: every step's loss after the restart, and every weight and optimizer value at
+  the end, == the uninterrupted 4-rank run's. DDP's buckets are settled before the first step
+  (distrain/parallel/data.py), so the restarted processes reduce in the same order as the
+  processes they replace. (Losses alone are too coarse: the few gradient elements one ulp apart
+  when the order differs rarely move a loss by an ulp within a few steps; the weights show it.)
+- 1-bit Adam on 2 ranks, resumed once in its warm-up (a crash, then `--resume`) and once past its
+  freeze step (a SIGKILL restarted by the agent): its phase, moments and error buffers come back
+  from the checkpoint, so every loss == the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import losses, overrides, run_cli, start_train, train_cli
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from distrain.observe.metrics import read_metrics
+
+STEPS = 10
+# Checkpoints at steps 2, 4, ...: a failure after step k resumes from the last even step <= k.
+FIELDS = {
+    "training__steps": STEPS,
+    "training__global_batch_size": 8,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 64,
+    "training__deterministic": True,
+    "checkpoint__interval_steps": 2,
+    "checkpoint__at_end": True,
+    # Several DDP buckets, as any model past 25 MB has: the 3.3 MB model would fit one bucket
+    # under the default cap, and then both layouts happen to sum alike.
+    "comm__bucket_cap_mb": 0.5,
+}
+
+
+def run_losses(run_dir: Path) -> dict[int, float]:
+    return losses(read_metrics(run_dir / "metrics.jsonl"))
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every weight and optimizer tensor of the run's last checkpoint, by its name."""
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{STEPS:08d}", out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    saved = torch.load(out, weights_only=False)
+    walk("model", saved["model"])
+    walk("optim", saved["optim"])
+    return flat
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and any(".exp_avg_sq" in k for k in want)
+    differing = {
+        k: int((got[k] != want[k]).sum()) for k in want if not torch.equal(got[k], want[k])
+    }
+    assert not differing, differing
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of the first attempt's worker of global rank `rank` under the agent, if started."""
+    wanted = {f"RANK={rank}".encode(), b"TORCHELASTIC_RESTART_COUNT=0"}
+    for pid in _descendants(agent_pid):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return pid
+    return None
+
+
+def _kill_when_logged(agent, run_dir: Path, *, rank: int, after_step: int) -> None:
+    """SIGKILL rank `rank`'s worker from outside once step `after_step` has been logged."""
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and agent.poll() is None:
+        if metrics.exists() and max(logged_steps(run_dir), default=0) >= after_step:
+            pid = _worker_pid(agent.pid, rank)
+            assert pid is not None, "worker not found"
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"step {after_step} was never logged (agent exit {agent.poll()})")
+
+
+@pytest.fixture(scope="module")
+def four_rank_reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ref4") / "run"
+    result = train_cli(run, 4, **FIELDS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run
+
+
+@pytest.mark.slow
+def test_four_ranks_sigkill_from_outside_resumes_bit_exact(tmp_path, four_rank_reference):
+    run = tmp_path / "run"
+    agent = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS)
+    _kill_when_logged(agent, run, rank=2, after_step=3)
+    _, stderr = agent.communicate(timeout=300)
+    assert agent.returncode == 0, stderr[-4000:]
+    # The second attempt resumed from a checkpoint and re-ran the steps after it.
+    assert "resumed from checkpoint step-" in (run / "logs" / "rank2.log").read_text()
+    steps = logged_steps(run)
+    assert len(steps) > len(set(steps)) and steps[-1] == STEPS, steps
+    assert run_losses(run) == run_losses(four_rank_reference)
+    assert_same_state(final_state(run), final_state(four_rank_reference))
+
+
+@pytest.mark.slow
+def test_four_ranks_injected_kill_resumes_bit_exact(tmp_path, four_rank_reference):
+    run = tmp_path / "run"
+    args = ["train", "--nproc", "4", "--max-restarts", "1"]
+    faults = {"debug__fail_at_step": 6, "debug__fail_rank": 3, "debug__fail_mode": "kill"}
+    for key, value in overrides(run, **FIELDS, **faults):
+        args += [f"--{key}", value]
+    result = run_cli(*args, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rank 3 crashes at step 6 (kill)" in (run / "logs" / "rank3.log").read_text()
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]  # step 4's checkpoint
+    assert run_losses(run) == run_losses(four_rank_reference)
+    assert_same_state(final_state(run), final_state(four_rank_reference))
+
+
+ONEBIT = {
+    **FIELDS,
+    "training__micro_batch_size": 4,
+    "optim__name": "onebit_adam",
+    "optim__onebit__freeze_step": 4,
+}
+
+
+@pytest.mark.slow
+def test_onebit_adam_resumes_bit_exact_in_both_phases(tmp_path, check_ok):
+    check_ok(train_cli(tmp_path / "ref", 2, **ONEBIT))
+    reference = run_losses(tmp_path / "ref")
+    run = tmp_path / "run"
+    # In warm-up: the job stops at step 3 and is started again with --resume (from step 2).
+    stopped = train_cli(run, 2, **ONEBIT, debug__fail_at_step=3)
+    assert stopped.returncode != 0 and "crashes at step 3" in stopped.stderr
+    # Past the freeze step: rank 1 is SIGKILLed as step 8 begins and restarted from step 6's
+    # checkpoint (after two compressed steps: non-zero error buffers).
+    args = ["train", "--nproc", "2", "--max-restarts", "1", "--resume"]
+    faults = {"debug__fail_at_step": 8, "debug__fail_rank": 1, "debug__fail_mode": "kill"}
+    for key, value in overrides(run, **ONEBIT, **faults):
+        args += [f"--{key}", value]
+    check_ok(run_cli(*args, timeout=300))
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10]
+    assert run_losses(run) == reference
+    assert_same_state(final_state(run), final_state(tmp_path / "ref"))
