@@ -72,6 +72,10 @@ class Entry:
     def permanent(self) -> bool:
         return self.manifest.get("kind") == "permanent"
 
+    @property
+    def kind(self) -> str:
+        return self.manifest.get("kind", "temporary")
+
 
 def committed(storage: Storage) -> list[Entry]:
     """Every checkpoint with a manifest, oldest first (not yet verified)."""
@@ -240,10 +244,13 @@ class Checkpointer:
 
     # --- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, permanent: bool) -> None:
-        """Collective. Returns once the state is captured (async) or written (sync)."""
+    def save(
+        self, step: int, state: dict[str, Any], *, permanent: bool, preempt: bool = False
+    ) -> None:
+        """Collective. Returns once the state is captured (async) or written (sync). `preempt`:
+        the save a stop signal asked for (kind "preempt", see `prune`)."""
         self.wait()
-        kind = "permanent" if permanent else "temporary"
+        kind = "preempt" if preempt else "permanent" if permanent else "temporary"
         path = self.storage.path(step_name(step))
         if self.rank == 0:
             self.storage.remove(path)  # a torn save of this step from an earlier attempt
@@ -331,9 +338,15 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Keep the newest `keep_temporary` temporary checkpoints and every permanent one; drop
-        torn saves older than the newest committed checkpoint. Only ever after a commit."""
+        torn saves older than the newest committed checkpoint. Only ever after a commit. A
+        preempt checkpoint is what the next start resumes from: kept while it is the newest,
+        counted as temporary once a later one is committed."""
         entries = committed(self.storage)
-        temporary = [e for e in entries if not e.permanent]
+        temporary = [
+            e
+            for e in entries
+            if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
+        ]
         for entry in temporary[: max(0, len(temporary) - self.keep_temporary)]:
             self.storage.remove(entry.path)
             self.log.info("retention: removed temporary checkpoint step %d", entry.step)

@@ -108,6 +108,7 @@ def default_nproc(cfg: Config) -> int:
 
 
 def cmd_train(argv: list[str]) -> None:
+    from distrain.checkpoint import checkpoint_storage
     from distrain.launch import launch, make_plan, under_torchrun
     from distrain.mesh import ParallelDims
 
@@ -125,12 +126,18 @@ def cmd_train(argv: list[str]) -> None:
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         max_restarts=_int_option("--max-restarts", ns.max_restarts) or 0,
+        grace_s=cfg.checkpoint.preempt_grace_s,
     )
     # Fail here, in one line, before starting any worker. With MIN < MAX nodes the world size is
     # only known at each rendezvous; the workers check the layout against it then.
     if plan.world_size is not None:
         ParallelDims.from_config(cfg, plan.world_size)
-    launch(plan, _strip_launch_options(argv), run_dir=cfg.run.dir)
+    launch(
+        plan,
+        _strip_launch_options(argv),
+        run_dir=cfg.run.dir,
+        checkpoints=checkpoint_storage(cfg),
+    )
 
 
 def _int_option(name: str, text: str | None) -> int | None:
@@ -203,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[argv[0]](argv[1:])
     except DistrainError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 1
+        print(f"distrain: {e.label}: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

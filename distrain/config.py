@@ -204,6 +204,13 @@ class CheckpointConfig:
         "async: write checkpoints in the background while training goes on (at most one in "
         "flight; the next save and the end of training wait for it).",
     )
+    preempt_grace_s: int = doc(
+        120,
+        "Seconds a stop signal (SIGTERM, SIGUSR1, SIGINT) leaves the run to finish its step and "
+        "commit a `preempt` checkpoint before it exits (rc 75); the launcher kills workers that "
+        "take longer, and `distrain slurm` asks Slurm for the signal this long before the time "
+        "limit.",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -235,6 +242,12 @@ class DebugConfig:
         0, "Fault injection: raise an out-of-memory error inside this step (0 = never)."
     )
     oom_rank: int = doc(-1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).")
+    preempt_delay_s: float = doc(
+        0.0,
+        "Fault injection: after a stop signal, wait this long between writing the preempt "
+        "checkpoint (with checkpoint.async_mode = 'async') and committing it, so a test can "
+        "send a second signal during the save.",
+    )
     check_replicas: bool = doc(
         False,
         "After every logged step, check that parameters agree across data-parallel replicas; a "
@@ -305,3 +318,6 @@ def validate(cfg: Config) -> None:
         section, key = name.split(".")
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"{name} must be >= 0")
+    grace_s = cfg.checkpoint.preempt_grace_s
+    if grace_s < 1:
+        raise ConfigError(f"checkpoint.preempt_grace_s must be >= 1 (seconds), got {grace_s}")

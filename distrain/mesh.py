@@ -196,3 +196,12 @@ def node_groups(
     leaders = [members[0] for members in by_node.values()]
     inter = dist.new_group(leaders)
     return intra, inter if me in leaders else None
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group over every rank for small host-side control messages (the stop flag), so
+    they never queue behind the device's collectives nor wait on the device; None for one rank.
+    Collective: every rank calls it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
