@@ -179,8 +179,10 @@ def launch(
     except SignalException as e:
         raise launcher_outcome(checkpoints, since=started, signum=e.sigval) from None
     except ChildFailedError as e:
-        if all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
-            # A signal that reached workers only: they stopped with a checkpoint, as asked.
+        if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+            # A signal that reached workers only: they stopped with a checkpoint. The agent took
+            # the first one's exit 75 for a failure and SIGTERMed the others (those still tearing
+            # down die of it), so the checkpoint, not their exit codes, decides.
             raise launcher_outcome(checkpoints, since=started, signum=None) from None
         failed = ", ".join(
             f"rank {rank} (exit code {failure.exitcode})"
