@@ -38,7 +38,7 @@ EXIT_PREEMPTED = 75
 # The same signal often arrives twice at once: Slurm signals every process of a step and
 # torchrun's agent forwards its own copy to the workers. Copies within this window are one
 # request; a signal after it is a second request, which aborts.
-DUPLICATE_WINDOW_S = 2.0
+DUPLICATE_WINDOW_S = 1.0
 
 
 class Preempted(DistrainError):
