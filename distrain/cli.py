@@ -217,62 +217,9 @@ def cmd_presets(argv: list[str]) -> None:
 
 
 def cmd_slurm(argv: list[str]) -> None:
-    from distrain.slurm import SlurmJob, parse_nodes, sbatch_script, submit, write_script
+    from distrain.slurm import slurm_command
 
-    parser = argparse.ArgumentParser(
-        prog="distrain slurm",
-        usage="distrain slurm [options] -- [train options]",
-        description="Write an sbatch script for a training run into its run dir and submit it: "
-        "one launcher per node, a rendezvous on the first node, SIGUSR1 "
-        "checkpoint.preempt_grace_s before the time limit (the run stops with a checkpoint), "
-        "and with --requeue the job requeues itself and resumes.",
-    )
-    parser.add_argument("--nodes", default="1", metavar="N|MIN-MAX", help="Nodes (default 1).")
-    parser.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=0,
-        metavar="G",
-        help="GPUs per node (--gres=gpu:G) and workers per node; 0 = a CPU-only job.",
-    )
-    parser.add_argument("--partition", metavar="P")
-    parser.add_argument("--time", metavar="T", help="Time limit, in sbatch's format.")
-    parser.add_argument("--account", metavar="A")
-    parser.add_argument(
-        "--requeue",
-        action="store_true",
-        help="After a preemption or time-limit stop, requeue the job; it resumes the run.",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="Print the script; write and submit nothing."
-    )
-    split = argv.index("--") if "--" in argv else len(argv)
-    ns = parser.parse_args(argv[:split])
-    train_argv = argv[split + 1 :]
-    _, cfg = parse_train_args(train_argv, worker=False)
-    min_nodes, max_nodes = parse_nodes(ns.nodes)
-    job = SlurmJob(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        gpus_per_node=ns.gpus_per_node,
-        partition=ns.partition,
-        time=ns.time,
-        account=ns.account,
-        requeue=ns.requeue,
-        grace_s=cfg.checkpoint.preempt_grace_s,
-        run_dir=Path(cfg.run.dir).absolute(),
-        python=sys.executable,
-        train_argv=train_argv,
-    )
-    if ns.dry_run:
-        print(sbatch_script(job), end="")
-        return
-    script = write_script(job)
-    job_id = submit(script)
-    print(
-        f"distrain: submitted job {job_id} ({script}); output in slurm-{job_id}.out, "
-        f"per-rank logs in {job.run_dir}/logs/"
-    )
+    slurm_command(argv)
 
 
 COMMANDS = {

@@ -49,8 +49,12 @@ def train_options(run: Path, nproc: int | None = 2, **fields: object) -> list[st
     return args
 
 
-def submit(cluster, workdir: Path, *slurm_args: str, run: Path, **fields: object) -> str:
-    """`distrain slurm ... -- train options` from `workdir`; returns the job id."""
+def submit(
+    cluster, workdir: Path, *slurm_args: str, run: Path, nproc: int = 2, **fields: object
+) -> str:
+    """`distrain slurm ... -- train options` from `workdir`; returns the job id. The job
+    inherits OMP_NUM_THREADS=1, which torchrun sets only with several workers per node: the
+    same intra-op threading in every layout keeps float reductions in the same order."""
     result = subprocess.run(
         [
             sys.executable,
@@ -59,13 +63,13 @@ def submit(cluster, workdir: Path, *slurm_args: str, run: Path, **fields: object
             "slurm",
             *slurm_args,
             "--",
-            *train_options(run, **fields),
+            *train_options(run, nproc, **fields),
         ],
         cwd=workdir,
         capture_output=True,
         text=True,
         timeout=120,
-        env=cluster.child_env(),
+        env=cluster.child_env(OMP_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     match = re.search(r"submitted job (\d+)", result.stdout)
@@ -186,7 +190,7 @@ def test_distrain_train_under_srun_runs_one_rank_per_task(slurm, slurm_reference
         capture_output=True,
         text=True,
         timeout=600,
-        env=slurm.child_env(),
+        env=slurm.child_env(OMP_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "rank 1/2 on cpu (gloo)" in (run / "logs" / "rank1.log").read_text()
