@@ -78,6 +78,10 @@ class Entry:
     def permanent(self) -> bool:
         return self.manifest.get("kind") == "permanent"
 
+    @property
+    def kind(self) -> str:
+        return self.manifest.get("kind", "temporary")
+
 
 def scan(storage: Storage) -> tuple[list[Entry], list[str]]:
     """Every checkpoint with a manifest, oldest first (not yet verified), and the names of the
@@ -224,11 +228,14 @@ class Checkpointer:
 
     # --- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, permanent: bool) -> None:
+    def save(
+        self, step: int, state: dict[str, Any], *, permanent: bool, preempt: bool = False
+    ) -> None:
         """Collective. Returns once the state is captured (async) or written and committed
-        (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed."""
+        (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
+        `preempt`: the save a stop signal asked for (kind "preempt", see `prune`)."""
         self.wait()
-        kind = "permanent" if permanent else "temporary"
+        kind = "preempt" if preempt else "permanent" if permanent else "temporary"
         path = self.storage.path(step_name(step))
         prepared: tuple[str | None, int | None] = (None, None)
         if self.rank == 0:
@@ -395,7 +402,9 @@ class Checkpointer:
     def prune(self) -> None:
         """Keep the newest `keep_temporary` temporary checkpoints and every permanent one; drop
         torn saves older than the newest committed checkpoint. Only ever after a commit, and
-        never fatal: a storage error leaves the files for the next prune and logs a warning."""
+        never fatal: a storage error leaves the files for the next prune and logs a warning. A
+        preempt checkpoint is what the next start resumes from: kept while it is the newest,
+        counted as temporary once a later one is committed."""
         try:
             self._prune()
         except Exception as e:
@@ -405,7 +414,11 @@ class Checkpointer:
 
     def _prune(self) -> None:
         entries = committed(self.storage)
-        temporary = [e for e in entries if not e.permanent]
+        temporary = [
+            e
+            for e in entries
+            if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
+        ]
         for entry in temporary[: max(0, len(temporary) - self.keep_temporary)]:
             self.storage.remove(entry.path)
             self.log.info("retention: removed temporary checkpoint step %d", entry.step)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from distrain.args import int_option, parse_train_args, strip_launch_options
+from distrain.args import LAUNCH_OPTIONS, int_option, parse_train_args, strip_launch_options
 from distrain.config import Config
 from distrain.errors import DistrainError
 
@@ -22,6 +22,7 @@ def default_nproc(cfg: Config) -> int:
 
 
 def cmd_train(argv: list[str]) -> None:
+    from distrain.checkpoint import checkpoint_storage
     from distrain.launch import launch, make_plan, under_torchrun
     from distrain.layout import validate
     from distrain.preflight import preflight
@@ -33,6 +34,8 @@ def cmd_train(argv: list[str]) -> None:
         run_training(cfg)
         return
     ns, cfg = parse_train_args(argv, worker=False)
+    if _srun_task_per_process(ns, cfg):
+        return
     plan = make_plan(
         ns.nproc if ns.nproc is not None else default_nproc(cfg),
         nnodes=ns.nnodes,
@@ -40,13 +43,34 @@ def cmd_train(argv: list[str]) -> None:
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
+        grace_s=cfg.checkpoint.preempt_grace_s,
     )
     # Whatever depends only on the config and the world size fails here, once, in one line,
     # before any worker starts. With MIN < MAX nodes the world size is only known at each
     # rendezvous; the workers check the rules that need it then.
     validate(cfg, plan.world_size)
     preflight(cfg)
-    launch(plan, strip_launch_options(argv), run_dir=cfg.run.dir)
+    launch(
+        plan,
+        strip_launch_options(argv),
+        run_dir=cfg.run.dir,
+        checkpoints=checkpoint_storage(cfg),
+    )
+
+
+def _srun_task_per_process(ns: argparse.Namespace, cfg: Config) -> bool:
+    """Under `srun` without launcher options, each task is one rank (no torchrun): translate
+    SLURM_* into torch.distributed's variables, then train as a worker. False elsewhere."""
+    import os
+
+    from distrain.slurm import srun_task_env, under_srun
+    from distrain.train import run_training
+
+    if not under_srun() or any(getattr(ns, dest) is not None for dest in LAUNCH_OPTIONS.values()):
+        return False
+    os.environ.update(srun_task_env(os.environ))
+    run_training(cfg)
+    return True
 
 
 def cmd_generate(argv: list[str]) -> None:
@@ -86,7 +110,18 @@ def cmd_presets(argv: list[str]) -> None:
         )
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}
+def cmd_slurm(argv: list[str]) -> None:
+    from distrain.slurm import slurm_command
+
+    slurm_command(argv)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "generate": cmd_generate,
+    "presets": cmd_presets,
+    "slurm": cmd_slurm,
+}
 
 
 USAGE = f"usage: distrain {{{','.join(COMMANDS)}}} [options]   (distrain COMMAND --help)"
@@ -108,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[argv[0]](argv[1:])
     except DistrainError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 1
+        print(f"distrain: {e.label}: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

@@ -325,6 +325,14 @@ class CheckpointConfig:
         "resume): long enough to write or hash the largest checkpoint over the slowest storage.",
         POSITIVE,
     )
+    preempt_grace_s: int = doc(
+        120,
+        "Seconds a stop signal (SIGTERM, SIGUSR1, SIGINT) leaves the run to finish its step and "
+        "commit a `preempt` checkpoint before it exits (rc 75); the launcher kills workers that "
+        "take longer, and `distrain slurm` asks Slurm for the signal this long before the time "
+        "limit.",
+        AT_LEAST_1,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -363,6 +371,13 @@ class DebugConfig:
     )
     oom_rank: int = doc(
         -1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).", ANY_RANK
+    )
+    preempt_delay_s: float = doc(
+        0.0,
+        "Fault injection: after a stop signal, wait this long between writing the preempt "
+        "checkpoint (with checkpoint.async_mode = 'async') and committing it, so a test can "
+        "send a second signal during the save.",
+        AT_LEAST_0,
     )
     check_replicas: bool = doc(
         False,

@@ -5,6 +5,11 @@ anything else is a bug and keeps its traceback."""
 class DistrainError(Exception):
     """Base of every user-facing error; the message names the cause and the fix."""
 
+    exit_code: int = 1
+    """The process's exit status when this error ends it."""
+    label: str = "error"
+    """How the one-line message starts: `distrain: <label>: <message>`."""
+
 
 class ConfigError(DistrainError, ValueError):
     """A config value that cannot be used (a field, its type, or the layout it implies)."""

@@ -12,18 +12,27 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from distrain.errors import ConfigError, DistrainError
+from distrain.preempt import EXIT_PREEMPTED, STOP_SIGNALS, launcher_outcome
+from distrain.storage import Storage
 
 WORKER_MODULE = "distrain.train"
 DEFAULT_RDZV_ID = "distrain"
 # torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
 # is paid at every restart). 1 s still lets agents that start together join one round.
 LAST_CALL_TIMEOUT_S = 1
+# The agent turns these into a shutdown that forwards the same signal to the workers (SIGUSR1
+# is not among torchrun's defaults: it would kill the agent and orphan the workers).
+AGENT_SIGNALS = ",".join(sorted({s.name for s in STOP_SIGNALS} | {"SIGHUP", "SIGQUIT"}))
+# The workers end themselves once the grace period is spent; the agent's SIGKILL comes later.
+SHUTDOWN_MARGIN_S = 5
 
 
 def under_torchrun() -> bool:
@@ -47,6 +56,8 @@ class LaunchPlan:
     """Node 0 hosts the rendezvous store; None lets torchrun decide from the endpoint's host."""
     rdzv_endpoint: str | None = None
     rdzv_id: str = DEFAULT_RDZV_ID
+    grace_s: int = 120
+    """How long a stop signal lets the workers run before the agent kills them."""
 
     @property
     def world_size(self) -> int | None:
@@ -86,6 +97,7 @@ def make_plan(
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     max_restarts: int,
+    grace_s: int = 120,
 ) -> LaunchPlan:
     """Validate the launch options together; every error is one line naming the option."""
     if nproc < 1:
@@ -113,6 +125,7 @@ def make_plan(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id or DEFAULT_RDZV_ID,
+        grace_s=grace_s,
     )
 
 
@@ -140,21 +153,37 @@ def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
         f"--rdzv-conf={','.join(rdzv_conf)}",
         f"--nproc-per-node={plan.nproc}",
         f"--max-restarts={plan.max_restarts}",
+        f"--signals-to-handle={AGENT_SIGNALS}",
+        f"--shutdown-timeout={plan.grace_s + SHUTDOWN_MARGIN_S}",
         "--module",
         WORKER_MODULE,
         *worker_argv,
     ]
 
 
-def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
-    """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node."""
+def launch(
+    plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage
+) -> None:
+    """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node.
+
+    A stop signal to this process (SIGTERM, SIGUSR1, SIGINT) is forwarded to the workers by
+    torchrun's agent, which waits up to the grace period for them; the outcome is then read from
+    `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
     # Restarted workers must not reuse the agent's TCP store address of the previous attempt:
     # with torch's default (share it) restarts fail with "Gloo connectFullMesh failed" or hang.
     # The variable is read by the agent's rendezvous handler, i.e. in this process.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    started = time.time()
     try:
         run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
+    except SignalException as e:
+        raise launcher_outcome(checkpoints, since=started, signum=e.sigval) from None
     except ChildFailedError as e:
+        if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+            # A signal that reached workers only: they stopped with a checkpoint. The agent took
+            # the first one's exit 75 for a failure and SIGTERMed the others (those still tearing
+            # down die of it), so the checkpoint, not their exit codes, decides.
+            raise launcher_outcome(checkpoints, since=started, signum=None) from None
         failed = ", ".join(
             f"rank {rank} (exit code {failure.exitcode})"
             for rank, failure in sorted(e.failures.items())

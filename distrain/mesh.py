@@ -178,3 +178,10 @@ def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group over every rank for small host-side control messages (the stop flag), so
+    they never queue behind the device's collectives nor wait on the device; None for one rank.
+    Collective: every rank calls it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
         run_training(cfg)
     except DistrainError as e:
-        print(f"distrain: error: {e}", file=sys.stderr)
-        return 1
+        print(f"distrain: {e.label}: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

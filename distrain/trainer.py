@@ -33,7 +33,7 @@ from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
 from distrain.errors import CheckpointError
 from distrain.layout import validate as validate_layout
-from distrain.mesh import DistContext
+from distrain.mesh import DistContext, host_group
 from distrain.models.presets import num_params
 from distrain.observe.metrics import MetricsWriter
 from distrain.optim import (
@@ -48,6 +48,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.data import KeepsGradientsLocal
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
+from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.rng import rng_state, seed_everything, set_rng_state
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -104,6 +105,7 @@ class Trainer:
         self.cfg, self.ctx, self.log = cfg, ctx, logger
         t = cfg.training
         self.run_dir = Path(cfg.run.dir)
+        self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)
         self.dims, self.args = layout.dims, layout.model
         self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
@@ -179,6 +181,7 @@ class Trainer:
         self.metrics = MetricsWriter(
             self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
         )
+        self.stop = StopAgreement(self.stop_signals, host_group())
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -196,7 +199,9 @@ class Trainer:
 
     def save_checkpoint(self, kind: str) -> None:
         self.step_state["step"].fill_(self.step)
-        self.checkpointer.save(self.step, self._state(), permanent=kind == "permanent")
+        self.checkpointer.save(
+            self.step, self._state(), permanent=kind == "permanent", preempt=kind == "preempt"
+        )
         if self.cfg.debug.corrupt_checkpoint_step == self.step:
             self.checkpointer.wait()
             if self.ctx.rank == 0:
@@ -366,20 +371,38 @@ class Trainer:
                 if self.cfg.debug.check_replicas:
                     check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            if (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished:
+            # Agreed by every rank for this step (see preempt.py); the last step just finishes.
+            stopping = not finished and self.stop.stop_now()
+            if not stopping and (
+                (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished
+            ):
                 val_loss = self.evaluate()
                 self.metrics.log({"step": self.step, "val_loss": val_loss})
                 self.log.info("step %d: val_loss %.4f", self.step, val_loss)
             log_step = self.step % t.log_interval_steps == 0 or finished
             kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
+            if stopping:
+                kind = "preempt"
             if kind is not None:
                 self.save_checkpoint(kind)
             if log_step:
                 self.checkpointer.commit_ready()
+            if stopping:
+                bar.close()
+                if self.cfg.debug.preempt_delay_s:
+                    self.log.warning(
+                        "debug.preempt_delay_s: waiting %.1fs before committing",
+                        self.cfg.debug.preempt_delay_s,
+                    )
+                    time.sleep(self.cfg.debug.preempt_delay_s)
+                self.checkpointer.wait()
+                self.stop.close()
+                raise Preempted(preempted_message(self.step, t.steps, self.stop.signal_name))
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
         self.checkpointer.wait()
+        self.stop.close()
         newest = self.checkpointer.newest_committed
         self.log.info(
             "finished %d steps (newest committed checkpoint: %s)",
@@ -402,3 +425,4 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        self.stop_signals.close()

@@ -271,7 +271,9 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
     """Record, instead of starting, the workers a `distrain train` would launch."""
     launched: list[int | None] = []
     monkeypatch.setattr(
-        distrain.launch, "launch", lambda plan, argv, run_dir: launched.append(plan.world_size)
+        distrain.launch,
+        "launch",
+        lambda plan, argv, run_dir, checkpoints: launched.append(plan.world_size),
     )
     return launched
 
@@ -342,7 +344,7 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, presets"
+        "generate, presets, slurm"
     ]
 
 
