@@ -12,12 +12,17 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+import distrain
 from distrain.errors import ConfigError, DistrainError
+from distrain.lifeline import LAUNCHER_PID_ENV
+from distrain.rundir import HELD_BY_LAUNCHER_ENV, RunDirLock
 
 WORKER_MODULE = "distrain.train"
 DEFAULT_RDZV_ID = "distrain"
@@ -146,12 +151,51 @@ def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
     ]
 
 
+def worker_threads(nproc: int) -> tuple[int, str]:
+    """CPU threads per worker (torch's intra-op pool) and where the number comes from: the
+    user's OMP_NUM_THREADS if set, else this node's usable cores shared by its workers."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS from the environment"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc), f"{cores} cores / {nproc} workers"
+
+
+def worker_env(plan: LaunchPlan) -> dict[str, str]:
+    """Environment the workers inherit from this process (torchrun's agent copies it)."""
+    threads, why = worker_threads(plan.nproc)
+    print(f"[distrain] {threads} CPU thread(s) per worker ({why})", file=sys.stderr)
+    # `python -m distrain.train` would put the working directory first on sys.path, so a folder
+    # named distrain/ there (the parent of a clone, say) would shadow the package this launcher
+    # runs. Safe-path mode drops that entry; the package's own root is put on the path instead.
+    package_root = str(Path(distrain.__file__).resolve().parent.parent)
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {
+        # Set before torchrun starts the workers, which also silences its warning about it.
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": os.pathsep.join([package_root, *python_path]),
+        # Torchrun's agent (this process) is the workers' parent: they exit when it dies.
+        LAUNCHER_PID_ENV: str(os.getpid()),
+        # Restarted workers must not reuse the agent's TCP store address of the previous
+        # attempt: with torch's default (share it) restarts fail with "Gloo connectFullMesh
+        # failed" or hang. Read by the agent's rendezvous handler, i.e. in this process.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+
+
+def holds_run_dir_lock(plan: LaunchPlan) -> bool:
+    """Only one launcher per job takes the run-dir lock: the one of node 0. Without a
+    --node-rank in an elastic job that node is not known here; the workers' rank 0 takes it."""
+    return not plan.elastic or plan.node_rank == 0
+
+
 def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
     """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node."""
-    # Restarted workers must not reuse the agent's TCP store address of the previous attempt:
-    # with torch's default (share it) restarts fail with "Gloo connectFullMesh failed" or hang.
-    # The variable is read by the agent's rendezvous handler, i.e. in this process.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.update(worker_env(plan))
+    lock = RunDirLock(Path(run_dir)) if holds_run_dir_lock(plan) else None
+    if lock is not None:
+        lock.acquire()
+        os.environ[HELD_BY_LAUNCHER_ENV] = str(lock.path)
     try:
         run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except ChildFailedError as e:
@@ -160,7 +204,12 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
             for rank, failure in sorted(e.failures.items())
         )
         attempts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
+        logs = Path(run_dir) / "logs"
+        where = f" and {logs}/rank<N>.log" if logs.is_dir() else ""
         raise DistrainError(
-            f"worker(s) failed{attempts}: {failed}; see the error above and "
-            f"{run_dir}/logs/rank<N>.log"
+            f"worker(s) failed{attempts}: {failed}; see the error above{where}"
         ) from None
+    finally:
+        if lock is not None:
+            os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
+            lock.release()

@@ -8,6 +8,7 @@ distrain creates process groups.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -196,3 +197,25 @@ def node_groups(
     leaders = [members[0] for members in by_node.values()]
     inter = dist.new_group(leaders)
     return intra, inter if me in leaders else None
+
+
+def teardown(*, synchronize: bool) -> None:
+    """Destroy this process's process groups (every rank calls it last, after dropping what it
+    built on them: models wrapped by DDP/FSDP, meshes, optimizers).
+
+    The order is gloo's: a ProcessGroupGloo's destructor joins its worker threads while the
+    caller holds the GIL, and a worker that still releases the tensors of a completed collective
+    needs the GIL to drop their Python objects: a deadlock. It strikes when the last reference
+    to a group goes at a random moment, e.g. when the cyclic GC frees a DDP reducer after
+    `destroy_process_group` has dropped the group's registry entry. So: collect cycles first,
+    while the registry still holds every group (nothing is destroyed), then, with
+    `synchronize` (the run ended normally on every rank), wait in a barrier with the GIL
+    released, during which the workers finish releasing, and only then destroy the groups. A
+    failing rank skips the barrier: its peers may never reach one.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from tqdm import tqdm
 
 from distrain import oom
 from distrain.checkpoint import Checkpointer, checkpoint_storage, corrupt_one_shard
@@ -30,6 +29,7 @@ from distrain.errors import CheckpointError, ConfigError
 from distrain.mesh import DistContext, ParallelDims
 from distrain.models.presets import model_args, num_params
 from distrain.observe.metrics import MetricsWriter
+from distrain.observe.progress import Progress
 from distrain.optim import (
     build_optimizer,
     load_optimizer_state_dict,
@@ -148,6 +148,8 @@ class Trainer:
         ]
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
         self.step = 0
+        self.started = False
+        """True once the loop begins: an error before that is a failed start (see train.py)."""
         self.step_state = {"step": torch.zeros((), dtype=torch.int64)}
         logger.info(
             "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
@@ -308,13 +310,13 @@ class Trainer:
             )
             return
         tokens_per_step = t.global_batch_size * t.seq_len
-        bar = tqdm(
+        self.started = True
+        self.metrics.start(self.step)
+        bar = Progress(
             total=t.steps,
             initial=self.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
+            enabled=self.ctx.rank == 0 and self.cfg.metrics.progress_bar,
+            logger=self.log,
         )
         self.model.train(True)
         last_saved = self.step
