@@ -34,6 +34,8 @@ TINY = {
     "checkpoint__at_end": False,
 }
 
+TWO_RANKS = dict(TINY, training__micro_batch_size=2)
+
 
 def _write_holder(run_dir: Path, **fields: object) -> None:
     holder = dict(
@@ -236,7 +238,9 @@ def test_workers_import_the_launchers_package_and_output_is_clean(tmp_path, chec
     (cwd / "distrain" / "__init__.py").write_text("raise ImportError('the folder in the cwd')\n")
     run = tmp_path / "run"
     args = [sys.executable, "-P", "-m", "distrain", "train", "--nproc", "2"]
-    for key, value in overrides(run, **dict(TINY, training__steps=20, metrics__progress_bar=True)):
+    for key, value in overrides(
+        run, **dict(TWO_RANKS, training__steps=20, metrics__progress_bar=True)
+    ):
         args += [f"--{key}", value]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
@@ -278,7 +282,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_workers_die_when_the_launcher_is_killed(tmp_path):
     run = tmp_path / "run"
-    launcher = start_train(run, "--nproc", "2", **dict(TINY, training__steps=100_000))
+    launcher = start_train(run, "--nproc", "2", **dict(TWO_RANKS, training__steps=100_000))
     try:
         deadline = time.monotonic() + 180
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
