@@ -22,7 +22,7 @@ from torch.distributed.run import get_args_parser, run
 import distrain
 from distrain.errors import ConfigError, DistrainError
 from distrain.lifeline import LAUNCHER_PID_ENV
-from distrain.rundir import HELD_BY_LAUNCHER_ENV, RunDirLock
+from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
 
 WORKER_MODULE = "distrain.train"
 DEFAULT_RDZV_ID = "distrain"
@@ -183,19 +183,17 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
-def holds_run_dir_lock(plan: LaunchPlan) -> bool:
-    """Only one launcher per job takes the run-dir lock: the one of node 0. Without a
-    --node-rank in an elastic job that node is not known here; the workers' rank 0 takes it."""
-    return not plan.elastic or plan.node_rank == 0
-
-
 def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
     """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node."""
     os.environ.update(worker_env(plan))
-    lock = RunDirLock(Path(run_dir)) if holds_run_dir_lock(plan) else None
-    if lock is not None:
-        lock.acquire()
-        os.environ[HELD_BY_LAUNCHER_ENV] = str(lock.path)
+    # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
+    # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
+    # workers' rank 0 takes the lock.
+    lock = None
+    if not plan.elastic or plan.node_rank is not None:
+        if plan.node_rank in (None, 0):
+            lock = RunDirLock(Path(run_dir)).acquire()
+        os.environ[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
     try:
         run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except ChildFailedError as e:
@@ -210,6 +208,6 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str) -> None:
             f"worker(s) failed{attempts}: {failed}; see the error above{where}"
         ) from None
     finally:
+        os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
         if lock is not None:
-            os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
             lock.release()

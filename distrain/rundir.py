@@ -27,7 +27,8 @@ from pathlib import Path
 from distrain.errors import DistrainError
 
 LOCK_NAME = "run.lock"
-# Set by a launcher that holds the lock for its workers, to the lock file's path.
+# Set by launchers for their workers, to the lock file's path, when a launcher of the job (node
+# 0's) holds the lock.
 HELD_BY_LAUNCHER_ENV = "DISTRAIN_RUN_DIR_LOCK"
 
 
