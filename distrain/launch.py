@@ -155,7 +155,10 @@ def worker_threads(nproc: int) -> tuple[int, str]:
     """CPU threads per worker (torch's intra-op pool) and where the number comes from: the
     user's OMP_NUM_THREADS if set, else this node's usable cores shared by its workers."""
     if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS from the environment"
+        text = os.environ["OMP_NUM_THREADS"]
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={text!r}: expected a positive integer, or unset it")
+        return int(text), "OMP_NUM_THREADS from the environment"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // nproc), f"{cores} cores / {nproc} workers"
 

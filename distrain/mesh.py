@@ -3,7 +3,7 @@
 `ParallelDims` turns the `[parallel]` config and the world size into named axis degrees, checks
 that they multiply to the world size, and builds the DeviceMesh. Only the data-parallel axis
 exists so far; later axes (dp_shard, tp, pp) are added here and nowhere else. Nothing else in
-distrain creates process groups.
+distrain creates process groups, and `teardown` is the one way they end.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import losses, overrides, run_cli, start_train, train_in_process
 
-from distrain.errors import CheckpointError
+from distrain.errors import CheckpointError, ConfigError
+from distrain.launch import worker_threads
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
@@ -331,3 +332,15 @@ def test_parent_watch_kills_an_orphan(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(8) == (3, "OMP_NUM_THREADS from the environment")
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many': expected a positive integer"):
+        worker_threads(2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(2) == (max(1, cores // 2), f"{cores} cores / 2 workers")
+    assert worker_threads(10 * cores)[0] == 1
