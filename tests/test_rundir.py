@@ -344,3 +344,37 @@ def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     assert worker_threads(2) == (max(1, cores // 2), f"{cores} cores / 2 workers")
     assert worker_threads(10 * cores)[0] == 1
+
+
+# -------------------------------------------------------------------------------- teardown
+
+
+def _gloo_threads() -> int:
+    return sum(
+        (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        for task in Path("/proc/self/task").iterdir()
+    )
+
+
+def test_teardown_ends_groups_that_a_reference_cycle_still_holds():
+    """A DDP model caught in a reference cycle keeps its group alive past the caller's `del`;
+    the cyclic GC would free it (and join gloo's threads, holding the GIL) at a random later
+    moment. teardown frees it first, so the group's threads are gone when it returns."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distrain.mesh import teardown
+
+    before = _gloo_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group([0])
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    model.loss = model(torch.ones(2, 4)).sum()
+    model.loss.backward()
+    model.cycle = model  # as closures, hooks and bound methods often do
+    del model, group
+    assert _gloo_threads() > before
+    teardown(synchronize=True)
+    assert not dist.is_initialized()
+    assert _gloo_threads() == before
