@@ -160,7 +160,7 @@ def test_resumed_run_reads_as_one_curve(tmp_path):
     rows = train_in_process(run, **fields)
     raw = read_metrics(run / "metrics.jsonl", all_attempts=True)
     assert [r["step"] for r in raw if "loss" in r] == [1, 2, 3, 3, 4, 5, 6]
-    assert [r["attempt"] for r in raw if "loss" in r] == [0, 0, 0, 1, 1, 1, 1]
+    assert [r.get("attempt", 0) for r in raw if "loss" in r] == [0, 0, 0, 1, 1, 1, 1]
     assert {"step": 2, "resumed_from": 2, "attempt": 1} in raw
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # one curve
     assert losses(rows) == full

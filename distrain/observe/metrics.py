@@ -2,8 +2,9 @@
 TensorBoard scalars under <run_dir>/tb/. Only rank 0 writes; other ranks hold a disabled sink.
 
 A run that is started again (a restart, `--resume`) appends to the same file and redoes the
-steps since its checkpoint, so each row carries its `attempt` (0, 1, ...) and every attempt after
-the first begins with a `{"step": S, "attempt": k, "resumed_from": S}` row. `read_metrics` uses
+steps since its checkpoint, so the rows of a later attempt carry its number (`"attempt": k`, k >= 1;
+no field means the first attempt) and begin with a `{"step": S, "resumed_from": S, "attempt": k}`
+row. `read_metrics` uses
 those to give one curve: the rows of earlier attempts past S are dropped (`all_attempts=True`
 keeps them)."""
 
@@ -44,7 +45,9 @@ class MetricsWriter:
         """Append a row; it must carry `step`. Numeric fields also go to TensorBoard."""
         if not self.enabled:
             return
-        self._file.write(json.dumps({**row, "attempt": self.attempt}) + "\n")
+        if self.attempt:
+            row = {**row, "attempt": self.attempt}
+        self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
             step = row["step"]
             for key, value in row.items():
