@@ -90,7 +90,9 @@ def test_resume_on_half_the_ranks_continues_the_run(tmp_path, check_ok):
 
 
 @pytest.mark.slow
-def test_two_agents_rendezvous_as_two_nodes(tmp_path, two_rank_reference):
+def test_two_agents_rendezvous_as_two_nodes(tmp_path, two_rank_reference, monkeypatch):
+    # Each agent would give its one worker all of this host's cores; the two nodes share them.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
