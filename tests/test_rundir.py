@@ -1,5 +1,6 @@
 """One run per run dir, failed starts that leave no trace, metrics that read as one curve,
-workers that die with their launcher, and clean output through a pipe."""
+workers that die with their launcher, clean output through a pipe, and the one teardown of
+process groups (mesh.teardown)."""
 
 from __future__ import annotations
 
