@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.run import get_args_parser, run
 
-from distrain.mesh import DistContext, init_distributed
+from distrain.mesh import DistContext, init_distributed, teardown
 from distrain.observe.logs import close_logging, setup_logging
 
 
@@ -48,14 +47,18 @@ def launch_self(script: str, nproc: int, argv: list[str], *, name: str) -> None:
 def worker_session(
     run_dir: str | Path, device: str = "cpu"
 ) -> Iterator[tuple[DistContext, logging.Logger]]:
-    """This worker's rank context and per-rank logger; torn down however the body ends."""
+    """This worker's rank context and per-rank logger; torn down however the body ends. Build
+    models (anything holding process groups) in functions called from the body, so that they
+    are gone by the teardown (see mesh.teardown)."""
     ctx = init_distributed(device)
     logger = setup_logging(Path(run_dir), ctx.rank)
+    ended_well = False
     try:
         yield ctx, logger
+        ended_well = True
     finally:
         close_logging(logger)
-        dist.destroy_process_group()
+        teardown(synchronize=ended_well)
 
 
 def write_json(path: str | Path, result: dict[str, Any]) -> None:

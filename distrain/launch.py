@@ -12,15 +12,20 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+import distrain
 from distrain.errors import ConfigError, DistrainError
+from distrain.lifeline import LAUNCHER_PID_ENV
 from distrain.preempt import EXIT_PREEMPTED, STOP_SIGNALS, launcher_outcome
+from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
 from distrain.storage import Storage
 
 WORKER_MODULE = "distrain.train"
@@ -161,6 +166,41 @@ def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
     ]
 
 
+def worker_threads(nproc: int) -> tuple[int, str]:
+    """CPU threads per worker (torch's intra-op pool) and where the number comes from: the
+    user's OMP_NUM_THREADS if set, else this node's usable cores shared by its workers."""
+    if "OMP_NUM_THREADS" in os.environ:
+        text = os.environ["OMP_NUM_THREADS"]
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={text!r}: expected a positive integer, or unset it")
+        return int(text), "OMP_NUM_THREADS from the environment"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc), f"{cores} cores / {nproc} workers"
+
+
+def worker_env(plan: LaunchPlan) -> dict[str, str]:
+    """Environment the workers inherit from this process (torchrun's agent copies it)."""
+    threads, why = worker_threads(plan.nproc)
+    print(f"[distrain] {threads} CPU thread(s) per worker ({why})", file=sys.stderr)
+    # `python -m distrain.train` would put the working directory first on sys.path, so a folder
+    # named distrain/ there (the parent of a clone, say) would shadow the package this launcher
+    # runs. Safe-path mode drops that entry; the package's own root is put on the path instead.
+    package_root = str(Path(distrain.__file__).resolve().parent.parent)
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {
+        # Set before torchrun starts the workers, which also silences its warning about it.
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": os.pathsep.join([package_root, *python_path]),
+        # Torchrun's agent (this process) is the workers' parent: they exit when it dies.
+        LAUNCHER_PID_ENV: str(os.getpid()),
+        # Restarted workers must not reuse the agent's TCP store address of the previous
+        # attempt: with torch's default (share it) restarts fail with "Gloo connectFullMesh
+        # failed" or hang. Read by the agent's rendezvous handler, i.e. in this process.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+
+
 def launch(
     plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage
 ) -> None:
@@ -169,11 +209,16 @@ def launch(
     A stop signal to this process (SIGTERM, SIGUSR1, SIGINT) is forwarded to the workers by
     torchrun's agent, which waits up to the grace period for them; the outcome is then read from
     `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
-    # Restarted workers must not reuse the agent's TCP store address of the previous attempt:
-    # with torch's default (share it) restarts fail with "Gloo connectFullMesh failed" or hang.
-    # The variable is read by the agent's rendezvous handler, i.e. in this process.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.update(worker_env(plan))
     started = time.time()
+    # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
+    # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
+    # workers' rank 0 takes the lock.
+    lock = None
+    if not plan.elastic or plan.node_rank is not None:
+        if plan.node_rank in (None, 0):
+            lock = RunDirLock(Path(run_dir)).acquire()
+        os.environ[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
     try:
         run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except SignalException as e:
@@ -189,7 +234,12 @@ def launch(
             for rank, failure in sorted(e.failures.items())
         )
         attempts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
+        logs = Path(run_dir) / "logs"
+        where = f" and {logs}/rank<N>.log" if logs.is_dir() else ""
         raise DistrainError(
-            f"worker(s) failed{attempts}: {failed}; see the error above and "
-            f"{run_dir}/logs/rank<N>.log"
+            f"worker(s) failed{attempts}: {failed}; see the error above{where}"
         ) from None
+    finally:
+        os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
+        if lock is not None:
+            lock.release()

@@ -2,11 +2,14 @@
 
 `ParallelDims` turns the `[parallel]` config and the world size into named axis degrees and
 builds the DeviceMesh; whether the degrees fit the world size is one of layout.py's rules, checked
-before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce.
+before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce,
+`checkpoint_group` and `host_group` those of checkpoints and stop signals. Nothing else in
+distrain creates process groups, and `teardown` is the one way they end.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -178,6 +181,8 @@ def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def host_group() -> dist.ProcessGroup | None:
     """A gloo group over every rank for small host-side control messages (the stop flag), so
     they never queue behind the device's collectives nor wait on the device; None for one rank.
@@ -185,3 +190,25 @@ def host_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(backend="gloo")
+
+
+def teardown(*, synchronize: bool) -> None:
+    """Destroy this process's process groups (every rank calls it last, after dropping what it
+    built on them: models wrapped by DDP/FSDP, meshes, optimizers).
+
+    The order is gloo's: a ProcessGroupGloo's destructor joins its worker threads while the
+    caller holds the GIL, and a worker that still releases the tensors of a completed collective
+    needs the GIL to drop their Python objects: a deadlock. It strikes when the last reference
+    to a group goes at a random moment, e.g. when the cyclic GC frees a DDP reducer after
+    `destroy_process_group` has dropped the group's registry entry. So: collect cycles first,
+    while the registry still holds every group (nothing is destroyed), then, with
+    `synchronize` (the run ended normally on every rank), wait in a barrier with the GIL
+    released, during which the workers finish releasing, and only then destroy the groups. A
+    failing rank skips the barrier: its peers may never reach one.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

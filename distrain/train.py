@@ -4,59 +4,84 @@ Without a torchrun environment it trains in this one process."""
 
 from __future__ import annotations
 
+import os
 import sys
-import time
+import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from distrain.args import parse_train_args
 from distrain.config import Config
 from distrain.config_io import write_toml
 from distrain.errors import DistrainError
-from distrain.mesh import init_distributed
-from distrain.observe.logs import close_logging, setup_logging
+from distrain.launch import under_torchrun
+from distrain.lifeline import die_with_launcher
+from distrain.mesh import init_distributed, teardown
+from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
+from distrain.rundir import RunDirBusy, StartFootprint, lock_for_worker
 from distrain.trainer import Trainer
-
-
-def release_process_groups() -> None:
-    """Let gloo's worker threads finish dropping the tensors of completed collectives.
-
-    A worker that releases the last reference to a Python-visible tensor needs the GIL. When the
-    DDP reducer is freed it destroys its ProcessGroupGloo, which joins those workers while the
-    main thread holds the GIL: a deadlock at exit (seen here in about half of 2-rank runs). A
-    GIL-releasing pause before the release lets the workers finish; their pending work is only
-    bookkeeping of collectives that already completed, so 0.1 s is ample.
-    """
-    time.sleep(0.1)
 
 
 def run_training(cfg: Config) -> None:
     """Train per `cfg` in this process as one rank of the (possibly 1-process) group."""
-    ctx = init_distributed(cfg.run.device)
+    if under_torchrun():
+        die_with_launcher()
     run_dir = Path(cfg.run.dir)
-    logger = None
-    trainer = None
+    # Taken before joining the group and so before any rank writes: every rank's view of what
+    # existed before this start is the same.
+    footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
+    ctx = init_distributed(cfg.run.device)
+    lock = logger = trainer = None
+    failed_start = ended_well = False
     try:
+        lock = lock_for_worker(run_dir, ctx.rank)
+        if ctx.world_size > 1:
+            dist.barrier()  # no rank writes to the run dir before rank 0 holds it
         run_dir.mkdir(parents=True, exist_ok=True)
         if ctx.rank == 0:
             write_toml(cfg, run_dir / "config.toml")
         logger = setup_logging(run_dir, ctx.rank)
-        logger.info("rank %d/%d on %s (%s)", ctx.rank, ctx.world_size, ctx.device, ctx.backend)
+        logger.info(
+            "rank %d/%d on %s (%s), %d CPU thread(s)",
+            ctx.rank,
+            ctx.world_size,
+            ctx.device,
+            ctx.backend,
+            torch.get_num_threads(),
+        )
         trainer = Trainer(cfg, ctx, logger)
         trainer.run()
+        ended_well = True
     except DistrainError as e:
         if logger is not None:
             logger.error("%s", e)
+        failed_start = not isinstance(e, RunDirBusy) and (trainer is None or not trainer.started)
+        _drop_frames(e)
+        raise
+    except BaseException as e:
+        if logger is not None:
+            logger.error("unexpected error, traceback follows", exc_info=e, extra=FILE_ONLY)
+        _drop_frames(e)
         raise
     finally:
         if trainer is not None:
             trainer.close()
         if logger is not None:
             close_logging(logger)
-        release_process_groups()
         del trainer
-        dist.destroy_process_group()
+        teardown(synchronize=ended_well)
+        if failed_start:
+            footprint.remove()
+        if lock is not None:
+            lock.release()
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Free the locals of the frames `error` unwound (the trainer among them) now, before the
+    process groups are destroyed, rather than whenever the exception object goes."""
+    traceback.clear_frames(error.__traceback__)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from tqdm import tqdm
 
 from distrain import oom
 from distrain.checkpoint import (
@@ -36,6 +35,7 @@ from distrain.layout import validate as validate_layout
 from distrain.mesh import DistContext, host_group
 from distrain.models.presets import num_params
 from distrain.observe.metrics import MetricsWriter
+from distrain.observe.progress import Progress
 from distrain.optim import (
     build_optimizer,
     load_optimizer_state_dict,
@@ -155,6 +155,8 @@ class Trainer:
         ]
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
         self.step = 0
+        self.started = False
+        """True once the loop begins: an error before that is a failed start (see train.py)."""
         self.step_state = {"step": torch.zeros((), dtype=torch.int64)}
         logger.info(
             "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
@@ -336,13 +338,13 @@ class Trainer:
             )
             return
         tokens_per_step = t.global_batch_size * t.seq_len
-        bar = tqdm(
+        self.started = True
+        self.metrics.start(self.step)
+        bar = Progress(
             total=t.steps,
             initial=self.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            disable=self.ctx.rank != 0 or not self.cfg.metrics.progress_bar,
+            enabled=self.ctx.rank == 0 and self.cfg.metrics.progress_bar,
+            logger=self.log,
         )
         self.model.train(True)
         window_start, window_steps = time.perf_counter(), 0

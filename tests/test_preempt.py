@@ -339,5 +339,7 @@ def test_launch_asks_the_agent_to_forward_sigusr1_and_wait_the_grace_period():
 
 
 def test_grace_period_must_be_positive(tmp_path):
-    with pytest.raises(ConfigError, match=r"checkpoint.preempt_grace_s = 0 is out of range: it must be >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.preempt_grace_s = 0 is out of range: it must be >= 1"
+    ):
         load_config(None, [("checkpoint.preempt_grace_s", "0")])

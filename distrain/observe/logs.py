@@ -1,4 +1,5 @@
-"""Per-rank logging: every rank writes <run_dir>/logs/rank<N>.log; rank 0 also logs to stderr."""
+"""Per-rank logging: every rank writes <run_dir>/logs/rank<N>.log; rank 0 also logs to stderr,
+through the progress bar (tqdm's write) so that a line never lands on the end of the bar."""
 
 from __future__ import annotations
 
@@ -6,7 +7,25 @@ import logging
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 LOGGER_NAME = "distrain"
+# `logger.error(..., extra=FILE_ONLY)`: for records stderr already shows another way (a traceback).
+FILE_ONLY = {"file_only": True}
+
+
+class _ConsoleHandler(logging.Handler):
+    """stderr, written around any live tqdm bar on it (the bar is cleared, the line written, the
+    bar redrawn); without a bar it is a plain write."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False) and super().filter(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
@@ -22,7 +41,7 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     file_handler.setFormatter(fmt)
     logger.addHandler(file_handler)
     if rank == 0:
-        console = logging.StreamHandler(sys.stderr)
+        console = _ConsoleHandler()
         console.setFormatter(logging.Formatter("[distrain] %(message)s"))
         logger.addHandler(console)
     return logger

@@ -1,5 +1,12 @@
 """Metrics sink: one JSON object per logged step in <run_dir>/metrics.jsonl, mirrored as
-TensorBoard scalars under <run_dir>/tb/. Only rank 0 writes; other ranks hold a disabled sink."""
+TensorBoard scalars under <run_dir>/tb/. Only rank 0 writes; other ranks hold a disabled sink.
+
+A run that is started again (a restart, `--resume`) appends to the same file and redoes the
+steps since its checkpoint, so the rows of a later attempt carry its number (`"attempt": k`, k >= 1;
+no field means the first attempt) and begin with a `{"step": S, "resumed_from": S, "attempt": k}`
+row. `read_metrics` uses
+those to give one curve: the rows of earlier attempts past S are dropped (`all_attempts=True`
+keeps them)."""
 
 from __future__ import annotations
 
@@ -7,29 +14,44 @@ import json
 from pathlib import Path
 from typing import Any
 
+NOT_SCALARS = ("step", "attempt")
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
         self.enabled = enabled
+        self.attempt = 0
         self._file = None
         self._tb = None
         if not enabled:
             return
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            _drop_torn_last_line(path)
+            earlier = read_metrics(path, all_attempts=True)
+            self.attempt = max((r.get("attempt", 0) for r in earlier), default=-1) + 1
+        self._file = open(path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
+    def start(self, step: int) -> None:
+        """Mark where this attempt begins (called once training is about to start at `step`)."""
+        if self.attempt > 0:
+            self.log({"step": step, "resumed_from": step})
+
     def log(self, row: dict[str, Any]) -> None:
         """Append a row; it must carry `step`. Numeric fields also go to TensorBoard."""
         if not self.enabled:
             return
+        if self.attempt:
+            row = {**row, "attempt": self.attempt}
         self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
             step = row["step"]
             for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
+                if key not in NOT_SCALARS and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
@@ -39,6 +61,34 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl file (for tests, benchmarks and tools)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def _drop_torn_last_line(path: Path) -> None:
+    """Cut a last line without its newline (its writer was killed mid-write), so that the rows
+    appended next start on a line of their own."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def read_metrics(path: Path, *, all_attempts: bool = False) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file (for tests, benchmarks and tools): one curve, where a
+    later attempt replaces the steps an earlier one logged after its resume point. A last line
+    cut short by a killed writer is skipped."""
+    lines = Path(path).read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    if all_attempts:
+        return rows
+    curve: list[dict[str, Any]] = []
+    for row in rows:
+        if "resumed_from" in row:
+            curve = [r for r in curve if r["step"] <= row["resumed_from"]]
+        curve.append(row)
+    return curve

@@ -1,0 +1,229 @@
+"""One run per run directory, and a failed start leaves the directory as it found it.
+
+`RunDirLock` is a lock file, `<run_dir>/run.lock`, holding the holder's host, pid, process start
+time and torchelastic job id. It is created with `link(2)` of a fully written private file:
+`link` is atomic on NFS (unlike `O_EXCL`, which NFSv2 and some servers do not honour), and a
+reader never sees a half-written lock. A lost NFS reply is resolved by the private file's link
+count (2 means the link was made). A lock is stale, and is taken over, when its holder is a dead
+(or recycled) pid on this host, or an earlier attempt of this same elastic job; a holder on
+another host cannot be checked from here, so the error names it and the file to delete.
+
+`StartFootprint` notes which run-dir entries exist before a start so that a start that fails
+(e.g. `--resume` without a checkpoint) removes only what it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from distrain.errors import DistrainError
+
+LOCK_NAME = "run.lock"
+# Set by launchers for their workers, to the lock file's path, when a launcher of the job (node
+# 0's) holds the lock.
+HELD_BY_LAUNCHER_ENV = "DISTRAIN_RUN_DIR_LOCK"
+
+
+class RunDirBusy(DistrainError):
+    """Another live run holds the run directory."""
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (Linux), or None when unknown; with the
+    pid it names one process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces and parentheses, so count from its end.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    host: str
+    pid: int
+    start_ticks: int | None
+    job: str
+    since: str
+
+    @classmethod
+    def me(cls) -> LockHolder:
+        pid = os.getpid()
+        return cls(
+            host=socket.gethostname(),
+            pid=pid,
+            start_ticks=process_start_ticks(pid),
+            job=_elastic_job(),
+            since=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        )
+
+    def stale(self) -> bool:
+        """True when this holder is certainly gone (as seen from this process)."""
+        if self.job and self.job == _elastic_job():
+            # An earlier attempt of this job: the rendezvous runs one attempt at a time, and
+            # after a node failure its rank 0 may be elsewhere.
+            return True
+        if self.host != socket.gethostname():
+            return False
+        if not pid_alive(self.pid):
+            return True
+        ticks = process_start_ticks(self.pid)
+        return ticks is not None and self.start_ticks is not None and ticks != self.start_ticks
+
+    def describe(self) -> str:
+        return f"host {self.host} pid {self.pid} (since {self.since})"
+
+
+def _elastic_job() -> str:
+    """torchelastic's run id of this job; '' outside one. torchrun's default id, 'none', is
+    shared by unrelated jobs and therefore identifies nothing."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if job == "none" else job
+
+
+class RunDirLock:
+    """Exclusive use of a run directory by one run (the launcher of node 0, or rank 0)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.holder = LockHolder.me()
+        self.created_dir = False
+        self.held = False
+
+    def acquire(self) -> RunDirLock:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise DistrainError(f"run dir {self.run_dir} is a file; choose a directory")
+        self.created_dir = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            if _link_new(self.path, self.holder):
+                self.held = True
+                return self
+            holder = _read(self.path)
+            if holder is None:  # released meanwhile, or unreadable: try again
+                continue
+            if not holder.stale():
+                raise RunDirBusy(self._busy_message(holder))
+            self._take_over(holder)
+        raise RunDirBusy(f"run dir {self.run_dir}: could not take {self.path} (contended)")
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours, and the run dir if this lock created it and it
+        is empty (a failed start)."""
+        if self.held and _read(self.path) == self.holder:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.held = False
+        if self.created_dir:
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
+    def _busy_message(self, holder: LockHolder) -> str:
+        where = "on this host" if holder.host == socket.gethostname() else "on another host"
+        message = (
+            f"run dir {self.run_dir} is in use by another run: {holder.describe()} {where}; "
+            "wait for it to finish or choose another --run-dir"
+        )
+        if holder.host != socket.gethostname():
+            message += f" (if no run is left there, delete {self.path})"
+        return message
+
+    def _take_over(self, stale: LockHolder) -> None:
+        """Remove `stale`'s lock, unless another process replaced it meanwhile. Takeovers are
+        serialised by a second lock file, so two starters cannot each remove the other's lock."""
+        guard = self.path.with_name(LOCK_NAME + ".takeover")
+        if not _link_new(guard, self.holder):
+            other = _read(guard)
+            if other is not None and other.stale():
+                # A starter died mid-takeover: its guard is as dead as the lock it meant to take.
+                with contextlib.suppress(FileNotFoundError):
+                    guard.unlink()
+            time.sleep(0.05)
+            return
+        try:
+            if _read(self.path) == stale:
+                self.path.unlink()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                guard.unlink()
+
+
+def _link_new(path: Path, holder: LockHolder) -> bool:
+    """Create `path` atomically, holding `holder`; False if it exists."""
+    private = path.with_name(f".{path.name}.{holder.host}.{holder.pid}.{uuid.uuid4().hex}")
+    private.write_text(json.dumps(asdict(holder)))
+    try:
+        os.link(private, path)
+    except OSError:
+        # EEXIST, or an NFS error for a link the server did make: the link count decides.
+        pass
+    try:
+        return os.stat(private).st_nlink == 2
+    finally:
+        private.unlink()
+
+
+def _read(path: Path) -> LockHolder | None:
+    try:
+        return LockHolder(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def lock_for_worker(run_dir: Path, rank: int) -> RunDirLock | None:
+    """The lock a worker must take: rank 0's, unless a launcher already holds it for us."""
+    if rank != 0:
+        return None
+    if os.environ.get(HELD_BY_LAUNCHER_ENV) == str(Path(run_dir) / LOCK_NAME):
+        return None
+    return RunDirLock(run_dir).acquire()
+
+
+class StartFootprint:
+    """What a start adds to the run dir, so that a failed start can take it away again."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        run_dir = Path(run_dir)
+        mine = [run_dir / "logs" / f"rank{rank}.log"]
+        if rank == 0:
+            mine += [run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / "tb"]
+        self._new = [p for p in mine if not p.exists()]
+        # Directories shared by the ranks: removed only when empty, by whichever rank is last.
+        self._new_dirs = [d for d in (run_dir / "logs", run_dir) if not d.exists()]
+
+    def remove(self) -> None:
+        for path in self._new:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        for directory in self._new_dirs:
+            with contextlib.suppress(OSError):
+                directory.rmdir()

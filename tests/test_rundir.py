@@ -1,0 +1,381 @@
+"""One run per run dir, failed starts that leave no trace, metrics that read as one curve,
+workers that die with their launcher, clean output through a pipe, and the one teardown of
+process groups (mesh.teardown)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import losses, overrides, run_cli, start_train, train_in_process
+
+from distrain.errors import CheckpointError, ConfigError
+from distrain.launch import worker_threads
+from distrain.observe.logs import close_logging, setup_logging
+from distrain.observe.metrics import MetricsWriter, read_metrics
+from distrain.observe.progress import Progress
+from distrain.rundir import LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
+from distrain.trainer import InjectedFailure
+
+TINY = {
+    "training__steps": 4,
+    "training__global_batch_size": 4,
+    "training__micro_batch_size": 4,
+    "training__seq_len": 32,
+    "data__max_bytes": 300_000,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+
+TWO_RANKS = dict(TINY, training__micro_batch_size=2)
+
+
+def _write_holder(run_dir: Path, **fields: object) -> None:
+    holder = dict(
+        host=socket.gethostname(), pid=os.getpid(), start_ticks=None, job="", since="then"
+    )
+    holder.update(fields)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK_NAME).write_text(json.dumps(holder))
+
+
+# ------------------------------------------------------------------------------------ the lock
+
+
+def test_second_lock_is_refused_naming_the_holder(tmp_path):
+    with RunDirLock(tmp_path / "run"):
+        with pytest.raises(RunDirBusy) as busy:
+            RunDirLock(tmp_path / "run").acquire()
+    message = str(busy.value)
+    assert f"host {socket.gethostname()} pid {os.getpid()}" in message
+    assert "choose another --run-dir" in message
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # released on exit
+    assert not (tmp_path / "run").exists()  # and the dir the lock created is gone with it
+
+
+def test_stale_lock_of_a_dead_or_recycled_pid_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_holder(tmp_path, pid=dead.pid)
+    with RunDirLock(tmp_path) as lock:
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert lock.held
+    # A live pid with another start time is another process that reuses the holder's pid.
+    me = LockHolder.me()
+    _write_holder(tmp_path, start_ticks=me.start_ticks + 1)
+    with RunDirLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["start_ticks"] == me.start_ticks
+
+
+def test_lock_of_another_host_is_refused_with_the_file_to_delete(tmp_path):
+    _write_holder(tmp_path, host="node-7", pid=1234)
+    with pytest.raises(RunDirBusy, match="host node-7 pid 1234") as busy:
+        RunDirLock(tmp_path).acquire()
+    assert f"delete {tmp_path / LOCK_NAME}" in str(busy.value)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "node-7"  # untouched
+
+
+def test_lock_of_an_earlier_attempt_of_this_elastic_job_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    _write_holder(tmp_path, host="node-7", pid=1234, job="job-42")
+    with RunDirLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    # torchrun's default id is shared by unrelated jobs: it proves nothing.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    _write_holder(tmp_path, host="node-7", pid=1234, job="")
+    with pytest.raises(RunDirBusy):
+        RunDirLock(tmp_path).acquire()
+
+
+def test_distrain_train_refuses_a_run_dir_in_use(tmp_path):
+    run = tmp_path / "run"
+    with RunDirLock(run):  # this test process plays the other run
+        result = run_cli("train", "--nproc", "1", "--run-dir", str(run))
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        f"distrain: error: run dir {run} is in use by another run: "
+        f"host {socket.gethostname()} pid {os.getpid()} (since "
+    )
+    assert errors[0].endswith("wait for it to finish or choose another --run-dir")
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_rank0_takes_the_lock_without_a_launcher(tmp_path):
+    run = tmp_path / "run"
+    with RunDirLock(run):
+        with pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"):
+            train_in_process(run, **TINY)
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # the busy start wrote nothing
+
+
+# ----------------------------------------------------------------------- failed starts, metrics
+
+
+def test_failed_resume_removes_only_what_it_created(tmp_path):
+    fresh = tmp_path / "fresh"
+    with pytest.raises(CheckpointError, match="--resume: no complete checkpoint"):
+        train_in_process(fresh, **TINY, run__resume=True, metrics__tensorboard=True)
+    assert not fresh.exists()
+
+    kept = tmp_path / "kept"
+    (kept / "logs").mkdir(parents=True)
+    (kept / "notes.txt").write_text("mine")
+    (kept / "logs" / "old.log").write_text("an earlier run's")
+    with pytest.raises(CheckpointError):
+        train_in_process(kept, **TINY, run__resume=True, metrics__tensorboard=True)
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == [
+        "logs",
+        "logs/old.log",
+        "notes.txt",
+    ]
+
+
+def test_unexpected_error_goes_to_the_rank_log(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(InjectedFailure):
+        train_in_process(run, **TINY, debug__fail_at_step=2)
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "unexpected error, traceback follows" in log
+    assert "Traceback (most recent call last)" in log
+    assert "InjectedFailure: debug.fail_at_step: rank 0 crashes at step 2" in log
+    assert (run / "config.toml").exists()  # a crash after the start keeps the run dir
+
+
+def test_resumed_run_reads_as_one_curve(tmp_path):
+    fields = dict(TINY, training__steps=6, checkpoint__interval_steps=2)
+    full = losses(train_in_process(tmp_path / "full", **fields))
+    run = tmp_path / "run"
+    with pytest.raises(InjectedFailure):
+        train_in_process(run, **fields, debug__fail_at_step=4)  # logs step 3, checkpoint at 2
+    rows = train_in_process(run, **fields)
+    raw = read_metrics(run / "metrics.jsonl", all_attempts=True)
+    assert [r["step"] for r in raw if "loss" in r] == [1, 2, 3, 3, 4, 5, 6]
+    assert [r.get("attempt", 0) for r in raw if "loss" in r] == [0, 0, 0, 1, 1, 1, 1]
+    assert {"step": 2, "resumed_from": 2, "attempt": 1} in raw
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # one curve
+    assert losses(rows) == full
+
+
+def test_metrics_writer_cuts_a_torn_line_and_counts_attempts(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0, "attempt": 0}\n{"step": 2, "lo'
+    )
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0, "attempt": 0}]
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    writer.start(0)  # a restart without a checkpoint: from scratch
+    writer.log({"step": 1, "loss": 1.5})
+    writer.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "resumed_from": 0, "attempt": 1},
+        {"step": 1, "loss": 1.5, "attempt": 1},
+    ]
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _drive(progress: Progress, logger: logging.Logger, steps: int) -> None:
+    for step in range(1, steps + 1):
+        progress.update(1)
+        progress.set_postfix(loss=f"{1 / step:.4f}")
+        if step % 25 == 0:
+            logger.info("step %d: val_loss 1.0", step)
+    progress.close()
+
+
+def test_progress_through_a_pipe_is_a_few_plain_lines(tmp_path, capsys):
+    logger = setup_logging(tmp_path, 0)
+    _drive(Progress(total=600, initial=0, enabled=True, logger=logger), logger, 600)
+    close_logging(logger)
+    lines = capsys.readouterr().err.splitlines()
+    progress = [line for line in lines if line.startswith("[distrain] train: ")]
+    assert [line.split()[2] for line in progress] == [f"{p}%" for p in range(10, 101, 10)]
+    assert "600/600 steps, loss 0.0017" in progress[-1]
+    assert len(lines) == len(progress) + 600 // 25  # nothing else: no bar redraws
+    assert all(line.startswith("[distrain] ") for line in lines)
+    assert "\r" not in "".join(lines) and "\x1b" not in "".join(lines)
+
+
+def test_log_lines_on_a_terminal_are_written_around_the_bar(tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logger = setup_logging(tmp_path, 0)
+    _drive(Progress(total=100, initial=0, enabled=True, logger=logger), logger, 100)
+    close_logging(logger)
+    out = terminal.getvalue()
+    assert out.count("[distrain] step ") == 4
+    # tqdm clears the bar line ("\r" + blanks + "\r") before a log line: never glued to a bar.
+    for chunk in out.split("[distrain] step ")[1:]:
+        assert chunk.split("\n", 1)[0].endswith("val_loss 1.0")
+    for chunk in out.split("[distrain] step ")[:-1]:
+        assert chunk.endswith("\r") or chunk.endswith("\n")
+    assert "100/100" in out
+
+
+# ------------------------------------------------------------------- processes (torchrun, slow)
+
+
+@pytest.mark.slow
+def test_workers_import_the_launchers_package_and_output_is_clean(tmp_path, check_ok):
+    """From a folder holding another `distrain` package, as the parent of a clone does; the
+    launcher itself runs as the `distrain` console script would (safe path, -P)."""
+    cwd = tmp_path / "cwd"
+    (cwd / "distrain").mkdir(parents=True)
+    (cwd / "distrain" / "__init__.py").write_text("raise ImportError('the folder in the cwd')\n")
+    run = tmp_path / "run"
+    args = [sys.executable, "-P", "-m", "distrain", "train", "--nproc", "2"]
+    for key, value in overrides(
+        run, **dict(TWO_RANKS, training__steps=20, metrics__progress_bar=True)
+    ):
+        args += [f"--{key}", value]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)
+    result = check_ok(
+        subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+    )
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // 2)
+    said = f"[distrain] {threads} CPU thread(s) per worker ({cores} cores / 2 workers)"
+    assert result.stderr.count(said) == 1
+    assert "OMP_NUM_THREADS environment variable" not in result.stderr  # torchrun's banner
+    assert f"{threads} CPU thread(s)" in (run / "logs" / "rank0.log").read_text()
+    progress = [line for line in result.stderr.splitlines() if " train: " in line]
+    assert len(progress) == 10 and progress[-1].startswith("[distrain] train: 100% 20/20")
+    assert "\r" not in result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_workers_die_when_the_launcher_is_killed(tmp_path):
+    run = tmp_path / "run"
+    launcher = start_train(run, "--nproc", "2", **dict(TWO_RANKS, training__steps=100_000))
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        workers = [p for p in _children(launcher.pid) if "distrain.train" in _cmdline(p)]
+        assert len(workers) == 2
+        os.kill(launcher.pid, signal.SIGKILL)  # from outside, as a user or a scheduler would
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers)
+        assert (run / LOCK_NAME).exists()  # the killed launcher's lock, stale now: taken over
+        with RunDirLock(run):
+            pass
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_parent_watch_kills_an_orphan(tmp_path):
+    """The fallback where prctl is missing: a grandchild whose parent dies exits by itself."""
+    code = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import os, time; from distrain.lifeline import watch_parent; "
+        "watch_parent(os.getppid(), 0.1); time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    middle = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    grandchild = int(middle.stdout.readline())
+    time.sleep(3)  # the grandchild imports distrain and starts watching
+    assert _alive(grandchild)
+    middle.kill()
+    middle.wait()
+    deadline = time.monotonic() + 20
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+
+
+def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(8) == (3, "OMP_NUM_THREADS from the environment")
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many': expected a positive integer"):
+        worker_threads(2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(2) == (max(1, cores // 2), f"{cores} cores / 2 workers")
+    assert worker_threads(10 * cores)[0] == 1
+
+
+# -------------------------------------------------------------------------------- teardown
+
+
+def _gloo_threads() -> int:
+    return sum(
+        (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        for task in Path("/proc/self/task").iterdir()
+    )
+
+
+def test_teardown_ends_groups_that_a_reference_cycle_still_holds():
+    """A DDP model caught in a reference cycle keeps its group alive past the caller's `del`;
+    the cyclic GC would free it (and join gloo's threads, holding the GIL) at a random later
+    moment. teardown frees it first, so the group's threads are gone when it returns."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distrain.mesh import teardown
+
+    before = _gloo_threads()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group([0])
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    model.loss = model(torch.ones(2, 4)).sum()
+    model.loss.backward()
+    model.cycle = model  # as closures, hooks and bound methods often do
+    del model, group
+    assert _gloo_threads() > before
+    teardown(synchronize=True)
+    assert not dist.is_initialized()
+    assert _gloo_threads() == before
