@@ -272,7 +272,7 @@ class Trainer:
             "comm_bytes": snap["bytes_sent"] / steps,
             "comm_fp32_bytes": snap["fp32_equivalent_bytes"] / steps,
             "comm_compression_ratio": snap["compression_ratio"],
-            "comm_time_s": snap["comm_time_s"] / steps,
+            "comm_inflight_s": snap["inflight_s"] / steps,
         }
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
