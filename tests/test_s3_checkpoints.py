@@ -4,11 +4,13 @@
 import fsspec
 import pytest
 from helpers import losses, train_cli
-from s3 import S3Server, s3  # noqa: F401  (s3: the module-scoped fixture)
+from s3 import S3Server, expected_kind, s3  # noqa: F401  (s3: the module-scoped fixture)
 
 from distrain.checkpoint import committed
 from distrain.observe.metrics import read_metrics
 from distrain.storage import Storage
+
+pytestmark = pytest.mark.requires("s3")
 
 FIELDS = {
     "training__steps": 6,
@@ -22,6 +24,7 @@ FIELDS = {
 
 @pytest.mark.slow
 def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa: F811
+    assert s3.kind == expected_kind()
     check_ok(train_cli(tmp_path / "local", 2, **FIELDS))
     url = s3.url("run/checkpoints")
     crashed = train_cli(tmp_path / "s3", 2, **FIELDS, checkpoint__dir=url, debug__fail_at_step=5)

@@ -29,6 +29,7 @@ from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats
 from distrain.parallel.data import apply_ddp, apply_fsdp
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+from distrain.parallel.tensor import tp_loss_context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,11 +86,7 @@ class ParallelModel:
             )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
-        if self.dims.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return tp_loss_context(self.dims.tp > 1)
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
