@@ -1,9 +1,9 @@
-"""The one authority on devices, backends and process groups.
+"""The one authority on devices, backends and the training process groups.
 
-`ParallelDims` turns the `[parallel]` config and the world size into named axis degrees, checks
-that they multiply to the world size, and builds the DeviceMesh. Only the data-parallel axis
-exists so far; later axes (dp_shard, tp, pp) are added here and nowhere else. Nothing else in
-distrain creates process groups.
+`ParallelDims` turns the `[parallel]` config and the world size into named axis degrees (pp,
+dp_replicate, dp_shard, tp), checks that they multiply to the world size, and builds the
+DeviceMesh; `node_groups` makes the groups of the hierarchical all-reduce. New axes and the
+groups the training step communicates over are added here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.config import Config
 from distrain.errors import ConfigError
+from distrain.torch_compat import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class ParallelDims:
             (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=AXES,
         )
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
 
 
 def node_groups(

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from distrain.config import OptimConfig
 from distrain.parallel.compress import CommStats
 from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.torch_compat import is_zero_redundancy_optimizer
 
 
 def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
@@ -121,7 +122,7 @@ def load_optimizer_state_dict(
 
 
 def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    return is_zero_redundancy_optimizer(optimizer)
 
 
 def _plain_twin(model: nn.Module, zero: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -15,7 +15,8 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from distrain.torch_compat import FsspecReader, FsspecWriter
 
 
 class Storage:

@@ -155,8 +155,8 @@ class PipelineRunner:
             raise ValueError(
                 f"{num_stages} stages do not fill {pp_size} pp ranks x {len(stage_ids)} stages"
             )
-        # TORCH-NOTES trap 1: zero-bubble's split weight backward loses a block's grads under
-        # FSDP2 and DDP (loss off by 1e-2, no error). Refuse until a parity test proves it.
+        # torch 2.13: zero-bubble's split weight backward loses a block's grads under FSDP2 and
+        # DDP (loss off by 1e-2, no error). Refuse until a parity test proves it works.
         if schedule == "zero_bubble" and any(
             isinstance(m, FSDPModule | DistributedDataParallel) for m in stage_modules
         ):
