@@ -248,22 +248,29 @@ def onebit_compress(
     tensor + residual up to one fp32 rounding of the subtraction (exactly when Sterbenz's lemma
     applies, scale/2 <= |x| <= 2 scale). All in fp32 whatever the bucket's dtype.
 
-    `valid`: only the first `valid` elements are data, the rest zero padding (to whole bytes
-    per chunk); the scale is their mean and the padding's residual stays zero.
+    A 2-D tensor [rows, n] (n a multiple of 8) is compressed row by row: one scale per row,
+    packed signs [rows, n / 8]. `valid`: only the first `valid` elements (in row-major order)
+    are data, the rest zero padding; scales are means over data only and the padding's
+    residual stays zero.
     """
-    corrected = tensor.float().reshape(-1) + residual
-    valid = corrected.numel() if valid is None else valid
-    scale = corrected[:valid].abs().mean() if valid else corrected.new_zeros(())
-    packed, numel = pack_signs(corrected)
-    new_residual = corrected - scale * unpack_signs(packed, numel)
-    new_residual[valid:] = 0
-    return packed, scale, new_residual
+    corrected = tensor.float() + residual.view_as(tensor)
+    rows = corrected.reshape(-1, corrected.shape[-1])
+    total = rows.numel()
+    valid = total if valid is None else valid
+    mask = torch.arange(total, device=rows.device).view_as(rows) < valid
+    counts = mask.sum(dim=1)
+    scales = (rows.abs() * mask).sum(dim=1) / counts.clamp(min=1)
+    packed, _ = pack_signs(rows)
+    signs = unpack_signs(packed, total).view_as(rows)
+    new_residual = torch.where(mask, rows - scales[:, None] * signs, 0.0)
+    if tensor.dim() == 1:
+        return packed, scales[0], new_residual.view(-1)
+    return packed.view(rows.shape[0], -1), scales, new_residual
 
 
-def _with_scale(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Packed signs [..., bytes] with the fp32 scale appended as 4 more bytes to each row."""
-    scale_bytes = scale.reshape(1).view(torch.uint8).expand(*packed.shape[:-1], 4)
-    return torch.cat([packed, scale_bytes], dim=-1)
+def _with_scale(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed signs [rows, bytes] with each row's fp32 scale appended as 4 more bytes."""
+    return torch.cat([packed, scales.float().reshape(-1, 1).view(torch.uint8)], dim=1)
 
 
 def _decode_rows(rows: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -286,6 +293,22 @@ class OneBitState:
     buckets after the first iteration, so an index can come to mean other parameters."""
 
 
+ONEBIT_BLOCK = 2048
+"""Values per scale in the 1-bit hook: a scale (4 bytes) per 2048 signs (256 bytes) costs 1.5%
+of the bytes and follows the gradient's magnitude parameter by parameter, where one scale per
+bucket lets large gradients drown small ones."""
+
+
+def onebit_blocks(numel: int, world: int) -> tuple[int, int]:
+    """(blocks per chunk, values per block) of the 1-bit hook for `numel` values on `world`
+    ranks: each rank's chunk is a whole number of equal blocks of at most ONEBIT_BLOCK values
+    (about, rounded up to whole bytes of signs), as few as that allows, so the padding stays
+    under 8 values per block."""
+    per_rank = max(-(-numel // world), 1)
+    blocks = -(-per_rank // ONEBIT_BLOCK)
+    return blocks, -(-per_rank // (8 * blocks)) * 8
+
+
 def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """`onebit_all_reduce` of the bucket, its errors kept per bucket index."""
     buf, index = bucket.buffer(), bucket.index()
@@ -305,25 +328,27 @@ def onebit_all_reduce(tensor: torch.Tensor, state: OneBitState, *, key: int) -> 
     stay ~1/32 of an fp32 all-reduce's whatever the number of ranks N. Returns a future of
     `tensor`; the errors live in `state` under `key`.
 
-    The tensor is cut into N chunks (whole bytes of signs each). Each rank compresses (tensor +
-    its worker error) to signs and one scale and sends chunk r to rank r (all-to-all); rank r
-    averages the N decompressed chunks it received, adds its server error, compresses again and
-    all-gathers the result. Per rank: (N-1)/N of the signs out, then (N-1) chunks of 1/N each
+    The tensor is cut into N chunks of whole blocks (`onebit_blocks`). Each rank compresses (tensor
+    + its worker error) to signs and one scale per block and sends chunk r to rank r (all-to-all);
+    rank r averages the N decompressed chunks it received, adds its server error, compresses again
+    and all-gathers the result. Per rank: (N-1)/N of the signs out, then (N-1) chunks of 1/N each
     forwarded: 2(N-1)/N x n/8 bytes, the ring all-reduce's 2(N-1)/N x 4n divided by 32 (plus 4
-    bytes of scale per chunk). Every rank decodes the same gathered bytes, so replicas stay
+    bytes of scale per block). Every rank decodes the same gathered bytes, so replicas stay
     identical. The second exchange is issued from a completion callback (`_in_issue_order`).
     """
     numel, group = tensor.numel(), state.process_group
     world, me = group.size(), group.rank()
-    chunk = -(-numel // (8 * world)) * 8
+    blocks, block = onebit_blocks(numel, world)
+    chunk = blocks * block
     if key not in state.worker_errors:
         state.worker_errors[key] = torch.zeros(world * chunk, device=tensor.device)
         state.server_errors[key] = torch.zeros(chunk, device=tensor.device)
     padded = torch.nn.functional.pad(tensor.float().reshape(-1), (0, world * chunk - numel))
-    packed, scale, state.worker_errors[key] = onebit_compress(
-        padded, state.worker_errors[key], valid=numel
+    packed, scales, worker_error = onebit_compress(
+        padded.view(-1, block), state.worker_errors[key], valid=numel
     )
-    send = _with_scale(packed.view(world, chunk // 8), scale)
+    state.worker_errors[key] = worker_error.view(-1)
+    send = _with_scale(packed, scales).view(world, -1)  # row r: chunk r's blocks, for rank r
     received = torch.empty_like(send)
     row_bytes = send.shape[1]
     # Data in the chunk this rank serves (the last chunks can be all padding for tiny tensors).
@@ -332,14 +357,15 @@ def onebit_all_reduce(tensor: torch.Tensor, state: OneBitState, *, key: int) -> 
     work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
     def serve(fut: Future) -> torch.Tensor:
-        average = _decode_rows(received, chunk).mean(dim=0)
-        signs, server_scale, state.server_errors[key] = onebit_compress(
-            average, state.server_errors[key], valid=served
+        average = _decode_rows(received.view(world * blocks, -1), block).view(world, -1).mean(0)
+        signs, server_scales, state.server_errors[key] = onebit_compress(
+            average.view(blocks, block), state.server_errors[key], valid=served
         )
+        state.server_errors[key] = state.server_errors[key].view(-1)
         gathered = torch.empty(world * row_bytes, dtype=torch.uint8, device=tensor.device)
-        mine = _with_scale(signs, server_scale)
+        mine = _with_scale(signs, server_scales).view(-1)
         dist.all_gather_single(gathered, mine, group=group, async_op=True).get_future().wait()
-        full = _decode_rows(gathered.view(world, row_bytes), chunk).reshape(-1)[:numel]
+        full = _decode_rows(gathered.view(world * blocks, -1), block).view(-1)[:numel]
         return tensor.copy_(full.view_as(tensor))
 
     wire = wire_bytes("all_to_all", send.nbytes, world) + wire_bytes("all_gather", row_bytes, world)
