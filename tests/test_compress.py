@@ -188,6 +188,19 @@ def test_comm_clock_on_cpu_measures_issue_to_stop():
     assert 0.05 <= mark.seconds() < 5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_comm_clock_on_cuda_measures_the_stream_not_the_launch():
+    """On CUDA the host returns at once from queued work; the mark must time the work itself."""
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    mark = comm_clock.start(device)
+    host_start = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # a kernel that spins ~0.1 s on a ~2 GHz GPU
+    mark.stop()
+    host_s = time.perf_counter() - host_start
+    assert mark.seconds() > 10 * host_s and mark.seconds() > 0.01
+
+
 def test_comm_stats_counts_a_completed_future():
     stats = CommStats()
     stats.add_bucket(100, 2)  # fp32 ring all-reduce on 2 ranks: 400 bytes out
