@@ -1,6 +1,6 @@
 """Gradient communication end to end (2-4 ranks through `distrain train`): compression hooks
 make (nearly) the uncompressed run's loss progress and report their bytes; 1-bit Adam equals
-Adam during warm-up and then sends >= 16x fewer bytes; hierarchical all-reduce across two
+Adam during warm-up and then sends ~32x fewer bytes; hierarchical all-reduce across two
 torchrun agents ("nodes") equals the flat all-reduce. Unit-level checks of the hooks are in
 test_compress.py."""
 
@@ -49,11 +49,11 @@ def uncompressed(tmp_path_factory):
     return _rows(run)
 
 
-# (kind, least share of the uncompressed run's loss progress, least bytes ratio). Measured at
-# 30 steps: fp16, bf16 and PowerSGD 1.00, 1-bit 0.90: its averaged chunks are compressed a second
-# time (as in 1-bit Adam, so that its bytes do not grow with N), which costs some progress on
-# this task in 30 steps (tests/test_compress.py: 0.95 at the plateau). A hook that drops
-# gradients makes 0 (tests/test_compress.py checks that the bound rejects it).
+# (kind, least share of the uncompressed run's loss progress, least bytes ratio). Measured at 30
+# steps: fp16 and bf16 1.00, PowerSGD 0.99, 1-bit 0.905: its averaged chunks are compressed a second
+# time (as in 1-bit Adam, so that its bytes do not grow with N), which costs some progress on this
+# task in 30 steps (tests/test_compress.py: 0.95 at the plateau). A hook that drops gradients makes
+# 0 (tests/test_compress.py checks that the bound rejects it).
 HOOKS = [
     ("fp16", 0.99, 2.0),
     ("bf16", 0.99, 2.0),
@@ -90,9 +90,10 @@ def test_onebit_adam_is_adam_then_sends_16x_less(uncompressed, tmp_path, check_o
     # kernels round differently (~1e-7), hence 1e-6. Loss at step k+1 reflects k updates.
     for got, want in zip(rows[: freeze + 1], adam[: freeze + 1], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (got, want)
-    # Past the freeze step only the 1-bit momentum exchange is on the wire.
+    # Past the freeze step only the 1-bit momentum exchange is on the wire: 32x fewer bytes sent
+    # than a ring fp32 all-reduce, less the scales (measured 31.998).
     for row in rows[freeze + 1 :]:
-        assert row["comm_fp32_bytes"] / row["comm_bytes"] >= 16, row
+        assert row["comm_fp32_bytes"] / row["comm_bytes"] >= 31.9, row
     # A freeze step of 5 is far shorter than a real warm-up: the frozen variance and the
     # compressed momentum then make less progress than Adam (measured 0.86 at 30 steps).
     assert _progress(rows, adam) >= 0.8
