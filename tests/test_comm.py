@@ -52,7 +52,7 @@ def uncompressed(tmp_path_factory):
 # (kind, least share of the uncompressed run's loss progress, least bytes ratio). Measured at 30
 # steps: fp16 and bf16 1.00, PowerSGD 0.99, 1-bit 0.905: its averaged chunks are compressed a second
 # time (as in 1-bit Adam, so that its bytes do not grow with N), which costs some progress on this
-# task in 30 steps (tests/test_compress.py: 0.95 at the plateau). A hook that drops gradients makes
+# task in 30 steps (tests/test_compress.py: 0.96 at the plateau). A hook that drops gradients makes
 # 0 (tests/test_compress.py checks that the bound rejects it).
 HOOKS = [
     ("fp16", 0.99, 2.0),

@@ -4,6 +4,7 @@ Multi-process tests spawn once per test function and loop over the variants insi
 costs ~3 s for 2 ranks, ~5 s for 4).
 """
 
+import gc
 import json
 import time
 from datetime import timedelta
@@ -40,8 +41,8 @@ from distrain.parallel.compress import (
 # ~29k parameters (115 KB): small enough for 2 cores, matrices big enough for PowerSGD to shrink.
 SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=32)
 # Long enough for the uncompressed run to reach its plateau (4.18 -> ~1.6 by step 30 at this lr)
-# and for the lossy methods to get there too: PowerSGD rank 2 and 1-bit trail early (at step 20
-# they have made ~65% / ~75% of the uncompressed run's progress) and catch up by error feedback.
+# and for the lossy methods to get there too: PowerSGD rank 2 trails early (at step 20 it had
+# made ~65% of the uncompressed run's progress) and catches up by error feedback.
 STEPS = 80
 LR = 1e-2
 EVAL_AT = (60, 70, 80)  # the loss compared is the mean over these steps (plateau noise ~0.05)
@@ -314,7 +315,7 @@ def test_compression_hooks_make_the_uncompressed_progress(tmp_path):
 
     # The uncompressed run learns the rule: from ln(64) = 4.16 to its plateau near 1.6.
     assert reference["final_loss"] < 0.5 * reference["first_loss"]
-    # Measured: PowerSGD 0.96, 1-bit 0.95, fp16 and bf16 1.00; dropping gradients makes none.
+    # Measured: PowerSGD 0.94, 1-bit 0.96, fp16 and bf16 1.00; dropping gradients makes 0.0001.
     assert share(broken) < 0.01, broken
     for kind, r in results.items():
         assert share(r) >= MIN_PROGRESS, (kind, share(r))
@@ -385,6 +386,8 @@ def _onebit_bytes(group: dist.ProcessGroup) -> dict:
     stats = CommStats()
     ddp.register_comm_hook(OneBitState(group, stats), recording_hook)
     _loss(ddp, _rank_tokens(dist.get_rank())).backward()
+    del ddp  # see the end of _four_rank_worker
+    gc.collect()
     return {"numels": numels, **stats.snapshot()}
 
 
@@ -440,6 +443,13 @@ def _four_rank_worker(rank: int, tmp_path: Path) -> None:
         result["onebit_bytes_2"] = _onebit_bytes(pair)
         result["onebit_bytes_4"] = _onebit_bytes(dist.group.WORLD)
         (tmp_path / f"four{rank}.json").write_text(json.dumps(result))
+        # Release the DDP models (their reducers hold the groups and the hook states) here, in
+        # the main thread, while the groups still exist: left to the frame's teardown after
+        # destroy_process_group, a rank aborted in about 1 of 6 runs ("Resource deadlock
+        # avoided": a gloo group destroyed from one of its own worker threads).
+        del models, chained, state
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
