@@ -10,23 +10,23 @@ one process per rank, OMP_NUM_THREADS=1 each) is launched through `distrain trai
   joined by a veth pair whose egress is limited by tc tbf to the rate), one torchrun agent per
   host (`--nnodes 2 --nproc 1`, rendezvous on host 0's lab address).
 
-From metrics.jsonl (one row per step): bytes per step is this rank's payload handed to collectives
-(`comm_bytes`) and `comm_compression_ratio` its ratio to a plain fp32 all-reduce of the same
-gradients, both taken after the first SKIP steps (DDP's bucket rebuild, PowerSGD's start and
-1-bit Adam's freeze are all within them). Step time is the median `step_time_s` over the steps
-after SKIP; on each link it is also given as a ratio to `none` on the same link. Final loss is the
-training loss at the last step (every method sees the same data).
+From metrics.jsonl (one row per step): bytes per step is what this rank sends over the network
+(`comm_bytes`, compress.wire_bytes of each collective) and `comm_compression_ratio` its ratio to a
+plain fp32 all-reduce of the same gradients, both taken after the first SKIP steps (DDP's bucket
+rebuild, PowerSGD's start and 1-bit Adam's freeze are all within them). Step time is the median
+`step_time_s` over the steps after SKIP; on each link it is also given as a ratio to `none` on the
+same link. Final loss is the training loss at the last step (every method sees the same data).
 
 Overlap: how much of the plain all-reduce's communication is hidden behind backward. The
-no-communication baseline is two independent single-rank runs side by side (each `--nproc 1`,
-the same micro-batch and model, so the same per-rank work and the same competition for the two
-cores, but no collective at all). With T_ddp the `none` run's median step time on a link, T_solo
-the baseline's, and C the `none` run's communication busy time per step (`comm_time_s`: issue to
-completion of every bucket's all-reduce, summed), the exposed communication is T_ddp - T_solo and
-the hidden fraction is 1 - (T_ddp - T_solo) / C, clipped to [0, 1]. C includes waiting for the
+no-communication baseline is two independent single-rank runs side by side (each `--nproc 1`, the
+same micro-batch and model, so the same per-rank work and the same competition for the two cores,
+but no collective at all). With T_ddp the `none` run's median step time on a link, T_solo the
+baseline's, and C the `none` run's communication in-flight time per step (`comm_inflight_s`: issue
+to completion of every bucket's all-reduce, summed), the exposed communication is T_ddp - T_solo
+and the hidden fraction is 1 - (T_ddp - T_solo) / C, clipped to [0, 1]. C includes waiting for the
 slower rank, and buckets in flight at the same time are each counted in full (on a slow link the
-second bucket queues behind the first, so C can exceed the step time): the fraction is an
-estimate, an upper one where the link is the bottleneck, not an exact accounting.
+second bucket queues behind the first, so C can exceed the step time): the fraction is an estimate,
+an upper one where the link is the bottleneck, not an exact accounting.
 
 Run as root from the repository root (the lab needs network namespaces and tc; without them it
 prints why and measures loopback only):
@@ -162,8 +162,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "losses": [r["loss"] for r in rows],
     }
     if "comm_bytes" in steady[0]:
-        # comm_time_s is timed by hooks only: DDP's plain all-reduce ("none") runs untimed.
-        for key in ("comm_bytes", "comm_compression_ratio", "comm_time_s"):
+        # comm_inflight_s is timed by hooks only: DDP's plain all-reduce ("none") runs untimed.
+        for key in ("comm_bytes", "comm_compression_ratio", "comm_inflight_s"):
             if key in steady[0]:
                 summary[key] = statistics.median(r[key] for r in steady)
     return summary
@@ -231,7 +231,7 @@ def run_lab(
 
 def hidden_fraction(ddp: dict[str, Any], solo_step_s: float) -> float:
     exposed = max(ddp["step_time_s"] - solo_step_s, 0.0)
-    return min(max(1 - exposed / ddp["comm_time_s"], 0.0), 1.0)
+    return min(max(1 - exposed / ddp["comm_inflight_s"], 0.0), 1.0)
 
 
 def report(
@@ -268,7 +268,7 @@ def report(
             line += f"{step_s * 1e3:>12.0f} ({ratio:4.2f}x)"
         print(line + f"{first['final_loss']:>12.4f}")
     overlap: dict[str, float] = {}
-    if "none" in results and all("comm_time_s" in results["none"][link] for link in links):
+    if "none" in results and all("comm_inflight_s" in results["none"][link] for link in links):
         overlap = {link: hidden_fraction(results["none"][link], solo_step_s) for link in links}
         print(
             f"overlap (none vs 2 side-by-side single-rank runs, {solo_step_s * 1e3:.0f} ms/step): "

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from distrain.errors import CheckpointError
 from distrain.storage import Storage
+from distrain.torch_compat import dcp_metadata_path, set_nested_element
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -64,7 +65,7 @@ def _safe_reader(storage: Storage, path: str) -> Any:
 
     class SafeReader(base):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            meta_path = self._get_metadata_path(kwargs.get("rank"))
+            meta_path = dcp_metadata_path(self, kwargs.get("rank"))
             with self.fs.create_stream(meta_path, "rb") as stream:
                 metadata = _AllowListUnpickler(io.BytesIO(stream.read())).load()
             if getattr(metadata, "storage_meta", None) is not None:
@@ -80,9 +81,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_nested_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj
+            )
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

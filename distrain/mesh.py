@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.config import Config
 from distrain.errors import ConfigError
+from distrain.torch_compat import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class ParallelDims:
             (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=AXES,
         )
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
 
 
 def node_groups(

@@ -7,7 +7,6 @@ so a checkpoint's step is all it needs to resume exactly.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from distrain.config import OptimConfig
 from distrain.parallel.compress import CommStats
 from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.torch_compat import is_zero_redundancy_optimizer
 
 
 def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
@@ -128,9 +128,4 @@ def load_optimizer_state_dict(
 
 def _zero1(optimizer: torch.optim.Optimizer) -> Any:
     """`optimizer` if it is a ZeroRedundancyOptimizer (its `optim` holds this rank's state)."""
-    # build_optimizer imports torch.distributed.optim whenever it makes a ZeRO-1 optimizer, so
-    # without that module loaded there is none (and its slow import is not paid for nothing).
-    module = sys.modules.get("torch.distributed.optim")
-    if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer):
-        return optimizer
-    return None
+    return optimizer if is_zero_redundancy_optimizer(optimizer) else None

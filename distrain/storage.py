@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from distrain.errors import CheckpointError
+from distrain.torch_compat import FsspecReader, FsspecWriter
 
 T = TypeVar("T")
 

@@ -301,8 +301,8 @@ class Trainer:
         }
         # Only hooks and 1-bit Adam time their collectives; DDP's plain all-reduce is counted
         # from its bucket sizes, untimed, so a window without a timed collective reports none.
-        if snap["comm_time_s"]:
-            row["comm_time_s"] = snap["comm_time_s"] / steps
+        if snap["inflight_s"]:
+            row["comm_inflight_s"] = snap["inflight_s"] / steps
         return row
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:

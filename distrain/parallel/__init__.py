@@ -34,6 +34,7 @@ from distrain.parallel.data import (
     settle_bucket_layout,
 )
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+from distrain.parallel.tensor import tp_loss_context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -94,11 +95,7 @@ class ParallelModel:
             )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
-        if self.dims.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return tp_loss_context(self.dims.tp > 1)
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
@@ -160,9 +157,11 @@ class ParallelModel:
 
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
-        so no time is taken (comm_time_s stays a hooks-only figure)."""
+        so no time is taken (comm_inflight_s stays a figure of timed collectives)."""
         if self.comm_stats is not None:
-            self.comm_stats.add_completed(nbytes, fp32_values=numel, seconds=0.0)
+            self.comm_stats.add_untimed_all_reduce(
+                nbytes, fp32_values=numel, group_size=self.dims.dp_size
+            )
 
     @torch.no_grad()
     def all_reduce_gradients(self, dp_group: dist.ProcessGroup, bucket_mb: float) -> None:

@@ -1,5 +1,5 @@
 """DDP communication hooks: gradient compression (fp16, bf16, PowerSGD, 1-bit sign with error
-feedback) and a topology-aware hierarchical all-reduce, each counting the bytes it issues.
+feedback) and a topology-aware hierarchical all-reduce, each counting the bytes it sends.
 
 This module owns the hooks and their byte/time accounting (`CommStats`); it creates no process
 groups (distrain/mesh.py does) and registers nothing (the caller does
@@ -10,7 +10,6 @@ No `from __future__ import annotations` here: DDP checks a hook's `bucket` annot
 """
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,27 +18,50 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from distrain.parallel import comm_clock
+from distrain.parallel.comm_clock import CommMark
+
 Future = torch.futures.Future
 Hook = Callable[[Any, dist.GradBucket], Future[torch.Tensor]]
 COMM_HOOK_KINDS = ("none", "fp16", "bf16", "powersgd", "onebit")
 _FP32_BYTES = 4
 
 
+def wire_bytes(collective: str, nbytes: float, group_size: int) -> float:
+    """Bytes one rank sends over the network for `collective` on `group_size` ranks, `nbytes`
+    being this rank's input (for all_gather: its own contribution), with the bandwidth-optimal
+    algorithm of each (the model NCCL's rings and nccl-tests' bus bandwidth use): a ring
+    all-reduce is a reduce-scatter plus an all-gather, 2(N-1)/N x input; an all-to-all keeps
+    1/N of its input local; an all-gather forwards every other rank's piece; a pipelined
+    reduce or broadcast moves the tensor once through N-1 links, (N-1)/N x input per rank on
+    average."""
+    n = group_size
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "all_gather": n - 1,
+        "reduce": (n - 1) / n,
+        "broadcast": (n - 1) / n,
+    }[collective]
+    return factor * nbytes
+
+
 class CommStats:
     """What this rank's gradient collectives cost since the last `reset()`.
 
-    bytes_sent: payload bytes handed to collectives, counted where each one is issued: the
-        tensor's nbytes for an all-reduce, reduce or broadcast, the input's nbytes for an
-        all-gather. It is not the wire cost: a ring all-reduce moves 2(N-1)/N x payload per rank,
-        an all-gather (N-1) x input, so compare kinds with the same collective by this number.
+    bytes_sent: bytes this rank sends over the network (`wire_bytes` of each collective it
+        issues), so the figure follows the collective's real cost as the group grows: an
+        all-gather's grows with N, an all-reduce's does not.
     fp32_equivalent_bytes: what a plain fp32 all-reduce of the same gradient buckets would have
-        issued, so `compression_ratio` = fp32_equivalent_bytes / bytes_sent.
-    comm_time_s: summed over collectives, time from issue to completion (time.perf_counter, the
-        end taken in the collective future's completion callback). Collectives overlap with
-        backward and with each other, so this is busy time of the communication, not step time.
-        PowerSGD's three chained all-reduces (and the small matmuls between them) count as one.
+        sent, so `compression_ratio` = fp32_equivalent_bytes / bytes_sent.
+    inflight_s: summed over collectives, the time from issue until the result is ready
+        (`comm_clock`: CUDA events on GPUs, the host clock on CPU). Collectives overlap with
+        backward and with each other, so this is how long communication was in flight, not
+        the time it added to a step. A chain (PowerSGD's three all-reduces and the matmuls
+        between them, 1-bit's two exchanges, hierarchical's three stages) counts as one.
 
-    Completion callbacks run on the backend's threads, hence the lock.
+    Completion callbacks run on the backend's threads, hence the lock. CUDA spans are read in
+    `snapshot()` (a logging step), never in the training step.
     """
 
     def __init__(self) -> None:
@@ -48,9 +70,9 @@ class CommStats:
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_sent = 0
-            self.fp32_equivalent_bytes = 0
-            self.comm_time_s = 0.0
+            self.bytes_sent = 0.0
+            self.fp32_equivalent_bytes = 0.0
+            self._marks: list[CommMark] = []
 
     @property
     def compression_ratio(self) -> float:
@@ -62,40 +84,72 @@ class CommStats:
                 "bytes_sent": self.bytes_sent,
                 "fp32_equivalent_bytes": self.fp32_equivalent_bytes,
                 "compression_ratio": self.compression_ratio,
-                "comm_time_s": self.comm_time_s,
+                "inflight_s": sum(mark.seconds() for mark in self._marks),
             }
 
-    def add_completed(self, nbytes: int, *, fp32_values: int, seconds: float) -> None:
-        """Count a collective issued and waited for by the caller (1-bit Adam's exchanges)."""
+    def add_completed(
+        self, wire: float, *, fp32_values: int, group_size: int, mark: CommMark
+    ) -> None:
+        """Count collectives issued and waited for by the caller (1-bit Adam's exchanges):
+        `wire` bytes sent, standing in for an fp32 all-reduce of `fp32_values` values."""
         with self._lock:
-            self.bytes_sent += nbytes
-            self.fp32_equivalent_bytes += fp32_values * _FP32_BYTES
-            self.comm_time_s += seconds
+            self.bytes_sent += wire
+            self.fp32_equivalent_bytes += wire_bytes(
+                "all_reduce", fp32_values * _FP32_BYTES, group_size
+            )
+            self._marks.append(mark)
 
-    def add_bucket(self, numel: int) -> None:
+    def add_untimed_all_reduce(self, nbytes: int, *, fp32_values: int, group_size: int) -> None:
+        """Count an all-reduce of `nbytes` that no hook issued (DDP's built-in C++ path): its
+        bytes are known from the bucket sizes, its time is not taken."""
+        with self._lock:
+            self.bytes_sent += wire_bytes("all_reduce", nbytes, group_size)
+            self.fp32_equivalent_bytes += wire_bytes(
+                "all_reduce", fp32_values * _FP32_BYTES, group_size
+            )
+
+    def add_bucket(self, numel: int, group_size: int) -> None:
         """Record a gradient bucket of `numel` elements (its plain fp32 all-reduce cost)."""
         with self._lock:
-            self.fp32_equivalent_bytes += numel * _FP32_BYTES
+            self.fp32_equivalent_bytes += wire_bytes("all_reduce", numel * _FP32_BYTES, group_size)
 
-    def issued(self, nbytes: int, fut: Future, issued_at: float) -> Future:
-        """Count `nbytes` issued at `issued_at`; the returned future completes with `fut` after
-        adding the elapsed time to comm_time_s."""
+    def issued(self, wire: float, fut: Future, mark: CommMark) -> Future:
+        """Count `wire` bytes sent by collectives issued at `mark`; the returned future
+        completes with `fut`, ending the mark where the result is ready."""
         with self._lock:
-            self.bytes_sent += nbytes
+            self.bytes_sent += wire
 
         def done(f: Future) -> Any:
-            elapsed = time.perf_counter() - issued_at
+            mark.stop()
             with self._lock:
-                self.comm_time_s += elapsed
+                self._marks.append(mark)
             return f.value()
 
         return fut.then(done)
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> Future:
-    start = time.perf_counter()
+    mark = comm_clock.start(t.device)
     work = dist.all_reduce(t, group=group, async_op=True)
-    return stats.issued(t.nbytes, work.get_future(), start)
+    return stats.issued(wire_bytes("all_reduce", t.nbytes, group.size()), work.get_future(), mark)
+
+
+def _in_issue_order(fut: Future, group: dist.ProcessGroup) -> Future:
+    """`fut`, or on gloo `fut` waited for: a workaround for hooks that issue collectives from
+    completion callbacks (PowerSGD's P and Q all-reduces, 1-bit's second exchange,
+    hierarchical's later stages).
+
+    gloo completes futures on its worker threads in whatever order buckets finish, so two ranks
+    can issue those callback collectives in different orders, and gloo pairs collectives by
+    issue order: seen as a SIGABRT "Received data size doesn't match" with PowerSGD and 4
+    buckets. Waiting here finishes each bucket's chain before DDP issues the next bucket, at the
+    price of the overlap with backward. NCCL completes a future when its kernels are queued, on
+    the issuing thread, so the callbacks run in issue order there and the chain stays
+    asynchronous (overlapping backward, as torch's own PowerSGD hook does).
+    """
+    if dist.get_backend(group) != "gloo":
+        return fut
+    return _done(fut.wait())
 
 
 def _done(value: torch.Tensor) -> Future[torch.Tensor]:
@@ -115,7 +169,7 @@ class HookState:
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """DDP's default (fp32 sum all-reduce, then mean), counted."""
     buf = bucket.buffer()
-    state.stats.add_bucket(buf.numel())
+    state.stats.add_bucket(buf.numel(), state.process_group.size())
     buf.div_(state.process_group.size())
     return _all_reduce(buf, state.process_group, state.stats).then(lambda f: f.value()[0])
 
@@ -126,7 +180,7 @@ def _cast_allreduce(
     """torch's fp16_compress_hook semantics: divide in the low precision before summing (so the
     sum cannot overflow), all-reduce, copy back into the bucket."""
     buf = bucket.buffer()
-    state.stats.add_bucket(buf.numel())
+    state.stats.add_bucket(buf.numel(), state.process_group.size())
     compressed = buf.to(dtype).div_(state.process_group.size())
 
     def decompress(fut: Future) -> torch.Tensor:
@@ -159,22 +213,19 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> Future[t
     Their element count is what the hook adds to the state's `total_numel_after_compression`
     (uncompressed numel, plus (n + m) x rank per compressed n x m matrix) before any of them is
     issued, so the difference across the call, times the element size, is the payload exactly.
-
-    torch's hook issues the P and Q all-reduces from completion callbacks, on the backend's
-    threads; with several buckets in flight two ranks can issue them in different orders, and
-    gloo pairs collectives by issue order (seen: SIGABRT "Received data size doesn't match" with
-    4 buckets). So each bucket's chain completes before the next bucket's starts; that gives up
-    overlapping PowerSGD's communication with backward.
+    P and Q are issued from completion callbacks: see `_in_issue_order`.
     """
     inner = state.powersgd
     buf = bucket.buffer()
-    state.stats.add_bucket(buf.numel())
+    group = inner.process_group or dist.group.WORLD
+    state.stats.add_bucket(buf.numel(), group.size())
     vanilla = inner.iter < inner.start_powerSGD_iter
     numel_before = inner.total_numel_after_compression
-    start = time.perf_counter()
+    mark = comm_clock.start(buf.device)
     fut = powersgd.powerSGD_hook(inner, bucket)
     numel = buf.numel() if vanilla else inner.total_numel_after_compression - numel_before
-    return _done(state.stats.issued(numel * buf.element_size(), fut, start).wait())
+    wire = wire_bytes("all_reduce", numel * buf.element_size(), group.size())
+    return _in_issue_order(state.stats.issued(wire, fut, mark), group)
 
 
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
@@ -196,7 +247,7 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def onebit_compress(
-    tensor: torch.Tensor, residual: torch.Tensor
+    tensor: torch.Tensor, residual: torch.Tensor, *, valid: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error-feedback sign compression: (packed signs, scale, new residual).
 
@@ -205,54 +256,130 @@ def onebit_compress(
     into the new residual, so nothing is dropped, only delayed: decompressed + new_residual equals
     tensor + residual up to one fp32 rounding of the subtraction (exactly when Sterbenz's lemma
     applies, scale/2 <= |x| <= 2 scale). All in fp32 whatever the bucket's dtype.
+
+    A 2-D tensor [rows, n] (n a multiple of 8) is compressed row by row: one scale per row,
+    packed signs [rows, n / 8]. `valid`: only the first `valid` elements (in row-major order)
+    are data, the rest zero padding; scales are means over data only and the padding's
+    residual stays zero.
     """
-    corrected = tensor.float().reshape(-1) + residual
-    scale = corrected.abs().mean()
-    packed, numel = pack_signs(corrected)
-    return packed, scale, corrected - scale * unpack_signs(packed, numel)
+    corrected = tensor.float() + residual.view_as(tensor)
+    rows = corrected.reshape(-1, corrected.shape[-1])
+    total = rows.numel()
+    valid = total if valid is None else valid
+    mask = torch.arange(total, device=rows.device).view_as(rows) < valid
+    counts = mask.sum(dim=1)
+    scales = (rows.abs() * mask).sum(dim=1) / counts.clamp(min=1)
+    packed, _ = pack_signs(rows)
+    signs = unpack_signs(packed, total).view_as(rows)
+    new_residual = torch.where(mask, rows - scales[:, None] * signs, 0.0)
+    if tensor.dim() == 1:
+        return packed, scales[0], new_residual.view(-1)
+    return packed.view(rows.shape[0], -1), scales, new_residual
+
+
+def _with_scale(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed signs [rows, bytes] with each row's fp32 scale appended as 4 more bytes."""
+    return torch.cat([packed, scales.float().reshape(-1, 1).view(torch.uint8)], dim=1)
+
+
+def _decode_rows(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[N, bytes + 4] rows of `_with_scale` -> [N, chunk] fp32 values scale x sign."""
+    scales = rows[:, -4:].contiguous().view(torch.float32)
+    return scales * unpack_signs(rows[:, :-4], chunk)
 
 
 @dataclass
 class OneBitState:
     process_group: dist.ProcessGroup
     stats: CommStats
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    """This rank's compression error per bucket index, added to the next step's gradient."""
+    worker_errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    """This rank's compression error per bucket index (padded to N chunks), added to the next
+    step's gradient."""
+    server_errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per bucket index, the error of re-compressing the averaged chunk this rank serves."""
     layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """The parameters (data pointers, in order) each residual belongs to. DDP rebuilds its
     buckets after the first iteration, so an index can come to mean other parameters."""
 
 
+ONEBIT_BLOCK = 2048
+"""Values per scale in the 1-bit hook: a scale (4 bytes) per 2048 signs (256 bytes) costs 1.5%
+more bytes and follows the gradient's magnitude along the bucket, where one scale per bucket
+lets the largest gradients set the step of all (measured: 0.90 of the uncompressed run's loss
+progress in tests/test_comm.py, 0.86 with one scale per bucket)."""
+
+
+def onebit_blocks(numel: int, world: int) -> tuple[int, int]:
+    """(blocks per chunk, values per block) of the 1-bit hook for `numel` values on `world`
+    ranks: each rank's chunk is as few equal blocks of at most ONEBIT_BLOCK values, whole bytes
+    of signs each, as cover its share, so the padding stays under 8 values per block."""
+    per_rank = max(-(-numel // world), 1)
+    blocks = -(-per_rank // ONEBIT_BLOCK)
+    return blocks, -(-per_rank // (8 * blocks)) * 8
+
+
 def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-    """All-gather every rank's packed signs and scale, decompress each and average.
-
-    Signs don't add, so this can't be an all-reduce; the scale rides in the last 4 bytes of the
-    packed buffer so each bucket costs one collective of ceil(numel / 8) + 4 bytes per rank.
-    Every rank sums the same contributions in the same order, so replicas stay identical.
-    """
-    buf = bucket.buffer()
-    numel, index = buf.numel(), bucket.index()
-    state.stats.add_bucket(numel)
+    """`onebit_all_reduce` of the bucket, its errors kept per bucket index."""
+    buf, index = bucket.buffer(), bucket.index()
     layout = tuple(p.data_ptr() for p in bucket.parameters())
-    residual = state.residuals.get(index)
-    if residual is None or state.layouts.get(index) != layout:
+    if state.layouts.get(index) != layout:
         # New bucket, or rebuilt: the old error can't be mapped onto it; it is one step's worth.
-        residual = torch.zeros(numel, device=buf.device)
+        state.worker_errors.pop(index, None)
+        state.server_errors.pop(index, None)
         state.layouts[index] = layout
-    packed, scale, state.residuals[index] = onebit_compress(buf, residual)
-    payload = torch.cat([packed, scale.reshape(1).view(torch.uint8)])
-    group = state.process_group
-    gathered = [torch.empty_like(payload) for _ in range(group.size())]
-    start = time.perf_counter()
-    work = dist.all_gather(gathered, payload, group=group, async_op=True)
+    state.stats.add_bucket(buf.numel(), state.process_group.size())
+    return onebit_all_reduce(buf, state, key=index)
 
-    def decompress(fut: Future) -> torch.Tensor:
-        everyone = torch.stack(gathered)
-        scales = everyone[:, -4:].contiguous().view(torch.float32)
-        mean = (scales * unpack_signs(everyone[:, :-4], numel)).mean(dim=0)
-        return buf.copy_(mean.view_as(buf))
 
-    return state.stats.issued(payload.nbytes, work.get_future(), start).then(decompress)
+def onebit_all_reduce(tensor: torch.Tensor, state: OneBitState, *, key: int) -> Future:
+    """Average `tensor` over the group in place at 1 bit per value, with error feedback on both
+    sides as 1-bit Adam does for its momentum (Tang et al. 2021), so the bytes each rank sends
+    stay ~1/32 of an fp32 all-reduce's whatever the number of ranks N. Returns a future of
+    `tensor`; the errors live in `state` under `key`.
+
+    The tensor is cut into N chunks of whole blocks (`onebit_blocks`). Each rank compresses (tensor
+    + its worker error) to signs and one scale per block and sends chunk r to rank r (all-to-all);
+    rank r averages the N decompressed chunks it received, adds its server error, compresses again
+    and all-gathers the result. Per rank: (N-1)/N of the signs out, then (N-1) chunks of 1/N each
+    forwarded: 2(N-1)/N x n/8 bytes, the ring all-reduce's 2(N-1)/N x 4n divided by 32 (plus 4
+    bytes of scale per block). Every rank decodes the same gathered bytes, so replicas stay
+    identical. The second exchange is issued from a completion callback (`_in_issue_order`).
+    """
+    numel, group = tensor.numel(), state.process_group
+    world, me = group.size(), group.rank()
+    blocks, block = onebit_blocks(numel, world)
+    chunk = blocks * block
+    if key not in state.worker_errors:
+        state.worker_errors[key] = torch.zeros(world * chunk, device=tensor.device)
+        state.server_errors[key] = torch.zeros(chunk, device=tensor.device)
+    padded = torch.nn.functional.pad(tensor.float().reshape(-1), (0, world * chunk - numel))
+    packed, scales, worker_error = onebit_compress(
+        padded.view(-1, block), state.worker_errors[key], valid=numel
+    )
+    state.worker_errors[key] = worker_error.view(-1)
+    send = _with_scale(packed, scales).view(world, -1)  # row r: chunk r's blocks, for rank r
+    received = torch.empty_like(send)
+    row_bytes = send.shape[1]
+    # Data in the chunk this rank serves (the last chunks can be all padding for tiny tensors).
+    served = min(max(numel - me * chunk, 0), chunk)
+    mark = comm_clock.start(tensor.device)
+    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+
+    def serve(fut: Future) -> torch.Tensor:
+        average = _decode_rows(received.view(world * blocks, -1), block).view(world, -1).mean(0)
+        signs, server_scales, server_error = onebit_compress(
+            average.view(blocks, block), state.server_errors[key], valid=served
+        )
+        state.server_errors[key] = server_error.view(-1)
+        gathered = torch.empty(world * row_bytes, dtype=torch.uint8, device=tensor.device)
+        mine = _with_scale(signs, server_scales).view(-1)
+        dist.all_gather_single(gathered, mine, group=group, async_op=True).get_future().wait()
+        full = _decode_rows(gathered.view(world * blocks, -1), block).view(-1)[:numel]
+        return tensor.copy_(full.view_as(tensor))
+
+    wire = wire_bytes("all_to_all", send.nbytes, world) + wire_bytes("all_gather", row_bytes, world)
+    chain = state.stats.issued(wire, work.get_future().then(serve), mark)
+    return _in_issue_order(chain, group)
 
 
 def build_comm_hook(
@@ -304,26 +431,37 @@ class HierarchicalState:
     stats: CommStats
 
 
-def hierarchical_all_reduce(tensor: torch.Tensor, state: HierarchicalState) -> torch.Tensor:
+def hierarchical_all_reduce(tensor: torch.Tensor, state: HierarchicalState) -> Future:
     """Average `tensor` over the world in place: reduce to the node leader over the fast
     intra-node links, all-reduce among leaders (the only traffic on the slow inter-node network,
-    one copy per node instead of one per rank), broadcast back inside the node.
+    one copy per node instead of one per rank), broadcast back inside the node. Returns a future
+    of `tensor`.
 
-    Each stage waits for the one before it. The stages could be chained in completion callbacks,
-    but those run on the backend's threads in whatever order buckets finish, and gloo/NCCL pair
-    collectives by issue order per group: ranks could then match different buckets' collectives.
-    Issuing in DDP's bucket order from the calling thread keeps every rank in step.
+    Each stage starts from the previous one's completion callback; on gloo the whole chain is
+    waited for before returning (`_in_issue_order`), so every rank issues the stages of its
+    buckets in the same order.
     """
     stats, leader = state.stats, state.leader_global_rank
-    start = time.perf_counter()
-    work = dist.reduce(tensor, dst=leader, group=state.intra_group, async_op=True)
-    stats.issued(tensor.nbytes, work.get_future(), start).wait()
-    if state.inter_group is not None:
-        _all_reduce(tensor, state.inter_group, stats).wait()
-    start = time.perf_counter()
-    work = dist.broadcast(tensor, src=leader, group=state.intra_group, async_op=True)
-    stats.issued(tensor.nbytes, work.get_future(), start).wait()
-    return tensor.div_(state.world_size)
+    intra, inter = state.intra_group, state.inter_group
+    mark = comm_clock.start(tensor.device)
+    work = dist.reduce(tensor, dst=leader, group=intra, async_op=True)
+
+    def across_nodes(fut: Future) -> torch.Tensor:
+        if inter is not None:
+            dist.all_reduce(tensor, group=inter, async_op=True).get_future().wait()
+        return tensor
+
+    def back_to_node(fut: Future) -> torch.Tensor:
+        dist.broadcast(tensor, src=leader, group=intra, async_op=True).get_future().wait()
+        return tensor.div_(state.world_size)
+
+    wire = wire_bytes("reduce", tensor.nbytes, intra.size()) + wire_bytes(
+        "broadcast", tensor.nbytes, intra.size()
+    )
+    if inter is not None:
+        wire += wire_bytes("all_reduce", tensor.nbytes, inter.size())
+    chain = work.get_future().then(across_nodes).then(back_to_node)
+    return _in_issue_order(stats.issued(wire, chain, mark), intra)
 
 
 def hierarchical_allreduce_hook(
@@ -332,5 +470,5 @@ def hierarchical_allreduce_hook(
     """DDP hook form of `hierarchical_all_reduce` (same result as the default, up to the order
     of fp32 additions)."""
     buf = bucket.buffer()
-    state.stats.add_bucket(buf.numel())
-    return _done(hierarchical_all_reduce(buf, state))
+    state.stats.add_bucket(buf.numel(), state.world_size)
+    return hierarchical_all_reduce(buf, state)

@@ -6,9 +6,8 @@ parameter names, and so checkpoints and seeded init, are the same with or withou
 
 from __future__ import annotations
 
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
 from distrain.models.gpt import GPT
+from distrain.torch_compat import checkpoint_wrapper
 
 
 def apply_activation_checkpointing(model: GPT, mode: str, *, every: int) -> None:

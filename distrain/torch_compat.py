@@ -1,0 +1,70 @@
+"""Every private torch API distrain relies on, each behind one small function or name here.
+
+torch does not promise these across releases (an underscore, or a module under `_`), so when a
+torch upgrade breaks one, this file and tests/test_torch_compat.py (one test each) are the
+places to look. CI runs torch 2.13, the version pyproject.toml allows; nothing here is checked
+on another.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+# Imported on first use (`from distrain.torch_compat import FsspecReader` works): DCP's fsspec
+# module pulls in fsspec and DCP, seconds of import that mesh.py's users should not pay.
+_LAZY = {
+    "FsspecReader": "torch.distributed.checkpoint._fsspec_filesystem",
+    "FsspecWriter": "torch.distributed.checkpoint._fsspec_filesystem",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """DCP's fsspec reader and writer (a private module in torch 2.13)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """One axis made of all of `mesh`'s axes (`DeviceMesh._flatten`: torchtitan uses it for its
+    flattened data-parallel axis; no public equivalent in torch 2.13)."""
+    return mesh._flatten(name)
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> os.PathLike | str:
+    """Where a DCP FileSystemReader/FsspecReader reads its metadata file
+    (`FileSystemReader._get_metadata_path`), for readers that load it themselves."""
+    return reader._get_metadata_path(rank)
+
+
+def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value: object) -> None:
+    """DCP's own way to put a value at a flattened state-dict path back into the nested dict
+    (`torch.distributed.checkpoint._nested_dict.set_element`), as DefaultLoadPlanner does."""
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)
+
+
+def checkpoint_wrapper(module: nn.Module, *, preserve_rng_state: bool) -> nn.Module:
+    """Activation checkpointing around `module` (torch's private `checkpoint_wrapper`, the one
+    FSDP2 and torchtitan use): its state_dict keys stay those of `module`."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module, preserve_rng_state=preserve_rng_state)
+
+
+def is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """isinstance(optimizer, ZeroRedundancyOptimizer) without importing it (a slow import) when
+    nothing has: an optimizer can only be one if its module is loaded."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)

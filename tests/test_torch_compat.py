@@ -1,0 +1,103 @@
+"""distrain/torch_compat.py: each private torch API distrain relies on still does what distrain
+needs from it, on the torch CI runs. One process (a 1-rank gloo group where one is needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import init_device_mesh
+
+from distrain import torch_compat
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path}/store",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flatten_mesh_names_one_axis_of_all(one_rank):
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    flat = torch_compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    assert flat.mesh_dim_names == ("dp",) and flat.size() == 1
+
+
+def test_dcp_metadata_path_is_where_dcp_wrote_it(tmp_path: Path):
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path)
+    path = torch_compat.dcp_metadata_path(FileSystemReader(tmp_path), None)
+    assert Path(path) == tmp_path / ".metadata" and Path(path).is_file()
+
+
+def test_set_nested_element_builds_the_nested_dict():
+    root: dict = {"a": {"b": 1}}
+    torch_compat.set_nested_element(root, ("a", "c"), 2)
+    torch_compat.set_nested_element(root, ("x", "y"), 3)
+    assert root == {"a": {"b": 1, "c": 2}, "x": {"y": 3}}
+
+
+def test_fsspec_reader_and_writer_round_trip(tmp_path: Path):
+    url = f"file://{tmp_path}/ckpt"
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=torch_compat.FsspecWriter(url))
+    loaded = {"w": torch.zeros(4)}
+    dcp.load(loaded, storage_reader=torch_compat.FsspecReader(url))
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def test_checkpoint_wrapper_keeps_state_dict_keys_and_values():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    keys = list(block.state_dict())
+    x = torch.randn(3, 4, requires_grad=True)
+    want = block(x)
+    want.sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    wrapped = torch_compat.checkpoint_wrapper(block, preserve_rng_state=False)
+    got = wrapped(x)
+    got.sum().backward()
+    assert list(wrapped.state_dict()) == keys  # checkpoints keep their keys
+    assert torch.equal(got, want)
+    assert all(torch.equal(p.grad, g) for p, g in zip(block.parameters(), grads, strict=True))
+
+
+def test_is_zero_redundancy_optimizer(one_rank):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [nn.Parameter(torch.ones(2))]
+    assert not torch_compat.is_zero_redundancy_optimizer(torch.optim.AdamW(params))
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW)
+    assert torch_compat.is_zero_redundancy_optimizer(zero)
+
+
+def test_nothing_imports_the_zero_module_or_dcp_fsspec_early():
+    """The adapter keeps its slow imports for first use (a fresh interpreter)."""
+    code = (
+        "import sys, distrain.torch_compat, distrain.mesh\n"
+        "print(sorted(m for m in ('torch.distributed.optim.zero_redundancy_optimizer',"
+        " 'torch.distributed.checkpoint._fsspec_filesystem') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
