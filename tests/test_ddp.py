@@ -114,7 +114,16 @@ def test_settled_buckets_make_a_restarted_process_reduce_like_the_running_one(tm
     # process's first reduction (provisional layout) adds some elements in another order.
     assert unsettled["first_step_rebuilt"] == 0
     assert unsettled["differing"] > 0
-    # No hook on the plain path: its bytes, computed from the parameters, are the hook's count.
+    # No hook on the plain path: its bytes, computed from the parameters as ParallelModel counts
+    # them, are the hook's count (a ring all-reduce of every fp32 gradient on WORLD ranks).
     numel, nbytes = result["payload"]
-    assert result["hook_bytes"] == nbytes == 4 * numel == result["hook_fp32_bytes"]
+    assert nbytes == 4 * numel
+    untimed = CommStats()
+    untimed.add_untimed_all_reduce(nbytes, fp32_values=numel, group_size=WORLD)
+    counted = untimed.snapshot()
+    # Equal up to float rounding: the hook sums per bucket, the count is one product.
+    assert result["hook_bytes"] == pytest.approx(counted["bytes_sent"], rel=1e-12)
+    assert result["hook_fp32_bytes"] == pytest.approx(counted["fp32_equivalent_bytes"], rel=1e-12)
+    assert counted["bytes_sent"] == counted["fp32_equivalent_bytes"]
+    assert counted["bytes_sent"] == pytest.approx(2 * (WORLD - 1) / WORLD * nbytes)
     assert result["grads_are_bucket_views"] == 1
