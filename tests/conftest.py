@@ -14,6 +14,7 @@ CAPABILITIES = {
     "netlab": "network namespaces with tc-shaped links (root, iproute2, util-linux)",
     "netem": "the netlab plus the kernel's netem qdisc (link delay)",
     "s3": "a loopback S3 server and s3fs (the dev extra)",
+    "slurm": "Slurm's daemons and client (slurmctld, slurmd, munge), run as root",
 }
 
 

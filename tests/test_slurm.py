@@ -29,6 +29,9 @@ from distrain.slurm import (
 )
 from distrain.storage import Storage
 
+# A test that skips for want of Slurm fails instead where DISTRAIN_REQUIRE names slurm (CI).
+pytestmark = pytest.mark.requires("slurm")
+
 STEPS = 16
 FIELDS = {
     "training__steps": STEPS,
