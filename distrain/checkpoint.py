@@ -76,7 +76,8 @@ class Entry:
 
     @property
     def permanent(self) -> bool:
-        return self.manifest.get("kind") == "permanent"
+        """Never pruned: a permanent save, or a preempt save at a step a permanent one was due."""
+        return bool(self.manifest.get("permanent", self.manifest.get("kind") == "permanent"))
 
     @property
     def kind(self) -> str:
@@ -204,7 +205,8 @@ class Checkpointer:
         self.rank, self.world_size = _rank(), _world()
         self.group = checkpoint_group(collective_timeout_s)
         self.pending: _Pending | None = None
-        self.uncommitted: dict[int, tuple[str, str]] = {}  # rank 0: step -> (path, kind)
+        # rank 0: step -> (path, kind, permanent)
+        self.uncommitted: dict[int, tuple[str, str, bool]] = {}
         self.failed_in_a_row = 0
         self.newest_committed: int | None = None
 
@@ -233,7 +235,8 @@ class Checkpointer:
     ) -> None:
         """Collective. Returns once the state is captured (async) or written and committed
         (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
-        `preempt`: the save a stop signal asked for (kind "preempt", see `prune`)."""
+        `preempt`: the save a stop signal asked for (kind "preempt", see `prune`); with
+        `permanent` too it is also kept like a permanent one."""
         self.wait()
         kind = "preempt" if preempt else "permanent" if permanent else "temporary"
         path = self.storage.path(step_name(step))
@@ -268,7 +271,7 @@ class Checkpointer:
             future.add_done_callback(record)
             self.pending = pending
             if self.rank == 0:
-                self.uncommitted[step] = (path, kind)
+                self.uncommitted[step] = (path, kind, permanent)
             self.log.info(
                 "checkpoint step %d (%s) captured in %.2fs", step, kind, time.perf_counter() - start
             )
@@ -284,7 +287,7 @@ class Checkpointer:
                 "checkpoint step %d (%s) written in %.2fs", step, kind, time.perf_counter() - start
             )
             if self.rank == 0:
-                self.uncommitted[step] = (path, kind)
+                self.uncommitted[step] = (path, kind, permanent)
         self._settle(step, path, kind, attempt, free_bytes)
 
     def _finish_part(
@@ -365,13 +368,14 @@ class Checkpointer:
         """Rank 0: write the manifest of a save whose ranks have all recorded their part."""
         if step not in self.uncommitted:
             return  # committed already by commit_ready
-        path, kind = self.uncommitted[step]
+        path, kind, permanent = self.uncommitted[step]
         files: dict[str, Any] = {}
         for r in range(self.world_size):
             files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
         manifest = {
             "step": step,
             "kind": kind,
+            "permanent": permanent,
             "world_size": self.world_size,
             "layout": self.layout,
             "distrain_version": distrain.__version__,
@@ -391,7 +395,7 @@ class Checkpointer:
         is a warning (the collective `wait` settles the save for good)."""
         if self.rank != 0:
             return
-        for step, (path, _) in sorted(self.uncommitted.items()):
+        for step, (path, *_) in sorted(self.uncommitted.items()):
             try:
                 names = set(self.storage.listdir(path))
                 if all(_rank_record(r) in names for r in range(self.world_size)):

@@ -199,10 +199,12 @@ class Trainer:
             state["scaler"] = self.scaler
         return state
 
-    def save_checkpoint(self, kind: str) -> None:
+    def save_checkpoint(self, kind: str | None, *, preempt: bool = False) -> None:
+        """Save this step's checkpoint: `kind` is what the policy made due ("permanent",
+        "temporary" or None); `preempt` marks the save a stop signal asked for."""
         self.step_state["step"].fill_(self.step)
         self.checkpointer.save(
-            self.step, self._state(), permanent=kind == "permanent", preempt=kind == "preempt"
+            self.step, self._state(), permanent=kind == "permanent", preempt=preempt
         )
         if self.cfg.debug.corrupt_checkpoint_step == self.step:
             self.checkpointer.wait()
@@ -383,10 +385,8 @@ class Trainer:
                 self.log.info("step %d: val_loss %.4f", self.step, val_loss)
             log_step = self.step % t.log_interval_steps == 0 or finished
             kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
-            if stopping:
-                kind = "preempt"
-            if kind is not None:
-                self.save_checkpoint(kind)
+            if kind is not None or stopping:
+                self.save_checkpoint(kind, preempt=stopping)
             if log_step:
                 self.checkpointer.commit_ready()
             if stopping:

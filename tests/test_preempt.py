@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import losses, overrides, start_train, train_cli, train_in_process
 
 from distrain.checkpoint import Checkpointer, committed, verify
@@ -320,6 +321,23 @@ def test_retention_keeps_the_newest_preempt_checkpoint(tmp_path):
     ckpt.prune()
     # Superseded, it counts as temporary.
     assert [e.step for e in committed(storage)] == [6]
+
+
+def test_a_preempt_save_at_a_permanent_step_is_kept_like_a_permanent_one(tmp_path):
+    import logging
+
+    storage = Storage(str(tmp_path))
+    ckpt = Checkpointer(
+        storage, layout="", async_mode=False, keep_temporary=1, logger=logging.getLogger("t")
+    )
+    ckpt.save(3, {"x": torch.zeros(2)}, permanent=True, preempt=True)
+    ckpt.save(5, {"x": torch.ones(2)}, permanent=False)
+    ckpt.save(7, {"x": torch.ones(2)}, permanent=False)
+    # The stop came at a step a permanent checkpoint was due: superseded, it is still kept.
+    assert [(e.step, e.kind, e.permanent) for e in committed(storage)] == [
+        (3, "preempt", True),
+        (7, "temporary", False),
+    ]
 
 
 def test_launch_asks_the_agent_to_forward_sigusr1_and_wait_the_grace_period():
