@@ -20,6 +20,7 @@ import hashlib
 import os
 import posixpath
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -57,9 +58,18 @@ class StorageError(CheckpointError):
     """Storage that could not be reached within checkpoint.storage_retry_s."""
 
 
+def _missing_credentials(error: BaseException) -> bool:
+    """botocore's "no credentials" errors (s3fs raises them as they are): waiting never supplies
+    credentials. Checked only where botocore is loaded, i.e. where an S3 store is in use."""
+    exceptions = sys.modules.get("botocore.exceptions")
+    return exceptions is not None and isinstance(
+        error, exceptions.NoCredentialsError | exceptions.PartialCredentialsError
+    )
+
+
 def transient(error: BaseException) -> bool:
     """Whether `error` may pass by waiting (connection, timeout, server errors)."""
-    if isinstance(error, _PERMANENT_TYPES):
+    if isinstance(error, _PERMANENT_TYPES) or _missing_credentials(error):
         return False
     if isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS:
         return False
@@ -153,6 +163,23 @@ class Storage:
                 self.fs.rm(path, recursive=True)
 
         self.call(f"removing {self.url_of(path)}", rm)
+
+    def check_writable(self) -> None:
+        """Write and delete a small file at the root, so that a location no save can reach (no
+        credentials, read-only, a file in the way) is reported before the first step rather
+        than at the first save, hundreds of steps in."""
+        probe = self.path(f".distrain-probe-{uuid.uuid4().hex}")
+        try:
+            self.makedirs(self.root)
+            self.write_text_atomic(probe, "probe")
+            self.remove(probe)
+        except StorageError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint location {self.url} is not writable ({one_line(e)}); fix "
+                "checkpoint.dir or its credentials and permissions"
+            ) from e
 
     def makedirs(self, path: str) -> None:
         self.call(f"creating {self.url_of(path)}", self.fs.makedirs, path, exist_ok=True)

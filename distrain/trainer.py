@@ -333,6 +333,8 @@ class Trainer:
 
     def run(self) -> None:
         t = self.cfg.training
+        if self.ctx.rank == 0:
+            self.checkpointer.storage.check_writable()
         self.maybe_resume()
         if self.step >= t.steps:
             self.log.info(

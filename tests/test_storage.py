@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distrain.checkpoint import Checkpointer, committed
+from distrain.errors import CheckpointError
 from distrain.storage import Storage, StorageError
 
 LOG = logging.getLogger("distrain_test.storage")
@@ -81,3 +82,25 @@ def test_retention_failure_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplo
     assert f"retention skipped on {tmp_path}: storage {tmp_path} unreachable" in caplog.text
     monkeypatch.undo()
     assert [e.step for e in committed(storage)] == [1, 2]  # step 1 waits for the next prune
+
+
+def test_missing_s3_credentials_are_not_retried():
+    botocore = pytest.importorskip("botocore.exceptions")
+    storage = Storage("memory://retry", retry_s=60)
+    call = Flaky(botocore.NoCredentialsError(), failures=5)
+    start = time.monotonic()
+    with pytest.raises(botocore.NoCredentialsError):
+        storage.call("listing", call)
+    assert call.calls == 1 and time.monotonic() - start < 1
+
+
+def test_an_unwritable_checkpoint_location_is_one_line_before_the_first_step(tmp_path):
+    (tmp_path / "file").write_text("in the way")
+    storage = Storage(str(tmp_path / "file" / "checkpoints"), retry_s=60)
+    with pytest.raises(CheckpointError) as raised:
+        storage.check_writable()
+    message = str(raised.value)
+    assert message.startswith(f"checkpoint location {tmp_path}/file/checkpoints is not writable (")
+    assert "\n" not in message
+    Storage(str(tmp_path / "ok")).check_writable()
+    assert list((tmp_path / "ok").iterdir()) == []  # the probe is gone
