@@ -350,6 +350,28 @@ class DebugConfig:
         "After every logged step, check that parameters agree across data-parallel replicas; a "
         "mismatch names the tensor and the ranks.",
     )
+    collective_timeout_s: float = doc(
+        0.0,
+        "Timeout of every collective, given to every process group (0 = torch's default: 30 "
+        "minutes on gloo, 10 minutes on NCCL). A timed-out group is unusable: the job fails.",
+        AT_LEAST_0,
+    )
+    hang_timeout_s: float = doc(
+        600.0,
+        "Hang watchdog: when a rank's heartbeat (step, phase) has not moved for this long, every "
+        "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
+        "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
+        "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
+        "longest step, evaluation or checkpoint.",
+        AT_LEAST_0,
+    )
+    hang_at_step: int = doc(
+        0,
+        "Fault injection: sleep forever inside the backward pass of this step (0 = never), in "
+        "attempt debug.fail_attempt only.",
+        AT_LEAST_0,
+    )
+    hang_rank: int = doc(-1, "Rank that hangs at debug.hang_at_step (-1 = every rank).", ANY_RANK)
 
 
 @dataclass(kw_only=True, slots=True)

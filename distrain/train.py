@@ -14,8 +14,10 @@ from distrain.args import parse_train_args
 from distrain.config import Config
 from distrain.config_io import write_toml
 from distrain.errors import DistrainError
-from distrain.mesh import init_distributed
+from distrain.mesh import device_type, init_distributed
+from distrain.observe import flight
 from distrain.observe.logs import close_logging, setup_logging
+from distrain.observe.watchdog import start_watchdog
 from distrain.trainer import Trainer
 
 
@@ -33,10 +35,14 @@ def release_process_groups() -> None:
 
 def run_training(cfg: Config) -> None:
     """Train per `cfg` in this process as one rank of the (possibly 1-process) group."""
-    ctx = init_distributed(cfg.run.device)
     run_dir = Path(cfg.run.dir)
+    nccl = device_type(cfg.run.device) == "cuda"
+    if cfg.debug.hang_timeout_s:
+        flight.enable(run_dir, nccl=nccl)
+    ctx = init_distributed(cfg.run.device, timeout_s=cfg.debug.collective_timeout_s)
     logger = None
     trainer = None
+    watchdog = None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if ctx.rank == 0:
@@ -44,12 +50,23 @@ def run_training(cfg: Config) -> None:
         logger = setup_logging(run_dir, ctx.rank)
         logger.info("rank %d/%d on %s (%s)", ctx.rank, ctx.world_size, ctx.device, ctx.backend)
         trainer = Trainer(cfg, ctx, logger)
+        if cfg.debug.hang_timeout_s:
+            watchdog = start_watchdog(
+                run_dir,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout_s=cfg.debug.hang_timeout_s,
+                logger=logger,
+                nccl=nccl,
+            )
         trainer.run()
     except DistrainError as e:
         if logger is not None:
             logger.error("%s", e)
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if trainer is not None:
             trainer.close()
         if logger is not None:

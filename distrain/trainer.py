@@ -30,6 +30,7 @@ from distrain.errors import CheckpointError
 from distrain.layout import validate as validate_layout
 from distrain.mesh import DistContext
 from distrain.models.presets import num_params
+from distrain.observe import heartbeat
 from distrain.observe.metrics import MetricsWriter
 from distrain.optim import (
     build_optimizer,
@@ -100,7 +101,9 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         layout = validate_layout(cfg, ctx.world_size)
         self.dims, self.args = layout.dims, layout.model
-        self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
+        self.mesh, dp_mesh = self.dims.build_mesh(
+            ctx.device.type, timeout_s=cfg.debug.collective_timeout_s
+        )
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
         seed_everything(t.seed, deterministic=t.deterministic)
 
@@ -219,6 +222,7 @@ class Trainer:
             loss = self._forward_backward_recovering(batches)
         else:
             loss = self.model.forward_backward(batches, self.scaler.scale, sync=not local)
+        heartbeat.mark("optimizer")
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -300,6 +304,7 @@ class Trainer:
 
     def run(self) -> None:
         t = self.cfg.training
+        heartbeat.mark("checkpoint")
         self.maybe_resume()
         if self.step >= t.steps:
             self.log.info(
@@ -320,6 +325,8 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
             self._maybe_inject_failure()
+            heartbeat.mark("data", step=self.step + 1)
+            self._maybe_inject_hang()
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
             loss, grad_norm = self.train_step(self.loader.next_batch(), lr)
             self.step += 1
@@ -327,6 +334,7 @@ class Trainer:
             bar.update(1)
             finished = self.step == t.steps
             if self.step % t.log_interval_steps == 0 or finished:
+                heartbeat.mark("log")
                 loss_value, norm_value = self._world_mean(torch.stack([loss, grad_norm])).tolist()
                 elapsed = time.perf_counter() - window_start
                 row = {
@@ -343,12 +351,14 @@ class Trainer:
                     check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             if (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished:
+                heartbeat.mark("eval")
                 val_loss = self.evaluate()
                 self.metrics.log({"step": self.step, "val_loss": val_loss})
                 self.log.info("step %d: val_loss %.4f", self.step, val_loss)
             log_step = self.step % t.log_interval_steps == 0 or finished
             kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
             if kind is not None:
+                heartbeat.mark("checkpoint")
                 self.save_checkpoint(kind)
                 last_saved = self.step
             if log_step:
@@ -356,6 +366,7 @@ class Trainer:
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
+        heartbeat.mark("checkpoint")
         self.checkpointer.wait()
         self.log.info("finished %d steps (last checkpoint at step %d)", self.step, last_saved)
 
@@ -371,6 +382,25 @@ class Trainer:
         if debug.fail_mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFailure(message)
+
+    def _maybe_inject_hang(self) -> None:
+        """debug.hang_at_step: block forever inside this step's backward pass (a gradient hook
+        on the first parameter never returns), the way a stuck kernel or a deadlock would."""
+        debug = self.cfg.debug
+        if not debug.hang_at_step or self.step + 1 != debug.hang_at_step:
+            return
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if debug.hang_rank not in (-1, self.ctx.rank) or attempt != debug.fail_attempt:
+            return
+        self.log.error(
+            "debug.hang_at_step: rank %d hangs in backward of step %d", self.ctx.rank, self.step + 1
+        )
+
+        def sleep_forever(grad: torch.Tensor) -> torch.Tensor:
+            while True:
+                time.sleep(3600)
+
+        next(p for p in self.model.parameters() if p.requires_grad).register_hook(sleep_forever)
 
     def close(self) -> None:
         self.metrics.close()

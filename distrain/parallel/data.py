@@ -29,6 +29,7 @@ def apply_ddp(
     stats: CommStats,
     local_world_size: int,
     device: torch.device,
+    timeout_s: float = 0.0,
 ) -> DistributedDataParallel:
     """Wrap `model` (already materialized and initialized identically on every rank) in DDP with
     the configured gradient communication hook, which also counts the bytes it issues.
@@ -44,7 +45,9 @@ def apply_ddp(
     )
     if comm.hierarchical:
         intra, inter = node_groups(
-            local_world_size, dist.get_process_group_ranks(dp_mesh.get_group())
+            local_world_size,
+            dist.get_process_group_ranks(dp_mesh.get_group()),
+            timeout_s=timeout_s,
         )
         state = HierarchicalState(
             intra_group=intra,
