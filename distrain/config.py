@@ -180,6 +180,21 @@ class TrainingConfig:
         100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
     )
     eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.", AT_LEAST_1)
+    nonfinite: Literal["skip", "stop"] = doc(
+        "skip",
+        "On a non-finite gradient norm: skip the optimizer step on every rank and count it "
+        "(metrics: nonfinite_skipped), or stop naming the step, rank and first parameter. With "
+        "fp16 GradScaler's own overflow skipping applies instead.",
+    )
+    max_nonfinite_steps: int = doc(
+        10, "Stop after this many non-finite steps in a row, even with skip.", AT_LEAST_1
+    )
+    loss_spike_factor: float = doc(
+        3.0,
+        "Metrics flag loss_spike when a logged loss exceeds this many times the running mean of "
+        "the earlier logged losses.",
+        Range(low=1, low_open=True),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -372,6 +387,12 @@ class DebugConfig:
         AT_LEAST_0,
     )
     hang_rank: int = doc(-1, "Rank that hangs at debug.hang_at_step (-1 = every rank).", ANY_RANK)
+    nan_at_step: int = doc(
+        0,
+        "Fault injection: make one gradient NaN in this step, after backward (0 = never).",
+        AT_LEAST_0,
+    )
+    nan_rank: int = doc(-1, "Rank whose gradient turns NaN at debug.nan_at_step.", ANY_RANK)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -31,6 +31,7 @@ from distrain.layout import validate as validate_layout
 from distrain.mesh import DistContext
 from distrain.models.presets import num_params
 from distrain.observe import heartbeat
+from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
 from distrain.optim import (
     build_optimizer,
@@ -173,6 +174,13 @@ class Trainer:
         self.metrics = MetricsWriter(
             self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
         )
+        self.nonfinite = NonFiniteGuard(
+            t.nonfinite,
+            max_in_a_row=t.max_nonfinite_steps,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        )
+        self.loss_spikes = LossSpikes(t.loss_spike_factor)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -223,6 +231,7 @@ class Trainer:
         else:
             loss = self.model.forward_backward(batches, self.scaler.scale, sync=not local)
         heartbeat.mark("optimizer")
+        self._maybe_inject_nan()
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -231,9 +240,16 @@ class Trainer:
             holders=1 if local else self.ctx.world_size // self.dims.pp,
             local=local,
         )
-        for optimizer in self.optimizers:
-            set_lr(optimizer, lr)
-            self.scaler.step(optimizer)
+        update = self.scaler.is_enabled() or self.nonfinite.step_ok(
+            grad_norm,
+            step=self.step + 1,
+            named_params=((n, p) for part in self.model.parts for n, p in part.named_parameters()),
+            agreed=not local,
+        )
+        if update:
+            for optimizer in self.optimizers:
+                set_lr(optimizer, lr)
+                self.scaler.step(optimizer)
         self.scaler.update()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -344,6 +360,8 @@ class Trainer:
                     "grad_norm": norm_value,
                     "tokens_per_s": tokens_per_step * window_steps / elapsed,
                     "step_time_s": elapsed / window_steps,
+                    "nonfinite_skipped": self.nonfinite.skipped,
+                    "loss_spike": self.loss_spikes.update(loss_value),
                     **self._comm_metrics(window_steps),
                 }
                 self.metrics.log(row)
@@ -382,6 +400,14 @@ class Trainer:
         if debug.fail_mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFailure(message)
+
+    def _maybe_inject_nan(self) -> None:
+        """debug.nan_at_step: one NaN in the first gradient of this rank, after backward."""
+        debug = self.cfg.debug
+        if debug.nan_at_step != self.step + 1 or debug.nan_rank not in (-1, self.ctx.rank):
+            return
+        grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
 
     def _maybe_inject_hang(self) -> None:
         """debug.hang_at_step: block forever inside this step's backward pass (a gradient hook
