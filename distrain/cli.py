@@ -86,7 +86,24 @@ def cmd_presets(argv: list[str]) -> None:
         )
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}
+def cmd_diagnose(argv: list[str]) -> None:
+    from distrain.observe.diagnose import diagnose
+
+    parser = argparse.ArgumentParser(
+        prog="distrain diagnose",
+        description="What happened to a run: first failure and its traceback, hangs, restarts, "
+        "last checkpoint.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    print(diagnose(Path(parser.parse_args(argv).run_dir)))
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "generate": cmd_generate,
+    "presets": cmd_presets,
+    "diagnose": cmd_diagnose,
+}
 
 
 USAGE = f"usage: distrain {{{','.join(COMMANDS)}}} [options]   (distrain COMMAND --help)"

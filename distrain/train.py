@@ -64,6 +64,11 @@ def run_training(cfg: Config) -> None:
         if logger is not None:
             logger.error("%s", e)
         raise
+    except Exception:
+        # The traceback goes to the rank's log too, where `distrain diagnose` finds it.
+        if logger is not None:
+            logger.exception("rank %d failed", ctx.rank)
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()

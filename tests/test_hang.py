@@ -162,6 +162,12 @@ def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
     assert "resumed from checkpoint" in (run / "logs" / "rank0.log").read_text()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 40
 
+    report = run_cli("diagnose", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "attempt 0: hang: rank 3 stopped responding in " in report.stdout
+    assert "attempt 1: finished" in report.stdout
+    assert "restarts: 1" in report.stdout
+
 
 @pytest.fixture(scope="module")
 def hung_in_backward(tmp_path_factory) -> tuple[Path, object]:
