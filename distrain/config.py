@@ -393,6 +393,16 @@ class DebugConfig:
         AT_LEAST_0,
     )
     nan_rank: int = doc(-1, "Rank whose gradient turns NaN at debug.nan_at_step.", ANY_RANK)
+    straggler_ratio: float = doc(
+        1.5,
+        "Warn when the slowest rank's compute time (data + forward, per logged step) exceeds "
+        "this multiple of the median rank's (metrics: slowest_rank, straggler_ratio).",
+        Range(low=1, low_open=True),
+    )
+    slow_rank: int = doc(
+        -1, "Fault injection: this rank sleeps debug.slow_ms in every step (-1 = none).", ANY_RANK
+    )
+    slow_ms: float = doc(0.0, "Milliseconds debug.slow_rank sleeps per step.", AT_LEAST_0)
 
 
 @dataclass(kw_only=True, slots=True)

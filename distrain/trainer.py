@@ -33,6 +33,7 @@ from distrain.models.presets import num_params
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
+from distrain.observe.stragglers import ComputeTimer, straggler_metrics
 from distrain.optim import (
     build_optimizer,
     load_optimizer_state_dict,
@@ -181,6 +182,8 @@ class Trainer:
             world_size=ctx.world_size,
         )
         self.loss_spikes = LossSpikes(t.loss_spike_factor)
+        self.compute_timer = ComputeTimer(ctx.device)
+        heartbeat.listen(self.compute_timer)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -342,6 +345,8 @@ class Trainer:
         while self.step < t.steps:
             self._maybe_inject_failure()
             heartbeat.mark("data", step=self.step + 1)
+            if self.cfg.debug.slow_rank == self.ctx.rank:
+                time.sleep(self.cfg.debug.slow_ms / 1000)
             self._maybe_inject_hang()
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
             loss, grad_norm = self.train_step(self.loader.next_batch(), lr)
@@ -362,6 +367,7 @@ class Trainer:
                     "step_time_s": elapsed / window_steps,
                     "nonfinite_skipped": self.nonfinite.skipped,
                     "loss_spike": self.loss_spikes.update(loss_value),
+                    **self._straggler_metrics(window_steps),
                     **self._comm_metrics(window_steps),
                 }
                 self.metrics.log(row)
@@ -401,6 +407,18 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFailure(message)
 
+    def _straggler_metrics(self, steps: int) -> dict[str, float | int]:
+        found = straggler_metrics(self.compute_timer.take() / steps, self.ctx.device)
+        if found["straggler_ratio"] > self.cfg.debug.straggler_ratio and self.ctx.rank == 0:
+            self.log.warning(
+                "straggler: rank %d computes %.2fx the median rank (%.3f s per step in data "
+                "and forward)",
+                found["slowest_rank"],
+                found["straggler_ratio"],
+                found["compute_s_max"],
+            )
+        return found
+
     def _maybe_inject_nan(self) -> None:
         """debug.nan_at_step: one NaN in the first gradient of this rank, after backward."""
         debug = self.cfg.debug
@@ -429,4 +447,5 @@ class Trainer:
         next(p for p in self.model.parameters() if p.requires_grad).register_hook(sleep_forever)
 
     def close(self) -> None:
+        heartbeat.listen(None)
         self.metrics.close()

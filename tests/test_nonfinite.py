@@ -78,7 +78,9 @@ def test_loss_spike_flags_a_loss_above_factor_times_the_running_mean():
 @pytest.mark.slow
 def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
     # Rank 1's gradient turns NaN after DDP averaged them: both ranks must skip, or the
-    # replicas diverge (debug.check_replicas compares them after every logged step).
+    # replicas diverge (debug.check_replicas compares them after every logged step). The same
+    # run has rank 1 sleep 0.5 s per step: the straggler metrics must name it (shares the run
+    # to keep multi-process tests few).
     skipped = train_cli(
         tmp_path / "skip",
         2,
@@ -86,10 +88,22 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
         debug__nan_at_step=2,
         debug__nan_rank=1,
         debug__check_replicas=True,
+        debug__slow_rank=1,
+        debug__slow_ms=500,
+        debug__straggler_ratio=1.2,
     )
     assert skipped.returncode == 0, skipped.stderr[-4000:]
-    rows = read_metrics(tmp_path / "skip" / "metrics.jsonl")
-    assert [r["nonfinite_skipped"] for r in rows if "loss" in r] == [0, 1, 1, 1, 1]
+    rows = [r for r in read_metrics(tmp_path / "skip" / "metrics.jsonl") if "loss" in r]
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 1, 1, 1]
+    # Step 2 is left out: DDP rebuilds its buckets in the second forward, a collective in which
+    # rank 0 waits for rank 1's sleep (see distrain/observe/stragglers.py).
+    timed = [r for r in rows if r["step"] != 2]
+    assert [r["slowest_rank"] for r in timed] == [1] * 4
+    # With 2 ranks the median is the mean, so the ratio is below 2; 0.5 s against a tiny
+    # model's forward puts it well above 1.2.
+    assert all(1.2 < r["straggler_ratio"] < 2 for r in timed), rows
+    assert all(r["compute_s_max"] >= 0.5 for r in timed), rows
+    assert "straggler: rank 1 computes " in skipped.stderr
 
     stopped = train_cli(
         tmp_path / "stop",
@@ -101,3 +115,25 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
     )
     assert stopped.returncode != 0
     assert "first on rank 1 in parameter tok_emb.weight" in stopped.stderr, stopped.stderr[-4000:]
+
+
+def test_compute_timer_counts_data_and_forward_only():
+    import time
+
+    import torch
+
+    from distrain.observe.stragglers import ComputeTimer, straggler_metrics
+
+    timer = ComputeTimer(torch.device("cpu"))
+    for phase, pause in (("data", 0.05), ("forward", 0.05), ("backward", 0.2), ("forward", 0.05)):
+        timer.on_phase(phase)
+        time.sleep(pause)
+    timer.on_phase("optimizer")
+    # 0.15 s counted (sleep overshoots by at most a few ms each), the 0.2 s of backward not.
+    assert 0.15 <= timer.take() < 0.2
+    assert timer.take() == 0.0
+    assert straggler_metrics(0.3, torch.device("cpu")) == {
+        "slowest_rank": 0,
+        "straggler_ratio": 1.0,
+        "compute_s_max": 0.3,
+    }

@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 PHASES = (
     "setup",
@@ -80,7 +80,12 @@ class Heartbeat:
         os.replace(tmp, self.path)
 
 
+class PhaseListener(Protocol):
+    def on_phase(self, phase: str) -> None: ...
+
+
 _active: Heartbeat | None = None
+_listener: PhaseListener | None = None
 
 
 def activate(heartbeat: Heartbeat | None) -> None:
@@ -89,10 +94,18 @@ def activate(heartbeat: Heartbeat | None) -> None:
     _active = heartbeat
 
 
+def listen(listener: PhaseListener | None) -> None:
+    """Tell `listener` (the straggler meter's compute timer) of every phase change."""
+    global _listener
+    _listener = listener
+
+
 def mark(phase: str, step: int | None = None) -> None:
     """Enter `phase` (of `step`, when given) in the active heartbeat, if any."""
     if _active is not None:
         _active.mark(phase, step)
+    if _listener is not None:
+        _listener.on_phase(phase)
 
 
 def read_heartbeats(run_dir: Path, *, attempt: int | None = None) -> dict[int, dict[str, Any]]:
