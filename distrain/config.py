@@ -330,6 +330,21 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    start_step: int = doc(
+        0,
+        "Profile (torch.profiler) from this step on (0 = off); traces go to "
+        "<run_dir>/profiles/rank<N>/trace.json.",
+        AT_LEAST_0,
+    )
+    num_steps: int = doc(3, "Steps to profile.", AT_LEAST_1)
+    ranks: str = doc("0", "Ranks to profile: 'all' or comma-separated rank numbers.")
+    memory: bool = doc(
+        False, "Also record memory; on CUDA write a snapshot for PyTorch's memory visualizer."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class DebugConfig:
     fail_at_step: int = doc(
         0,
@@ -416,6 +431,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

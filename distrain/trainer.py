@@ -33,6 +33,7 @@ from distrain.models.presets import num_params
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
+from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.stragglers import ComputeTimer, straggler_metrics
 from distrain.optim import (
     build_optimizer,
@@ -184,6 +185,17 @@ class Trainer:
         self.loss_spikes = LossSpikes(t.loss_spike_factor)
         self.compute_timer = ComputeTimer(ctx.device)
         heartbeat.listen(self.compute_timer)
+        self.profiler = StepProfiler(
+            cfg.profile,
+            run_dir=self.run_dir,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            logger=logger,
+        )
+        self.phase_ranges = PhaseRanges(ctx.device)
+        if self.profiler.enabled or ctx.device.type == "cuda":
+            heartbeat.listen(self.phase_ranges)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -344,6 +356,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
             self._maybe_inject_failure()
+            self.profiler.before_step(self.step + 1)
             heartbeat.mark("data", step=self.step + 1)
             if self.cfg.debug.slow_rank == self.ctx.rank:
                 time.sleep(self.cfg.debug.slow_ms / 1000)
@@ -389,6 +402,7 @@ class Trainer:
                 self.checkpointer.commit_ready()
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
+            self.profiler.after_step(self.step)
         bar.close()
         heartbeat.mark("checkpoint")
         self.checkpointer.wait()
@@ -447,5 +461,8 @@ class Trainer:
         next(p for p in self.model.parameters() if p.requires_grad).register_hook(sleep_forever)
 
     def close(self) -> None:
-        heartbeat.listen(None)
+        self.profiler.stop()
+        self.phase_ranges.close()
+        heartbeat.unlisten(self.compute_timer)
+        heartbeat.unlisten(self.phase_ranges)
         self.metrics.close()

@@ -85,7 +85,7 @@ class PhaseListener(Protocol):
 
 
 _active: Heartbeat | None = None
-_listener: PhaseListener | None = None
+_listeners: list[PhaseListener] = []
 
 
 def activate(heartbeat: Heartbeat | None) -> None:
@@ -94,18 +94,23 @@ def activate(heartbeat: Heartbeat | None) -> None:
     _active = heartbeat
 
 
-def listen(listener: PhaseListener | None) -> None:
-    """Tell `listener` (the straggler meter's compute timer) of every phase change."""
-    global _listener
-    _listener = listener
+def listen(listener: PhaseListener) -> None:
+    """Tell `listener` (the straggler meter's compute timer, the profiler's ranges) of every
+    phase change."""
+    _listeners.append(listener)
+
+
+def unlisten(listener: PhaseListener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 def mark(phase: str, step: int | None = None) -> None:
     """Enter `phase` (of `step`, when given) in the active heartbeat, if any."""
     if _active is not None:
         _active.mark(phase, step)
-    if _listener is not None:
-        _listener.on_phase(phase)
+    for listener in _listeners:
+        listener.on_phase(phase)
 
 
 def read_heartbeats(run_dir: Path, *, attempt: int | None = None) -> dict[int, dict[str, Any]]:
