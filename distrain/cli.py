@@ -98,11 +98,23 @@ def cmd_diagnose(argv: list[str]) -> None:
     print(diagnose(Path(parser.parse_args(argv).run_dir)))
 
 
+def cmd_status(argv: list[str]) -> None:
+    from distrain.observe.status import status
+
+    parser = argparse.ArgumentParser(
+        prog="distrain status",
+        description="Where a run stands: last metrics, ETA, checkpoints, restarts.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    print(status(Path(parser.parse_args(argv).run_dir)))
+
+
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
     "presets": cmd_presets,
     "diagnose": cmd_diagnose,
+    "status": cmd_status,
 }
 
 

@@ -1,5 +1,6 @@
 """`distrain diagnose RUN_DIR`: the first failing rank with its traceback, restarts, the last
-committed checkpoint; from a real failing run and from a run dir written by hand."""
+committed checkpoint; from a real failing run and from a run dir written by hand. And `distrain
+status RUN_DIR` on the same failing run."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path):
     assert "InjectedFailure: debug.fail_at_step: rank 1 crashes at step 3" in report.stdout
     assert "in _maybe_inject_failure" in report.stdout  # a frame of the traceback
     assert "last committed checkpoint: step 2 (temporary, world size 2)" in report.stdout
+
+    # distrain status on the same run dir: last metrics, checkpoints checked against their
+    # manifest's sizes, then a truncated shard is reported as such.
+    shown = run_cli("status", str(run))
+    assert shown.returncode == 0, shown.stderr
+    assert "step 2/4: loss " in shown.stdout
+    assert "ETA " in shown.stdout
+    assert "checkpoints (1 committed):" in shown.stdout
+    assert "temporary  sizes match" in shown.stdout
+    assert "restarts: 0" in shown.stdout
+    shard = next((run / "checkpoints" / "step-00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert "FILES MISSING OR TRUNCATED" in run_cli("status", str(run)).stdout
 
 
 def _log(path: Path, lines: list[str]) -> None:

@@ -79,14 +79,20 @@ def _stack_excerpt(path: Path) -> list[str]:
     return [line for line in main.splitlines() if line.strip()][:6]
 
 
-def last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The newest MANIFEST.json (a committed checkpoint) under the run's checkpoint folder."""
-    folder = run_dir / "checkpoints"
+def checkpoint_folder(run_dir: Path) -> Path:
+    """Where the run's checkpoints are: checkpoint.dir of its config.toml when that is a local
+    folder, else <run_dir>/checkpoints."""
     config = run_dir / "config.toml"
     if config.exists():
         configured = tomllib.loads(config.read_text()).get("checkpoint", {}).get("dir", "")
         if configured and "://" not in configured:
-            folder = Path(configured)
+            return Path(configured)
+    return run_dir / "checkpoints"
+
+
+def last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The newest MANIFEST.json (a committed checkpoint) under the run's checkpoint folder."""
+    folder = checkpoint_folder(run_dir)
     manifests = []
     for path in folder.glob("*/MANIFEST.json"):
         try:
