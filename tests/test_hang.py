@@ -48,7 +48,8 @@ def test_rank_list_names_runs_of_ranks():
 def _beat(rank: int, *, time_: float, hang: bool, seqs: dict | None = None, **kw) -> dict:
     collective = None
     if seqs is not None:
-        collective = {"op": "all_reduce", "seq": seqs["0"], "group": "0", "group_name": "g"}
+        op = kw.get("op", "all_reduce")
+        collective = {"op": op, "seq": seqs["0"], "group": "0", "group_name": "g"}
         collective["seqs"] = seqs
     return {
         "rank": rank,
@@ -86,6 +87,23 @@ def test_triage_names_a_rank_without_heartbeat_and_a_missing_one():
     )
     assert "rank 2 never wrote a heartbeat" in verdict["message"]
     assert verdict["message"].endswith("rank 0 wait in all_reduce #7 (group g)")
+
+
+def test_triage_blames_only_the_stopped_rank_when_one_stopped():
+    """In a gather whose root waits for a stopped rank, the other ranks have sent their part
+    and gone on to the next collective: the root is behind them, but not stuck of its own."""
+    now = 1000.0
+    beats = {0: _beat(0, time_=now, hang=True, seqs={"0": 47}, op="gather")}
+    for r in (1, 2):
+        beats[r] = _beat(r, time_=now, hang=True, seqs={"0": 48}, op="scatter")
+    beats[3] = _beat(3, time_=now - 12, hang=False, phase="checkpoint", step=4)
+    verdict = triage(beats, world_size=4, now=now, stale_s=5)
+    assert verdict["stuck"] == [3]
+    assert verdict["waiting"] == [0, 1, 2]
+    assert verdict["message"] == (
+        "hang: rank 3 stopped responding in checkpoint of step 4 (no heartbeat for 12 s); "
+        "rank 0 wait in gather #47 (group g); ranks 1-2 wait in scatter #48 (group g)"
+    )
 
 
 def test_collective_timeout_reaches_every_group(tmp_path):
@@ -150,11 +168,13 @@ def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
     assert hang["waiting"] == [0, 1, 2]
     assert hang["time"] - stopped_at <= HANG_S + MARGIN_S, hang["time"] - stopped_at
     assert "hang: rank 3 stopped responding in " in err
-    assert "ranks 0-2 wait in " in err
+    # What they wait in depends on where the stop hit (an all-reduce in training, DCP's
+    # gather and scatter in a checkpoint): the triage's wording is checked on its own above.
+    assert " wait in " in err
     assert f"exitcode: {HANG_EXIT_CODE}" in err
     for rank in range(3):
         stacks = (run / "logs" / f"rank{rank}.stacks").read_text()
-        assert "in train_step" in stacks and "Current thread" in stacks
+        assert "in run_training" in stacks and "Current thread" in stacks
     assert not (run / "logs" / "rank3.stacks").exists()
     # The stopped process was killed (by the reporting rank), not left behind.
     assert _gone(pid)

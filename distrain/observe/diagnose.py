@@ -37,6 +37,7 @@ class Attempt:
     world_size: int = 0
     failures: dict[int, Failure] = field(default_factory=dict)
     finished: bool = False
+    hang: str | None = None
 
 
 def parse_rank_log(path: Path) -> list[Attempt]:
@@ -60,6 +61,9 @@ def parse_rank_log(path: Path) -> list[Attempt]:
         attempt = attempts[-1]
         if message.startswith("finished "):
             attempt.finished = True
+        if level == "ERROR" and message.startswith("hang: "):
+            attempt.hang = attempt.hang or message
+            continue
         if level == "ERROR":
             failure = attempt.failures.get(int(rank))
             if failure is None:
@@ -111,11 +115,11 @@ def diagnose(run_dir: Path) -> str:
     if not logs:
         raise DistrainError(f"{run_dir}: no logs/rank<N>.log here; give a distrain run directory")
     per_rank = {int(p.stem[4:]): parse_rank_log(p) for p in logs}
-    hangs = {}
+    hangs = {}  # the watchdog's verdicts by message (each rank also logs the message)
     if (run_dir / "hangs.jsonl").exists():
         for line in (run_dir / "hangs.jsonl").read_text().splitlines():
             row = json.loads(line)
-            hangs[row["attempt"]] = row
+            hangs[row["message"]] = row
     num_attempts = max(len(a) for a in per_rank.values())
     out = [f"run {run_dir}: {len(per_rank)} rank log(s), {num_attempts} attempt(s)"]
     for i in range(num_attempts):
@@ -123,10 +127,10 @@ def diagnose(run_dir: Path) -> str:
         failures = sorted(
             (f for a in attempts for f in a.failures.values()), key=lambda f: (f.time, f.rank)
         )
-        hang = hangs.get(i)
+        hang = next((a.hang for a in attempts if a.hang), None)
         if hang is not None:
-            out.append(f"attempt {i}: {hang['message']}")
-            for rank in hang["stuck"]:
+            out.append(f"attempt {i}: {hang}")
+            for rank in hangs.get(hang, {}).get("stuck", []):
                 excerpt = _stack_excerpt(run_dir / "logs" / f"rank{rank}.stacks")
                 if excerpt:
                     out.append(f"  rank {rank} stacks (logs/rank{rank}.stacks):")

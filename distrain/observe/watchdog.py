@@ -34,6 +34,11 @@ from distrain.observe.heartbeat import Heartbeat, activate, heartbeat_dir, read_
 HANG_EXIT_CODE = 124
 """The exit status of a rank the watchdog ended (124, as coreutils' `timeout`)."""
 
+# Announcements older than this process are from an earlier run in the same run dir (attempt
+# numbers start at 0 again). Any rank of this job announces only after init_process_group, which
+# waited for every process of the job to start.
+PROCESS_START = time.time()
+
 
 def rank_list(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
@@ -62,7 +67,9 @@ def triage(
     )
     acting = {r: b for r, b in beats.items() if b.get("hang")}
     # A rank that issued fewer collectives on a group than another member is stuck before the
-    # collective the other waits in.
+    # collective the other waits in, unless a rank stopped responding: then all wait on that one
+    # (and counts differ for that reason alone: in a gather, the root cannot finish without the
+    # stopped rank while the others have sent their part and gone on).
     most: dict[str, int] = {}
     for b in acting.values():
         for group, seq in ((b.get("collective") or {}).get("seqs") or {}).items():
@@ -70,7 +77,8 @@ def triage(
     behind = sorted(
         r
         for r, b in acting.items()
-        if any(
+        if not unresponsive
+        and any(
             seq < most[group]
             for group, seq in ((b.get("collective") or {}).get("seqs") or {}).items()
         )
@@ -170,9 +178,12 @@ class Watchdog:
 
     def _announced(self) -> bool:
         try:
-            return json.loads(self.announce_path.read_text())["attempt"] == self.heartbeat.attempt
-        except (OSError, ValueError, KeyError):
+            note = json.loads(self.announce_path.read_text())
+        except (OSError, ValueError):
             return False
+        return (
+            note.get("attempt") == self.heartbeat.attempt and note.get("time", 0) >= PROCESS_START
+        )
 
     def _loop(self) -> None:
         last, since = self.heartbeat.progress, time.monotonic()
@@ -212,6 +223,9 @@ class Watchdog:
                 print(f"[distrain] {verdict['message']}", file=sys.stderr, flush=True)
             self._record(verdict)
             self._kill_stopped(beats, verdict["unresponsive"])
+        else:
+            # The first rank to exit makes torchrun stop the others: let the reporter finish.
+            self._wait_for_report()
         for handler in self.log.handlers:
             handler.flush()
 
@@ -220,7 +234,11 @@ class Watchdog:
         passed: a rank that cannot act never will)."""
         deadline = time.monotonic() + self.stale_s + 4 * self.tick_s
         while True:
-            beats = read_heartbeats(self.run_dir, attempt=self.heartbeat.attempt)
+            beats = {
+                r: b
+                for r, b in read_heartbeats(self.run_dir, attempt=self.heartbeat.attempt).items()
+                if b["time"] >= PROCESS_START  # not left over from an earlier run
+            }
             now = time.time()
             pending = [
                 r for r, b in beats.items() if not b.get("hang") and now - b["time"] <= self.stale_s
@@ -234,6 +252,21 @@ class Watchdog:
         row = {"attempt": self.heartbeat.attempt, "time": time.time(), **verdict}
         with open(self.run_dir / "hangs.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        self._reported_path().write_text(str(time.time()))
+
+    def _reported_path(self) -> Path:
+        return heartbeat_dir(self.run_dir) / f"reported.{self.heartbeat.attempt}"
+
+    def _reported(self) -> bool:
+        try:
+            return float(self._reported_path().read_text()) >= PROCESS_START
+        except (OSError, ValueError):
+            return False
+
+    def _wait_for_report(self) -> None:
+        deadline = time.monotonic() + self.stale_s + 2.0
+        while not self._reported() and time.monotonic() < deadline:
+            time.sleep(self.tick_s / 4)
 
     def _kill_stopped(self, beats: dict[int, dict[str, Any]], ranks: list[int]) -> None:
         """SIGKILL unresponsive ranks on this host that are stopped by a signal: a stopped
@@ -243,5 +276,7 @@ class Watchdog:
         for r in ranks:
             b = beats[r]
             if b["host"] == host and _stopped(b["pid"]):
-                self.log.error("hang: killing rank %d (pid %d), stopped by a signal", r, b["pid"])
+                self.log.error(
+                    "watchdog: killing rank %d (pid %d), stopped by a signal", r, b["pid"]
+                )
                 os.kill(b["pid"], signal.SIGKILL)
