@@ -114,6 +114,27 @@ def cmd_slurm(argv: list[str]) -> None:
     from distrain.slurm import slurm_command
 
     slurm_command(argv)
+def cmd_diagnose(argv: list[str]) -> None:
+    from distrain.observe.diagnose import diagnose
+
+    parser = argparse.ArgumentParser(
+        prog="distrain diagnose",
+        description="What happened to a run: first failure and its traceback, hangs, restarts, "
+        "last checkpoint.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    print(diagnose(Path(parser.parse_args(argv).run_dir)))
+
+
+def cmd_status(argv: list[str]) -> None:
+    from distrain.observe.status import status
+
+    parser = argparse.ArgumentParser(
+        prog="distrain status",
+        description="Where a run stands: last metrics, ETA, checkpoints, restarts.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    print(status(Path(parser.parse_args(argv).run_dir)))
 
 
 COMMANDS = {
@@ -121,6 +142,8 @@ COMMANDS = {
     "generate": cmd_generate,
     "presets": cmd_presets,
     "slurm": cmd_slurm,
+    "diagnose": cmd_diagnose,
+    "status": cmd_status,
 }
 
 

@@ -180,6 +180,21 @@ class TrainingConfig:
         100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
     )
     eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.", AT_LEAST_1)
+    nonfinite: Literal["skip", "stop"] = doc(
+        "skip",
+        "On a non-finite gradient norm: skip the optimizer step on every rank and count it "
+        "(metrics: nonfinite_skipped), or stop naming the step, rank and first parameter. With "
+        "fp16 GradScaler's own overflow skipping applies instead.",
+    )
+    max_nonfinite_steps: int = doc(
+        10, "Stop after this many non-finite steps in a row, even with skip.", AT_LEAST_1
+    )
+    loss_spike_factor: float = doc(
+        3.0,
+        "Metrics flag loss_spike when a logged loss exceeds this many times the running mean of "
+        "the earlier logged losses.",
+        Range(low=1, low_open=True),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -342,6 +357,21 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    start_step: int = doc(
+        0,
+        "Profile (torch.profiler) from this step on (0 = off); traces go to "
+        "<run_dir>/profiles/rank<N>/trace.json.",
+        AT_LEAST_0,
+    )
+    num_steps: int = doc(3, "Steps to profile.", AT_LEAST_1)
+    ranks: str = doc("0", "Ranks to profile: 'all' or comma-separated rank numbers.")
+    memory: bool = doc(
+        False, "Also record memory; on CUDA write a snapshot for PyTorch's memory visualizer."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class DebugConfig:
     fail_at_step: int = doc(
         0,
@@ -384,6 +414,44 @@ class DebugConfig:
         "After every logged step, check that parameters agree across data-parallel replicas; a "
         "mismatch names the tensor and the ranks.",
     )
+    collective_timeout_s: float = doc(
+        0.0,
+        "Timeout of every collective, given to every process group (0 = torch's default: 30 "
+        "minutes on gloo, 10 minutes on NCCL). A timed-out group is unusable: the job fails.",
+        AT_LEAST_0,
+    )
+    hang_timeout_s: float = doc(
+        600.0,
+        "Hang watchdog: when a rank's heartbeat (step, phase) has not moved for this long, every "
+        "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
+        "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
+        "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
+        "longest step, evaluation or checkpoint.",
+        AT_LEAST_0,
+    )
+    hang_at_step: int = doc(
+        0,
+        "Fault injection: sleep forever inside the backward pass of this step (0 = never), in "
+        "attempt debug.fail_attempt only.",
+        AT_LEAST_0,
+    )
+    hang_rank: int = doc(-1, "Rank that hangs at debug.hang_at_step (-1 = every rank).", ANY_RANK)
+    nan_at_step: int = doc(
+        0,
+        "Fault injection: make one gradient NaN in this step, after backward (0 = never).",
+        AT_LEAST_0,
+    )
+    nan_rank: int = doc(-1, "Rank whose gradient turns NaN at debug.nan_at_step.", ANY_RANK)
+    straggler_ratio: float = doc(
+        1.5,
+        "Warn when the slowest rank's compute time (data + forward, per logged step) exceeds "
+        "this multiple of the median rank's (metrics: slowest_rank, straggler_ratio).",
+        Range(low=1, low_open=True),
+    )
+    slow_rank: int = doc(
+        -1, "Fault injection: this rank sleeps debug.slow_ms in every step (-1 = none).", ANY_RANK
+    )
+    slow_ms: float = doc(0.0, "Milliseconds debug.slow_rank sleeps per step.", AT_LEAST_0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -397,6 +465,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

@@ -54,8 +54,28 @@ def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(requested_device: str) -> DistContext:
-    """Join the process group torchrun set up in the environment, or form a 1-process group."""
+def collective_timeout(timeout_s: float) -> timedelta | None:
+    """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
+    return timedelta(seconds=timeout_s) if timeout_s > 0 else None
+
+
+def group_options(backend: str, timeout_s: float) -> tuple[str, object] | None:
+    """Backend options carrying the collective timeout, for the groups DeviceMesh creates (it
+    passes no timeout of its own, so they would get the backend default otherwise)."""
+    timeout = collective_timeout(timeout_s)
+    if timeout is None:
+        return None
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
+def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistContext:
+    """Join the process group torchrun set up in the environment, or form a 1-process group;
+    `timeout_s` (debug.collective_timeout_s) bounds each of its collectives."""
     env_rank = os.environ.get("RANK")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = pick_device(requested_device, local_rank)
@@ -63,9 +83,19 @@ def init_distributed(requested_device: str) -> DistContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if env_rank is not None:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                device_id=device if device.type == "cuda" else None,
+                timeout=collective_timeout(timeout_s),
+            )
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=collective_timeout(timeout_s),
+            )
     return DistContext(
         rank=dist.get_rank(),
         local_rank=local_rank,
@@ -141,19 +171,24 @@ class ParallelDims:
             f"zero_stage={self.zero_stage}"
         )
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    def build_mesh(
+        self, device_type: str, *, timeout_s: float = 0.0
+    ) -> tuple[DeviceMesh, DeviceMesh]:
         """The world mesh with every axis (size-1 axes included, so names never go missing), and
-        the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over."""
+        the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over.
+        `timeout_s` (debug.collective_timeout_s) goes to every group the mesh creates."""
+        options = group_options(dist.get_backend(), timeout_s)
         mesh = init_device_mesh(
             device_type,
             (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=AXES,
+            backend_override=dict.fromkeys(AXES, options) if options else None,
         )
-        return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", backend_override=options)
 
 
 def node_groups(
-    local_world_size: int, dp_ranks: list[int]
+    local_world_size: int, dp_ranks: list[int], *, timeout_s: float = 0.0
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """Groups for a topology-aware all-reduce over the data-parallel ranks `dp_ranks`: this
     rank's node (ranks sharing rank // local_world_size) and, on each node's first rank, the
@@ -165,11 +200,11 @@ def node_groups(
     me = dist.get_rank()
     intra = None
     for members in by_node.values():
-        group = dist.new_group(members)
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
         if me in members:
             intra = group
     leaders = [members[0] for members in by_node.values()]
-    inter = dist.new_group(leaders)
+    inter = dist.new_group(leaders, timeout=collective_timeout(timeout_s))
     return intra, inter if me in leaders else None
 
 

@@ -33,10 +33,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+def flatten_mesh(mesh: DeviceMesh, name: str, *, backend_override: Any = None) -> DeviceMesh:
     """One axis made of all of `mesh`'s axes (`DeviceMesh._flatten`: torchtitan uses it for its
-    flattened data-parallel axis; no public equivalent in torch 2.13)."""
-    return mesh._flatten(name)
+    flattened data-parallel axis; no public equivalent in torch 2.13); `backend_override`: the
+    new group's backend options (its timeout), as init_device_mesh takes them."""
+    return mesh._flatten(name, backend_override=backend_override)
 
 
 def dcp_metadata_path(reader: Any, rank: int | None) -> os.PathLike | str:

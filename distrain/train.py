@@ -18,8 +18,10 @@ from distrain.config_io import write_toml
 from distrain.errors import DistrainError
 from distrain.launch import under_torchrun
 from distrain.lifeline import die_with_launcher
-from distrain.mesh import init_distributed, teardown
+from distrain.mesh import device_type, init_distributed, teardown
+from distrain.observe import flight
 from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
+from distrain.observe.watchdog import start_watchdog
 from distrain.rundir import RunDirBusy, StartFootprint, lock_for_worker
 from distrain.trainer import Trainer
 
@@ -29,11 +31,14 @@ def run_training(cfg: Config) -> None:
     if under_torchrun():
         die_with_launcher()
     run_dir = Path(cfg.run.dir)
+    nccl = device_type(cfg.run.device) == "cuda"
+    if cfg.debug.hang_timeout_s:
+        flight.enable(run_dir, nccl=nccl)
     # Taken before joining the group and so before any rank writes: every rank's view of what
     # existed before this start is the same.
     footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
-    ctx = init_distributed(cfg.run.device)
-    lock = logger = trainer = None
+    ctx = init_distributed(cfg.run.device, timeout_s=cfg.debug.collective_timeout_s)
+    lock = logger = trainer = watchdog = None
     failed_start = ended_well = False
     try:
         lock = lock_for_worker(run_dir, ctx.rank)
@@ -52,6 +57,15 @@ def run_training(cfg: Config) -> None:
             torch.get_num_threads(),
         )
         trainer = Trainer(cfg, ctx, logger)
+        if cfg.debug.hang_timeout_s:
+            watchdog = start_watchdog(
+                run_dir,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout_s=cfg.debug.hang_timeout_s,
+                logger=logger,
+                nccl=nccl,
+            )
         trainer.run()
         ended_well = True
     except DistrainError as e:
@@ -66,6 +80,8 @@ def run_training(cfg: Config) -> None:
         _drop_frames(e)
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if trainer is not None:
             trainer.close()
         if logger is not None:

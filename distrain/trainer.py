@@ -34,8 +34,12 @@ from distrain.errors import CheckpointError
 from distrain.layout import validate as validate_layout
 from distrain.mesh import DistContext, host_group
 from distrain.models.presets import num_params
+from distrain.observe import heartbeat
+from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
+from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
+from distrain.observe.stragglers import ComputeTimer, straggler_metrics
 from distrain.optim import (
     build_optimizer,
     load_optimizer_state_dict,
@@ -108,7 +112,9 @@ class Trainer:
         self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)
         self.dims, self.args = layout.dims, layout.model
-        self.mesh, dp_mesh = self.dims.build_mesh(ctx.device.type)
+        self.mesh, dp_mesh = self.dims.build_mesh(
+            ctx.device.type, timeout_s=cfg.debug.collective_timeout_s
+        )
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
         seed_everything(t.seed, deterministic=t.deterministic)
 
@@ -184,6 +190,26 @@ class Trainer:
             self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
         )
         self.stop = StopAgreement(self.stop_signals, host_group())
+        self.nonfinite = NonFiniteGuard(
+            t.nonfinite,
+            max_in_a_row=t.max_nonfinite_steps,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        )
+        self.loss_spikes = LossSpikes(t.loss_spike_factor)
+        self.compute_timer = ComputeTimer(ctx.device)
+        heartbeat.listen(self.compute_timer)
+        self.profiler = StepProfiler(
+            cfg.profile,
+            run_dir=self.run_dir,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            logger=logger,
+        )
+        self.phase_ranges = PhaseRanges(ctx.device)
+        if self.profiler.enabled or ctx.device.type == "cuda":
+            heartbeat.listen(self.phase_ranges)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -248,6 +274,8 @@ class Trainer:
             loss = self.model.forward_backward(
                 batches, self.scaler.scale, sync=not local, report_loss=report_loss
             )
+        heartbeat.mark("optimizer")
+        self._maybe_inject_nan()
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -256,9 +284,16 @@ class Trainer:
             holders=1 if local else self.ctx.world_size // self.dims.pp,
             local=local,
         )
-        for optimizer in self.optimizers:
-            set_lr(optimizer, lr)
-            self.scaler.step(optimizer)
+        update = self.scaler.is_enabled() or self.nonfinite.step_ok(
+            grad_norm,
+            step=self.step + 1,
+            named_params=((n, p) for part in self.model.parts for n, p in part.named_parameters()),
+            agreed=not local,
+        )
+        if update:
+            for optimizer in self.optimizers:
+                set_lr(optimizer, lr)
+                self.scaler.step(optimizer)
         self.scaler.update()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -333,6 +368,7 @@ class Trainer:
 
     def run(self) -> None:
         t = self.cfg.training
+        heartbeat.mark("checkpoint")
         if self.ctx.rank == 0:
             self.checkpointer.storage.check_writable()
         self.maybe_resume()
@@ -354,6 +390,11 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
             self._maybe_inject_failure()
+            self.profiler.before_step(self.step + 1)
+            heartbeat.mark("data", step=self.step + 1)
+            if self.cfg.debug.slow_rank == self.ctx.rank:
+                time.sleep(self.cfg.debug.slow_ms / 1000)
+            self._maybe_inject_hang()
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
             logged = (self.step + 1) % t.log_interval_steps == 0 or self.step + 1 == t.steps
             loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
@@ -362,6 +403,7 @@ class Trainer:
             bar.update(1)
             finished = self.step == t.steps
             if self.step % t.log_interval_steps == 0 or finished:
+                heartbeat.mark("log")
                 loss_value, norm_value = self._world_mean(torch.stack([loss, grad_norm])).tolist()
                 elapsed = time.perf_counter() - window_start
                 row = {
@@ -371,6 +413,9 @@ class Trainer:
                     "grad_norm": norm_value,
                     "tokens_per_s": tokens_per_step * window_steps / elapsed,
                     "step_time_s": elapsed / window_steps,
+                    "nonfinite_skipped": self.nonfinite.skipped,
+                    "loss_spike": self.loss_spikes.update(loss_value),
+                    **self._straggler_metrics(window_steps),
                     **self._comm_metrics(window_steps),
                 }
                 self.metrics.log(row)
@@ -382,12 +427,14 @@ class Trainer:
             if not stopping and (
                 (t.eval_interval_steps and self.step % t.eval_interval_steps == 0) or finished
             ):
+                heartbeat.mark("eval")
                 val_loss = self.evaluate()
                 self.metrics.log({"step": self.step, "val_loss": val_loss})
                 self.log.info("step %d: val_loss %.4f", self.step, val_loss)
             log_step = self.step % t.log_interval_steps == 0 or finished
             kind = self.checkpoint_policy.due(self.step, sync_point=log_step)
             if kind is not None or stopping:
+                heartbeat.mark("checkpoint")
                 self.save_checkpoint(kind, preempt=stopping)
             if log_step:
                 self.checkpointer.commit_ready()
@@ -404,7 +451,9 @@ class Trainer:
                 raise Preempted(preempted_message(self.step, t.steps, self.stop.signal_name))
             if self.step % t.log_interval_steps == 0:
                 window_start, window_steps = time.perf_counter(), 0
+            self.profiler.after_step(self.step)
         bar.close()
+        heartbeat.mark("checkpoint")
         self.checkpointer.wait()
         self.stop.close()
         newest = self.checkpointer.newest_committed
@@ -427,6 +476,49 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFailure(message)
 
+    def _straggler_metrics(self, steps: int) -> dict[str, float | int]:
+        found = straggler_metrics(self.compute_timer.take() / steps, self.ctx.device)
+        if found["straggler_ratio"] > self.cfg.debug.straggler_ratio and self.ctx.rank == 0:
+            self.log.warning(
+                "straggler: rank %d computes %.2fx the median rank (%.3f s per step in data "
+                "and forward)",
+                found["slowest_rank"],
+                found["straggler_ratio"],
+                found["compute_s_max"],
+            )
+        return found
+
+    def _maybe_inject_nan(self) -> None:
+        """debug.nan_at_step: one NaN in the first gradient of this rank, after backward."""
+        debug = self.cfg.debug
+        if debug.nan_at_step != self.step + 1 or debug.nan_rank not in (-1, self.ctx.rank):
+            return
+        grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
+
+    def _maybe_inject_hang(self) -> None:
+        """debug.hang_at_step: block forever inside this step's backward pass (a gradient hook
+        on the first parameter never returns), the way a stuck kernel or a deadlock would."""
+        debug = self.cfg.debug
+        if not debug.hang_at_step or self.step + 1 != debug.hang_at_step:
+            return
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if debug.hang_rank not in (-1, self.ctx.rank) or attempt != debug.fail_attempt:
+            return
+        self.log.error(
+            "debug.hang_at_step: rank %d hangs in backward of step %d", self.ctx.rank, self.step + 1
+        )
+
+        def sleep_forever(grad: torch.Tensor) -> torch.Tensor:
+            while True:
+                time.sleep(3600)
+
+        next(p for p in self.model.parameters() if p.requires_grad).register_hook(sleep_forever)
+
     def close(self) -> None:
+        self.profiler.stop()
+        self.phase_ranges.close()
+        heartbeat.unlisten(self.compute_timer)
+        heartbeat.unlisten(self.phase_ranges)
         self.metrics.close()
         self.stop_signals.close()

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config import Config
 from distrain.mesh import DistContext, ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
 from distrain.parallel.data import (
     allreduce_payload,
@@ -135,6 +136,7 @@ class ParallelModel:
         if self.runner is not None:
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
+            heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets)
             local = _local(loss) if loss is not None else None
@@ -146,9 +148,11 @@ class ParallelModel:
             if before_micro_batch is not None:
                 before_micro_batch(i)
             with self._sync_context(sync and i == len(batches) - 1), self.loss_context():
+                heartbeat.mark("forward")
                 with self.autocast:
                     logits = self.parts[0](inputs.to(self.device, non_blocking=True))
                 loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
+                heartbeat.mark("backward")
                 scale(loss / len(batches)).backward()
             loss_sum += _local(loss.detach())
         if sync and self.allreduce_payload is not None:
@@ -300,6 +304,7 @@ def build_parallel_model(
             comm=cfg.comm,
             stats=comm_stats,
             local_world_size=ctx.local_world_size,
+            timeout_s=cfg.debug.collective_timeout_s,
         )
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats

@@ -83,14 +83,17 @@ def install_comm_hook(
     comm: CommConfig,
     stats: CommStats,
     local_world_size: int,
+    timeout_s: float = 0.0,
 ) -> bool:
     """Register the configured communication hook, which counts the bytes it issues into
     `stats`. Returns False, registering nothing, for plain fp32 all-reduce: DDP's built-in C++
     path then runs with no Python on it, and the caller counts `allreduce_payload(ddp)` per
-    synchronized step instead."""
+    synchronized step instead. `timeout_s`: the hierarchical groups' collective timeout."""
     if comm.hierarchical:
         intra, inter = node_groups(
-            local_world_size, dist.get_process_group_ranks(dp_mesh.get_group())
+            local_world_size,
+            dist.get_process_group_ranks(dp_mesh.get_group()),
+            timeout_s=timeout_s,
         )
         state = HierarchicalState(
             intra_group=intra,

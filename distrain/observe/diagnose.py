@@ -1,0 +1,171 @@
+"""`distrain diagnose RUN_DIR`: what happened to a run, from its files alone (so it works on a run
+dir copied off a cluster): per attempt, which rank failed first and with what error (the
+traceback's last lines), which rank hung where (hangs.jsonl, written by the watchdog, and the
+stuck rank's stack dump), how far training got, and the last committed checkpoint.
+
+Attempts are told apart in each rank's log by the line every worker writes when it starts
+("rank R/N on ..."), the first line of each attempt torchrun starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from distrain.errors import DistrainError
+
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] (\w+) (.*)$")
+_START = re.compile(r"^rank \d+/(\d+) on ")
+TRACEBACK_LINES = 8
+
+
+@dataclass
+class Failure:
+    rank: int
+    time: datetime
+    message: str
+    traceback: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Attempt:
+    world_size: int = 0
+    failures: dict[int, Failure] = field(default_factory=dict)
+    finished: bool = False
+    hang: str | None = None
+
+
+def parse_rank_log(path: Path) -> list[Attempt]:
+    """One Attempt per start line in this rank's log, with the first error it logged and the
+    traceback lines that follow it."""
+    attempts: list[Attempt] = []
+    open_failure: Failure | None = None  # unstamped lines after an error are its traceback
+    for line in path.read_text(errors="replace").splitlines():
+        m = _LINE.match(line)
+        if m is None:
+            if open_failure is not None and line.strip():
+                open_failure.traceback.append(line)
+            continue
+        open_failure = None
+        stamp, rank, level, message = m.groups()
+        start = _START.match(message)
+        if start or not attempts:
+            attempts.append(Attempt(world_size=int(start.group(1)) if start else 0))
+            if start:
+                continue
+        attempt = attempts[-1]
+        if message.startswith("finished "):
+            attempt.finished = True
+        if level == "ERROR" and message.startswith("hang: "):
+            attempt.hang = attempt.hang or message
+            continue
+        if level == "ERROR":
+            failure = attempt.failures.get(int(rank))
+            if failure is None:
+                when = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
+                failure = attempt.failures[int(rank)] = Failure(int(rank), when, message)
+            if not failure.traceback:
+                open_failure = failure
+    return attempts
+
+
+def _stack_excerpt(path: Path) -> list[str]:
+    """The main thread's innermost frames from a faulthandler dump (the last block)."""
+    if not path.exists():
+        return []
+    blocks = path.read_text(errors="replace").split("\n\n")
+    main = next((b for b in reversed(blocks) if "run_training" in b or "<module>" in b), blocks[-1])
+    return [line for line in main.splitlines() if line.strip()][:6]
+
+
+def checkpoint_folder(run_dir: Path) -> Path:
+    """Where the run's checkpoints are: checkpoint.dir of its config.toml when that is a local
+    folder, else <run_dir>/checkpoints."""
+    config = run_dir / "config.toml"
+    if config.exists():
+        configured = tomllib.loads(config.read_text()).get("checkpoint", {}).get("dir", "")
+        if configured and "://" not in configured:
+            return Path(configured)
+    return run_dir / "checkpoints"
+
+
+def last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The newest MANIFEST.json (a committed checkpoint) under the run's checkpoint folder."""
+    folder = checkpoint_folder(run_dir)
+    manifests = []
+    for path in folder.glob("*/MANIFEST.json"):
+        try:
+            manifests.append((json.loads(path.read_text()), path.parent))
+        except (OSError, ValueError):
+            continue
+    if not manifests:
+        return None
+    manifest, where = max(manifests, key=lambda m: m[0].get("step", -1))
+    return {**manifest, "path": str(where)}
+
+
+def diagnose(run_dir: Path) -> str:
+    run_dir = Path(run_dir)
+    logs = sorted((run_dir / "logs").glob("rank*.log"))
+    if not logs:
+        raise DistrainError(f"{run_dir}: no logs/rank<N>.log here; give a distrain run directory")
+    per_rank = {int(p.stem[4:]): parse_rank_log(p) for p in logs}
+    hangs = {}  # the watchdog's verdicts by message (each rank also logs the message)
+    if (run_dir / "hangs.jsonl").exists():
+        for line in (run_dir / "hangs.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            hangs[row["message"]] = row
+    num_attempts = max(len(a) for a in per_rank.values())
+    out = [f"run {run_dir}: {len(per_rank)} rank log(s), {num_attempts} attempt(s)"]
+    for i in range(num_attempts):
+        attempts = [a[i] for a in per_rank.values() if len(a) > i]
+        failures = sorted(
+            (f for a in attempts for f in a.failures.values()), key=lambda f: (f.time, f.rank)
+        )
+        hang = next((a.hang for a in attempts if a.hang), None)
+        if hang is not None:
+            out.append(f"attempt {i}: {hang}")
+            for rank in hangs.get(hang, {}).get("stuck", []):
+                excerpt = _stack_excerpt(run_dir / "logs" / f"rank{rank}.stacks")
+                if excerpt:
+                    out.append(f"  rank {rank} stacks (logs/rank{rank}.stacks):")
+                    out += [f"    {line}" for line in excerpt]
+        elif failures:
+            first = failures[0]
+            out.append(
+                f"attempt {i}: rank {first.rank} failed first ({first.time:%H:%M:%S.%f}"[:-3]
+                + f"): {first.message}"
+            )
+            out += [f"    {line}" for line in first.traceback[-TRACEBACK_LINES:]]
+            others = sorted({f.rank for f in failures[1:]})
+            if others:
+                out.append(f"  then errors on ranks {', '.join(map(str, others))}")
+        elif attempts and all(a.finished for a in attempts):
+            out.append(f"attempt {i}: finished")
+        else:
+            out.append(
+                f"attempt {i}: ended without an error in the logs (killed, or still running)"
+            )
+    if num_attempts > 1:
+        out.append(f"restarts: {num_attempts - 1}")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        trained = [r for r in rows if "loss" in r]
+        if trained:
+            last = trained[-1]
+            out.append(f"last logged step {last['step']}: loss {last['loss']:.4f}")
+    checkpoint = last_checkpoint(run_dir)
+    if checkpoint is None:
+        out.append("no committed checkpoint")
+    else:
+        out.append(
+            f"last committed checkpoint: step {checkpoint['step']} ({checkpoint.get('kind')}, "
+            f"world size {checkpoint.get('world_size')}) at {checkpoint['path']}"
+        )
+    return "\n".join(out)

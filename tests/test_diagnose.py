@@ -1,0 +1,95 @@
+"""`distrain diagnose RUN_DIR`: the first failing rank with its traceback, restarts, the last
+committed checkpoint; from a real failing run and from a run dir written by hand. And `distrain
+status RUN_DIR` on the same failing run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, train_cli
+
+from distrain.errors import DistrainError
+from distrain.observe.diagnose import diagnose
+
+FIELDS = {
+    "training__steps": 4,
+    "training__global_batch_size": 4,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 32,
+    "checkpoint__interval_steps": 2,
+    "checkpoint__at_end": False,
+}
+
+
+@pytest.mark.slow
+def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path):
+    run = tmp_path / "run"
+    result = train_cli(run, 2, **FIELDS, debug__fail_at_step=3, debug__fail_rank=1)
+    assert result.returncode != 0
+    report = run_cli("diagnose", str(run))
+    assert report.returncode == 0, report.stderr
+    lines = report.stdout.splitlines()
+    first = next(line for line in lines if line.startswith("attempt 0:"))
+    assert "rank 1 failed first" in first
+    assert "debug.fail_at_step: rank 1 crashes at step 3" in first
+    assert "InjectedFailure: debug.fail_at_step: rank 1 crashes at step 3" in report.stdout
+    assert "in _maybe_inject_failure" in report.stdout  # a frame of the traceback
+    assert "last committed checkpoint: step 2 (temporary, world size 2)" in report.stdout
+
+    # distrain status on the same run dir: last metrics, checkpoints checked against their
+    # manifest's sizes, then a truncated shard is reported as such.
+    shown = run_cli("status", str(run))
+    assert shown.returncode == 0, shown.stderr
+    assert "step 2/4: loss " in shown.stdout
+    assert "ETA " in shown.stdout
+    assert "checkpoints (1 committed):" in shown.stdout
+    assert "temporary  sizes match" in shown.stdout
+    assert "restarts: 0" in shown.stdout
+    shard = next((run / "checkpoints" / "step-00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert "FILES MISSING OR TRUNCATED" in run_cli("status", str(run)).stdout
+
+
+def _log(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_diagnose_orders_failures_by_time_and_counts_restarts(tmp_path):
+    start = "2026-01-01 10:00:00,000 [rank{r}] INFO rank {r}/2 on cpu (gloo)"
+    _log(
+        tmp_path / "logs" / "rank0.log",
+        [
+            start.format(r=0),
+            "2026-01-01 10:00:05,200 [rank0] ERROR rank 0 failed",
+            "Traceback (most recent call last):",
+            "RuntimeError: peer went away",
+            start.format(r=0).replace("10:00:00", "10:01:00"),
+            "2026-01-01 10:02:00,000 [rank0] INFO finished 10 steps (last checkpoint at step 10)",
+        ],
+    )
+    _log(
+        tmp_path / "logs" / "rank1.log",
+        [
+            start.format(r=1),
+            "2026-01-01 10:00:05,100 [rank1] ERROR rank 1 failed",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 3, in f',
+            "ValueError: bad batch",
+            start.format(r=1).replace("10:00:00", "10:01:00"),
+            "2026-01-01 10:02:00,000 [rank1] INFO finished 10 steps (last checkpoint at step 10)",
+        ],
+    )
+    report = diagnose(tmp_path)
+    assert "attempt 0: rank 1 failed first (10:00:05.100): rank 1 failed" in report
+    assert "ValueError: bad batch" in report
+    assert "then errors on ranks 0" in report
+    assert "attempt 1: finished" in report
+    assert "restarts: 1" in report
+    assert "no committed checkpoint" in report
+
+
+def test_diagnose_refuses_a_folder_without_logs(tmp_path):
+    with pytest.raises(DistrainError, match="no logs/rank<N>.log here"):
+        diagnose(tmp_path)

@@ -1,0 +1,226 @@
+"""Hang detection: a worker stopped from outside (SIGSTOP) and a rank stuck in backward
+(debug.hang_at_step) are named by rank, step and phase; the others' stacks are dumped; the job
+exits non-zero and, with --max-restarts, resumes and finishes. Also the triage's wording and the
+collective timeout reaching every process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_cli, start_train, train_cli
+
+from distrain.observe.heartbeat import read_heartbeats
+from distrain.observe.metrics import read_metrics
+from distrain.observe.watchdog import HANG_EXIT_CODE, rank_list, triage
+
+HANG_S = 10
+# Detection takes hang_timeout_s after the waiting ranks block (within a step of the stop), plus
+# a watchdog tick and the wait for the others' dumps; 10 s covers that on a loaded 2-core machine.
+MARGIN_S = 10
+FIELDS = {
+    "training__global_batch_size": 8,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 64,
+    "checkpoint__interval_steps": 2,
+    "checkpoint__at_end": False,
+    "debug__hang_timeout_s": HANG_S,
+}
+
+
+def read_hangs(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "hangs.jsonl").read_text().splitlines()]
+
+
+def test_rank_list_names_runs_of_ranks():
+    assert rank_list([3]) == "rank 3"
+    assert rank_list([0, 1, 2]) == "ranks 0-2"
+    assert rank_list([5, 0, 1, 3]) == "ranks 0-1,3,5"
+
+
+def _beat(rank: int, *, time_: float, hang: bool, seqs: dict | None = None, **kw) -> dict:
+    collective = None
+    if seqs is not None:
+        op = kw.get("op", "all_reduce")
+        collective = {"op": op, "seq": seqs["0"], "group": "0", "group_name": "g"}
+        collective["seqs"] = seqs
+    return {
+        "rank": rank,
+        "time": time_,
+        "hang": hang,
+        "collective": collective,
+        "step": kw.get("step", 41),
+        "phase": kw.get("phase", "backward"),
+        "stalled_s": kw.get("stalled_s", 62.0),
+    }
+
+
+def test_triage_names_the_rank_behind_and_what_the_others_wait_in():
+    now = 1000.0
+    beats = {r: _beat(r, time_=now, hang=True, seqs={"0": 812}) for r in range(3)}
+    beats[3] = _beat(3, time_=now, hang=True, seqs={"0": 811})
+    verdict = triage(beats, world_size=4, now=now, stale_s=5)
+    assert verdict["stuck"] == [3]
+    assert verdict["message"] == (
+        "hang: rank 3 stopped in backward of step 41 for 62 s; "
+        "ranks 0-2 wait in all_reduce #812 (group g)"
+    )
+
+
+def test_triage_names_a_rank_without_heartbeat_and_a_missing_one():
+    now = 1000.0
+    beats = {0: _beat(0, time_=now, hang=True, seqs={"0": 7})}
+    beats[1] = _beat(1, time_=now - 30, hang=False, phase="forward", step=5)
+    verdict = triage(beats, world_size=3, now=now, stale_s=5)
+    assert verdict["stuck"] == [1, 2]
+    assert verdict["unresponsive"] == [1]
+    assert (
+        "rank 1 stopped responding in forward of step 5 (no heartbeat for 30 s)"
+        in (verdict["message"])
+    )
+    assert "rank 2 never wrote a heartbeat" in verdict["message"]
+    assert verdict["message"].endswith("rank 0 wait in all_reduce #7 (group g)")
+
+
+def test_triage_blames_only_the_stopped_rank_when_one_stopped():
+    """In a gather whose root waits for a stopped rank, the other ranks have sent their part
+    and gone on to the next collective: the root is behind them, but not stuck of its own."""
+    now = 1000.0
+    beats = {0: _beat(0, time_=now, hang=True, seqs={"0": 47}, op="gather")}
+    for r in (1, 2):
+        beats[r] = _beat(r, time_=now, hang=True, seqs={"0": 48}, op="scatter")
+    beats[3] = _beat(3, time_=now - 12, hang=False, phase="checkpoint", step=4)
+    verdict = triage(beats, world_size=4, now=now, stale_s=5)
+    assert verdict["stuck"] == [3]
+    assert verdict["waiting"] == [0, 1, 2]
+    assert verdict["message"] == (
+        "hang: rank 3 stopped responding in checkpoint of step 4 (no heartbeat for 12 s); "
+        "rank 0 wait in gather #47 (group g); ranks 1-2 wait in scatter #48 (group g)"
+    )
+
+
+def test_collective_timeout_reaches_every_group(tmp_path):
+    """debug.collective_timeout_s on the world group and every group of the mesh."""
+    from distrain.config import Config
+    from distrain.mesh import ParallelDims, init_distributed
+
+    assert not dist.is_initialized()
+    init_distributed("cpu", timeout_s=7)
+    try:
+        mesh, dp_mesh = ParallelDims.from_config(Config(), 1).build_mesh("cpu", timeout_s=7)
+        groups = [dist.group.WORLD, dp_mesh.get_group()]
+        groups += [mesh.get_group(axis) for axis in ("pp", "dp_replicate", "dp_shard", "tp")]
+        for group in groups:
+            backend = group._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == timedelta(seconds=7), group.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def _wait_for_step(run: Path, rank: int, step: int, proc, timeout: float = 180) -> dict:
+    """Rank `rank`'s first-attempt heartbeat once it reached `step` (and a checkpoint exists)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        beat = read_heartbeats(run, attempt=0).get(rank)
+        committed = list((run / "checkpoints").glob("step-*/MANIFEST.json"))
+        if beat and beat["step"] >= step and committed:
+            return beat
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} did not reach step {step}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
+    run = tmp_path / "run"
+    proc = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS, training__steps=40)
+    pid = None
+    try:
+        pid = _wait_for_step(run, 3, 3, proc)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-4000:]
+
+    (hang,) = read_hangs(run)
+    assert hang["attempt"] == 0
+    assert hang["stuck"] == hang["unresponsive"] == [3]
+    assert hang["waiting"] == [0, 1, 2]
+    assert hang["time"] - stopped_at <= HANG_S + MARGIN_S, hang["time"] - stopped_at
+    assert "hang: rank 3 stopped responding in " in err
+    # What they wait in depends on where the stop hit (an all-reduce in training, DCP's
+    # gather and scatter in a checkpoint): the triage's wording is checked on its own above.
+    assert " wait in " in err
+    # Attempt 0 ended with failed workers (exit 124 from the watchdog, or -9 for the stopped
+    # rank the reporter killed, whichever torchrun saw first), hence the restart.
+    assert re.search(rf"failed \(exitcode: ({HANG_EXIT_CODE}|-9)\)", err), err[-4000:]
+    for rank in range(3):
+        stacks = (run / "logs" / f"rank{rank}.stacks").read_text()
+        assert "in run_training" in stacks and "Current thread" in stacks
+    assert not (run / "logs" / "rank3.stacks").exists()
+    # The stopped process was killed (by the reporting rank), not left behind.
+    assert _gone(pid)
+    # The second attempt resumed from a checkpoint and finished.
+    assert "resumed from checkpoint" in (run / "logs" / "rank0.log").read_text()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 40
+
+    report = run_cli("diagnose", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "attempt 0: hang: rank 3 stopped responding in " in report.stdout
+    assert "attempt 1: finished" in report.stdout
+    assert "restarts: 1" in report.stdout
+
+
+@pytest.fixture(scope="module")
+def hung_in_backward(tmp_path_factory) -> tuple[Path, object]:
+    """A 2-rank run whose rank 1 sleeps forever inside backward of step 3."""
+    run = tmp_path_factory.mktemp("hang") / "run"
+    result = train_cli(
+        run, 2, **FIELDS, training__steps=6, debug__hang_at_step=3, debug__hang_rank=1
+    )
+    return run, result
+
+
+@pytest.mark.slow
+def test_rank_stuck_in_backward_is_named_with_its_phase(hung_in_backward):
+    run, result = hung_in_backward
+    assert result.returncode != 0
+    line = "hang: rank 1 stopped in backward of step 3 for "
+    assert line in result.stderr, result.stderr[-4000:]
+    assert "rank 0 wait in all_reduce #" in result.stderr
+    # Both ranks could act: both dumped stacks; rank 1's shows where it sleeps.
+    assert "in sleep_forever" in (run / "logs" / "rank1.stacks").read_text()
+    assert "in train_step" in (run / "logs" / "rank0.stacks").read_text()
+    for rank in range(2):
+        trace = json.loads((run / "flight" / f"rank{rank}.json").read_text())
+        assert trace["entries"], rank
+
+
+@pytest.mark.slow
+def test_diagnose_names_the_hung_rank(hung_in_backward):
+    run, _ = hung_in_backward
+    result = run_cli("diagnose", str(run))
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 stopped in backward of step 3" in result.stdout
+    assert "in sleep_forever" in result.stdout

@@ -1,0 +1,139 @@
+"""Non-finite gradients (debug.nan_at_step): skipped on every rank and counted, or training stops
+naming the step, the rank and the parameter; loss-spike flags."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import train_cli, train_in_process
+
+from distrain.observe.health import LossSpikes, NonFiniteError
+from distrain.observe.metrics import read_metrics
+
+FIELDS = {
+    "training__steps": 5,
+    "training__global_batch_size": 4,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 32,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+
+
+def test_skip_leaves_the_weights_finite_and_counts_the_step(tmp_path):
+    rows = train_in_process(tmp_path / "run", **FIELDS, debug__nan_at_step=3)
+    by_step = {r["step"]: r for r in rows if "loss" in r}
+    assert [by_step[s]["nonfinite_skipped"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    # Had the NaN gradient reached the optimizer, every later loss would be NaN.
+    assert all(math.isfinite(by_step[s]["loss"]) for s in range(1, 6))
+    assert math.isnan(by_step[3]["grad_norm"])
+
+
+def test_skip_also_skips_the_weight_update(tmp_path):
+    """Up to the skipped step the run is the clean run; its step-4 loss then differs (step 3's
+    update is missing) and stays finite."""
+    clean = {
+        r["step"]: r["loss"] for r in train_in_process(tmp_path / "a", **FIELDS) if "loss" in r
+    }
+    skipped = {
+        r["step"]: r["loss"]
+        for r in train_in_process(tmp_path / "b", **FIELDS, debug__nan_at_step=3)
+        if "loss" in r
+    }
+    assert [skipped[s] for s in (1, 2, 3)] == [clean[s] for s in (1, 2, 3)]
+    assert skipped[4] != clean[4]
+
+
+def test_stop_names_step_rank_and_parameter(tmp_path):
+    with pytest.raises(NonFiniteError) as info:
+        train_in_process(
+            tmp_path / "run", **FIELDS, debug__nan_at_step=2, training__nonfinite="stop"
+        )
+    message = str(info.value)
+    assert "non-finite gradient at step 2" in message
+    assert "first on rank 0 in parameter tok_emb.weight" in message
+    assert 'training.nonfinite = "stop"' in message
+
+
+def test_skip_stops_after_max_nonfinite_steps_in_a_row(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"1 steps in a row \(training.max_nonfinite_steps"):
+        train_in_process(
+            tmp_path / "run", **FIELDS, debug__nan_at_step=2, training__max_nonfinite_steps=1
+        )
+
+
+def test_loss_spike_flags_a_loss_above_factor_times_the_running_mean():
+    spikes = LossSpikes(2.0)
+    assert [spikes.update(x) for x in (4.0, 4.2, 3.9, math.nan, 9.0, 4.0)] == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
+    # Rank 1's gradient turns NaN after DDP averaged them: both ranks must skip, or the
+    # replicas diverge (debug.check_replicas compares them after every logged step). The same
+    # run has rank 1 sleep 0.5 s per step: the straggler metrics must name it (shares the run
+    # to keep multi-process tests few).
+    skipped = train_cli(
+        tmp_path / "skip",
+        2,
+        **FIELDS,
+        debug__nan_at_step=2,
+        debug__nan_rank=1,
+        debug__check_replicas=True,
+        debug__slow_rank=1,
+        debug__slow_ms=500,
+        debug__straggler_ratio=1.2,
+    )
+    assert skipped.returncode == 0, skipped.stderr[-4000:]
+    rows = [r for r in read_metrics(tmp_path / "skip" / "metrics.jsonl") if "loss" in r]
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 1, 1, 1]
+    # Step 2 is left out: DDP rebuilds its buckets in the second forward, a collective in which
+    # rank 0 waits for rank 1's sleep (see distrain/observe/stragglers.py).
+    timed = [r for r in rows if r["step"] != 2]
+    assert [r["slowest_rank"] for r in timed] == [1] * 4
+    # With 2 ranks the median is the mean, so the ratio is below 2; 0.5 s against a tiny
+    # model's forward puts it well above 1.2.
+    assert all(1.2 < r["straggler_ratio"] < 2 for r in timed), rows
+    assert all(r["compute_s_max"] >= 0.5 for r in timed), rows
+    assert "straggler: rank 1 computes " in skipped.stderr
+
+    stopped = train_cli(
+        tmp_path / "stop",
+        2,
+        **FIELDS,
+        debug__nan_at_step=2,
+        debug__nan_rank=1,
+        training__nonfinite="stop",
+    )
+    assert stopped.returncode != 0
+    assert "first on rank 1 in parameter tok_emb.weight" in stopped.stderr, stopped.stderr[-4000:]
+
+
+def test_compute_timer_counts_data_and_forward_only():
+    import time
+
+    import torch
+
+    from distrain.observe.stragglers import ComputeTimer, straggler_metrics
+
+    timer = ComputeTimer(torch.device("cpu"))
+    for phase, pause in (("data", 0.05), ("forward", 0.05), ("backward", 0.2), ("forward", 0.05)):
+        timer.on_phase(phase)
+        time.sleep(pause)
+    timer.on_phase("optimizer")
+    # 0.15 s counted (sleep overshoots by at most a few ms each), the 0.2 s of backward not.
+    assert 0.15 <= timer.take() < 0.2
+    assert timer.take() == 0.0
+    assert straggler_metrics(0.3, torch.device("cpu")) == {
+        "slowest_rank": 0,
+        "straggler_ratio": 1.0,
+        "compute_s_max": 0.3,
+    }
