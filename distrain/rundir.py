@@ -210,12 +210,14 @@ class StartFootprint:
 
     def __init__(self, run_dir: Path, rank: int):
         run_dir = Path(run_dir)
-        mine = [run_dir / "logs" / f"rank{rank}.log"]
+        mine = [run_dir / "logs" / f"rank{rank}.log", run_dir / "heartbeat" / f"rank{rank}.json"]
         if rank == 0:
             mine += [run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / "tb"]
         self._new = [p for p in mine if not p.exists()]
-        # Directories shared by the ranks: removed only when empty, by whichever rank is last.
-        self._new_dirs = [d for d in (run_dir / "logs", run_dir) if not d.exists()]
+        # Directories shared by the ranks (the default checkpoint dir, which rank 0 probes before
+        # the first step, among them): removed only when empty, by whichever rank is last.
+        shared = ("logs", "heartbeat", "flight", "checkpoints")
+        self._new_dirs = [d for d in (*(run_dir / n for n in shared), run_dir) if not d.exists()]
 
     def remove(self) -> None:
         for path in self._new:
