@@ -13,12 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from distrain import oom
 from distrain.checkpoint import (
@@ -42,9 +36,7 @@ from distrain.observe.progress import Progress
 from distrain.observe.stragglers import ComputeTimer, straggler_metrics
 from distrain.optim import (
     build_optimizer,
-    load_optimizer_state_dict,
     lr_at,
-    optimizer_state_dict,
     set_lr,
 )
 from distrain.parallel import build_parallel_model
@@ -53,55 +45,14 @@ from distrain.parallel.data import KeepsGradientsLocal
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
-from distrain.rng import rng_state, seed_everything, set_rng_state
+from distrain.rng import seed_everything
+from distrain.train_state import ModelState, OptimizerState, RNGState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
-
-
-class _ModelState(Stateful):
-    """All model parts' weights under their original names, so any layout can load them."""
-
-    def __init__(self, parts: list[torch.nn.Module]):
-        self.parts = parts
-
-    def state_dict(self) -> dict:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for part in self.parts:
-            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
-
-
-class _OptimizerState(Stateful):
-    """One optimizer per model part, flattened to `state.<param name>.<key>` entries so the parts'
-    dicts merge and split again under another layout."""
-
-    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
-        self.parts, self.optimizers = parts, optimizers
-
-    def state_dict(self) -> dict:
-        merged = {}
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
-            merged.update(optimizer_state_dict(part, optimizer))
-        return merged
-
-    def load_state_dict(self, state: dict) -> None:
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
-            load_optimizer_state_dict(part, optimizer, state)
-
-
-class _RNGState(Stateful):
-    """Every rank is seeded alike, so rank 0's states (DCP keeps one copy) serve all ranks."""
-
-    def state_dict(self) -> dict:
-        return rng_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        set_rng_state(state)
 
 
 class Trainer:
@@ -215,11 +166,11 @@ class Trainer:
 
     def _state(self) -> dict:
         state = {
-            "model": _ModelState(self.model.parts),
-            "optim": _OptimizerState(self.model.parts, self.optimizers),
+            "model": ModelState(self.model.parts),
+            "optim": OptimizerState(self.model.parts, self.optimizers),
             "trainer": self.step_state,
             "data": self.loader,
-            "rng": _RNGState(),
+            "rng": RNGState(),
         }
         if self.scaler.is_enabled():
             state["scaler"] = self.scaler
