@@ -137,6 +137,20 @@ def cmd_status(argv: list[str]) -> None:
     print(status(Path(parser.parse_args(argv).run_dir)))
 
 
+def cmd_plot(argv: list[str]) -> None:
+    from distrain.observe.plots import write_plot
+
+    parser = argparse.ArgumentParser(
+        prog="distrain plot",
+        description="Loss, val loss, lr, grad norm and tokens/s over steps, runs overlaid, "
+        "as a PNG.",
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (run.dir).")
+    parser.add_argument("--out", default="plot.png", help="PNG file to write (default: plot.png).")
+    ns = parser.parse_args(argv)
+    print(write_plot([Path(d) for d in ns.run_dirs], Path(ns.out)))
+
+
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
@@ -144,6 +158,7 @@ COMMANDS = {
     "slurm": cmd_slurm,
     "diagnose": cmd_diagnose,
     "status": cmd_status,
+    "plot": cmd_plot,
 }
 
 
