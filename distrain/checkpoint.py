@@ -419,9 +419,7 @@ class Checkpointer:
     def _prune(self) -> None:
         entries = committed(self.storage)
         temporary = [
-            e
-            for e in entries
-            if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
+            e for e in entries if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
         ]
         for entry in temporary[: max(0, len(temporary) - self.keep_temporary)]:
             self.storage.remove(entry.path)

@@ -114,6 +114,8 @@ def cmd_slurm(argv: list[str]) -> None:
     from distrain.slurm import slurm_command
 
     slurm_command(argv)
+
+
 def cmd_diagnose(argv: list[str]) -> None:
     from distrain.observe.diagnose import diagnose
 

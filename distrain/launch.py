@@ -201,9 +201,7 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
-def launch(
-    plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage
-) -> None:
+def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage) -> None:
     """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node.
 
     A stop signal to this process (SIGTERM, SIGUSR1, SIGINT) is forwarded to the workers by

@@ -44,13 +44,16 @@ while True:
 """
 
 # Connects, sends argv[3] bytes, prints JSON timings.
-SOURCE = CONNECT + """payload = b"x" * int(sys.argv[3])
+SOURCE = (
+    CONNECT
+    + """payload = b"x" * int(sys.argv[3])
 start = time.perf_counter()
 conn.sendall(payload)
 conn.shutdown(socket.SHUT_WR)
 received = int(conn.recv(64))
 print(json.dumps({"seconds": time.perf_counter() - start, "received": received}))
 """
+)
 
 # Round trips of one byte over TCP (an echo): argv addr port, prints the median in seconds.
 ECHO = """
@@ -61,7 +64,9 @@ conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while byte := conn.recv(1):
     conn.sendall(byte)
 """
-PING = CONNECT + """conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+PING = (
+    CONNECT
+    + """conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rtts = []
 for _ in range(7):
     start = time.perf_counter()
@@ -70,6 +75,7 @@ for _ in range(7):
     rtts.append(time.perf_counter() - start)
 print(statistics.median(rtts))
 """
+)
 
 
 def _require_lab(delay: bool = False) -> None:
