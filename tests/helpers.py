@@ -21,6 +21,16 @@ FAST = {
 }
 
 
+# A small multi-process run: global batch 8 in micro-batches of 2 (4 ranks need no accumulation,
+# 2 ranks accumulate 2, so one run continues on either), deterministic kernels.
+SMALL_RUN = {
+    "training__global_batch_size": 8,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 64,
+    "training__deterministic": True,
+}
+
+
 def overrides(run_dir: Path, **fields: object) -> list[tuple[str, str]]:
     """FAST plus `fields` (section__field=value), as (dotted, text) pairs."""
     merged = dict(FAST, **{"run.dir": str(run_dir)})

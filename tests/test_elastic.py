@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import free_port, losses, overrides, run_cli, start_train, train_cli
+from helpers import SMALL_RUN, free_port, losses, overrides, run_cli, start_train, train_cli
 
 from distrain.observe.metrics import read_metrics
 
@@ -16,10 +16,7 @@ STEPS = 6
 # same run continues on either. Checkpoints at steps 2 and 4; a crash at step 4 resumes at 2.
 FIELDS = {
     "training__steps": STEPS,
-    "training__global_batch_size": 8,
-    "training__micro_batch_size": 2,
-    "training__seq_len": 64,
-    "training__deterministic": True,
+    **SMALL_RUN,
     "checkpoint__interval_steps": 2,
     "checkpoint__at_end": False,
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, overrides, start_train, train_cli, train_in_process
+from helpers import SMALL_RUN, losses, overrides, start_train, train_cli, train_in_process
 
 from distrain.checkpoint import Checkpointer, committed, verify
 from distrain.config_io import load_config
@@ -39,10 +39,7 @@ STEPS = 20
 # ~0.3 s here); a checkpoint every 2 steps gives the abort test an earlier one to keep.
 FIELDS = {
     "training__steps": STEPS,
-    "training__global_batch_size": 8,
-    "training__micro_batch_size": 2,
-    "training__seq_len": 64,
-    "training__deterministic": True,
+    **SMALL_RUN,
     "checkpoint__interval_steps": 0,
     "checkpoint__at_end": False,
 }

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, overrides, run_cli, start_train, train_cli
+from helpers import SMALL_RUN, losses, overrides, run_cli, start_train, train_cli
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.observe.metrics import read_metrics
@@ -29,10 +29,7 @@ STEPS = 10
 # Checkpoints at steps 2, 4, ...: a failure after step k resumes from the last even step <= k.
 FIELDS = {
     "training__steps": STEPS,
-    "training__global_batch_size": 8,
-    "training__micro_batch_size": 2,
-    "training__seq_len": 64,
-    "training__deterministic": True,
+    **SMALL_RUN,
     "checkpoint__interval_steps": 2,
     "checkpoint__at_end": True,
     # Several DDP buckets, as any model past 25 MB has: the 3.3 MB model would fit one bucket

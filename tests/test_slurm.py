@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import losses, overrides, run_cli
+from helpers import SMALL_RUN, losses, overrides, run_cli
 from slurm import multiple_slurmd_supported, slurm, slurm_cluster, slurm_unavailable  # noqa: F401
 
 from distrain.checkpoint import committed
@@ -35,10 +35,7 @@ pytestmark = pytest.mark.requires("slurm")
 STEPS = 16
 FIELDS = {
     "training__steps": STEPS,
-    "training__global_batch_size": 8,
-    "training__micro_batch_size": 2,
-    "training__seq_len": 64,
-    "training__deterministic": True,
+    **SMALL_RUN,
     "checkpoint__interval_steps": 0,
     "checkpoint__at_end": True,
     "checkpoint__preempt_grace_s": 60,
