@@ -4,8 +4,8 @@ A rank's compute time is the time it spends loading data and in forward passes (
 heartbeat marks as "data" and "forward"). Under DDP no collective runs there, so a rank that is
 slow shows up slow, while the ranks that wait for it wait in backward and in the gradient-norm
 all-reduce, outside what is counted. (Under FSDP, tp or pp the forward includes their
-all-gathers and activations exchange, and DDP's second forward its bucket rebuild: the figure
-is then an upper bound.) On CUDA the intervals
+all-gathers and activations exchange, and the first step's forward DDP's bucket rebuild, which
+follows distrain's settling backward: the figure is then an upper bound.) On CUDA the intervals
 are CUDA events on the current stream, read only at the logging step, so the hot loop gains no
 host sync.
 """
