@@ -43,7 +43,9 @@ def run_losses(run_dir: Path) -> dict[int, float]:
 
 
 def logged_steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    """Every logged training step of every attempt, re-run steps included."""
+    rows = read_metrics(run_dir / "metrics.jsonl", all_attempts=True)
+    return [r["step"] for r in rows if "loss" in r]
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
