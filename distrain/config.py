@@ -10,60 +10,20 @@ A config is resolved in three layers (see config_io.py): the dataclass defaults,
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from distrain.errors import ConfigError
-
-
-@dataclass(frozen=True, slots=True)
-class Range:
-    """The values a numeric field accepts: an interval (either end open or closed, or missing),
-    plus `also`, values outside it with a meaning of their own (-1 = "what is left over")."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    also: tuple[int, ...] = ()
-    why: str = ""
-
-    def __contains__(self, value: float) -> bool:
-        if value in self.also:
-            return True
-        if not math.isfinite(value):
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def __str__(self) -> str:
-        if self.low is not None and self.high is not None:
-            text = (
-                f"in {'(' if self.low_open else '['}{_num(self.low)}, "
-                f"{_num(self.high)}{')' if self.high_open else ']'}"
-            )
-        elif self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
-        else:
-            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
-        also = "".join(f"{_num(a)} or " for a in self.also)
-        return f"{also}{text}" + (f" ({self.why})" if self.why else "")
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-# The ranges most fields use.
-POSITIVE = Range(low=0, low_open=True)
-AT_LEAST_0 = Range(low=0)
-AT_LEAST_1 = Range(low=1)
-FRACTION = Range(low=0, high=1)
-AUTO_OR_AT_LEAST_1 = Range(low=1, also=(-1,))
-ANY_RANK = Range(low=0, also=(-1,))
-BETA = Range(low=0, high=1, high_open=True)
+from distrain.ranges import (
+    ANY_RANK,
+    AT_LEAST_0,
+    AT_LEAST_1,
+    AUTO_OR_AT_LEAST_1,
+    BETA,
+    FRACTION,
+    POSITIVE,
+    Range,
+)
 
 
 def doc(default: Any, help: str, valid: Range | None = None) -> Any:
