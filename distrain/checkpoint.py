@@ -17,7 +17,6 @@ is reported and skipped. Loading (checkpoint_load.py) never unpickles arbitrary 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import threading
@@ -38,6 +37,7 @@ from distrain.checkpoint_load import load, root_cause
 from distrain.config import Config
 from distrain.errors import CheckpointError
 from distrain.mesh import checkpoint_group
+from distrain.save_attempt import Attempt, disk_full, mb_text
 from distrain.storage import HashingWriter, Storage, StorageError, one_line
 
 MANIFEST = "MANIFEST.json"
@@ -135,25 +135,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-_MB = 1 << 20
-_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-
-
-def _mb(num_bytes: int) -> str:
-    """MiB with one decimal, or three significant digits below 0.1."""
-    mb = num_bytes / _MB
-    return f"{mb:.1f}" if mb >= 0.1 else f"{mb:.3g}"
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """One rank's part of a save: None error when its files and record are written."""
-
-    error: str | None = None
-    disk_full: bool = False
-    planned_bytes: int = 0
-
-
 @dataclass
 class _Pending:
     """The async save in flight; `attempt` is set, then `recorded`, by the saving thread."""
@@ -164,19 +145,7 @@ class _Pending:
     free_bytes: int | None
     future: Future
     recorded: threading.Event
-    attempt: _Attempt | None = None
-
-
-def _disk_full(error: BaseException | None, writer: HashingWriter) -> bool:
-    """Whether the write failed for want of space: an ENOSPC/EDQUOT raised by a write, or
-    anywhere in the exception chain (torch.save reports it as "unexpected pos")."""
-    seen: list[BaseException] = [writer.write_error] if writer.write_error else []
-    while error is not None:
-        seen.append(error)
-        if isinstance(error, CheckpointException):
-            seen += [f[0] for f in error.failures.values() if isinstance(f[0], BaseException)]
-        error = error.__cause__ or error.__context__
-    return any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS for e in seen)
+    attempt: Attempt | None = None
 
 
 class Checkpointer:
@@ -250,7 +219,7 @@ class Checkpointer:
                 prepared = (str(e) if isinstance(e, StorageError) else one_line(e), None)
         prep_error, free_bytes = self._broadcast(prepared)
         if prep_error is not None:
-            self._settle(step, path, kind, _Attempt(error=prep_error), free_bytes)
+            self._settle(step, path, kind, Attempt(error=prep_error), free_bytes)
             return
         writer = self.storage.dcp_writer(path)
         start = time.perf_counter()
@@ -292,7 +261,7 @@ class Checkpointer:
 
     def _finish_part(
         self, path: str, writer: HashingWriter, error: BaseException | None
-    ) -> _Attempt:
+    ) -> Attempt:
         """This rank's verdict on its part; on success its file record (size and SHA-256 of
         each file, hashed while writing) goes beside the files. Runs in the saving thread for
         async saves, so it never raises."""
@@ -304,21 +273,21 @@ class Checkpointer:
             except Exception as e:
                 error = e
         if error is None:
-            return _Attempt(planned_bytes=writer.planned_bytes)
+            return Attempt(planned_bytes=writer.planned_bytes)
         if isinstance(error, StorageError):
             cause = str(error)
         else:
             cause = (
                 f"writing to {self.storage.url} failed on rank {self.rank} ({root_cause(error)})"
             )
-        return _Attempt(
+        return Attempt(
             error=cause,
-            disk_full=_disk_full(error, writer),
+            disk_full=disk_full(error, writer),
             planned_bytes=writer.planned_bytes,
         )
 
     def _settle(
-        self, step: int, path: str, kind: str, attempt: _Attempt, free_bytes: int | None
+        self, step: int, path: str, kind: str, attempt: Attempt, free_bytes: int | None
     ) -> None:
         """Collective: combine every rank's attempt; commit the save if all succeeded, else
         remove it and count the failure."""
@@ -338,8 +307,8 @@ class Checkpointer:
             return
         needed = sum(a.planned_bytes for a in attempts)
         if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
-            free = "?" if free_bytes is None else _mb(free_bytes)
-            cause = f"disk full on {self.storage.url} ({free} MB free, {_mb(needed)} MB needed)"
+            free = "?" if free_bytes is None else mb_text(free_bytes)
+            cause = f"disk full on {self.storage.url} ({free} MB free, {mb_text(needed)} MB needed)"
         else:
             cause = failed[0].error if failed else f"commit failed ({commit_error})"
         self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")
@@ -445,7 +414,7 @@ class Checkpointer:
         with contextlib.suppress(Exception, CheckpointException):
             pending.future.result()  # its exception, if any, is in pending.attempt
         pending.recorded.wait()
-        attempt = pending.attempt or _Attempt(error="the save thread ended without a verdict")
+        attempt = pending.attempt or Attempt(error="the save thread ended without a verdict")
         self._settle(pending.step, pending.path, pending.kind, attempt, pending.free_bytes)
 
     # --- restoring ---------------------------------------------------------------------------
