@@ -202,12 +202,12 @@ def cmd_plot(argv: list[str]) -> None:
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
-    "prepare": cmd_prepare,
     "presets": cmd_presets,
     "slurm": cmd_slurm,
     "diagnose": cmd_diagnose,
     "status": cmd_status,
     "plot": cmd_plot,
+    "prepare": cmd_prepare,
 }
 
 

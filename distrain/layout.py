@@ -161,7 +161,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "vocab_holds_tokenizer",
         "config",
-        lambda f: f.model.vocab_size < f.tokenizer_vocab,
+        # The byte tokenizer's ids are the data's own bytes, checked when the data is opened.
+        lambda f: f.cfg.data.tokenizer != "bytes" and f.model.vocab_size < f.tokenizer_vocab,
         "model.vocab_size ({f.model.vocab_size}, preset {f.cfg.model.preset!r}) is smaller than "
         "the vocabulary of data.tokenizer = {f.cfg.data.tokenizer!r} ({f.tokenizer_vocab}); set "
         "model.vocab_size to at least {f.tokenizer_vocab} (e.g. {f.padded_vocab})",
