@@ -212,7 +212,6 @@ def load_run_model(run_dir: Path, *, step: int | None = None) -> tuple[GPT, int]
     with torch.device("meta"):
         model = GPT(model_args(cfg.model))
     model.to_empty(device="cpu")
-    model.reset_rope_cache()
     state = {MODEL_KEY: model.state_dict()}
     _quiet_load(cfg, entry, state)
     model.load_state_dict(state[MODEL_KEY])

@@ -193,15 +193,18 @@ class GPT(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_emb.weight
         # Computed once for max_seq_len positions, sliced per forward. Not persistent: a
-        # function of the config, so no checkpoint holds it; `init_weights` refills it after a
-        # meta build's `to_empty`.
+        # function of the config, so no checkpoint holds it; `to_empty` (a meta build's
+        # materialization, which leaves buffers uninitialized) computes it again.
         self.register_buffer("rope_cache", None, persistent=False)
         if args.pos_emb == "rope":
             self.rope_cache = rope_tables(args, args.max_seq_len)
 
-    def reset_rope_cache(self) -> None:
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
+        super().to_empty(device=device, recurse=recurse)
         if self.rope_cache is not None:
-            self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
+            with torch.no_grad():
+                self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
+        return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
@@ -288,6 +291,3 @@ def init_weights(
             param.to_local().copy_(local)
         else:
             param.copy_(value)
-    for module in model.modules():
-        if isinstance(module, GPT):
-            module.reset_rope_cache()
