@@ -199,6 +199,36 @@ def cmd_plot(argv: list[str]) -> None:
     print(write_plot([Path(d) for d in ns.run_dirs], Path(ns.out)))
 
 
+def cmd_export(argv: list[str]) -> None:
+    from distrain.interop.export import DEFAULT_SHARD_MB, DTYPES, export_hf, export_program
+
+    parser = argparse.ArgumentParser(
+        prog="distrain export",
+        description="A run's checkpoint as a Hugging Face model folder (transformers loads it) "
+        "or a torch.export program.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    parser.add_argument("--format", choices=("hf", "torch-export"), default="hf")
+    parser.add_argument("--out", required=True, help="Folder (hf) or .pt2 file (torch-export).")
+    parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: newest).")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="fp32", help="Weight type of an hf export."
+    )
+    parser.add_argument(
+        "--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="Largest safetensors shard."
+    )
+    ns = parser.parse_args(argv)
+    if ns.shard_mb <= 0:
+        parser.error(f"--shard-mb must be > 0, got {ns.shard_mb}")
+    if ns.format == "hf":
+        out = export_hf(
+            Path(ns.run_dir), Path(ns.out), step=ns.step, dtype=ns.dtype, shard_mb=ns.shard_mb
+        )
+    else:
+        out = export_program(Path(ns.run_dir), Path(ns.out), step=ns.step)
+    print(out)
+
+
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
@@ -208,6 +238,7 @@ COMMANDS = {
     "status": cmd_status,
     "plot": cmd_plot,
     "prepare": cmd_prepare,
+    "export": cmd_export,
 }
 
 

@@ -71,6 +71,28 @@ class ModelConfig:
     tie_embeddings: bool | None = doc(
         None, "Override whether output and input embeddings share weights."
     )
+    n_kv_heads: int | None = doc(
+        None,
+        "Override the preset's key/value heads (grouped-query attention; must divide n_heads; "
+        "under tensor parallelism parallel.tp must divide it).",
+        AT_LEAST_1,
+    )
+    mlp: Literal["gelu", "swiglu"] | None = doc(
+        None, "Override the MLP: gelu (GPT-2) or swiglu (Llama, gated: a third weight)."
+    )
+    bias: bool | None = doc(None, "Override whether linears and LayerNorms have biases (GPT-2).")
+    rope_theta: float | None = doc(None, "Override the rotary base frequency.", POSITIVE)
+    rope_scaling_factor: float | None = doc(
+        None,
+        "Override Llama 3's rotary frequency scaling factor (1 = none).",
+        Range(low=1),
+    )
+    init_from: str = doc(
+        "",
+        "Start from pretrained weights: 'hf:DIR', a local Hugging Face checkpoint (config.json + "
+        "safetensors) of a Llama or GPT-2 model; its config.json sets the model shape (the "
+        "preset is ignored). Empty: seeded random init.",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -250,6 +250,14 @@ RULES: tuple[Rule, ...] = (
         "parallel.tp in {{{f.tp_choices}}} or change model.{f.tp_uneven}",
     ),
     Rule(
+        "tp_splits_kv_heads",
+        "config",
+        lambda f: f.model.kv_heads % f.p.tp != 0,
+        "model.n_kv_heads ({f.model.kv_heads}) must be divisible by parallel.tp ({f.p.tp}): "
+        "each tp rank holds whole key/value heads; choose a parallel.tp that divides "
+        "{f.model.kv_heads} or change model.n_kv_heads",
+    ),
+    Rule(
         "sequence_parallel_splits_seq_len",
         "config",
         lambda f: f.p.tp > 1 and f.p.sequence_parallel and f.t.seq_len % f.p.tp != 0,

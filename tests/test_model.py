@@ -21,7 +21,14 @@ def test_param_count_is_exact(name):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"norm": "layernorm"}, {"pos_emb": "learned"}, {"tie_embeddings": True}],
+    [
+        {},
+        {"norm": "layernorm"},
+        {"pos_emb": "learned"},
+        {"tie_embeddings": True},
+        {"mlp": "swiglu", "n_kv_heads": 2, "rope_scaling_factor": 8.0},
+        {"bias": True, "norm": "layernorm", "n_kv_heads": 1},
+    ],
 )
 def test_causal_and_counted(variant):
     args = dataclasses.replace(SMALL, **variant)

@@ -45,6 +45,20 @@ VARIANTS: dict[str, tuple[dict, bool, bool]] = {
     "tied-sp": ({"tie_embeddings": True}, True, True),
     "tied": ({"tie_embeddings": True, "pos_emb": "learned"}, False, True),
     "materialized-sp": ({"pos_emb": "learned"}, True, False),
+    # Llama: SwiGLU's gate splits like w_up; 2 kv heads split over 2 ranks, one group each.
+    "llama-gqa-sp": (
+        {"mlp": "swiglu", "n_kv_heads": 2, "rope_scaling_factor": 4.0,
+         "rope_original_max_seq_len": 8},
+        True,
+        True,
+    ),
+    # GPT-2: biases in every linear (column-parallel ones split, row-parallel ones replicated)
+    # and in the LayerNorms.
+    "gpt2-bias": (
+        {"bias": True, "norm": "layernorm", "pos_emb": "learned", "tie_embeddings": True},
+        False,
+        True,
+    ),
 }
 
 # fp32 throughout. The TP model sums the same products in a different order (row-parallel

@@ -71,6 +71,8 @@ CASES = [
      {"parallel.tp": "4", "model.n_heads": "6", "model.dim": "48", "model.ffn_dim": "96",
       "model.vocab_size": "96"}, 4,
      ["model.n_heads (6) must be divisible by parallel.tp (4)", "in {1, 2, 3, 6}"]),
+    ("tp_splits_kv_heads", {"parallel.tp": "4", "model.preset": "llama-tiny"}, 4,
+     ["model.n_kv_heads (2) must be divisible by parallel.tp (4)", "divides 2"]),
     ("sequence_parallel_splits_seq_len", {"parallel.tp": "2", "training.seq_len": "127"}, 2,
      ["splits the 127 positions", "multiple of 2", "parallel.sequence_parallel = false"]),
     ("sequence_parallel_without_pp", {"parallel.tp": "2", "parallel.pp": "2"}, 4,
@@ -163,6 +165,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"training.oom_recovery": "true"}, 2),
         ({"comm.gradient_compression": "powersgd"}, 2),
         ({"parallel.tp": "2", "parallel.pp": "2", "parallel.sequence_parallel": "false"}, 4),
+        ({"parallel.tp": "2", "model.preset": "llama-tiny"}, 2),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
@@ -354,7 +357,7 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, presets, slurm, diagnose, status, plot, prepare"
+        "generate, presets, slurm, diagnose, status, plot, prepare, export"
     ]
 
 

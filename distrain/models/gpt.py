@@ -1,8 +1,11 @@
 """Decoder-only GPT as a plain nn.Module: no parallel code lives here (see distrain/parallel/).
 
-Attention goes through `scaled_dot_product_attention`; norms are RMSNorm or LayerNorm; positions
-are rotary or learned. The attention module derives its local head count from its weight's shape,
-so a tensor-parallel plan can shard heads without touching this file. Weights are initialized by
+Attention goes through `scaled_dot_product_attention`, with grouped-query attention when there are
+fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; positions are rotary (the
+rotate-half layout of Hugging Face's Llama, with Llama 3's frequency scaling) or learned; the MLP
+is GELU (GPT-2) or SwiGLU (Llama); biases are optional (GPT-2 has them). The attention module
+derives its local head counts from its weights' shapes, so a tensor-parallel plan can shard heads
+without touching this file. Weights are initialized by
 `init_weights`, which gives every parameter values determined by the seed and the parameter's name
 alone, so any layout, any world size, gets the same model.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,22 +30,41 @@ class ModelArgs:
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = n_heads (plain multi-head)."""
     ffn_dim: int = 512
     max_seq_len: int = 1024
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     pos_emb: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0
+    """Llama 3's rotary frequency scaling: 1 = none; else low frequencies are divided by it."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = False
+    """Biases in every linear layer and LayerNorm, as GPT-2 has."""
     tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def check(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "
+                f"({self.kv_heads}): each key/value head serves a whole group of query heads"
             )
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
@@ -50,35 +73,58 @@ class ModelArgs:
 def _norm(args: ModelArgs) -> nn.Module:
     if args.norm == "rmsnorm":
         return nn.RMSNorm(args.dim, eps=args.norm_eps)
-    return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=False)
+    return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin tables [seq_len, head_dim/2, 2], computed in fp32 whatever the model's dtype."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """The head_dim/2 rotary angular frequencies, with Llama 3's scaling when its factor is not 1.
+
+    Llama 3 keeps high frequencies (wavelength below original_len / high_freq_factor), divides
+    low ones (wavelength above original_len / low_freq_factor) by the factor, and blends the band
+    between linearly in original_len / wavelength.
+    """
+    dim = args.head_dim
+    freq = 1.0 / args.rope_theta ** (
+        torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
     )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    factor = args.rope_scaling_factor
+    if factor == 1.0:
+        return freq
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    periods_in_context = args.rope_original_max_seq_len * freq / (2 * math.pi)
+    blend = ((periods_in_context - low) / (high - low)).clamp(0.0, 1.0)
+    return blend * freq + (1 - blend) * freq / factor
+
+
+def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables [seq_len, head_dim/2, 2], computed in fp32 whatever the model's dtype."""
+    angles = torch.outer(
+        torch.arange(seq_len, device=device, dtype=torch.float32), rope_frequencies(args, device)
+    )
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [B, T, H, D] by position; table is [T, D/2, 2]."""
-    pairs = x.float().unflatten(-1, (-1, 2))
+    """Rotate channel pairs (i, i + D/2) of x [B, T, H, D] by position; table is [T, D/2, 2].
+
+    The rotate-half pairing (Hugging Face's Llama) rather than adjacent channels, so Llama
+    checkpoints load without permuting the rows of wq and wk.
+    """
+    first, second = x.float().chunk(2, dim=-1)
     cos, sin = table[:, None, :, 0], table[:, None, :, 1]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.type_as(x)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.dim, bias=False)
-        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        kv_dim = args.kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.dim, bias=args.bias)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=args.bias)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=args.bias)
+        self.wo = nn.Linear(args.dim, args.dim, bias=args.bias)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -88,6 +134,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            # Query head h reads key/value head h // group (also per tp rank: each holds whole
+            # groups). Repeated rather than SDPA's enable_gqa, which not every kernel takes.
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
@@ -95,12 +146,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GELU: w_down(gelu(w_up x)). SwiGLU: w_down(silu(w_gate x) * w_up x)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w_up = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w_down = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w_gate = (
+            nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if args.mlp == "swiglu" else None
+        )
+        self.w_up = nn.Linear(args.dim, args.ffn_dim, bias=args.bias)
+        self.w_down = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate is not None:
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 
@@ -134,6 +192,19 @@ class GPT(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_emb.weight
+        # Computed once for max_seq_len positions, sliced per forward. Not persistent: a
+        # function of the config, so no checkpoint holds it; `to_empty` (a meta build's
+        # materialization, which leaves buffers uninitialized) computes it again.
+        self.register_buffer("rope_cache", None, persistent=False)
+        if args.pos_emb == "rope":
+            self.rope_cache = rope_tables(args, args.max_seq_len)
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
+        super().to_empty(device=device, recurse=recurse)
+        if self.rope_cache is not None:
+            with torch.no_grad():
+                self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
+        return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
@@ -147,8 +218,8 @@ class GPT(nn.Module):
         rope = None
         if self.pos_emb is not None:
             h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
-        elif self.args.pos_emb == "rope":
-            rope = rope_tables(self.args.head_dim, seq, self.args.rope_theta, tokens.device)
+        elif self.rope_cache is not None:
+            rope = self.rope_cache[:seq]
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:
@@ -169,8 +240,11 @@ def canonical_name(name: str) -> str:
 def param_init_std(name: str, args: ModelArgs) -> float | None:
     """The init of one parameter by name: a normal std, or None for ones (norm weights).
 
-    GPT-2's scheme: N(0, 0.02) everywhere, residual output projections scaled by 1/sqrt(2 L).
+    GPT-2's scheme: N(0, 0.02) everywhere, residual output projections scaled by 1/sqrt(2 L);
+    biases start at zero.
     """
+    if name.endswith(".bias"):
+        return 0.0
     if "norm" in name:
         return None
     if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
@@ -184,19 +258,32 @@ def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) ->
     std = param_init_std(name, args)
     if std is None:
         return torch.ones(shape)
+    if std == 0.0:
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.randn(shape, generator=gen) * std
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, args: ModelArgs, seed: int) -> None:
-    """Fill every materialized parameter with its seeded, layout-independent value.
+def init_weights(
+    model: nn.Module,
+    args: ModelArgs,
+    seed: int,
+    *,
+    source: Callable[[str, torch.Size], torch.Tensor] | None = None,
+) -> None:
+    """Fill every materialized parameter with its seeded, layout-independent value, or with
+    `source(name, full shape)` (pretrained weights) when given.
 
     Values are made on CPU in fp32 as the full tensor; a sharded (DTensor) parameter keeps only
     its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
     """
     for name, param in model.named_parameters():
-        value = full_init_value(name, param.shape, args, seed).to(param.device, param.dtype)
+        value = (
+            full_init_value(name, param.shape, args, seed)
+            if source is None
+            else source(canonical_name(name), param.shape)
+        ).to(param.device, param.dtype)
         if isinstance(param, DTensor):
             local = distribute_tensor(
                 value, param.device_mesh, param.placements, src_data_rank=None

@@ -272,9 +272,14 @@ def build_parallel_model(
             apply_compile(part)
     if dims.dp_wrapper == "fsdp":
         parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
+    source = None
+    if cfg.model.init_from:
+        from distrain.interop.hf import pretrained_source
+
+        source = pretrained_source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
-        init_weights(part, args, cfg.training.seed)
+        init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
         parts = [
             apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)

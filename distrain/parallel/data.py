@@ -54,6 +54,9 @@ def apply_ddp(
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
+        # The only buffer (the rotary table) is computed from the config on every rank alike:
+        # broadcasting it before each forward would be a collective per step for nothing.
+        broadcast_buffers=False,
     )
 
 

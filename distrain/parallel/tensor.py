@@ -109,8 +109,9 @@ class _Replicated(ParallelStyle):
         )
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Layouts for one Block's submodules, keyed by their names inside the block."""
+def _block_plan(sequence_parallel: bool, *, swiglu: bool) -> dict[str, ParallelStyle]:
+    """Layouts for one Block's submodules, keyed by their names inside the block. Key/value
+    heads split like query heads (layout.py makes sure whole heads land on each rank)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "attn.wq": ColwiseParallel(),
@@ -120,6 +121,8 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "mlp.w_up": ColwiseParallel(),
         "mlp.w_down": RowwiseParallel(output_layouts=residual),
     }
+    if swiglu:
+        plan["mlp.w_gate"] = ColwiseParallel()
     if not sequence_parallel:
         plan["attn_norm"] = plan["mlp_norm"] = _Replicated()
         return plan
@@ -172,7 +175,9 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             _Replicated(output_layout=Shard(0) if sequence_parallel else None),
         )
     for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(
+            block, tp_mesh, _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
+        )
     if model.norm is not None:
         norm_style = SequenceParallel(use_local_output=True) if sequence_parallel else _Replicated()
         parallelize_module(model.norm, tp_mesh, norm_style)

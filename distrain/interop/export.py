@@ -1,0 +1,235 @@
+"""`distrain export`: a run's checkpoint as a Hugging Face model folder or a torch.export program.
+
+The Hugging Face export streams: it reads the checkpoint's metadata (names, shapes), writes each
+safetensors shard's header from it, then loads one tensor at a time from the DCP checkpoint
+(whatever layout saved it: DCP reassembles the shards) and appends its bytes. Peak memory is one
+full tensor (GPT-2's fused c_attn: three), never the whole model. Output: config.json,
+generation_config.json, model-0000K-of-0000N.safetensors shards, their index, and the run's
+tokenizer files when it used a Hugging Face tokenizer.
+
+The torch.export program is the eager model traced with a dynamic batch and sequence length;
+`torch.export.load(path).module()(tokens)` gives the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from distrain.checkpoint import Entry, checkpoint_storage, committed, verify
+from distrain.checkpoint_load import _safe_reader, load
+from distrain.config import Config
+from distrain.config_io import load_config
+from distrain.errors import CheckpointError, ConfigError
+from distrain.interop.hf import INDEX_FILE, HfTensor, hf_config, hf_tensors
+from distrain.models.gpt import GPT
+from distrain.models.presets import model_args
+from distrain.observe.logs import LOGGER_NAME as LOGGER
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DEFAULT_SHARD_MB = 2048
+MODEL_KEY = "model"  # the model's part of a training checkpoint (trainer.py's state)
+# The files of a Hugging Face tokenizer folder that transformers reads.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def _run_config(run_dir: Path) -> Config:
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"RUN_DIR {run_dir}: no config.toml, so not a distrain run directory")
+    cfg = load_config(str(run_dir / "config.toml"))
+    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    return cfg
+
+
+def _checkpoint(cfg: Config, step: int | None) -> Entry:
+    """The newest committed checkpoint (or the one of `step`), verified against its manifest."""
+    storage = checkpoint_storage(cfg)
+    entries = committed(storage)
+    if step is not None:
+        entries = [e for e in entries if e.step == step]
+    if not entries:
+        which = f"at step {step}" if step is not None else "complete"
+        raise CheckpointError(f"export: no {which} checkpoint under {storage.url}")
+    entry = entries[-1]
+    problem = verify(storage, entry)
+    if problem is not None:
+        raise CheckpointError(
+            f"export: checkpoint {storage.url_of(entry.path)} is damaged: {problem}"
+        )
+    return entry
+
+
+def _quiet_load(cfg: Config, entry: Entry, state: dict[str, Any]) -> None:
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
+        warnings.simplefilter("ignore", UserWarning)
+        load(checkpoint_storage(cfg), entry.path, state, partial=True)
+
+
+def _header(specs: list[tuple[HfTensor, list[int]]], dtype: torch.dtype) -> bytes:
+    """A safetensors header for tensors of these shapes, written in this order."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec, shape in specs:
+        size = dtype.itemsize
+        for dim in shape:
+            size *= dim
+        entries[spec.hf_name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+def _hf_shape(spec: HfTensor, shapes: dict[str, list[int]]) -> list[int]:
+    parts = [shapes[name] for name in spec.names]
+    if spec.kind == "same":
+        return parts[0]
+    if spec.kind == "transpose":
+        return parts[0][::-1]
+    rows = sum(p[0] for p in parts)
+    return [rows] if len(parts[0]) == 1 else [parts[0][1], rows]
+
+
+def _write_tensor(out: BinaryIO, tensor: torch.Tensor) -> None:
+    out.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+
+
+def export_hf(
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    step: int | None = None,
+    dtype: str = "fp32",
+    shard_mb: float = DEFAULT_SHARD_MB,
+) -> Path:
+    """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
+    cfg = _run_config(run_dir)
+    args = model_args(cfg.model)
+    specs = hf_tensors(args)
+    entry = _checkpoint(cfg, step)
+    metadata = _safe_reader(checkpoint_storage(cfg), entry.path).read_metadata()
+    prefix = MODEL_KEY + "."
+    shapes = {
+        key[len(prefix) :]: list(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(meta, "size")
+    }
+    missing = [n for s in specs for n in s.names if n not in shapes]
+    if missing:
+        raise CheckpointError(f"export: checkpoint {entry.path} lacks model tensors {missing[:3]}")
+    torch_dtype = DTYPES[dtype]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    shards: list[list[tuple[HfTensor, list[int]]]] = [[]]
+    shard_bytes, limit = 0, shard_mb * 2**20
+    for spec in specs:
+        shape = _hf_shape(spec, shapes)
+        size = torch_dtype.itemsize * int(torch.Size(shape).numel())
+        if shards[-1] and shard_bytes + size > limit:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((spec, shape))
+        shard_bytes += size
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards, start=1):
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        with open(out_dir / name, "wb") as f:
+            f.write(_header(shard, torch_dtype))
+            for spec, _ in shard:
+                tensors = {n: torch.empty(shapes[n]) for n in spec.names}
+                _quiet_load(cfg, entry, {MODEL_KEY: tensors})
+                value = spec.to_hf([tensors[n] for n in spec.names]).to(torch_dtype)
+                _write_tensor(f, value)
+                total += value.nbytes
+                weight_map[spec.hf_name] = name
+    (out_dir / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    (out_dir / "config.json").write_text(json.dumps(hf_config(args, dtype=torch_dtype), indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
+    _copy_tokenizer(cfg, out_dir)
+    return out_dir
+
+
+def _tokenizer_spec(cfg: Config) -> str:
+    """The run's tokenizer setting; runs from before `data.tokenizer` existed used bytes."""
+    return str(getattr(cfg.data, "tokenizer", "bytes"))
+
+
+def _generation_config(cfg: Config) -> dict[str, Any]:
+    """Sampling defaults; token ids come from the tokenizer, which the byte tokenizer lacks."""
+    config: dict[str, Any] = {"do_sample": True, "temperature": 0.8, "top_k": 50}
+    spec = _tokenizer_spec(cfg)
+    if spec.startswith("hf:"):
+        tokenizer_config = Path(spec[3:]) / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            known = json.loads(tokenizer_config.read_text())
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if known.get(key) is not None:
+                    config[key] = known[key]
+    return config
+
+
+def _copy_tokenizer(cfg: Config, out_dir: Path) -> None:
+    """A Hugging Face tokenizer's files go with the weights (`hf:DIR`, or `hf:FILE` for one
+    tokenizer.json); byte and tiktoken tokenizers have no transformers files to copy."""
+    spec = _tokenizer_spec(cfg)
+    if not spec.startswith("hf:"):
+        return
+    source = Path(spec[3:])
+    if source.is_file():
+        shutil.copyfile(source, out_dir / "tokenizer.json")
+        return
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / name)
+
+
+def load_run_model(run_dir: Path, *, step: int | None = None) -> tuple[GPT, int]:
+    """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
+    cfg = _run_config(run_dir)
+    entry = _checkpoint(cfg, step)
+    with torch.device("meta"):
+        model = GPT(model_args(cfg.model))
+    model.to_empty(device="cpu")
+    state = {MODEL_KEY: model.state_dict()}
+    _quiet_load(cfg, entry, state)
+    model.load_state_dict(state[MODEL_KEY])
+    logging.getLogger(LOGGER).info("export: loaded %s", entry.path)
+    return model.eval(), entry.step
+
+
+def export_program(run_dir: Path, out_file: Path, *, step: int | None = None) -> Path:
+    """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
+    with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
+    model, _ = load_run_model(run_dir, step=step)
+    seq = min(model.args.max_seq_len, 8)
+    example = torch.zeros(2, seq, dtype=torch.long)
+    dims = {
+        0: torch.export.Dim("batch", min=1, max=1024),
+        1: torch.export.Dim("seq", min=1, max=model.args.max_seq_len),
+    }
+    program = torch.export.export(model, (example,), dynamic_shapes={"tokens": dims})
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, str(out_file))
+    return out_file
