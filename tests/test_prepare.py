@@ -190,8 +190,9 @@ def test_data_prepared_with_another_tokenizer_is_refused(bpe, tmp_path) -> None:
 
 
 def test_prepare_train_generate(bpe, tmp_path) -> None:
-    """A BPE-tokenized corpus trains in this process and the run decodes with its tokenizer; the
-    loader on the token file stays layout-independent and resumable."""
+    """A BPE-tokenized corpus trains in this process, the run decodes with its tokenizer and
+    exports it with the weights; the loader on the token file stays layout-independent and
+    resumable."""
     from helpers import losses, train_in_process
 
     from distrain.generate import generate_text, load_model, sample
@@ -219,11 +220,8 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
     rows = train_in_process(
         tmp_path / "run",
         **fields,
+        model__preset="llama-tiny",
         model__vocab_size=BPE_VOCAB,
-        model__dim=64,
-        model__n_layers=2,
-        model__n_heads=2,
-        model__ffn_dim=128,
         training__seq_len=32,
         training__steps=4,
         training__global_batch_size=8,
@@ -244,3 +242,13 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
                  generator=torch.Generator().manual_seed(5), num_tokens=tok.vocab_size)  # fmt: skip
     assert text == prompt + tok.decode(ids)
     assert len(ids) == 12 and max(ids) < BPE_VOCAB
+
+    from transformers import AutoTokenizer
+
+    from distrain.interop.export import export_hf
+
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    sample_text = (STDLIB / "json" / "scanner.py").read_text() + EOS + "ünïcode ✓"
+    assert exported.encode(sample_text) == tok.encode(sample_text)
+    assert exported.decode(tok.encode(sample_text)) == sample_text

@@ -134,7 +134,8 @@ def hf_tokenizer_dir(spec: str) -> Path | None:
     kind, _, arg = spec.partition(":")
     if kind != "hf":
         return None
-    return Path(arg).expanduser().resolve().parent
+    path = Path(arg).expanduser().resolve()
+    return path if path.is_dir() else path.parent
 
 
 def _hf_file(path: Path, field: str) -> Path:
