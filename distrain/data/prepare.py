@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from distrain.data.tokfile import Sidecar, docs_path, token_dtype, write_sidecar
+from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
 from distrain.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -146,7 +146,7 @@ def _results(
 
 
 def _units(inputs: list[str], out: Path, *, field: str, glob: str, split: str) -> Iterator[Unit]:
-    produced = {out.resolve(), docs_path(out).resolve()}
+    produced = {p.resolve() for p in (out, docs_path(out), sidecar_path(out))}
     for name in inputs:
         path = Path(name).expanduser()
         if not path.exists():
