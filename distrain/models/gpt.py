@@ -201,6 +201,11 @@ class GPT(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
         super().to_empty(device=device, recurse=recurse)
+        tied = self.args.tie_embeddings and self.tok_emb is not None and self.output is not None
+        if tied and self.output.weight is not self.tok_emb.weight:
+            # Materializing a plain meta tensor makes a new Parameter per module, untying them
+            # (DTensor parameters are swapped in place and stay tied).
+            self.output.weight = self.tok_emb.weight
         if self.rope_cache is not None:
             with torch.no_grad():
                 self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
