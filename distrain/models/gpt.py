@@ -5,9 +5,9 @@ fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; position
 rotate-half layout of Hugging Face's Llama, with Llama 3's frequency scaling) or learned; the MLP
 is GELU (GPT-2) or SwiGLU (Llama); biases are optional (GPT-2 has them). The attention module
 derives its local head counts from its weights' shapes, so a tensor-parallel plan can shard heads
-without touching this file. Weights are initialized by
-`init_weights`, which gives every parameter values determined by the seed and the parameter's name
-alone, so any layout, any world size, gets the same model.
+without touching this file. Weights are initialized by `init_weights`, which gives every parameter
+values determined by the seed and the parameter's name alone (or read from pretrained weights),
+so any layout, any world size, gets the same model.
 """
 
 from __future__ import annotations
