@@ -12,6 +12,7 @@ Tiny random transformers models are built and saved locally (nothing is download
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -24,7 +25,7 @@ from test_parity import assert_parity
 from distrain.cli import main
 from distrain.config import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
-from distrain.interop.hf import pretrained_source
+from distrain.interop.hf import hf_config, pretrained_source
 from distrain.models import GPT, PRESETS, init_weights, model_args, num_params
 from distrain.observe.metrics import read_metrics
 
@@ -179,6 +180,23 @@ def test_presets_have_published_parameter_counts(capsys):
             model = transformers.AutoModelForCausalLM.from_config(config)
         published = sum(p.numel() for p in model.parameters())  # a tied head counts once
         assert printed[name] == num_params(PRESETS[name]) == published, name
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-tiny", "llama3-1b", "llama2-7b", "llama-tiny"])
+def test_exported_config_reads_back(name, tmp_path):
+    """config.json as export writes it: transformers builds a model of the preset's size from it,
+    and importing it gives the preset's shape back (rotary scaling included)."""
+    preset = PRESETS[name]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(preset, dtype=torch.float32)))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == num_params(preset)
+    back = model_args(ModelConfig(init_from=f"hf:{tmp_path}"))
+    # n_kv_heads None and n_heads are one shape.
+    assert dataclasses.replace(back, n_kv_heads=back.kv_heads) == dataclasses.replace(
+        preset, n_kv_heads=preset.kv_heads
+    )
 
 
 @pytest.fixture(scope="module")
