@@ -147,12 +147,12 @@ def cmd_presets(argv: list[str]) -> None:
     argparse.ArgumentParser(prog="distrain presets", description="List model presets.").parse_args(
         argv
     )
-    print(f"{'preset':<12}{'params':>16}  dim  layers heads  ffn    vocab")
+    print(f"{'preset':<12}{'params':>16}  dim  layers heads kv  ffn    vocab   mlp")
     for name, args in PRESETS.items():
         print(
             f"{name:<12}{num_params(args):>16,}  {args.dim:<4} {args.n_layers:<6} "
-            f"{args.n_heads:<5} "
-            f"{args.ffn_dim:<6} {args.vocab_size}"
+            f"{args.n_heads:<5} {args.kv_heads:<3} "
+            f"{args.ffn_dim:<6} {args.vocab_size:<7} {args.mlp}"
         )
 
 

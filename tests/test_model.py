@@ -71,6 +71,11 @@ def test_meta_build_then_materialize_matches_eager():
     init_weights(eager, SMALL, seed=1)
     tokens = torch.randint(0, 64, (1, 8))
     assert torch.equal(meta(tokens), eager(tokens))
+    tied = dataclasses.replace(SMALL, tie_embeddings=True)
+    with torch.device("meta"):
+        meta = GPT(tied)
+    meta.to_empty(device="cpu")
+    assert meta.output.weight is meta.tok_emb.weight
 
 
 def test_model_overrides_and_errors():

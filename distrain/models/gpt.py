@@ -5,9 +5,9 @@ fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; position
 rotate-half layout of Hugging Face's Llama, with Llama 3's frequency scaling) or learned; the MLP
 is GELU (GPT-2) or SwiGLU (Llama); biases are optional (GPT-2 has them). The attention module
 derives its local head counts from its weights' shapes, so a tensor-parallel plan can shard heads
-without touching this file. Weights are initialized by
-`init_weights`, which gives every parameter values determined by the seed and the parameter's name
-alone, so any layout, any world size, gets the same model.
+without touching this file. Weights are initialized by `init_weights`, which gives every parameter
+values determined by the seed and the parameter's name alone (or read from pretrained weights),
+so any layout, any world size, gets the same model.
 """
 
 from __future__ import annotations
@@ -201,6 +201,11 @@ class GPT(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
         super().to_empty(device=device, recurse=recurse)
+        tied = self.args.tie_embeddings and self.tok_emb is not None and self.output is not None
+        if tied and self.output.weight is not self.tok_emb.weight:
+            # Materializing a plain meta tensor makes a new Parameter per module, untying them
+            # (DTensor parameters are swapped in place and stay tied).
+            self.output.weight = self.tok_emb.weight
         if self.rope_cache is not None:
             with torch.no_grad():
                 self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
