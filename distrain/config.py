@@ -230,6 +230,13 @@ class ParallelConfig:
     sequence_parallel: bool = doc(
         True, "With tp > 1, shard norms and the residual stream along the sequence."
     )
+    ep: int = doc(
+        1,
+        "Expert-parallel degree: MoE experts split over this many data-parallel ranks (it "
+        "divides dp_replicate x dp_shard), tokens sent to them with all-to-all; expert "
+        "weights are FSDP-sharded over the remaining data-parallel ranks.",
+        AT_LEAST_1,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

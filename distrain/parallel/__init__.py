@@ -258,6 +258,12 @@ def build_parallel_model(
         )
     else:
         parts = [model]
+    expert_mesh = None
+    if dims.ep > 1:
+        from distrain.parallel.experts import apply_expert_parallel
+
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
+        expert_mesh = ep_mesh["dp_mod_ep"]
     for part in parts:
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
@@ -265,13 +271,20 @@ def build_parallel_model(
             apply_tensor_parallel(
                 part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
             )
+        if dims.ep > 1:
+            apply_expert_parallel(part, ep_mesh["ep"], stats=comm_stats)
         apply_activation_checkpointing(
             part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
         if cfg.training.compile:
             apply_compile(part)
     if dims.dp_wrapper == "fsdp":
-        parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
+        parts = [
+            apply_fsdp(
+                part, mesh, dims, precision=cfg.training.precision, expert_mesh=expert_mesh
+            )
+            for part in parts
+        ]
     for part in parts:
         part.to_empty(device=device)
         init_weights(part, args, cfg.training.seed)
