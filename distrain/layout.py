@@ -214,6 +214,15 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery); it does not compose with sharded data parallel",
     ),
     Rule(
+        "moe_data_parallel_only",
+        "config",
+        lambda f: f.model.moe.enabled and (f.p.tp > 1 or f.p.pp > 1),
+        # The balancing losses join the loss in the accumulation loop (not in a pipeline
+        # schedule's loss), and the tensor-parallel plan has no entry for expert weights.
+        "model.moe (num_experts {f.model.moe.num_experts}) runs with data parallelism and ZeRO "
+        "1-3 only; set parallel.tp = 1 and parallel.pp = 1 (tp {f.p.tp}, pp {f.p.pp} here)",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
