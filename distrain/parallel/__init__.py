@@ -328,4 +328,9 @@ def build_parallel_model(
     model.comm_stats = comm_stats
     if args.moe.enabled:
         model.moe_stats = MoEStats(parts, dp_group=dp_mesh.get_group(), device=device)
+        if dims.pp > 1:
+            from distrain.parallel.moe_pipeline import join_balancing_losses
+
+            (stage,) = parts
+            join_balancing_losses(stage, model.moe_stats)
     return model

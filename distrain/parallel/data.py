@@ -144,9 +144,8 @@ def apply_fsdp(
 
     Under expert parallelism (`expert_mesh`: the dp_mod_ep axis) each block's experts are
     sharded first, on their own: their weights are already split over ep, and FSDP shards them
-    over the data-parallel ranks ep does not use. Their gradients are divided by the whole
-    data-parallel size, not by dp_mod_ep: the all-to-all backward has already summed the
-    gradients of the ep ranks' tokens into each expert.
+    over the data-parallel ranks ep does not use, averaging their gradients there (experts.py
+    has averaged them over ep).
     """
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     policy = (
@@ -161,7 +160,6 @@ def apply_fsdp(
                 fully_shard(
                     experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy
                 )
-                experts.set_gradient_divide_factor(dims.dp_size)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     return model

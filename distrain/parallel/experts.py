@@ -20,6 +20,12 @@ One forward of an ExpertParallel, on rows already sorted by global expert:
 3. combine: the results go back in the reverse order, so the caller sees its own rows in its
    own order. Both exchanges are differentiable (the backward is the reverse exchange).
 
+Gradients: an expert's weight gradient on its rank sums the gradients of every ep rank's rows
+(the backward exchange brought them there), where data parallelism wants their mean over the
+data-parallel ranks: it is divided by ep here and FSDP averages over dp_mod_ep, giving the mean
+over ep x dp_mod_ep = all data-parallel ranks. (Not FSDP's `set_gradient_divide_factor`: it
+reduces with PREMUL_SUM, which gloo lacks.)
+
 A rank's counts depend only on its own tokens, so routing, capacity drops and statistics stay
 where moe.py computes them: on the rank that routes, before any exchange.
 """
@@ -59,6 +65,19 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_splits, in_splits = ctx.splits
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _exchange(
@@ -111,7 +130,10 @@ class ExpertParallel(nn.Module):
         rows = _AllToAll.apply(x, recv_splits, send_splits, group)
         order = _by_local_expert(recv).to(x.device)
         local_counts = received.view(self.ep, per_rank).sum(0)
-        weights = {name: getattr(self, name).to_local() for name in self.names}
+        weights = {
+            name: _ScaleGrad.apply(getattr(self, name).to_local(), 1.0 / self.ep)
+            for name in self.names
+        }
         out = functional_call(self.inner, weights, (rows[order], local_counts))
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
