@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call
 
+from distrain.models.moe import moe_layers
 from distrain.parallel.compress import CommStats
 
 
@@ -169,9 +170,7 @@ def apply_expert_parallel(
     """Replace every MoE layer's `experts` in `model` (meta or materialized) by an
     ExpertParallel over the 1-D `ep_mesh`; returns them (for FSDP to wrap)."""
     wrapped = []
-    for module in list(model.modules()):
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, nn.Module) and not isinstance(experts, ExpertParallel):
-            module.experts = ExpertParallel(experts, ep_mesh, stats=stats)
-            wrapped.append(module.experts)
+    for layer in moe_layers(model):
+        layer.experts = ExpertParallel(layer.experts, ep_mesh, stats=stats)
+        wrapped.append(layer.experts)
     return wrapped
