@@ -51,6 +51,54 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture of experts; every field None = the preset's value (dense presets: 0 experts)."""
+
+    num_experts: int | None = doc(
+        None, "Routed experts per MoE layer (0 = a dense model).", AT_LEAST_0
+    )
+    top_k: int | None = doc(
+        None, "Experts per token (1 = Switch; > 1 renormalises the k gates).", AT_LEAST_1
+    )
+    every: int | None = doc(
+        None,
+        "An MoE layer in every k-th block (block i when (i + 1) % k == 0), dense MLPs in "
+        "the others.",
+        AT_LEAST_1,
+    )
+    shared_experts: int | None = doc(
+        None,
+        "Always-on experts per MoE layer, as one dense MLP of that many expert widths "
+        "(DeepSeek-MoE).",
+        AT_LEAST_0,
+    )
+    ffn_dim: int | None = doc(None, "Hidden size of one expert (0 = model.ffn_dim).", AT_LEAST_0)
+    capacity_factor: float | None = doc(
+        None,
+        "0 = dropless; > 0: each expert takes at most ceil(factor x top_k x tokens / experts) "
+        "token copies of each micro-batch, the rest pass through the residual (Switch).",
+        AT_LEAST_0,
+    )
+    aux_loss_coef: float | None = doc(
+        None,
+        "Weight of Switch's load-balancing loss E x sum_i f_i P_i (with balance = 'aux').",
+        AT_LEAST_0,
+    )
+    z_loss_coef: float | None = doc(
+        None, "Weight of the router z-loss, mean squared logsumexp of router logits.", AT_LEAST_0
+    )
+    balance: Literal["aux", "bias", "none"] | None = doc(
+        None,
+        "Load balancing: aux = the auxiliary loss; bias = DeepSeek-V3's per-expert routing bias, "
+        "moved by moe.bias_update_rate after each step against the load summed over "
+        "data-parallel ranks (kept in checkpoints); none = neither.",
+    )
+    bias_update_rate: float | None = doc(
+        None, "Step of the per-expert bias update (balance = 'bias').", AT_LEAST_0
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     preset: str = doc("tiny", "Named model preset (see `distrain presets`).")
     vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
@@ -93,6 +141,7 @@ class ModelConfig:
         "safetensors) of a Llama or GPT-2 model; its config.json sets the model shape (the "
         "preset is ignored). Empty: seeded random init.",
     )
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -251,6 +300,13 @@ class ParallelConfig:
     )
     sequence_parallel: bool = doc(
         True, "With tp > 1, shard norms and the residual stream along the sequence."
+    )
+    ep: int = doc(
+        1,
+        "Expert-parallel degree: MoE experts split over this many data-parallel ranks (it "
+        "divides dp_replicate x dp_shard), tokens sent to them with all-to-all; expert "
+        "weights are FSDP-sharded over the remaining data-parallel ranks.",
+        AT_LEAST_1,
     )
 
 

@@ -114,6 +114,31 @@ class Facts:
         return -(-self.local_batch // self.t.micro_batch_size)
 
     @property
+    def num_experts(self) -> int:
+        return self.model.moe.num_experts
+
+    @property
+    def ep_choices(self) -> str:
+        e = self.num_experts
+        return ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
+
+    @property
+    def ep_conflict(self) -> str:
+        """The first setting that needs plain DDP, which expert parallelism does not use
+        ("" when there is none)."""
+        conflicts = {
+            "parallel.zero_stage = 1": self.p.zero_stage == 1,
+            "training.precision = 'fp16'": self.t.precision == "fp16",
+            "training.oom_recovery": self.t.oom_recovery,
+            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
+                self.c.gradient_compression != "none"
+            ),
+            "comm.hierarchical": self.c.hierarchical,
+            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+        }
+        return next((name for name, found in conflicts.items() if found), "")
+
+    @property
     def sharded(self) -> bool:
         """Parameters or gradients sharded, or split by tp/pp: DDP's hooks do not apply."""
         return self.p.zero_stage >= 2 or self.p.tp > 1 or self.p.pp > 1
@@ -214,6 +239,20 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery); it does not compose with sharded data parallel",
     ),
     Rule(
+        "moe_pipeline_one_stage",
+        "config",
+        lambda f: (
+            f.model.moe.enabled
+            and f.p.pp > 1
+            and (f.p.tp > 1 or f.p.pp_schedule not in _SINGLE_STAGE_SCHEDULES)
+        ),
+        # A stage's balancing losses join its backward through its output, one stage per
+        # rank (parallel/moe_pipeline.py); proven with gpipe and 1f1b, without tp.
+        "model.moe (num_experts {f.model.moe.num_experts}) in a pipeline (parallel.pp = "
+        "{f.p.pp}) runs with pp_schedule 'gpipe' or '1f1b' and tp = 1 only (schedule "
+        "{f.p.pp_schedule!r}, tp {f.p.tp} here)",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -283,6 +322,39 @@ RULES: tuple[Rule, ...] = (
         "{f.p.pp}): the embedding and the output projection live on different ranks; set "
         "model.tie_embeddings = false",
     ),
+    Rule(
+        "ep_needs_experts",
+        "config",
+        lambda f: f.p.ep > 1 and f.num_experts == 0,
+        "parallel.ep ({f.p.ep}) splits the experts of MoE layers, but the model has none "
+        "(model.moe.num_experts = 0, preset {f.cfg.model.preset!r}); set model.moe.num_experts "
+        "or parallel.ep = 1",
+    ),
+    Rule(
+        "ep_splits_experts",
+        "config",
+        lambda f: f.p.ep > 1 and f.num_experts > 0 and f.num_experts % f.p.ep != 0,
+        "model.moe.num_experts ({f.num_experts}) must be divisible by parallel.ep ({f.p.ep}); "
+        "choose parallel.ep in {{{f.ep_choices}}} or change model.moe.num_experts",
+    ),
+    Rule(
+        "ep_runs_on_fsdp",
+        "config",
+        lambda f: f.p.ep > 1 and f.ep_conflict != "",
+        "parallel.ep = {f.p.ep} wraps the model in FSDP2 (expert weights live on their own "
+        "mesh), but {f.ep_conflict} needs plain DDP; change that setting or set parallel.ep = 1",
+    ),
+    Rule(
+        "moe_tp_needs_ep",
+        "config",
+        lambda f: (
+            f.num_experts > 0 and f.p.tp > 1 and (f.p.ep == 1 or f.p.sequence_parallel)
+        ),
+        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} runs "
+        "its MoE layers replicated over tp, which is proven with parallel.ep > 1 and "
+        "parallel.sequence_parallel = false only (ep {f.p.ep}, sequence_parallel "
+        "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
+    ),
     # --- the degrees against the world size ---
     Rule(
         "tp_pp_divide_world",
@@ -342,6 +414,14 @@ RULES: tuple[Rule, ...] = (
         "parallel.dp_replicate ({f.p.dp_replicate}) x parallel.dp_shard ({f.p.dp_shard}) must "
         "equal the data-parallel size {f.dp} (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); "
         "set one of them to -1 (what is left over)",
+    ),
+    Rule(
+        "ep_divides_dp",
+        "world",
+        lambda f: f.p.ep > 1 and f.dp % f.p.ep != 0,
+        "parallel.ep ({f.p.ep}) must divide the data-parallel size {f.dp} (world "
+        "{f.world_size} / tp {f.p.tp} / pp {f.p.pp}): expert-parallel ranks are data-parallel "
+        "ranks; choose one of {f.dp_divisors}",
     ),
     # --- the resolved degrees ---
     Rule(

@@ -116,7 +116,8 @@ class ParallelDims:
     Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost so
     its chatty collectives stay on the fastest links (one node); pipeline is outermost since it
     sends the least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits
-    the global batch over.
+    the global batch over. `ep` is not a further factor of the world size: it regroups the dp
+    ranks for the expert weights (`build_ep_mesh`).
     """
 
     pp: int
@@ -125,6 +126,7 @@ class ParallelDims:
     tp: int
     zero_stage: int
     world_size: int
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
@@ -147,6 +149,7 @@ class ParallelDims:
             tp=p.tp,
             zero_stage=p.zero_stage,
             world_size=world_size,
+            ep=p.ep,
         )
 
     @property
@@ -158,17 +161,17 @@ class ParallelDims:
         """How the model is wrapped for data parallelism: "none" when there is one replica,
         "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
         with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
-        correctly), else "ddp"."""
+        correctly) and under ep (expert weights live on their own mesh), else "ddp"."""
         if self.dp_size == 1:
             return "none"
-        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1:
+        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
             return "fsdp"
         return "ddp"
 
     def describe(self) -> str:
         return (
             f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
-            f"zero_stage={self.zero_stage}"
+            f"zero_stage={self.zero_stage}" + (f" ep={self.ep}" if self.ep > 1 else "")
         )
 
     def build_mesh(
@@ -185,6 +188,26 @@ class ParallelDims:
             backend_override=dict.fromkeys(AXES, options) if options else None,
         )
         return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", backend_override=options)
+
+
+    def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:
+        """The expert-parallel mesh, axes pp, dp_mod_ep, ep, tp (size-1 axes kept).
+
+        EP ranks come out of the data-parallel ranks, as in torchtitan: the ep ranks of a group
+        are `ep` consecutive data-parallel indices (dp_shard first, then dp_replicate), so a group
+        stays on one node as long as it fits. Expert weights are split over `ep` and
+        FSDP-sharded over `dp_mod_ep`, the data-parallel ranks EP does not use. A separate root
+        mesh from `build_mesh`'s (the same ranks, grouped differently); both pass the same
+        `timeout_s` to their groups.
+        """
+        options = group_options(dist.get_backend(), timeout_s)
+        names = ("pp", "dp_mod_ep", "ep", "tp")
+        return init_device_mesh(
+            device_type,
+            (self.pp, self.dp_size // self.ep, self.ep, self.tp),
+            mesh_dim_names=names,
+            backend_override=dict.fromkeys(names, options) if options else None,
+        )
 
 
 def node_groups(

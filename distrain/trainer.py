@@ -248,6 +248,8 @@ class Trainer:
         self.scaler.update()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.model.moe_stats is not None:
+            self.model.moe_stats.after_step(updated=update)
         return loss, grad_norm
 
     def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
@@ -368,6 +370,7 @@ class Trainer:
                     "loss_spike": self.loss_spikes.update(loss_value),
                     **self._straggler_metrics(window_steps),
                     **self._comm_metrics(window_steps),
+                    **(self.model.moe_stats.metrics() if self.model.moe_stats else {}),
                 }
                 self.metrics.log(row)
                 if self.cfg.debug.check_replicas:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from distrain.models.moe import MoE, MoEArgs
 
 
 @dataclass(kw_only=True)
@@ -47,6 +49,7 @@ class ModelArgs:
     bias: bool = False
     """Biases in every linear layer and LayerNorm, as GPT-2 has."""
     tie_embeddings: bool = False
+    moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +71,7 @@ class ModelArgs:
             )
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
+        self.moe.check(self.n_layers)
 
 
 def _norm(args: ModelArgs) -> nn.Module:
@@ -163,16 +167,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention then a feed-forward layer: the dense `mlp`, or `moe` in the blocks that
+    model.moe.every picks (the attribute name keeps checkpoint keys apart)."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(args)
         self.attn = Attention(args)
         self.mlp_norm = _norm(args)
-        self.mlp = MLP(args)
+        if args.moe.is_moe_layer(layer):
+            self.moe = _moe(args)
+        else:
+            self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + ffn(self.mlp_norm(x))
+
+
+def _moe(args: ModelArgs) -> MoE:
+    ffn_dim = args.moe.expert_ffn_dim(args.ffn_dim)
+    shared = None
+    if args.moe.shared_experts:
+        shared = MLP(replace(args, ffn_dim=args.moe.shared_experts * ffn_dim))
+    return MoE(args.dim, args.moe, ffn_dim, shared=shared)
 
 
 class GPT(nn.Module):
@@ -187,7 +206,7 @@ class GPT(nn.Module):
         self.pos_emb = (
             nn.Embedding(args.max_seq_len, args.dim) if args.pos_emb == "learned" else None
         )
-        self.blocks = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = _norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -252,7 +271,9 @@ def param_init_std(name: str, args: ModelArgs) -> float | None:
         return 0.0
     if "norm" in name:
         return None
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "shared.w_down.weight")) or (
+        name.endswith("experts.w_down")
+    ):
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
 
@@ -282,6 +303,7 @@ def init_weights(
 
     Values are made on CPU in fp32 as the full tensor; a sharded (DTensor) parameter keeps only
     its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
+    The MoE expert bias (a buffer) starts at zero.
     """
     for name, param in model.named_parameters():
         value = (
@@ -296,3 +318,6 @@ def init_weights(
             param.to_local().copy_(local)
         else:
             param.copy_(value)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.expert_bias.zero_()

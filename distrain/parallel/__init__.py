@@ -35,6 +35,7 @@ from distrain.parallel.data import (
     settle_bucket_layout,
 )
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -80,6 +81,8 @@ class ParallelModel:
         # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
         # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
         self.allreduce_payload: tuple[int, int] | None = None
+        self.moe_stats: MoEStats | None = None
+        """Set for a mixture-of-experts model: its balancing losses join the training loss."""
         self.runner = None
         if dims.pp > 1:
             from distrain.parallel.pipeline import PipelineRunner
@@ -152,8 +155,10 @@ class ParallelModel:
                 with self.autocast:
                     logits = self.parts[0](inputs.to(self.device, non_blocking=True))
                 loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
+                # The reported loss stays the cross-entropy; MoE balancing terms only train.
+                total = loss if self.moe_stats is None else loss + self.moe_stats.after_forward()
                 heartbeat.mark("backward")
-                scale(loss / len(batches)).backward()
+                scale(total / len(batches)).backward()
             loss_sum += _local(loss.detach())
         if sync and self.allreduce_payload is not None:
             self._count_allreduce(*self.allreduce_payload)
@@ -258,6 +263,12 @@ def build_parallel_model(
         )
     else:
         parts = [model]
+    expert_mesh = None
+    if dims.ep > 1:
+        from distrain.parallel.experts import apply_expert_parallel
+
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
+        expert_mesh = ep_mesh["dp_mod_ep"]
     for part in parts:
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
@@ -265,13 +276,20 @@ def build_parallel_model(
             apply_tensor_parallel(
                 part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
             )
+        if dims.ep > 1:
+            apply_expert_parallel(part, ep_mesh["ep"], stats=comm_stats)
         apply_activation_checkpointing(
             part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
         if cfg.training.compile:
             apply_compile(part)
     if dims.dp_wrapper == "fsdp":
-        parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
+        parts = [
+            apply_fsdp(
+                part, mesh, dims, precision=cfg.training.precision, expert_mesh=expert_mesh
+            )
+            for part in parts
+        ]
     source = None
     if cfg.model.init_from:
         from distrain.interop.hf import pretrained_source
@@ -313,4 +331,11 @@ def build_parallel_model(
         )
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats
+    if args.moe.enabled:
+        model.moe_stats = MoEStats(parts, dp_group=dp_mesh.get_group(), device=device)
+        if dims.pp > 1:
+            from distrain.parallel.moe_pipeline import join_balancing_losses
+
+            (stage,) = parts
+            join_balancing_losses(stage, model.moe_stats)
     return model
