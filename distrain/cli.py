@@ -95,6 +95,52 @@ def cmd_generate(argv: list[str]) -> None:
     print(text)
 
 
+def cmd_prepare(argv: list[str]) -> None:
+    import os
+
+    from distrain.data.prepare import prepare
+
+    parser = argparse.ArgumentParser(
+        prog="distrain prepare",
+        description="Tokenize text files, folders, JSONL files or a saved Hugging Face dataset "
+        "into a token file for data.path (DATA.bin, its sidecar DATA.bin.json and document "
+        "boundaries DATA.bin.docs.npy).",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="Files and folders to read.")
+    parser.add_argument("--out", required=True, help="The token file to write (DATA.bin).")
+    parser.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes, hf:DIR_OR_FILE or tiktoken:NAME_OR_FILE (what data.tokenizer takes).",
+    )
+    parser.add_argument(
+        "--field", default="text", help="The text field of JSONL records and dataset rows."
+    )
+    parser.add_argument("--glob", default="**/*", help="Files to read in a folder.")
+    parser.add_argument("--split", default="train", help="The split of a saved DatasetDict.")
+    parser.add_argument("--eos", help="A token appended after each document (e.g. <|endoftext|>).")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="Processes (default: all cores)."
+    )
+    ns = parser.parse_args(argv)
+    result = prepare(
+        ns.inputs,
+        out=ns.out,
+        tokenizer=ns.tokenizer,
+        field=ns.field,
+        glob=ns.glob,
+        split=ns.split,
+        eos=ns.eos,
+        workers=ns.workers,
+        progress=True,
+    )
+    s = result.sidecar
+    print(
+        f"{ns.out}: {s.num_tokens:,} tokens ({s.dtype}) in {s.num_documents:,} documents, "
+        f"vocab {s.vocab_size}, {result.seconds:.1f} s ({result.tokens_per_s:,.0f} tokens/s)"
+    )
+
+
 def cmd_presets(argv: list[str]) -> None:
     from distrain.models.presets import PRESETS, num_params
 
@@ -191,6 +237,7 @@ COMMANDS = {
     "diagnose": cmd_diagnose,
     "status": cmd_status,
     "plot": cmd_plot,
+    "prepare": cmd_prepare,
     "export": cmd_export,
 }
 

@@ -154,8 +154,16 @@ class DataConfig:
     format: Literal["auto", "text", "tokens"] = doc(
         "auto", "How to read data.path: auto decides by suffix (.bin/.npy = tokens)."
     )
-    token_dtype: Literal["uint8", "uint16", "int32"] = doc(
-        "uint16", "Element type of a raw .bin token file."
+    token_dtype: Literal["uint8", "uint16", "uint32", "int32"] = doc(
+        "uint16",
+        "Element type of a raw .bin token file (a file from `distrain prepare` names its own in "
+        "its sidecar, DATA.bin.json).",
+    )
+    tokenizer: str = doc(
+        "bytes",
+        "bytes (UTF-8 bytes, vocab 256), hf:DIR_OR_FILE (a local tokenizer.json) or "
+        "tiktoken:NAME_OR_FILE (a local NAME.tiktoken file, or a NAME in tiktoken's cache). "
+        "Other than bytes, data.path must be a token file from `distrain prepare`.",
     )
     glob: str = doc("**/*", "Files to read when data.path is a folder (default corpus: **/*.py).")
     max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).", AT_LEAST_0)

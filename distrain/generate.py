@@ -1,5 +1,6 @@
 """Sampling from a run's latest checkpoint: rebuild the model from <run_dir>/config.toml, load only
-the model weights (any layout's checkpoint loads into the plain module), and sample bytes."""
+the model weights (any layout's checkpoint loads into the plain module), and sample text with the
+run's tokenizer (data.tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from distrain.checkpoint import Checkpointer, checkpoint_storage
 from distrain.config_io import load_config
-from distrain.data import ByteTokenizer
+from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
@@ -67,12 +68,15 @@ def sample(
     temperature: float,
     top_k: int | None,
     generator: torch.Generator,
+    num_tokens: int | None = None,
 ) -> list[int]:
+    """`max_new_tokens` ids continuing `prompt`; with `num_tokens`, only ids below it (a model's
+    vocabulary padded past its tokenizer's has rows no text decodes to)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
         context = tokens[:, -model.args.max_seq_len :]
-        logits = model(context)[0, -1].float()
+        logits = model(context)[0, -1, :num_tokens].float()
         if temperature <= 0:
             next_token = logits.argmax().view(1)
         else:
@@ -98,19 +102,21 @@ def generate_text(
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(run_dir, device)
-    tokenizer = ByteTokenizer()
-    if model.args.vocab_size != tokenizer.vocab_size:
+    tokenizer = load_tokenizer(load_config(str(run_dir / "config.toml")).data.tokenizer)
+    if model.args.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
-            f"generate: the run's model has vocab_size {model.args.vocab_size}, but only the byte "
-            "tokenizer (256) is available to decode; sample token ids programmatically instead"
+            f"generate: the run's model has vocab_size {model.args.vocab_size}, fewer than its "
+            f"tokenizer {tokenizer.spec!r} ({tokenizer.vocab_size}); this run cannot be decoded"
         )
+    start = tokenizer.encode(prompt) or tokenizer.encode("\n")
     generator = torch.Generator().manual_seed(seed)
     new = sample(
         model,
-        tokenizer.encode(prompt) or [ord("\n")],
+        start,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         generator=generator,
+        num_tokens=tokenizer.vocab_size,
     )
     return prompt + tokenizer.decode(new)

@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 
 from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
+from distrain.data.corpus import is_token_data
+from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError
 from distrain.mesh import CUDA_MISSING, ParallelDims, device_type
 from distrain.models.gpt import ModelArgs
@@ -139,6 +141,16 @@ class Facts:
         return next((name for name, found in conflicts.items() if found), "")
 
     @property
+    def tokenizer_vocab(self) -> int:
+        return load_tokenizer(self.cfg.data.tokenizer).vocab_size
+
+    @property
+    def padded_vocab(self) -> int:
+        """The tokenizer's vocabulary rounded up to a multiple of 64 (even tp splits, aligned
+        matmuls)."""
+        return -(-self.tokenizer_vocab // 64) * 64
+
+    @property
     def sharded(self) -> bool:
         """Parameters or gradients sharded, or split by tp/pp: DDP's hooks do not apply."""
         return self.p.zero_stage >= 2 or self.p.tp > 1 or self.p.pp > 1
@@ -162,6 +174,23 @@ RULES: tuple[Rule, ...] = (
         "training.seq_len ({f.t.seq_len}) exceeds the model's max_seq_len ({f.model.max_seq_len},"
         " preset {f.cfg.model.preset!r}); lower training.seq_len to at most {f.model.max_seq_len}"
         ", or set model.max_seq_len = {f.t.seq_len} (learned positions then add parameters)",
+    ),
+    Rule(
+        "tokenizer_needs_token_file",
+        "config",
+        lambda f: f.cfg.data.tokenizer != "bytes" and not is_token_data(f.cfg.data),
+        "data.tokenizer = {f.cfg.data.tokenizer!r} trains on token files: tokenize the text "
+        "first (distrain prepare --tokenizer {f.cfg.data.tokenizer} --out DATA.bin TEXT...) and "
+        "set data.path = DATA.bin",
+    ),
+    Rule(
+        "vocab_holds_tokenizer",
+        "config",
+        # The byte tokenizer's ids are the data's own bytes, checked when the data is opened.
+        lambda f: f.cfg.data.tokenizer != "bytes" and f.model.vocab_size < f.tokenizer_vocab,
+        "model.vocab_size ({f.model.vocab_size}, preset {f.cfg.model.preset!r}) is smaller than "
+        "the vocabulary of data.tokenizer = {f.cfg.data.tokenizer!r} ({f.tokenizer_vocab}); set "
+        "model.vocab_size to at least {f.tokenizer_vocab} (e.g. {f.padded_vocab})",
     ),
     Rule(
         "cuda_available",

@@ -1,6 +1,7 @@
 """Cheap checks of the places a run reads and writes, made by `distrain train` before it starts
-any worker: the data path exists, the run directory and a local checkpoint directory can take
-files (a probe file written and deleted), and an object-store URL's filesystem is installed.
+any worker: the data path exists (and a prepared token file's sidecar names data.tokenizer), the
+run directory and a local checkpoint directory can take files (a probe file written and
+deleted), and an object-store URL's filesystem is installed.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -18,6 +19,9 @@ from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint import checkpoint_storage
 from distrain.config import Config
+from distrain.data.corpus import is_token_data
+from distrain.data.tokenizer import load_tokenizer
+from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
@@ -28,6 +32,10 @@ def preflight(cfg: Config) -> None:
     problem found."""
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path: no such file or folder {cfg.data.path!r}")
+    if is_token_data(cfg.data) and Path(cfg.data.path).is_file():
+        sidecar = read_sidecar(Path(cfg.data.path))  # a small JSON file: cheap to read here
+        if sidecar is not None:
+            check_tokenizer(Path(cfg.data.path), sidecar, load_tokenizer(cfg.data.tokenizer))
     check_writable("run.dir", Path(cfg.run.dir))
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:

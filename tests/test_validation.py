@@ -22,12 +22,21 @@ from distrain.config import Config, ConfigError, numeric_fields
 from distrain.config_io import help_text, load_config, parse_overrides
 from distrain.layout import RULES, LayoutError, validate
 
+# A 300-token BPE (tokenizers' trainer on json/decoder.py of the stdlib), for the tokenizer rules.
+BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
+
 # (rule, overrides, world size, texts the one-line message must hold). Every rule of the table
 # appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present.
 CASES = [
     ("seq_len_within_model", {"training.seq_len": "2048"}, 1,
      ["training.seq_len (2048) exceeds the model's max_seq_len (1024, preset 'tiny')",
       "at most 1024", "model.max_seq_len = 2048"]),
+    ("tokenizer_needs_token_file", {"data.tokenizer": f"hf:{BPE_300}"}, 1,
+     [f"data.tokenizer = 'hf:{BPE_300}' trains on token files", "set data.path = DATA.bin"]),
+    ("vocab_holds_tokenizer",
+     {"data.tokenizer": f"hf:{BPE_300}", "data.path": "prepared.bin"}, 1,
+     ["model.vocab_size (256, preset 'tiny') is smaller than the vocabulary of data.tokenizer",
+      "(300); set model.vocab_size to at least 300 (e.g. 320)"]),
     ("cuda_available", {"run.device": "cuda"}, 1,
      ["run.device = 'cuda' but CUDA is not available", "use auto or cpu"]),
     ("fp16_needs_cuda", {"training.precision": "fp16", "run.device": "cpu"}, 1,
@@ -176,6 +185,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
     cuda_present(False)
     fixed = [
         ({"training.seq_len": "2048", "model.max_seq_len": "2048"}, 1),
+        ({"data.tokenizer": f"hf:{BPE_300}", "data.path": "a.bin", "model.vocab_size": "320"}, 1),
         ({"parallel.dp_replicate": "-1"}, 2),
         ({"parallel.dp_replicate": "2"}, 2),
         ({"parallel.dp_replicate": "4"}, 4),
@@ -377,7 +387,7 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, presets, slurm, diagnose, status, plot"
+        "generate, presets, slurm, diagnose, status, plot, prepare, export"
     ]
 
 

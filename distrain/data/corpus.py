@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from distrain.config import DataConfig
+from distrain.data.tokenizer import load_tokenizer
+from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import DistrainError
 from distrain.observe.logs import LOGGER_NAME
 
@@ -44,11 +46,9 @@ def read_corpus(cfg: DataConfig, *, vocab_size: int | None = None) -> np.ndarray
         path = Path(cfg.path)
         if not path.exists():
             raise DataError(f"data.path: no such file or folder {cfg.path!r}")
-        is_tokens = cfg.format == "tokens" or (
-            cfg.format == "auto" and path.suffix in _TOKEN_SUFFIXES
-        )
+        is_tokens = is_token_data(cfg)
         if is_tokens:
-            tokens = _read_token_file(path, cfg.token_dtype)
+            tokens = _read_token_file(path, cfg.token_dtype, cfg.tokenizer)
         elif path.is_dir():
             files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
             tokens = _read_files(files, cfg.max_bytes)
@@ -141,10 +141,22 @@ def _read_files(files: list[Path], max_bytes: int) -> np.ndarray:
     return np.frombuffer(joined, dtype=np.uint8)
 
 
-def _read_token_file(path: Path, token_dtype: str) -> np.ndarray:
-    """Memory-map a token file: `.npy` carries its own dtype, anything else is raw `token_dtype`."""
+def is_token_data(cfg: DataConfig) -> bool:
+    """data.path names a token file (by data.format, or its suffix when format is auto)."""
+    return cfg.format == "tokens" or (
+        cfg.format == "auto" and cfg.path != "" and Path(cfg.path).suffix in _TOKEN_SUFFIXES
+    )
+
+
+def _read_token_file(path: Path, token_dtype: str, tokenizer: str) -> np.ndarray:
+    """Memory-map a token file: `.npy` carries its own dtype, a prepared file's sidecar names it
+    (and the tokenizer, which must be data.tokenizer), anything else is raw `token_dtype`."""
     if path.is_dir():
         raise DataError(f"data.path {str(path)!r} is a folder; data.format=tokens needs a file")
+    sidecar = read_sidecar(path)
+    if sidecar is not None:
+        check_tokenizer(path, sidecar, load_tokenizer(tokenizer))
+        token_dtype = sidecar.dtype
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
         if not np.issubdtype(tokens.dtype, np.integer):
@@ -156,6 +168,11 @@ def _read_token_file(path: Path, token_dtype: str) -> np.ndarray:
         raise DataError(
             f"data.path {str(path)!r}: {size} bytes is not a whole number of "
             f"data.token_dtype={token_dtype} tokens ({itemsize} bytes each)"
+        )
+    if sidecar is not None and size // itemsize != sidecar.num_tokens:
+        raise DataError(
+            f"data.path {str(path)!r} holds {size // itemsize} tokens but its sidecar says "
+            f"{sidecar.num_tokens}; the file is incomplete or was changed: prepare it again"
         )
     if size == 0:
         return np.zeros(0, dtype=token_dtype)

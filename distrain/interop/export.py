@@ -27,6 +27,7 @@ from distrain.checkpoint import Entry, checkpoint_storage, committed, verify
 from distrain.checkpoint_load import _safe_reader, load
 from distrain.config import Config
 from distrain.config_io import load_config
+from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.interop.hf import INDEX_FILE, HfTensor, hf_config, hf_tensors
 from distrain.models.gpt import GPT
@@ -180,8 +181,9 @@ def _generation_config(cfg: Config) -> dict[str, Any]:
     """Sampling defaults; token ids come from the tokenizer, which the byte tokenizer lacks."""
     config: dict[str, Any] = {"do_sample": True, "temperature": 0.8, "top_k": 50}
     spec = _tokenizer_spec(cfg)
-    if spec.startswith("hf:"):
-        tokenizer_config = Path(spec[3:]) / "tokenizer_config.json"
+    folder = hf_tokenizer_dir(spec)
+    if folder is not None:
+        tokenizer_config = folder / "tokenizer_config.json"
         if tokenizer_config.is_file():
             known = json.loads(tokenizer_config.read_text())
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -192,17 +194,22 @@ def _generation_config(cfg: Config) -> dict[str, Any]:
 
 def _copy_tokenizer(cfg: Config, out_dir: Path) -> None:
     """A Hugging Face tokenizer's files go with the weights (`hf:DIR`, or `hf:FILE` for one
-    tokenizer.json); byte and tiktoken tokenizers have no transformers files to copy."""
-    spec = _tokenizer_spec(cfg)
-    if not spec.startswith("hf:"):
+    tokenizer.json); byte and tiktoken tokenizers have no transformers files to copy. A lone
+    tokenizer.json gets a tokenizer_config.json naming the generic fast tokenizer, so that
+    AutoTokenizer encodes exactly as the tokenizer.json does (the model type's own tokenizer
+    class would add its special tokens)."""
+    tokenizer = load_tokenizer(_tokenizer_spec(cfg))
+    if not isinstance(tokenizer, HFTokenizer):
         return
-    source = Path(spec[3:])
-    if source.is_file():
-        shutil.copyfile(source, out_dir / "tokenizer.json")
-        return
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out_dir / name)
+    shutil.copyfile(tokenizer.file, out_dir / HF_FILE)
+    if tokenizer.file.name == HF_FILE:  # in a tokenizer folder: its other files too
+        for name in TOKENIZER_FILES:
+            if name != HF_FILE and (tokenizer.file.parent / name).is_file():
+                shutil.copyfile(tokenizer.file.parent / name, out_dir / name)
+    if not (out_dir / "tokenizer_config.json").is_file():
+        (out_dir / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
+        )
 
 
 def load_run_model(run_dir: Path, *, step: int | None = None) -> tuple[GPT, int]:

@@ -1,0 +1,288 @@
+"""`distrain prepare`: tokenize text files, folders, JSONL files and saved Hugging Face datasets
+into a prepared token file (see tokfile.py), in parallel worker processes, with a progress bar.
+
+The inputs are cut into units of work (a text file, a newline-aligned byte range of a JSONL file,
+a row range of a dataset) in a fixed order; workers tokenize units and the parent writes their
+tokens in unit order, so the output does not depend on the number of processes. A text file is
+one document, as are a JSONL line's and a dataset row's `--field` text.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from tqdm import tqdm
+
+from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from distrain.data.tokfile import Sidecar, docs_path, token_dtype, write_sidecar
+from distrain.errors import ConfigError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+UNIT_BYTES = 4 << 20
+UNIT_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of work: a whole text file, bytes [start, stop) of a JSONL file, or rows
+    [start, stop) of a saved dataset (split `split`). `weight` is its share of the progress bar,
+    in bytes."""
+
+    kind: Literal["text", "jsonl", "dataset"]
+    path: str
+    start: int = 0
+    stop: int = 0
+    split: str = ""
+    weight: int = 0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    sidecar: Sidecar
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.sidecar.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def prepare(
+    inputs: list[str],
+    *,
+    out: str,
+    tokenizer: str,
+    field: str = "text",
+    glob: str = "**/*",
+    split: str = "train",
+    eos: str | None = None,
+    workers: int = 1,
+    progress: bool = False,
+) -> Prepared:
+    """Tokenize `inputs` into `out` (+ its sidecar and document boundaries); see the module doc."""
+    start_time = time.perf_counter()
+    out_path = Path(out)
+    if out_path.suffix != ".bin":
+        raise ConfigError(f"--out {out!r} must end in .bin (training reads .bin as tokens)")
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    tok = load_tokenizer(tokenizer, "--tokenizer")
+    eos_id = None
+    if eos is not None:
+        eos_id = tok.token_id(eos)
+        if eos_id is None:
+            raise ConfigError(f"--eos {eos!r} is not a token of --tokenizer {tokenizer!r}")
+    units = list(_units(inputs, out_path, field=field, glob=glob, split=split))
+    if not units:
+        raise ConfigError(f"no input documents found in {inputs} (--glob {glob!r})")
+    dtype = token_dtype(tok.vocab_size)
+    # One process uses one core: --workers alone sets the parallelism (tokenizers' own thread
+    # pool would otherwise also take every core, in each worker).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup = (tokenizer, field, eos_id, dtype.str)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    lengths: list[np.ndarray] = []
+    bar = tqdm(
+        total=sum(u.weight for u in units),
+        desc="prepare",
+        unit="B",
+        unit_scale=True,
+        disable=not (progress and sys.stderr.isatty()),
+    )
+    num_tokens = 0
+    try:
+        with open(tmp, "wb") as sink, bar:
+            results = _results(units, setup, workers)
+            for unit, (tokens, doc_lengths) in zip(units, results, strict=True):
+                tokens.tofile(sink)
+                lengths.append(doc_lengths)
+                num_tokens += tokens.size
+                bar.update(unit.weight)
+                bar.set_postfix(tokens=num_tokens, refresh=False)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    doc_lengths = np.concatenate(lengths)
+    boundaries = np.concatenate([[0], np.cumsum(doc_lengths, dtype=np.int64)])
+    tmp.replace(out_path)
+    np.save(docs_path(out_path), boundaries)
+    sidecar = Sidecar(
+        tokenizer=tok.spec,
+        tokenizer_sha256=tok.fingerprint,
+        vocab_size=tok.vocab_size,
+        dtype=dtype.name,
+        num_tokens=num_tokens,
+        num_documents=int(doc_lengths.size),
+        eos_id=eos_id,
+    )
+    write_sidecar(out_path, sidecar)  # last: a token file with a sidecar is complete
+    return Prepared(sidecar, time.perf_counter() - start_time)
+
+
+def _results(
+    units: list[Unit], setup: tuple[str, str, int | None, str], workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    if workers == 1:
+        _init_worker(*setup)
+        yield from map(_tokenize_unit, units)
+        return
+    # fork: workers inherit the imported modules instead of importing torch again (spawn costs
+    # seconds per worker); they touch no torch or thread state of the parent.
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=setup) as pool:
+        yield from pool.imap(_tokenize_unit, units, chunksize=4)
+
+
+# --- the inputs, cut into units (parent) ---
+
+
+def _units(inputs: list[str], out: Path, *, field: str, glob: str, split: str) -> Iterator[Unit]:
+    produced = {out.resolve(), docs_path(out).resolve()}
+    for name in inputs:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ConfigError(f"prepare: no such input file or folder {name!r}")
+        if path.is_dir() and _is_saved_dataset(path):
+            yield from _dataset_units(path, field, split)
+        elif path.is_dir():
+            files = sorted(p for p in path.glob(glob) if p.is_file())
+            for file in files:
+                if file.resolve() not in produced:
+                    yield from _file_units(file)
+        else:
+            yield from _file_units(path)
+
+
+def _file_units(file: Path) -> Iterator[Unit]:
+    size = file.stat().st_size
+    if file.suffix not in JSONL_SUFFIXES:
+        yield Unit("text", str(file), weight=size)
+        return
+    with open(file, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(start + UNIT_BYTES, size))
+            f.readline()  # to the end of the line the cut falls in
+            stop = min(f.tell(), size)
+            yield Unit("jsonl", str(file), start, stop, weight=stop - start)
+            start = stop
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A folder written by datasets' save_to_disk (a Dataset, or a DatasetDict of splits)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _dataset_units(path: Path, field: str, split: str) -> Iterator[Unit]:
+    ds = _dataset_split(str(path), split)
+    if field not in ds.column_names:
+        raise ConfigError(
+            f"--field {field!r}: the dataset {str(path)!r} has no such column (columns: "
+            f"{', '.join(ds.column_names)})"
+        )
+    rows = ds.num_rows
+    row_bytes = ds.data.nbytes / max(rows, 1)
+    for start in range(0, rows, UNIT_ROWS):
+        stop = min(start + UNIT_ROWS, rows)
+        yield Unit("dataset", str(path), start, stop, split, int(row_bytes * (stop - start)))
+
+
+def _dataset_split(path: str, split: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            "prepare: a saved dataset needs the datasets package; pip install datasets"
+        ) from None
+    loaded = datasets.load_from_disk(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(
+                f"--split {split!r}: the dataset {path!r} has splits {', '.join(loaded)}; "
+                "choose one"
+            )
+        return loaded[split]
+    return loaded
+
+
+# --- tokenizing a unit (worker) ---
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(spec: str, field: str, eos_id: int | None, dtype: str) -> None:
+    _worker.update(
+        tokenizer=load_tokenizer(spec, "--tokenizer"),
+        field=field,
+        eos_id=eos_id,
+        dtype=np.dtype(dtype),
+        datasets={},
+    )
+
+
+def _tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
+    """(the unit's tokens, one length per document), documents in input order."""
+    texts = _read_unit(unit)
+    tok: Tokenizer = _worker["tokenizer"]
+    ids = tok.encode_batch(texts) if not isinstance(tok, ByteTokenizer) else map(tok.encode, texts)
+    eos = [] if _worker["eos_id"] is None else [_worker["eos_id"]]
+    docs = [np.asarray(doc + eos, dtype=_worker["dtype"]) for doc in ids]
+    lengths = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
+    tokens = np.concatenate(docs) if docs else np.zeros(0, _worker["dtype"])
+    return tokens, lengths
+
+
+def _read_unit(unit: Unit) -> list[str]:
+    if unit.kind == "text":
+        return [Path(unit.path).read_bytes().decode("utf-8", errors="replace")]
+    if unit.kind == "jsonl":
+        return _read_jsonl(unit)
+    cache = _worker["datasets"]
+    key = (unit.path, unit.split)
+    if key not in cache:
+        cache[key] = _dataset_split(unit.path, unit.split)
+    values = cache[key][unit.start : unit.stop][_worker["field"]]
+    return [_as_text(v, unit.path, f"row {unit.start + i}") for i, v in enumerate(values)]
+
+
+def _read_jsonl(unit: Unit) -> list[str]:
+    field = _worker["field"]
+    with open(unit.path, "rb") as f:
+        f.seek(unit.start)
+        data = f.read(unit.stop - unit.start)
+    texts = []
+    offset = unit.start
+    for line in data.splitlines(keepends=True):
+        where = f"the line at byte {offset}"
+        offset += len(line)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"prepare: {unit.path}: {where} is not JSON ({e})") from None
+        if not isinstance(record, dict) or field not in record:
+            raise ConfigError(
+                f"--field {field!r}: {unit.path}: {where} has no such key; name the text field "
+                "with --field"
+            )
+        texts.append(_as_text(record[field], unit.path, where))
+    return texts
+
+
+def _as_text(value: object, path: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"--field {_worker['field']!r}: {path}: {where} holds {type(value).__name__}, not "
+            "text; name a text field with --field"
+        )
+    return value
