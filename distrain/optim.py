@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distrain.config import OptimConfig
+from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
 from distrain.parallel.onebit_adam import OneBitAdam
 from distrain.torch_compat import is_zero_redundancy_optimizer
@@ -37,9 +38,12 @@ def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: norms, biases and embedding tables stay undecayed (GPT-2 practice)."""
     decay, no_decay = [], []
+    args = model.args if isinstance(model, GPT) else None
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        if args is not None:
+            name = tied_name(name, args)
         if param.ndim < 2 or "emb" in name:
             no_decay.append(param)
         else:

@@ -68,9 +68,7 @@ LAYOUTS = [
         4,
         {"parallel__zero_stage": 3, "parallel__dp_replicate": 2, "debug__check_replicas": True},
     ),
-    Layout(
-        "pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False}
-    ),
+    Layout("pp2_tp2_sp", 4, {"parallel__pp": 2, "parallel__tp": 2}),
     Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
     Layout(
         "pp2_dp2_tp2",

@@ -87,7 +87,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            # The table may cover more positions than this sequence (see GPT.forward).
+            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
@@ -148,7 +149,11 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
         elif self.args.pos_emb == "rope":
-            rope = rope_tables(self.args.head_dim, seq, self.args.rope_theta, tokens.device)
+            # A stage fed hidden states may get a sequence shard (sequence parallel within a
+            # pipeline): its attention sees the gathered sequence, so the table covers every
+            # position and each attention takes the rows of the length it sees.
+            positions = seq if self.tok_emb is not None else self.args.max_seq_len
+            rope = rope_tables(self.args.head_dim, positions, self.args.rope_theta, tokens.device)
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:
@@ -166,6 +171,14 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def tied_name(name: str, args: ModelArgs) -> str:
+    """`name` canonical, with a tied head named after the embedding it shares: a pipeline's last
+    stage holds its own copy of the tied weight as `output.weight` (see parallel/tied.py), which
+    must get the embedding's init value and hyperparameters."""
+    name = canonical_name(name)
+    return "tok_emb.weight" if args.tie_embeddings and name == "output.weight" else name
+
+
 def param_init_std(name: str, args: ModelArgs) -> float | None:
     """The init of one parameter by name: a normal std, or None for ones (norm weights).
 
@@ -180,7 +193,7 @@ def param_init_std(name: str, args: ModelArgs) -> float | None:
 
 def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) -> torch.Tensor:
     """The unsharded fp32 initial value of parameter `name`, from the seed and the name alone."""
-    name = canonical_name(name)
+    name = tied_name(name, args)
     std = param_init_std(name, args)
     if std is None:
         return torch.ones(shape)

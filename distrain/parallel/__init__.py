@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
-from distrain.mesh import DistContext, ParallelDims
+from distrain.mesh import DistContext, ParallelDims, embedding_group
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
@@ -36,6 +36,7 @@ from distrain.parallel.data import (
 )
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
 from distrain.parallel.tensor import tp_loss_context
+from distrain.parallel.tied import TiedEmbedding
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,6 +67,7 @@ class ParallelModel:
         stage_ids: list[int],
         num_stages: int,
         pp_microbatches: int,
+        tied_group: dist.ProcessGroup | None = None,
     ):
         self.parts, self.dims, self.device = parts, dims, device
         self.stage_ids, self.num_stages = stage_ids, num_stages
@@ -81,6 +83,7 @@ class ParallelModel:
         # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
         self.allreduce_payload: tuple[int, int] | None = None
         self.runner = None
+        self.tied: TiedEmbedding | None = None
         if dims.pp > 1:
             from distrain.parallel.pipeline import PipelineRunner
 
@@ -94,6 +97,8 @@ class ParallelModel:
                 device=device,
                 loss_fn=cross_entropy,
             )
+            if tied_group is not None:
+                self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return tp_loss_context(self.dims.tp > 1)
@@ -104,6 +109,12 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
+
+    @property
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another rank's copy already counts in the global norm (a
+        tied head on the last pipeline stage)."""
+        return self.tied.counted_elsewhere if self.tied is not None else []
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """Defer the gradient all-reduce / reduce-scatter to the last micro-batch."""
@@ -139,6 +150,8 @@ class ParallelModel:
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets)
+            if self.tied is not None:
+                self.tied.sum_gradients()
             local = _local(loss) if loss is not None else None
             if report_loss:
                 return self.runner.broadcast_loss(local)
@@ -289,6 +302,11 @@ def build_parallel_model(
         stage_ids=stage_ids,
         num_stages=num_stages,
         pp_microbatches=microbatches,
+        tied_group=(
+            embedding_group(mesh, timeout_s=cfg.debug.collective_timeout_s)
+            if dims.pp > 1 and args.tie_embeddings
+            else None
+        ),
     )
     if dims.dp_wrapper == "ddp":
         (ddp,) = parts
