@@ -159,13 +159,6 @@ RULES: tuple[Rule, ...] = (
         "pp {f.p.pp} here); use bf16 with zero_stage 2/3, tp or pp",
     ),
     Rule(
-        "zero1_plain_data_parallel",
-        "config",
-        lambda f: f.p.zero_stage == 1 and (f.p.tp > 1 or f.p.pp > 1),
-        "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) works with plain data parallel only; "
-        "with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3",
-    ),
-    Rule(
         "oom_recovery_plain_data_parallel",
         "config",
         lambda f: f.t.oom_recovery and f.sharded,

@@ -39,8 +39,6 @@ CASES = [
      {"training.precision": "fp16", "run.device": "cuda", "parallel.zero_stage": "2",
       "cuda": ""}, 2,
      ["zero_stage 2, tp 1, pp 1 here"]),
-    ("zero1_plain_data_parallel", {"parallel.zero_stage": "1", "parallel.tp": "2"}, 2,
-     ["parallel.zero_stage = 1", "use zero_stage 0, 2 or 3"]),
     ("oom_recovery_plain_data_parallel",
      {"training.oom_recovery": "true", "parallel.zero_stage": "3"}, 2,
      ["training.oom_recovery works with data-parallel layouts only"]),
@@ -159,7 +157,8 @@ def test_every_tested_layout_passes_the_table():
     from test_parity import BASE, LAYOUTS
 
     for layout in LAYOUTS:
-        cfg = load_config(None, overrides(Path("run"), **BASE, **layout.fields))
+        fields = dict(BASE, **layout.fields, **dict(layout.model))
+        cfg = load_config(None, overrides(Path("run"), **fields))
         assert validate(cfg, layout.nproc).dims.world_size == layout.nproc, layout.name
 
 

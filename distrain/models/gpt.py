@@ -136,6 +136,14 @@ class GPT(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_emb.weight
 
+    def tie_weights(self) -> None:
+        """Point the head back at the embedding's weight when tied and both are here.
+        `to_empty` (materializing a meta-built model) gives each module its own new tensor, which
+        silently unties them (FSDP2 keeps the tie itself: nothing to do then)."""
+        if self.args.tie_embeddings and self.tok_emb is not None and self.output is not None:
+            if self.output.weight is not self.tok_emb.weight:
+                self.output.weight = self.tok_emb.weight
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
         or the head (it then returns hidden states); see parallel/pipeline.py."""

@@ -287,6 +287,7 @@ def build_parallel_model(
         parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
     for part in parts:
         part.to_empty(device=device)
+        part.tie_weights()
         init_weights(part, args, cfg.training.seed)
     if dims.dp_wrapper == "ddp":
         parts = [

@@ -25,7 +25,11 @@ class TiedEmbedding:
     it sums gradients over."""
 
     def __init__(
-        self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, group: dist.ProcessGroup
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        group: dist.ProcessGroup,
     ):
         self.group = group
         self.copy: nn.Parameter | None = None
