@@ -197,10 +197,11 @@ class TrainingConfig:
         1234, "Seed for model init, data order and all RNGs.", Range(low=0, high=2**32 - 1)
     )
     deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
-    activation_checkpointing: Literal["none", "full", "selective"] = doc(
+    activation_checkpointing: Literal["none", "full", "selective", "selective_op"] = doc(
         "none",
         "Recompute activations in backward: full = whole blocks; selective = every "
-        "training.ac_every_layers-th block.",
+        "training.ac_every_layers-th block; selective_op = every block, saving the outputs of "
+        "matmuls, attention and collectives and recomputing the cheap ops between them.",
     )
     ac_every_layers: int = doc(
         2,

@@ -213,13 +213,6 @@ RULES: tuple[Rule, ...] = (
         "pp {f.p.pp} here); use bf16 with zero_stage 2/3, tp or pp",
     ),
     Rule(
-        "zero1_plain_data_parallel",
-        "config",
-        lambda f: f.p.zero_stage == 1 and (f.p.tp > 1 or f.p.pp > 1),
-        "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) works with plain data parallel only; "
-        "with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3",
-    ),
-    Rule(
         "oom_recovery_plain_data_parallel",
         "config",
         lambda f: f.t.oom_recovery and f.sharded,
@@ -305,13 +298,6 @@ RULES: tuple[Rule, ...] = (
         "parallel.sequence_parallel = false",
     ),
     Rule(
-        "sequence_parallel_without_pp",
-        "config",
-        lambda f: f.p.pp > 1 and f.p.tp > 1 and f.p.sequence_parallel,
-        "parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages would "
-        "exchange sequence-sharded activations); set parallel.sequence_parallel = false",
-    ),
-    Rule(
         "single_stage_schedule",
         "config",
         lambda f: (
@@ -342,14 +328,6 @@ RULES: tuple[Rule, ...] = (
         "model.n_layers ({f.model.n_layers}) must be at least the number of pipeline stages "
         "({f.num_stages} = parallel.pp x parallel.pp_stages_per_rank); lower parallel.pp or "
         "parallel.pp_stages_per_rank, or add layers",
-    ),
-    Rule(
-        "untied_embeddings_across_stages",
-        "config",
-        lambda f: f.p.pp > 1 and f.model.tie_embeddings,
-        "model.tie_embeddings = true cannot be split across pipeline stages (parallel.pp = "
-        "{f.p.pp}): the embedding and the output projection live on different ranks; set "
-        "model.tie_embeddings = false",
     ),
     Rule(
         "ep_needs_experts",

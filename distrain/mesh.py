@@ -3,7 +3,8 @@
 `ParallelDims` turns the `[parallel]` config and the world size into named axis degrees and
 builds the DeviceMesh; whether the degrees fit the world size is one of layout.py's rules, checked
 before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce,
-`checkpoint_group` and `host_group` those of checkpoints and stop signals. Nothing else in
+`checkpoint_group` and `host_group` those of checkpoints and stop signals, `embedding_group` that
+of a tied embedding split across pipeline stages. Nothing else in
 distrain creates process groups, and `teardown` is the one way they end.
 """
 
@@ -208,6 +209,25 @@ class ParallelDims:
             mesh_dim_names=names,
             backend_override=dict.fromkeys(names, options) if options else None,
         )
+def embedding_group(mesh: DeviceMesh, *, timeout_s: float = 0.0) -> dist.ProcessGroup | None:
+    """The group of this rank's first and last pipeline rank (same dp and tp coordinates): the
+    two holders of a tied embedding, whose gradients they sum (as Megatron's embedding group).
+    None without a pipeline. With pp = 2 it is the pp axis itself; else every rank creates every
+    pair's group, in the same order, as `new_group` requires. Collective."""
+    pp = mesh.size(0)
+    if pp == 1:
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh.reshape(pp, -1)
+    me = dist.get_rank()
+    mine = None
+    for column in range(ranks.shape[1]):
+        members = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
+        if me in members:
+            mine = group
+    return mine
 
 
 def node_groups(

@@ -234,6 +234,7 @@ class Trainer:
             self.cfg.optim.max_grad_norm or math.inf,
             holders=1 if local else self.ctx.world_size // self.dims.pp,
             local=local,
+            counted_elsewhere=self.model.counted_elsewhere,
         )
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,

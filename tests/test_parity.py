@@ -32,6 +32,11 @@ class Layout:
     name: str
     nproc: int
     fields: dict
+    model: tuple[tuple[str, object], ...] = ()
+    """Model overrides, given to the 1-process reference too (a tied model has its own curve)."""
+
+
+TIED = (("model__tie_embeddings", True),)
 
 
 LAYOUTS = [
@@ -61,29 +66,41 @@ LAYOUTS = [
             "parallel__pp_stages_per_rank": 2,
         },
     ),
-    Layout("dp2_tp2", 4, {"parallel__tp": 2}),
+    Layout("zero1x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 1}),
     Layout("zero3x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 3}),
     Layout(
         "hsdp2x2",
         4,
         {"parallel__zero_stage": 3, "parallel__dp_replicate": 2, "debug__check_replicas": True},
     ),
+    Layout("pp2_tp2_sp_tied", 4, {"parallel__pp": 2, "parallel__tp": 2}, TIED),
+    Layout("pp2_zero1x2_tied", 4, {"parallel__pp": 2, "parallel__zero_stage": 1}, TIED),
     Layout(
-        "pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False}
-    ),
-    Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
-    Layout(
-        "pp2_dp2_tp2",
+        "pp2_zero3_dp2_tp2_sp",
         8,
-        {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False},
+        {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 3, "parallel__dp_shard": 2},
     ),
 ]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    return losses(train_in_process(run, **dict(BASE, training__micro_batch_size=8)))
+def references(tmp_path_factory):
+    """The 1-process loss curve for a model override (`Layout.model`), each trained once."""
+    curves: dict[tuple, dict[int, float]] = {}
+
+    def curve(model: tuple[tuple[str, object], ...] = ()) -> dict[int, float]:
+        if model not in curves:
+            run = tmp_path_factory.mktemp("ref") / "run"
+            fields = dict(BASE, training__micro_batch_size=8, **dict(model))
+            curves[model] = losses(train_in_process(run, **fields))
+        return curves[model]
+
+    return curve
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
 
 
 def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
@@ -94,9 +111,11 @@ def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
-def test_layout_matches_single_process(layout, reference, tmp_path, check_ok):
-    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **layout.fields))
-    assert_parity(losses(read_metrics(tmp_path / "run" / "metrics.jsonl")), reference)
+def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
+    fields = dict(layout.fields, **dict(layout.model))
+    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **fields))
+    got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert_parity(got, references(layout.model))
 
 
 @pytest.mark.slow

@@ -137,7 +137,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            # The table may cover more positions than this sequence (see GPT.forward).
+            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
         group = q.shape[2] // k.shape[2]
         if group > 1:
             # Query head h reads key/value head h // group (also per tp rank: each holds whole
@@ -230,6 +231,14 @@ class GPT(nn.Module):
                 self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
         return self
 
+    def tie_weights(self) -> None:
+        """Point the head back at the embedding's weight when tied and both are here.
+        `to_empty` (materializing a meta-built model) gives each module its own new tensor, which
+        silently unties them (FSDP2 keeps the tie itself: nothing to do then)."""
+        if self.args.tie_embeddings and self.tok_emb is not None and self.output is not None:
+            if self.output.weight is not self.tok_emb.weight:
+                self.output.weight = self.tok_emb.weight
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
         or the head (it then returns hidden states); see parallel/pipeline.py."""
@@ -243,7 +252,10 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
         elif self.rope_cache is not None:
-            rope = self.rope_cache[:seq]
+            # A stage fed hidden states may get a sequence shard (sequence parallel within a
+            # pipeline): its attention sees the gathered sequence, so it gets the whole table
+            # and each attention takes the rows of the length it sees.
+            rope = self.rope_cache[:seq] if self.tok_emb is not None else self.rope_cache
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:
@@ -259,6 +271,14 @@ def canonical_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def tied_name(name: str, args: ModelArgs) -> str:
+    """`name` canonical, with a tied head named after the embedding it shares: a pipeline's last
+    stage holds its own copy of the tied weight as `output.weight` (see parallel/tied.py), which
+    must get the embedding's init value and hyperparameters."""
+    name = canonical_name(name)
+    return "tok_emb.weight" if args.tie_embeddings and name == "output.weight" else name
 
 
 def param_init_std(name: str, args: ModelArgs) -> float | None:
@@ -280,7 +300,7 @@ def param_init_std(name: str, args: ModelArgs) -> float | None:
 
 def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) -> torch.Tensor:
     """The unsharded fp32 initial value of parameter `name`, from the seed and the name alone."""
-    name = canonical_name(name)
+    name = tied_name(name, args)
     std = param_init_std(name, args)
     if std is None:
         return torch.ones(shape)

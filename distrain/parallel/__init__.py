@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
-from distrain.mesh import DistContext, ParallelDims
+from distrain.mesh import DistContext, ParallelDims, embedding_group
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
@@ -37,6 +37,7 @@ from distrain.parallel.data import (
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
 from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
+from distrain.parallel.tied import TiedEmbedding
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,6 +68,7 @@ class ParallelModel:
         stage_ids: list[int],
         num_stages: int,
         pp_microbatches: int,
+        tied_group: dist.ProcessGroup | None = None,
     ):
         self.parts, self.dims, self.device = parts, dims, device
         self.stage_ids, self.num_stages = stage_ids, num_stages
@@ -84,6 +86,7 @@ class ParallelModel:
         self.moe_stats: MoEStats | None = None
         """Set for a mixture-of-experts model: its balancing losses join the training loss."""
         self.runner = None
+        self.tied: TiedEmbedding | None = None
         if dims.pp > 1:
             from distrain.parallel.pipeline import PipelineRunner
 
@@ -97,6 +100,8 @@ class ParallelModel:
                 device=device,
                 loss_fn=cross_entropy,
             )
+            if tied_group is not None:
+                self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return tp_loss_context(self.dims.tp > 1)
@@ -107,6 +112,12 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
+
+    @property
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another rank's copy already counts in the global norm (a
+        tied head on the last pipeline stage)."""
+        return self.tied.counted_elsewhere if self.tied is not None else []
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """Defer the gradient all-reduce / reduce-scatter to the last micro-batch."""
@@ -142,6 +153,8 @@ class ParallelModel:
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets)
+            if self.tied is not None:
+                self.tied.sum_gradients()
             local = _local(loss) if loss is not None else None
             if report_loss:
                 return self.runner.broadcast_loss(local)
@@ -297,6 +310,7 @@ def build_parallel_model(
         source = pretrained_source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
+        part.tie_weights()
         init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
         parts = [
@@ -312,6 +326,11 @@ def build_parallel_model(
         stage_ids=stage_ids,
         num_stages=num_stages,
         pp_microbatches=microbatches,
+        tied_group=(
+            embedding_group(mesh, timeout_s=cfg.debug.collective_timeout_s)
+            if dims.pp > 1 and args.tie_embeddings
+            else None
+        ),
     )
     if dims.dp_wrapper == "ddp":
         (ddp,) = parts
