@@ -21,7 +21,7 @@ import torch
 
 from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.errors import ConfigError
-from distrain.mesh import CUDA_MISSING, ParallelDims, device_type
+from distrain.mesh import CUDA_MISSING, ParallelDims
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
 
@@ -143,20 +143,6 @@ RULES: tuple[Rule, ...] = (
         "config",
         lambda f: f.cfg.run.device == "cuda" and not torch.cuda.is_available(),
         CUDA_MISSING,
-    ),
-    Rule(
-        "fp16_needs_cuda",
-        "config",
-        lambda f: f.t.precision == "fp16" and device_type(f.cfg.run.device) != "cuda",
-        "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32",
-    ),
-    Rule(
-        "fp16_plain_data_parallel",
-        "config",
-        lambda f: f.t.precision == "fp16" and f.sharded,
-        "training.precision = 'fp16' (loss scaling) works with plain data parallel only "
-        "(parallel.zero_stage 0/1, tp = pp = 1; zero_stage {f.p.zero_stage}, tp {f.p.tp}, "
-        "pp {f.p.pp} here); use bf16 with zero_stage 2/3, tp or pp",
     ),
     Rule(
         "zero1_plain_data_parallel",

@@ -44,6 +44,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.data import KeepsGradientsLocal
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
+from distrain.parallel.scaler import AgreedGradScaler
 from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.rng import seed_everything
 from distrain.train_state import ModelState, OptimizerState, RNGState
@@ -110,7 +111,9 @@ class Trainer:
             )
             for part in self.model.parts
         ]
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
+        self.scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
+        self.fp16_skipped = 0
+        """Steps the loss scaler skipped (gradients overflowed on some rank)."""
         self.step = 0
         self.started = False
         """True once the loop begins: an error before that is a failed start (see train.py)."""
@@ -245,10 +248,30 @@ class Trainer:
             for optimizer in self.optimizers:
                 set_lr(optimizer, lr)
                 self.scaler.step(optimizer)
-        self.scaler.update()
+        self._update_scale()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def _update_scale(self) -> None:
+        """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
+        gradients overflowed. Reading the scale syncs the host, but scaler.step just did so
+        reading the found-inf flag, so fp16 costs no extra wait."""
+        if not self.scaler.is_enabled():
+            self.scaler.update()
+            return
+        before = self.scaler.get_scale()
+        self.scaler.update()
+        after = self.scaler.get_scale()
+        if after < before:
+            self.fp16_skipped += 1
+            self.log.warning(
+                "step %d: fp16 gradients overflowed on some rank: step skipped by every rank, "
+                "loss scale %g -> %g",
+                self.step + 1,
+                before,
+                after,
+            )
 
     def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
         """forward_backward that survives out-of-memory errors (see distrain/oom.py)."""
@@ -369,6 +392,8 @@ class Trainer:
                     **self._straggler_metrics(window_steps),
                     **self._comm_metrics(window_steps),
                 }
+                if self.scaler.is_enabled():
+                    row.update(loss_scale=self.scaler.get_scale(), fp16_skipped=self.fp16_skipped)
                 self.metrics.log(row)
                 if self.cfg.debug.check_replicas:
                     check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())

@@ -138,7 +138,7 @@ class ParallelModel:
             targets = torch.cat([b[1] for b in batches]).to(self.device)
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
-                loss = self.runner.train_step(inputs, targets)
+                loss = self.runner.train_step(inputs, targets, scale)
             local = _local(loss) if loss is not None else None
             if report_loss:
                 return self.runner.broadcast_loss(local)
