@@ -152,13 +152,6 @@ RULES: tuple[Rule, ...] = (
         "with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3",
     ),
     Rule(
-        "oom_recovery_plain_data_parallel",
-        "config",
-        lambda f: f.t.oom_recovery and f.sharded,
-        "training.oom_recovery works with data-parallel layouts only (parallel.zero_stage 0/1, "
-        "parallel.tp = parallel.pp = 1); turn it off or change the layout",
-    ),
-    Rule(
         "oom_recovery_without_comm_hooks",
         "config",
         lambda f: f.t.oom_recovery and (f.c.gradient_compression != "none" or f.c.hierarchical),

@@ -276,18 +276,39 @@ class Trainer:
     def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
         """forward_backward that survives out-of-memory errors (see distrain/oom.py)."""
         step = self.step + 1
+        pipelined = self.dims.pp > 1
+        # Collectives inside the forward (FSDP2, tp, pp): the ranks agree before each micro-batch.
+        agree = self.dims.dp_wrapper == "fsdp" or pipelined
         while True:
-            hook = self.injected_oom.hook(step, len(batches))
-            try:
-                loss = self.model.forward_backward(
-                    batches, self.scaler.scale, sync=False, before_micro_batch=hook
-                )
-                failed = False
-            except torch.OutOfMemoryError:
-                failed = True
-            if not oom.any_rank_failed(failed, self.ctx.device):
-                self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
-                return loss
+            hook = self.injected_oom.hook(step, 1 if pipelined else len(batches))
+            if agree:
+                # Every path below joins exactly one agreement per attempt after the last one
+                # it passed, so the ranks' flag all-reduces pair up whoever failed where.
+                try:
+                    loss = self.model.forward_backward(
+                        batches,
+                        self.scaler.scale,
+                        sync_each=True,
+                        before_micro_batch=oom.agreed(hook, self.ctx.device),
+                    )
+                    failed = False
+                except oom.StepAbandoned:
+                    failed = None  # agreed already, by every rank
+                except torch.OutOfMemoryError:
+                    failed = True  # inside a micro-batch (see oom.py on when that recovers)
+                if failed is not None and not oom.any_rank_failed(failed, self.ctx.device):
+                    return loss
+            else:
+                try:
+                    loss = self.model.forward_backward(
+                        batches, self.scaler.scale, sync=False, before_micro_batch=hook
+                    )
+                    failed = False
+                except torch.OutOfMemoryError:
+                    failed = True
+                if not oom.any_rank_failed(failed, self.ctx.device):
+                    self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
+                    return loss
             self.model.zero_grad()
             oom.free_memory(self.ctx.device)
             smaller = oom.halve_micro_batch(
@@ -295,6 +316,8 @@ class Trainer:
             )
             self.loader.set_micro_batch_size(smaller)
             batches = oom.split(batches, smaller)
+            if pipelined:
+                self.model.double_pipeline_microbatches()
             self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
 
     def _comm_metrics(self, steps: int) -> dict[str, float]:
