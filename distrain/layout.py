@@ -23,7 +23,7 @@ from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.corpus import is_token_data
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError
-from distrain.mesh import CUDA_MISSING, ParallelDims, device_type
+from distrain.mesh import CUDA_MISSING, ParallelDims
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
 
@@ -197,27 +197,6 @@ RULES: tuple[Rule, ...] = (
         "config",
         lambda f: f.cfg.run.device == "cuda" and not torch.cuda.is_available(),
         CUDA_MISSING,
-    ),
-    Rule(
-        "fp16_needs_cuda",
-        "config",
-        lambda f: f.t.precision == "fp16" and device_type(f.cfg.run.device) != "cuda",
-        "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32",
-    ),
-    Rule(
-        "fp16_plain_data_parallel",
-        "config",
-        lambda f: f.t.precision == "fp16" and f.sharded,
-        "training.precision = 'fp16' (loss scaling) works with plain data parallel only "
-        "(parallel.zero_stage 0/1, tp = pp = 1; zero_stage {f.p.zero_stage}, tp {f.p.tp}, "
-        "pp {f.p.pp} here); use bf16 with zero_stage 2/3, tp or pp",
-    ),
-    Rule(
-        "oom_recovery_plain_data_parallel",
-        "config",
-        lambda f: f.t.oom_recovery and f.sharded,
-        "training.oom_recovery works with data-parallel layouts only (parallel.zero_stage 0/1, "
-        "parallel.tp = parallel.pp = 1); turn it off or change the layout",
     ),
     Rule(
         "oom_recovery_without_comm_hooks",

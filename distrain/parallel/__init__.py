@@ -87,21 +87,40 @@ class ParallelModel:
         """Set for a mixture-of-experts model: its balancing losses join the training loss."""
         self.runner = None
         self.tied: TiedEmbedding | None = None
+        self._pp_mesh = mesh["pp"] if dims.pp > 1 else None
+        self._pp_schedule = cfg.parallel.pp_schedule
         if dims.pp > 1:
-            from distrain.parallel.pipeline import PipelineRunner
-
-            self.runner = PipelineRunner(
-                parts,
-                stage_ids=stage_ids,
-                num_stages=num_stages,
-                pp_mesh=mesh["pp"],
-                schedule=cfg.parallel.pp_schedule,
-                n_microbatches=pp_microbatches,
-                device=device,
-                loss_fn=cross_entropy,
-            )
+            self._build_runner(pp_microbatches)
             if tied_group is not None:
                 self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
+
+    def _build_runner(self, n_microbatches: int) -> None:
+        from distrain.parallel.pipeline import PipelineRunner
+
+        self.runner = PipelineRunner(
+            self.parts,
+            stage_ids=self.stage_ids,
+            num_stages=self.num_stages,
+            pp_mesh=self._pp_mesh,
+            schedule=self._pp_schedule,
+            n_microbatches=n_microbatches,
+            device=self.device,
+            loss_fn=cross_entropy,
+        )
+
+    def double_pipeline_microbatches(self) -> int:
+        """Run the local batch in twice as many, half as large, pipeline microbatches from now
+        on (OOM recovery); a new schedule, since one runs a single microbatch shape. Returns the
+        new count; every pp rank must call it at the same step."""
+        assert self.runner is not None
+        doubled = self.runner.n_microbatches * 2
+        if self.train_batch_rows % doubled:
+            raise ValueError(
+                f"a local batch of {self.train_batch_rows} sequences does not split into "
+                f"{doubled} pipeline microbatches"
+            )
+        self._build_runner(doubled)
+        return doubled
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return tp_loss_context(self.dims.tp > 1)
@@ -137,6 +156,7 @@ class ParallelModel:
         sync: bool = True,
         before_micro_batch: Callable[[int], None] | None = None,
         report_loss: bool = True,
+        sync_each: bool = False,
     ) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; the mean loss (a device tensor).
         With sync=False no gradient leaves the rank: `all_reduce_gradients` must follow (DDP
@@ -146,13 +166,20 @@ class ParallelModel:
         other pp ranks (a collective that makes every stage wait for the last one), so that every
         rank returns it. Without, a rank that does not hold the last stage returns zero: pass
         report_loss=False only for a step whose loss nobody reads.
+
+        sync_each: synchronize the gradients after every micro-batch, so that abandoning the
+        step between micro-batches leaves nothing pending in FSDP2 (OOM recovery). Under pp,
+        whose schedule runs all micro-batches in one call, `before_micro_batch(0)` runs once,
+        before the schedule.
         """
         if self.runner is not None:
+            if before_micro_batch is not None:
+                before_micro_batch(0)
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
-                loss = self.runner.train_step(inputs, targets)
+                loss = self.runner.train_step(inputs, targets, scale)
             if self.tied is not None:
                 self.tied.sum_gradients()
             local = _local(loss) if loss is not None else None
@@ -163,7 +190,8 @@ class ParallelModel:
         for i, (inputs, targets) in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch(i)
-            with self._sync_context(sync and i == len(batches) - 1), self.loss_context():
+            last = sync and i == len(batches) - 1
+            with self._sync_context(last or sync_each), self.loss_context():
                 heartbeat.mark("forward")
                 with self.autocast:
                     logits = self.parts[0](inputs.to(self.device, non_blocking=True))
