@@ -53,12 +53,21 @@ def _norm(args: ModelArgs) -> nn.Module:
     return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=False)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin tables [seq_len, head_dim/2, 2], computed in fp32 whatever the model's dtype."""
+def rope_tables(
+    head_dim: int,
+    seq_len: int,
+    theta: float,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """cos/sin tables [seq_len, head_dim/2, 2], computed in fp32 whatever the model's dtype, for
+    positions 0..seq_len-1 or, given, for `positions` (one per token)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
@@ -71,10 +80,18 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over q, k, v [B, H, T, D] holding the whole sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        # The attention kernel over [B, H, T, D]: a context-parallel layout swaps in one whose
+        # sequence spans several ranks (parallel/context.py); the model itself stays plain.
+        self.attend = causal_attention
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
@@ -88,9 +105,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -135,9 +150,11 @@ class GPT(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
-        or the head (it then returns hidden states); see parallel/pipeline.py."""
+        or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
+        [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
+        rank holds a few slices of each sequence)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -146,9 +163,13 @@ class GPT(nn.Module):
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         rope = None
         if self.pos_emb is not None:
-            h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
+            h = h + self.pos_emb(
+                torch.arange(seq, device=tokens.device) if positions is None else positions
+            )
         elif self.args.pos_emb == "rope":
-            rope = rope_tables(self.args.head_dim, seq, self.args.rope_theta, tokens.device)
+            rope = rope_tables(
+                self.args.head_dim, seq, self.args.rope_theta, tokens.device, positions
+            )
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:

@@ -134,7 +134,7 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: s
     before (or between) the backwards, so resharding would all-gather the stage's parameters
     again for each micro-batch (torchtitan keeps them gathered for pp the same way).
     """
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = dims.fsdp_mesh(mesh)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"
