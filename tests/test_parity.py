@@ -72,6 +72,9 @@ LAYOUTS = [
         "pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False}
     ),
     Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
+    Layout("cp2", 2, {"parallel__cp": 2}),
+    Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
+    Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
     Layout(
         "pp2_dp2_tp2",
         8,
