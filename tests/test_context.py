@@ -1,14 +1,18 @@
 """Context parallelism's pieces, in one process: the load-balanced split, the reordering of the
 gathered chunks, and each rank's attention against the unsplit causal attention (forward and
-gradients). The collective itself runs in the cp parity rows of tests/test_parity.py."""
+gradients). The collective itself runs in the cp parity rows of tests/test_parity.py and in the
+cp2 -> 1 process resume here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import losses, train_cli, train_in_process
+from test_parity import BASE, assert_parity
 
 from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.observe.metrics import read_metrics
 from distrain.parallel.context import (
     attend_local,
     chunk_order,
@@ -45,8 +49,12 @@ def test_gathered_chunks_are_put_back_in_sequence_order(size):
     assert torch.equal(gathered_to_sequence(gathered, size), x)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_each_rank_attention_equals_its_rows_of_full_causal_attention(size):
+@pytest.mark.parametrize(
+    ("size", "block"),
+    [(2, 512), (2, 3), (4, 4)],
+    ids=["one_block", "blocks_straddling_chunks", "blocks_within_chunks"],
+)
+def test_each_rank_attention_equals_its_rows_of_full_causal_attention(size, block):
     torch.manual_seed(0)
     q, k, v = (
         torch.randn(2, 4, 16 * size, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv"
@@ -59,7 +67,7 @@ def test_each_rank_attention_equals_its_rows_of_full_causal_attention(size):
     k_seq, v_seq = (t.detach().requires_grad_() for t in (k, v))
     total = 0
     for rank, q_local in enumerate(q_shards):
-        out = attend_local(q_local, k_seq, v_seq, rank, size)
+        out = attend_local(q_local, k_seq, v_seq, rank, size, block=block)
         rows = local_positions(q.shape[2], rank, size, CPU)
         # float64: only the summation order differs from the unsplit kernel.
         torch.testing.assert_close(out, reference[:, :, rows].detach(), rtol=1e-12, atol=1e-12)
@@ -105,3 +113,20 @@ def test_model_given_global_positions_matches_the_whole_sequence(pos_emb):
         got = model(tokens[:, positions], positions=positions)
         # fp32, the same ops on the same values; only the attention's summation order differs.
         torch.testing.assert_close(got, full[:, positions], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_cp2_on_one_process(tmp_path):
+    """A cp2 run's checkpoint resumes on one process without cp: parameters and optimizer state
+    are saved as they are without context parallelism, and the stitched loss curve is the
+    uninterrupted 1-process curve."""
+    reference = losses(
+        train_in_process(tmp_path / "ref", **dict(BASE, training__micro_batch_size=8))
+    )
+    run = tmp_path / "run"
+    fields = dict(BASE, checkpoint__interval_steps=2)
+    first = train_cli(run, 2, **fields, parallel__cp=2, debug__fail_at_step=5)
+    assert first.returncode != 0
+    rows = train_in_process(run, **dict(fields, training__micro_batch_size=8))
+    assert [r["resumed_from"] for r in rows if "resumed_from" in r] == [4]
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), reference)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,27 +60,119 @@ def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
     return slots.index_select(2, index).flatten(2, 3)
 
 
+# Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
+# at any moment to BLOCK x BLOCK per head, whatever the sequence length.
+BLOCK = 512
+
+
+Plan = list[tuple[tuple[int, int], list[tuple[int, int, bool]]]]
+
+
+def _plan(rank: int, size: int, chunk: int, block: int) -> Plan:
+    """For each block of rank `rank`'s query rows (blocks never straddle its two chunks), the
+    key blocks it sees: every block up to its last position, masked only where a block
+    reaches past its first position. From integers alone: no device value is read."""
+    plan = []
+    for slot, index in enumerate(chunk_order(rank, size)):
+        for start in range(0, chunk, block):
+            stop = min(start + block, chunk)
+            first, last = index * chunk + start, index * chunk + stop - 1
+            keys = [
+                (ks, min(ks + block, last + 1), min(ks + block, last + 1) - 1 > first)
+                for ks in range(0, last + 1, block)
+            ]
+            plan.append(((slot * chunk + start, slot * chunk + stop), keys))
+    return plan
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    masked: bool,
+) -> torch.Tensor:
+    """Scaled scores of a query block against a key block; -inf where a key lies after a query
+    (only blocks that straddle the diagonal need the mask)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if masked:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+class _BlockwiseCausalAttention(torch.autograd.Function):
+    """Exact causal attention of queries at global positions `q_pos` (increasing within each
+    block) over the whole sequence's keys/values, one BLOCK x BLOCK score block at a time.
+
+    Forward keeps a running log-sum-exp per query row and merges each block's softmax into the
+    output (the online softmax of flash attention); backward recomputes each block's
+    probabilities from the saved log-sum-exp. What is kept for backward is q, k, v, the output
+    and one log-sum-exp per row: linear in the sequence length, never a score matrix (SDPA with
+    an explicit mask would save a [queries, keys] float mask per layer). Plain tensor ops, so the
+    same code runs on every device; math in fp32 (or fp64) whatever the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: Plan):
+        dtype = q.dtype
+        # Half-precision inputs are upcast: the softmax statistics need fp32's range.
+        work = torch.promote_types(dtype, torch.float32)
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=work)
+        k_pos = torch.arange(k.shape[2], device=q.device)
+        for (qs, qe), key_blocks in plan:
+            for ks, ke, masked in key_blocks:
+                scores = _scores(
+                    q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked
+                )
+                block_lse = scores.logsumexp(-1)
+                merged = torch.logaddexp(lse[:, :, qs:qe], block_lse)
+                probs = (scores - merged[..., None]).exp()
+                keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
+                out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
+                lse[:, :, qs:qe] = merged
+        ctx.save_for_backward(q, k, v, out, lse, q_pos)
+        ctx.plan, ctx.scale, ctx.dtype = plan, scale, dtype
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, q_pos = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (grad_out * out).sum(-1)
+        k_pos = torch.arange(k.shape[2], device=q.device)
+        for (qs, qe), key_blocks in ctx.plan:
+            go, qb = grad_out[:, :, qs:qe], q[:, :, qs:qe]
+            for ks, ke, masked in key_blocks:
+                kb, vb = k[:, :, ks:ke], v[:, :, ks:ke]
+                scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], ctx.scale, masked)
+                probs = (scores - lse[:, :, qs:qe, None]).exp()
+                dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
+                dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
+                dq[:, :, qs:qe] += (dscores @ kb) * ctx.scale
+                dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * ctx.scale
+        dtype = ctx.dtype
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+
+
 def attend_local(
-    q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, rank: int, size: int
+    q: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    rank: int,
+    size: int,
+    *,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Causal attention of rank `rank`'s queries [B, H, 2c, D] (its two chunks) over the whole
-    sequence's keys and values [B, H, T, D]: each query chunk attends to the keys up to its own
-    end, masked causally inside its own chunk."""
-    chunk = q.shape[2] // 2
-    outs = []
-    for slot, index in enumerate(chunk_order(rank, size)):
-        end = (index + 1) * chunk
-        rows = torch.arange(index * chunk, end, device=q.device)
-        mask = torch.arange(end, device=q.device)[None, :] <= rows[:, None]
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, slot * chunk : (slot + 1) * chunk],
-                k_seq[:, :, :end],
-                v_seq[:, :, :end],
-                attn_mask=mask,
-            )
-        )
-    return torch.cat(outs, dim=2)
+    sequence's keys and values [B, H, T, D]."""
+    q_pos = local_positions(k_seq.shape[2], rank, size, q.device)
+    plan = _plan(rank, size, q.shape[2] // 2, block)
+    return _BlockwiseCausalAttention.apply(q, k_seq, v_seq, q_pos, plan)
 
 
 class _GatherChunks(torch.autograd.Function):
