@@ -287,6 +287,13 @@ class ParallelConfig:
         1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).", AT_LEAST_1
     )
     pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).", AT_LEAST_1)
+    cp: int = doc(
+        1,
+        "Context-parallel degree: each sequence split over this many ranks (load-balanced "
+        "chunks; keys and values all-gathered in attention); composes with data and tensor "
+        "parallel.",
+        AT_LEAST_1,
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
         "1f1b", "Pipeline schedule (torch.distributed.pipelining)."
     )

@@ -70,9 +70,44 @@ class Facts:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ranks left once tp and pp took theirs."""
+        """Data-parallel size: the ranks left once tp, pp and cp took theirs."""
         assert self.world_size is not None
-        return self.world_size // self.tp_pp
+        return self.world_size // self.cp_tp_pp
+
+    @property
+    def cp_chunks(self) -> int:
+        """Chunks context parallelism cuts a sequence into: two per cp rank."""
+        return 2 * self.p.cp
+
+    @property
+    def cp_positions(self) -> int:
+        """Positions of a sequence one cp rank holds."""
+        return self.t.seq_len // self.p.cp
+
+    @property
+    def cp_tp(self) -> int:
+        return self.p.cp * self.p.tp
+
+    @property
+    def cp_tp_pp(self) -> int:
+        return self.tp_pp * self.p.cp
+
+    @property
+    def cp_conflict(self) -> str:
+        """The first setting context parallelism does not compose with ("" when none)."""
+        conflicts = {
+            f"parallel.pp = {self.p.pp}": self.p.pp > 1,
+            "parallel.zero_stage = 1": self.p.zero_stage == 1,
+            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+            "training.oom_recovery": self.t.oom_recovery,
+            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
+                self.c.gradient_compression != "none"
+            ),
+            "comm.hierarchical": self.c.hierarchical,
+            "training.precision = 'fp16'": self.t.precision == "fp16",
+            f"an MoE model (model.moe.num_experts = {self.num_experts})": self.num_experts > 0,
+        }
+        return next((name for name, on in conflicts.items() if on), "")
 
     @property
     def dp_divisors(self) -> str:
@@ -105,7 +140,7 @@ class Facts:
     @property
     def replicate_world(self) -> int:
         """The world size that parallel.dp_replicate asks for (zero_stage 0/1)."""
-        return self.p.dp_replicate * self.tp_pp
+        return self.p.dp_replicate * self.cp_tp_pp
 
     @property
     def eval_rows(self) -> int:
@@ -277,6 +312,32 @@ RULES: tuple[Rule, ...] = (
         "parallel.sequence_parallel = false",
     ),
     Rule(
+        "cp_splits_seq_len",
+        "config",
+        lambda f: f.p.cp > 1 and f.t.seq_len % f.cp_chunks != 0,
+        "context parallelism cuts each sequence into 2 x parallel.cp = {f.cp_chunks} equal chunks "
+        "(two per rank, for an even causal load); use a training.seq_len that is a multiple of "
+        "{f.cp_chunks}, or a smaller parallel.cp",
+    ),
+    Rule(
+        "cp_with_sequence_parallel",
+        "config",
+        lambda f: (
+            f.p.cp > 1 and f.p.tp > 1 and f.p.sequence_parallel and f.cp_positions % f.p.tp != 0
+        ),
+        "sequence parallelism splits each context-parallel rank's {f.cp_positions} "
+        "positions (training.seq_len / parallel.cp) over parallel.tp ({f.p.tp}) ranks; use a "
+        "training.seq_len that is a multiple of {f.cp_tp}, or set "
+        "parallel.sequence_parallel = false",
+    ),
+    Rule(
+        "cp_composes_with_dp_tp",
+        "config",
+        lambda f: f.p.cp > 1 and f.cp_conflict != "",
+        "parallel.cp = {f.p.cp} composes with data parallel (zero_stage 0, 2, 3) and tensor "
+        "parallel only, not with {f.cp_conflict}; set parallel.cp = 1 or drop that setting",
+    ),
+    Rule(
         "single_stage_schedule",
         "config",
         lambda f: (
@@ -342,6 +403,14 @@ RULES: tuple[Rule, ...] = (
         "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
     ),
     # --- the degrees against the world size ---
+    Rule(
+        "cp_divides_world",
+        "world",
+        lambda f: f.p.cp > 1 and f.world_size % f.cp_tp_pp != 0,
+        "parallel.tp ({f.p.tp}) x parallel.pp ({f.p.pp}) x parallel.cp ({f.p.cp}) = "
+        "{f.cp_tp_pp} does not divide the world size {f.world_size}; choose degrees whose "
+        "product divides it, or run a multiple of {f.cp_tp_pp} processes",
+    ),
     Rule(
         "tp_pp_divide_world",
         "world",

@@ -107,18 +107,21 @@ def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistCo
     )
 
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DP_CP = ("dp_replicate", "dp_shard", "cp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of each parallel axis; their product is the world size.
 
-    Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost so
-    its chatty collectives stay on the fastest links (one node); pipeline is outermost since it
-    sends the least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits
-    the global batch over. `ep` is not a further factor of the world size: it regroups the dp
-    ranks for the expert weights (`build_ep_mesh`).
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is
+    innermost so its chatty collectives stay on the fastest links (one node); context parallelism
+    (each layer's key/value all-gather) next to it; pipeline is outermost since it sends the
+    least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits the global
+    batch over; the cp ranks of a dp rank read the same sequences and split each of them, and
+    gradients are averaged over dp x cp. `ep` is not a further factor of the world size: it
+    regroups the dp ranks for the expert weights (`build_ep_mesh`).
     """
 
     pp: int
@@ -128,13 +131,14 @@ class ParallelDims:
     zero_stage: int
     world_size: int
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
         (layout.validate has checked that they fit)."""
         p = cfg.parallel
-        dp = world_size // (p.tp * p.pp)
+        dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
         if p.zero_stage <= 1:
             replicate, shard = dp, 1
@@ -151,6 +155,7 @@ class ParallelDims:
             zero_stage=p.zero_stage,
             world_size=world_size,
             ep=p.ep,
+            cp=p.cp,
         )
 
     @property
@@ -162,8 +167,10 @@ class ParallelDims:
         """How the model is wrapped for data parallelism: "none" when there is one replica,
         "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
         with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
-        correctly) and under ep (expert weights live on their own mesh), else "ddp"."""
-        if self.dp_size == 1:
+        correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
+        of a data-parallel rank count as replicas here: each computes its share of the gradient,
+        which the wrapper averages over dp x cp."""
+        if self.dp_size * self.cp == 1:
             return "none"
         if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
             return "fsdp"
@@ -172,7 +179,9 @@ class ParallelDims:
     def describe(self) -> str:
         return (
             f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
-            f"zero_stage={self.zero_stage}" + (f" ep={self.ep}" if self.ep > 1 else "")
+            f"zero_stage={self.zero_stage}"
+            + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (f" cp={self.cp}" if self.cp > 1 else "")
         )
 
     def build_mesh(
@@ -184,11 +193,26 @@ class ParallelDims:
         options = group_options(dist.get_backend(), timeout_s)
         mesh = init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=AXES,
             backend_override=dict.fromkeys(AXES, options) if options else None,
         )
+        if self.cp > 1:
+            for axes, name in ((("dp_shard", "cp"), "dp_shard_cp"), (DP_CP, "dp_cp")):
+                flatten_mesh(mesh[axes], name, backend_override=options)
         return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", backend_override=options)
+
+    def gradient_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh DDP averages gradients over: `dp_mesh`, or dp x cp under context
+        parallelism (flattened by `build_mesh`)."""
+        return dp_mesh if self.cp == 1 else mesh["dp_cp"]
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP); under context
+        parallelism the cp axis joins the shard axis (dp_shard x cp, flattened by `build_mesh`),
+        so gradients are averaged over the cp ranks too, as torchtitan does."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
 
 
     def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:

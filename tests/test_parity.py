@@ -80,6 +80,9 @@ LAYOUTS = [
         8,
         {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 3, "parallel__dp_shard": 2},
     ),
+    Layout("cp2", 2, {"parallel__cp": 2}),
+    Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
+    Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
 ]
 
 

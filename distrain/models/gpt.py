@@ -120,11 +120,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over q, k, v [B, H, T, D] holding the whole sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.kv_heads * args.head_dim
+        # The attention kernel over [B, H, T, D]: a context-parallel layout swaps in one whose
+        # sequence spans several ranks (parallel/context.py); the model itself stays plain.
+        self.attend = causal_attention
         self.wq = nn.Linear(args.dim, args.dim, bias=args.bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.bias)
@@ -144,9 +152,7 @@ class Attention(nn.Module):
             # Query head h reads key/value head h // group (also per tp rank: each holds whole
             # groups). Repeated rather than SDPA's enable_gqa, which not every kernel takes.
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -239,9 +245,11 @@ class GPT(nn.Module):
             if self.output.weight is not self.tok_emb.weight:
                 self.output.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
-        or the head (it then returns hidden states); see parallel/pipeline.py."""
+        or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
+        [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
+        rank holds a few slices of each sequence)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -250,12 +258,17 @@ class GPT(nn.Module):
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         rope = None
         if self.pos_emb is not None:
-            h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
+            h = h + self.pos_emb(
+                torch.arange(seq, device=tokens.device) if positions is None else positions
+            )
         elif self.rope_cache is not None:
-            # A stage fed hidden states may get a sequence shard (sequence parallel within a
-            # pipeline): its attention sees the gathered sequence, so it gets the whole table
-            # and each attention takes the rows of the length it sees.
-            rope = self.rope_cache[:seq] if self.tok_emb is not None else self.rope_cache
+            if positions is not None:
+                rope = self.rope_cache[positions]
+            else:
+                # A stage fed hidden states may get a sequence shard (sequence parallel within a
+                # pipeline): its attention sees the gathered sequence, so it gets the whole table
+                # and each attention takes the rows of the length it sees.
+                rope = self.rope_cache[:seq] if self.tok_emb is not None else self.rope_cache
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:

@@ -27,6 +27,7 @@ from distrain.mesh import DistContext, ParallelDims, embedding_group
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
+from distrain.parallel.context import SequenceSplit, apply_context_parallel
 from distrain.parallel.data import (
     allreduce_payload,
     apply_ddp,
@@ -80,6 +81,8 @@ class ParallelModel:
             device,
         )
         self.comm_stats: CommStats | None = None
+        # Under context parallelism each rank runs its share of every sequence's columns.
+        self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
         # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
         # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
         self.allreduce_payload: tuple[int, int] | None = None
@@ -193,9 +196,8 @@ class ParallelModel:
             last = sync and i == len(batches) - 1
             with self._sync_context(last or sync_each), self.loss_context():
                 heartbeat.mark("forward")
-                with self.autocast:
-                    logits = self.parts[0](inputs.to(self.device, non_blocking=True))
-                loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
+                logits, targets = self._forward(inputs, targets)
+                loss = cross_entropy(logits, targets)
                 # The reported loss stays the cross-entropy; MoE balancing terms only train.
                 total = loss if self.moe_stats is None else loss + self.moe_stats.after_forward()
                 heartbeat.mark("backward")
@@ -205,12 +207,25 @@ class ParallelModel:
             self._count_allreduce(*self.allreduce_payload)
         return loss_sum / len(batches)
 
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the single model part, and the targets they predict (this rank's share
+        of the sequence under context parallelism), on the device."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        kwargs = {}
+        if self.sequence_split is not None:
+            inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
+        with self.autocast:
+            return self.parts[0](inputs, **kwargs), targets
+
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
         so no time is taken (comm_inflight_s stays a figure of timed collectives)."""
         if self.comm_stats is not None:
             self.comm_stats.add_untimed_all_reduce(
-                nbytes, fp32_values=numel, group_size=self.dims.dp_size
+                nbytes, fp32_values=numel, group_size=self.dims.dp_size * self.dims.cp
             )
 
     @torch.no_grad()
@@ -246,9 +261,9 @@ class ParallelModel:
             return self._pipeline_eval_loss(batches)
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            with self.loss_context(), self.autocast:
-                logits = self.parts[0](inputs.to(self.device))
-                total += _local(cross_entropy(logits, targets.to(self.device)))
+            with self.loss_context():
+                logits, targets = self._forward(inputs, targets)
+                total += _local(cross_entropy(logits, targets))
         return total / len(batches)
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
@@ -311,6 +326,8 @@ def build_parallel_model(
         ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
         expert_mesh = ep_mesh["dp_mod_ep"]
     for part in parts:
+        if dims.cp > 1:
+            apply_context_parallel(part, mesh["cp"])
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
 
@@ -341,6 +358,7 @@ def build_parallel_model(
         part.tie_weights()
         init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
+        dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
             apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
             for part in parts

@@ -150,7 +150,7 @@ def apply_fsdp(
     over the data-parallel ranks ep does not use, averaging their gradients there (experts.py
     has averaged them over ep).
     """
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = dims.fsdp_mesh(mesh)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"
