@@ -51,6 +51,54 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture of experts; every field None = the preset's value (dense presets: 0 experts)."""
+
+    num_experts: int | None = doc(
+        None, "Routed experts per MoE layer (0 = a dense model).", AT_LEAST_0
+    )
+    top_k: int | None = doc(
+        None, "Experts per token (1 = Switch; > 1 renormalises the k gates).", AT_LEAST_1
+    )
+    every: int | None = doc(
+        None,
+        "An MoE layer in every k-th block (block i when (i + 1) % k == 0), dense MLPs in "
+        "the others.",
+        AT_LEAST_1,
+    )
+    shared_experts: int | None = doc(
+        None,
+        "Always-on experts per MoE layer, as one dense MLP of that many expert widths "
+        "(DeepSeek-MoE).",
+        AT_LEAST_0,
+    )
+    ffn_dim: int | None = doc(None, "Hidden size of one expert (0 = model.ffn_dim).", AT_LEAST_0)
+    capacity_factor: float | None = doc(
+        None,
+        "0 = dropless; > 0: each expert takes at most ceil(factor x top_k x tokens / experts) "
+        "token copies of each micro-batch, the rest pass through the residual (Switch).",
+        AT_LEAST_0,
+    )
+    aux_loss_coef: float | None = doc(
+        None,
+        "Weight of Switch's load-balancing loss E x sum_i f_i P_i (with balance = 'aux').",
+        AT_LEAST_0,
+    )
+    z_loss_coef: float | None = doc(
+        None, "Weight of the router z-loss, mean squared logsumexp of router logits.", AT_LEAST_0
+    )
+    balance: Literal["aux", "bias", "none"] | None = doc(
+        None,
+        "Load balancing: aux = the auxiliary loss; bias = DeepSeek-V3's per-expert routing bias, "
+        "moved by moe.bias_update_rate after each step against the load summed over "
+        "data-parallel ranks (kept in checkpoints); none = neither.",
+    )
+    bias_update_rate: float | None = doc(
+        None, "Step of the per-expert bias update (balance = 'bias').", AT_LEAST_0
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     preset: str = doc("tiny", "Named model preset (see `distrain presets`).")
     vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
@@ -93,6 +141,7 @@ class ModelConfig:
         "safetensors) of a Llama or GPT-2 model; its config.json sets the model shape (the "
         "preset is ignored). Empty: seeded random init.",
     )
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,16 +191,17 @@ class TrainingConfig:
     micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.", AT_LEAST_1)
     seq_len: int = doc(128, "Tokens per sequence.", AT_LEAST_1)
     precision: Literal["fp32", "bf16", "fp16"] = doc(
-        "fp32", "Compute precision: bf16 by autocast; fp16 with loss scaling (CUDA only)."
+        "fp32", "Compute precision: bf16 by autocast; fp16 by autocast with loss scaling."
     )
     seed: int = doc(
         1234, "Seed for model init, data order and all RNGs.", Range(low=0, high=2**32 - 1)
     )
     deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
-    activation_checkpointing: Literal["none", "full", "selective"] = doc(
+    activation_checkpointing: Literal["none", "full", "selective", "selective_op"] = doc(
         "none",
         "Recompute activations in backward: full = whole blocks; selective = every "
-        "training.ac_every_layers-th block.",
+        "training.ac_every_layers-th block; selective_op = every block, saving the outputs of "
+        "matmuls, attention and collectives and recomputing the cheap ops between them.",
     )
     ac_every_layers: int = doc(
         2,
@@ -237,6 +287,13 @@ class ParallelConfig:
         1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).", AT_LEAST_1
     )
     pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).", AT_LEAST_1)
+    cp: int = doc(
+        1,
+        "Context-parallel degree: each sequence split over this many ranks (load-balanced "
+        "chunks; keys and values all-gathered in attention); composes with data and tensor "
+        "parallel.",
+        AT_LEAST_1,
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
         "1f1b", "Pipeline schedule (torch.distributed.pipelining)."
     )
@@ -259,6 +316,13 @@ class ParallelConfig:
     )
     sequence_parallel: bool = doc(
         True, "With tp > 1, shard norms and the residual stream along the sequence."
+    )
+    ep: int = doc(
+        1,
+        "Expert-parallel degree: MoE experts split over this many data-parallel ranks (it "
+        "divides dp_replicate x dp_shard), tokens sent to them with all-to-all; expert "
+        "weights are FSDP-sharded over the remaining data-parallel ranks.",
+        AT_LEAST_1,
     )
 
 

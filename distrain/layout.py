@@ -23,7 +23,7 @@ from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.corpus import is_token_data
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError
-from distrain.mesh import CUDA_MISSING, ParallelDims, device_type
+from distrain.mesh import CUDA_MISSING, ParallelDims
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
 
@@ -70,9 +70,44 @@ class Facts:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ranks left once tp and pp took theirs."""
+        """Data-parallel size: the ranks left once tp, pp and cp took theirs."""
         assert self.world_size is not None
-        return self.world_size // self.tp_pp
+        return self.world_size // self.cp_tp_pp
+
+    @property
+    def cp_chunks(self) -> int:
+        """Chunks context parallelism cuts a sequence into: two per cp rank."""
+        return 2 * self.p.cp
+
+    @property
+    def cp_positions(self) -> int:
+        """Positions of a sequence one cp rank holds."""
+        return self.t.seq_len // self.p.cp
+
+    @property
+    def cp_tp(self) -> int:
+        return self.p.cp * self.p.tp
+
+    @property
+    def cp_tp_pp(self) -> int:
+        return self.tp_pp * self.p.cp
+
+    @property
+    def cp_conflict(self) -> str:
+        """The first setting context parallelism does not compose with ("" when none)."""
+        conflicts = {
+            f"parallel.pp = {self.p.pp}": self.p.pp > 1,
+            "parallel.zero_stage = 1": self.p.zero_stage == 1,
+            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+            "training.oom_recovery": self.t.oom_recovery,
+            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
+                self.c.gradient_compression != "none"
+            ),
+            "comm.hierarchical": self.c.hierarchical,
+            "training.precision = 'fp16'": self.t.precision == "fp16",
+            f"an MoE model (model.moe.num_experts = {self.num_experts})": self.num_experts > 0,
+        }
+        return next((name for name, on in conflicts.items() if on), "")
 
     @property
     def dp_divisors(self) -> str:
@@ -105,7 +140,7 @@ class Facts:
     @property
     def replicate_world(self) -> int:
         """The world size that parallel.dp_replicate asks for (zero_stage 0/1)."""
-        return self.p.dp_replicate * self.tp_pp
+        return self.p.dp_replicate * self.cp_tp_pp
 
     @property
     def eval_rows(self) -> int:
@@ -114,6 +149,31 @@ class Facts:
     @property
     def eval_batches_needed(self) -> int:
         return -(-self.local_batch // self.t.micro_batch_size)
+
+    @property
+    def num_experts(self) -> int:
+        return self.model.moe.num_experts
+
+    @property
+    def ep_choices(self) -> str:
+        e = self.num_experts
+        return ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
+
+    @property
+    def ep_conflict(self) -> str:
+        """The first setting that needs plain DDP, which expert parallelism does not use
+        ("" when there is none)."""
+        conflicts = {
+            "parallel.zero_stage = 1": self.p.zero_stage == 1,
+            "training.precision = 'fp16'": self.t.precision == "fp16",
+            "training.oom_recovery": self.t.oom_recovery,
+            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
+                self.c.gradient_compression != "none"
+            ),
+            "comm.hierarchical": self.c.hierarchical,
+            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+        }
+        return next((name for name, found in conflicts.items() if found), "")
 
     @property
     def tokenizer_vocab(self) -> int:
@@ -174,34 +234,6 @@ RULES: tuple[Rule, ...] = (
         CUDA_MISSING,
     ),
     Rule(
-        "fp16_needs_cuda",
-        "config",
-        lambda f: f.t.precision == "fp16" and device_type(f.cfg.run.device) != "cuda",
-        "training.precision = 'fp16' needs CUDA (loss scaling); on CPU use bf16 or fp32",
-    ),
-    Rule(
-        "fp16_plain_data_parallel",
-        "config",
-        lambda f: f.t.precision == "fp16" and f.sharded,
-        "training.precision = 'fp16' (loss scaling) works with plain data parallel only "
-        "(parallel.zero_stage 0/1, tp = pp = 1; zero_stage {f.p.zero_stage}, tp {f.p.tp}, "
-        "pp {f.p.pp} here); use bf16 with zero_stage 2/3, tp or pp",
-    ),
-    Rule(
-        "zero1_plain_data_parallel",
-        "config",
-        lambda f: f.p.zero_stage == 1 and (f.p.tp > 1 or f.p.pp > 1),
-        "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) works with plain data parallel only; "
-        "with parallel.tp or parallel.pp > 1 use zero_stage 0, 2 or 3",
-    ),
-    Rule(
-        "oom_recovery_plain_data_parallel",
-        "config",
-        lambda f: f.t.oom_recovery and f.sharded,
-        "training.oom_recovery works with data-parallel layouts only (parallel.zero_stage 0/1, "
-        "parallel.tp = parallel.pp = 1); turn it off or change the layout",
-    ),
-    Rule(
         "oom_recovery_without_comm_hooks",
         "config",
         lambda f: f.t.oom_recovery and (f.c.gradient_compression != "none" or f.c.hierarchical),
@@ -243,6 +275,20 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery); it does not compose with sharded data parallel",
     ),
     Rule(
+        "moe_pipeline_one_stage",
+        "config",
+        lambda f: (
+            f.model.moe.enabled
+            and f.p.pp > 1
+            and (f.p.tp > 1 or f.p.pp_schedule not in _SINGLE_STAGE_SCHEDULES)
+        ),
+        # A stage's balancing losses join its backward through its output, one stage per
+        # rank (parallel/moe_pipeline.py); proven with gpipe and 1f1b, without tp.
+        "model.moe (num_experts {f.model.moe.num_experts}) in a pipeline (parallel.pp = "
+        "{f.p.pp}) runs with pp_schedule 'gpipe' or '1f1b' and tp = 1 only (schedule "
+        "{f.p.pp_schedule!r}, tp {f.p.tp} here)",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -266,11 +312,30 @@ RULES: tuple[Rule, ...] = (
         "parallel.sequence_parallel = false",
     ),
     Rule(
-        "sequence_parallel_without_pp",
+        "cp_splits_seq_len",
         "config",
-        lambda f: f.p.pp > 1 and f.p.tp > 1 and f.p.sequence_parallel,
-        "parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages would "
-        "exchange sequence-sharded activations); set parallel.sequence_parallel = false",
+        lambda f: f.p.cp > 1 and f.t.seq_len % f.cp_chunks != 0,
+        "context parallelism cuts each sequence into 2 x parallel.cp = {f.cp_chunks} equal chunks "
+        "(two per rank, for an even causal load); use a training.seq_len that is a multiple of "
+        "{f.cp_chunks}, or a smaller parallel.cp",
+    ),
+    Rule(
+        "cp_with_sequence_parallel",
+        "config",
+        lambda f: (
+            f.p.cp > 1 and f.p.tp > 1 and f.p.sequence_parallel and f.cp_positions % f.p.tp != 0
+        ),
+        "sequence parallelism splits each context-parallel rank's {f.cp_positions} "
+        "positions (training.seq_len / parallel.cp) over parallel.tp ({f.p.tp}) ranks; use a "
+        "training.seq_len that is a multiple of {f.cp_tp}, or set "
+        "parallel.sequence_parallel = false",
+    ),
+    Rule(
+        "cp_composes_with_dp_tp",
+        "config",
+        lambda f: f.p.cp > 1 and f.cp_conflict != "",
+        "parallel.cp = {f.p.cp} composes with data parallel (zero_stage 0, 2, 3) and tensor "
+        "parallel only, not with {f.cp_conflict}; set parallel.cp = 1 or drop that setting",
     ),
     Rule(
         "single_stage_schedule",
@@ -305,14 +370,47 @@ RULES: tuple[Rule, ...] = (
         "parallel.pp_stages_per_rank, or add layers",
     ),
     Rule(
-        "untied_embeddings_across_stages",
+        "ep_needs_experts",
         "config",
-        lambda f: f.p.pp > 1 and f.model.tie_embeddings,
-        "model.tie_embeddings = true cannot be split across pipeline stages (parallel.pp = "
-        "{f.p.pp}): the embedding and the output projection live on different ranks; set "
-        "model.tie_embeddings = false",
+        lambda f: f.p.ep > 1 and f.num_experts == 0,
+        "parallel.ep ({f.p.ep}) splits the experts of MoE layers, but the model has none "
+        "(model.moe.num_experts = 0, preset {f.cfg.model.preset!r}); set model.moe.num_experts "
+        "or parallel.ep = 1",
+    ),
+    Rule(
+        "ep_splits_experts",
+        "config",
+        lambda f: f.p.ep > 1 and f.num_experts > 0 and f.num_experts % f.p.ep != 0,
+        "model.moe.num_experts ({f.num_experts}) must be divisible by parallel.ep ({f.p.ep}); "
+        "choose parallel.ep in {{{f.ep_choices}}} or change model.moe.num_experts",
+    ),
+    Rule(
+        "ep_runs_on_fsdp",
+        "config",
+        lambda f: f.p.ep > 1 and f.ep_conflict != "",
+        "parallel.ep = {f.p.ep} wraps the model in FSDP2 (expert weights live on their own "
+        "mesh), but {f.ep_conflict} needs plain DDP; change that setting or set parallel.ep = 1",
+    ),
+    Rule(
+        "moe_tp_needs_ep",
+        "config",
+        lambda f: (
+            f.num_experts > 0 and f.p.tp > 1 and (f.p.ep == 1 or f.p.sequence_parallel)
+        ),
+        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} runs "
+        "its MoE layers replicated over tp, which is proven with parallel.ep > 1 and "
+        "parallel.sequence_parallel = false only (ep {f.p.ep}, sequence_parallel "
+        "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
     ),
     # --- the degrees against the world size ---
+    Rule(
+        "cp_divides_world",
+        "world",
+        lambda f: f.p.cp > 1 and f.world_size % f.cp_tp_pp != 0,
+        "parallel.tp ({f.p.tp}) x parallel.pp ({f.p.pp}) x parallel.cp ({f.p.cp}) = "
+        "{f.cp_tp_pp} does not divide the world size {f.world_size}; choose degrees whose "
+        "product divides it, or run a multiple of {f.cp_tp_pp} processes",
+    ),
     Rule(
         "tp_pp_divide_world",
         "world",
@@ -371,6 +469,14 @@ RULES: tuple[Rule, ...] = (
         "parallel.dp_replicate ({f.p.dp_replicate}) x parallel.dp_shard ({f.p.dp_shard}) must "
         "equal the data-parallel size {f.dp} (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); "
         "set one of them to -1 (what is left over)",
+    ),
+    Rule(
+        "ep_divides_dp",
+        "world",
+        lambda f: f.p.ep > 1 and f.dp % f.p.ep != 0,
+        "parallel.ep ({f.p.ep}) must divide the data-parallel size {f.dp} (world "
+        "{f.world_size} / tp {f.p.tp} / pp {f.p.pp}): expert-parallel ranks are data-parallel "
+        "ranks; choose one of {f.dp_divisors}",
     ),
     # --- the resolved degrees ---
     Rule(

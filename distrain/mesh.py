@@ -3,7 +3,8 @@
 `ParallelDims` turns the `[parallel]` config and the world size into named axis degrees and
 builds the DeviceMesh; whether the degrees fit the world size is one of layout.py's rules, checked
 before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce,
-`checkpoint_group` and `host_group` those of checkpoints and stop signals. Nothing else in
+`checkpoint_group` and `host_group` those of checkpoints and stop signals, `embedding_group` that
+of a tied embedding split across pipeline stages. Nothing else in
 distrain creates process groups, and `teardown` is the one way they end.
 """
 
@@ -106,17 +107,21 @@ def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistCo
     )
 
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DP_CP = ("dp_replicate", "dp_shard", "cp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of each parallel axis; their product is the world size.
 
-    Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost so
-    its chatty collectives stay on the fastest links (one node); pipeline is outermost since it
-    sends the least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits
-    the global batch over.
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is
+    innermost so its chatty collectives stay on the fastest links (one node); context parallelism
+    (each layer's key/value all-gather) next to it; pipeline is outermost since it sends the
+    least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits the global
+    batch over; the cp ranks of a dp rank read the same sequences and split each of them, and
+    gradients are averaged over dp x cp. `ep` is not a further factor of the world size: it
+    regroups the dp ranks for the expert weights (`build_ep_mesh`).
     """
 
     pp: int
@@ -125,13 +130,15 @@ class ParallelDims:
     tp: int
     zero_stage: int
     world_size: int
+    ep: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
         (layout.validate has checked that they fit)."""
         p = cfg.parallel
-        dp = world_size // (p.tp * p.pp)
+        dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
         if p.zero_stage <= 1:
             replicate, shard = dp, 1
@@ -147,6 +154,8 @@ class ParallelDims:
             tp=p.tp,
             zero_stage=p.zero_stage,
             world_size=world_size,
+            ep=p.ep,
+            cp=p.cp,
         )
 
     @property
@@ -158,10 +167,12 @@ class ParallelDims:
         """How the model is wrapped for data parallelism: "none" when there is one replica,
         "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
         with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
-        correctly), else "ddp"."""
-        if self.dp_size == 1:
+        correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
+        of a data-parallel rank count as replicas here: each computes its share of the gradient,
+        which the wrapper averages over dp x cp."""
+        if self.dp_size * self.cp == 1:
             return "none"
-        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1:
+        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
             return "fsdp"
         return "ddp"
 
@@ -169,6 +180,8 @@ class ParallelDims:
         return (
             f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
             f"zero_stage={self.zero_stage}"
+            + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (f" cp={self.cp}" if self.cp > 1 else "")
         )
 
     def build_mesh(
@@ -180,11 +193,65 @@ class ParallelDims:
         options = group_options(dist.get_backend(), timeout_s)
         mesh = init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=AXES,
             backend_override=dict.fromkeys(AXES, options) if options else None,
         )
+        if self.cp > 1:
+            for axes, name in ((("dp_shard", "cp"), "dp_shard_cp"), (DP_CP, "dp_cp")):
+                flatten_mesh(mesh[axes], name, backend_override=options)
         return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", backend_override=options)
+
+    def gradient_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh DDP averages gradients over: `dp_mesh`, or dp x cp under context
+        parallelism (flattened by `build_mesh`)."""
+        return dp_mesh if self.cp == 1 else mesh["dp_cp"]
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP); under context
+        parallelism the cp axis joins the shard axis (dp_shard x cp, flattened by `build_mesh`),
+        so gradients are averaged over the cp ranks too, as torchtitan does."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+
+
+    def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:
+        """The expert-parallel mesh, axes pp, dp_mod_ep, ep, tp (size-1 axes kept).
+
+        EP ranks come out of the data-parallel ranks, as in torchtitan: the ep ranks of a group
+        are `ep` consecutive data-parallel indices (dp_shard first, then dp_replicate), so a group
+        stays on one node as long as it fits. Expert weights are split over `ep` and
+        FSDP-sharded over `dp_mod_ep`, the data-parallel ranks EP does not use. A separate root
+        mesh from `build_mesh`'s (the same ranks, grouped differently); both pass the same
+        `timeout_s` to their groups.
+        """
+        options = group_options(dist.get_backend(), timeout_s)
+        names = ("pp", "dp_mod_ep", "ep", "tp")
+        return init_device_mesh(
+            device_type,
+            (self.pp, self.dp_size // self.ep, self.ep, self.tp),
+            mesh_dim_names=names,
+            backend_override=dict.fromkeys(names, options) if options else None,
+        )
+def embedding_group(mesh: DeviceMesh, *, timeout_s: float = 0.0) -> dist.ProcessGroup | None:
+    """The group of this rank's first and last pipeline rank (same dp and tp coordinates): the
+    two holders of a tied embedding, whose gradients they sum (as Megatron's embedding group).
+    None without a pipeline. With pp = 2 it is the pp axis itself; else every rank creates every
+    pair's group, in the same order, as `new_group` requires. Collective."""
+    pp = mesh.size(0)
+    if pp == 1:
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh.reshape(pp, -1)
+    me = dist.get_rank()
+    mine = None
+    for column in range(ranks.shape[1]):
+        members = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
+        if me in members:
+            mine = group
+    return mine
 
 
 def node_groups(

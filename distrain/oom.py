@@ -6,12 +6,23 @@ Ranks must agree before any gradient leaves a rank, or a rank that failed mid-ba
 leave the others waiting in a collective it never joins. So with recovery on, every micro-batch
 runs without gradient sync, the ranks then agree on one flag (a max all-reduce), and only a step
 that succeeded everywhere all-reduces its gradients.
+
+Under FSDP2, tp and pp the forward itself runs collectives (parameter all-gathers, tp
+reductions, stage-to-stage sends), so a rank cannot run on and report afterwards. There the
+ranks agree before every micro-batch (`agreed`; under pp before the schedule, which runs all
+micro-batches in one call) and once after the last, each micro-batch synchronizes its own
+gradients, and on any failure every rank abandons the step, drops its gradients and retries.
+An OOM raised inside a micro-batch is recovered when every rank raises it at the same point
+(ranks run the same shapes, so memory runs out alike) or at an agreement point; one that
+strikes a single rank inside a micro-batch leaves the others waiting in a collective it never
+joins, until debug.collective_timeout_s fails the run, as it would without recovery.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,6 +53,27 @@ class InjectedOOM:
                 raise torch.OutOfMemoryError("debug.oom_at_step: injected out-of-memory error")
 
         return before_micro_batch
+
+
+class StepAbandoned(Exception):
+    """Every rank agreed to give up this step's attempt: some rank ran out of memory."""
+
+
+def agreed(hook: Callable[[int], None], device: torch.device) -> Callable[[int], None]:
+    """`hook` (the injected failure) followed by an agreement of every rank on whether any of
+    them ran out of memory; raises StepAbandoned on every rank if one did. One flag all-reduce
+    and host read per micro-batch (layouts with collectives in the forward; see module doc)."""
+
+    def before_micro_batch(index: int) -> None:
+        failed = False
+        try:
+            hook(index)
+        except torch.OutOfMemoryError:
+            failed = True
+        if any_rank_failed(failed, device):
+            raise StepAbandoned
+
+    return before_micro_batch
 
 
 def free_memory(device: torch.device) -> None:

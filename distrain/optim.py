@@ -17,10 +17,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from distrain.config import OptimConfig
+from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
 from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.parallel.zero1 import Zero1AdamW
 from distrain.torch_compat import is_zero_redundancy_optimizer
 
 
@@ -37,9 +40,12 @@ def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: norms, biases and embedding tables stay undecayed (GPT-2 practice)."""
     decay, no_decay = [], []
+    args = model.args if isinstance(model, GPT) else None
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        if args is not None:
+            name = tied_name(name, args)
         if param.ndim < 2 or "emb" in name:
             no_decay.append(param)
         else:
@@ -58,9 +64,11 @@ def build_optimizer(
     dp_group: dist.ProcessGroup | None = None,
     comm_stats: CommStats | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW; with `zero1_group` (ZeRO stage 1) its state is partitioned across that group by
-    torch's ZeroRedundancyOptimizer, each rank updating its share and broadcasting it. Or 1-bit
-    Adam, which averages its momentum over `dp_group` itself."""
+    """AdamW; with `zero1_group` (ZeRO stage 1) its state is partitioned across that group,
+    each rank updating its share and broadcasting it: by torch's ZeroRedundancyOptimizer for
+    plain tensors (DDP), by `Zero1AdamW` for DTensor parameters (tp, and FSDP2's replication
+    under tp/pp), which torch's cannot broadcast. Or 1-bit Adam, which averages its momentum
+    over `dp_group` itself."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "onebit_adam":
         return OneBitAdam(
@@ -76,6 +84,8 @@ def build_optimizer(
     options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
     if zero1_group is None:
         return torch.optim.AdamW(groups, **options)
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        return Zero1AdamW(groups, group=zero1_group, **options)
     from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when used
 
     zero = ZeroRedundancyOptimizer(
@@ -127,5 +137,7 @@ def load_optimizer_state_dict(
 
 
 def _zero1(optimizer: torch.optim.Optimizer) -> Any:
-    """`optimizer` if it is a ZeroRedundancyOptimizer (its `optim` holds this rank's state)."""
-    return optimizer if is_zero_redundancy_optimizer(optimizer) else None
+    """`optimizer` if it shards its state (ZeroRedundancyOptimizer or Zero1AdamW: its `optim`
+    holds this rank's state)."""
+    zero1 = isinstance(optimizer, Zero1AdamW) or is_zero_redundancy_optimizer(optimizer)
+    return optimizer if zero1 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,14 +55,19 @@ def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value:
     set_element(root, path, value)
 
 
-def checkpoint_wrapper(module: nn.Module, *, preserve_rng_state: bool) -> nn.Module:
+def checkpoint_wrapper(
+    module: nn.Module, *, preserve_rng_state: bool, context_fn: Callable[[], Any] | None = None
+) -> nn.Module:
     """Activation checkpointing around `module` (torch's private `checkpoint_wrapper`, the one
-    FSDP2 and torchtitan use): its state_dict keys stay those of `module`."""
+    FSDP2 and torchtitan use): its state_dict keys stay those of `module`. `context_fn`: passed
+    to `torch.utils.checkpoint.checkpoint` (selective checkpointing's policy contexts)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper as wrap,
     )
 
-    return wrap(module, preserve_rng_state=preserve_rng_state)
+    if context_fn is None:
+        return wrap(module, preserve_rng_state=preserve_rng_state)
+    return wrap(module, preserve_rng_state=preserve_rng_state, context_fn=context_fn)
 
 
 def is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:

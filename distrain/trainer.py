@@ -44,6 +44,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.data import KeepsGradientsLocal
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
+from distrain.parallel.scaler import AgreedGradScaler
 from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.rng import seed_everything
 from distrain.train_state import ModelState, OptimizerState, RNGState
@@ -110,7 +111,9 @@ class Trainer:
             )
             for part in self.model.parts
         ]
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
+        self.scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
+        self.fp16_skipped = 0
+        """Steps the loss scaler skipped (gradients overflowed on some rank)."""
         self.step = 0
         self.started = False
         """True once the loop begins: an error before that is a failed start (see train.py)."""
@@ -234,6 +237,7 @@ class Trainer:
             self.cfg.optim.max_grad_norm or math.inf,
             holders=1 if local else self.ctx.world_size // self.dims.pp,
             local=local,
+            counted_elsewhere=self.model.counted_elsewhere,
         )
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,
@@ -245,26 +249,69 @@ class Trainer:
             for optimizer in self.optimizers:
                 set_lr(optimizer, lr)
                 self.scaler.step(optimizer)
-        self.scaler.update()
+        self._update_scale()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.model.moe_stats is not None:
+            self.model.moe_stats.after_step(updated=update)
         return loss, grad_norm
+
+    def _update_scale(self) -> None:
+        """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
+        gradients overflowed. Reading the scale syncs the host, but scaler.step just did so
+        reading the found-inf flag, so fp16 costs no extra wait."""
+        if not self.scaler.is_enabled():
+            self.scaler.update()
+            return
+        before = self.scaler.get_scale()
+        self.scaler.update()
+        after = self.scaler.get_scale()
+        if after < before:
+            self.fp16_skipped += 1
+            self.log.warning(
+                "step %d: fp16 gradients overflowed on some rank: step skipped by every rank, "
+                "loss scale %g -> %g",
+                self.step + 1,
+                before,
+                after,
+            )
 
     def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
         """forward_backward that survives out-of-memory errors (see distrain/oom.py)."""
         step = self.step + 1
+        pipelined = self.dims.pp > 1
+        # Collectives inside the forward (FSDP2, tp, pp): the ranks agree before each micro-batch.
+        agree = self.dims.dp_wrapper == "fsdp" or pipelined
         while True:
-            hook = self.injected_oom.hook(step, len(batches))
-            try:
-                loss = self.model.forward_backward(
-                    batches, self.scaler.scale, sync=False, before_micro_batch=hook
-                )
-                failed = False
-            except torch.OutOfMemoryError:
-                failed = True
-            if not oom.any_rank_failed(failed, self.ctx.device):
-                self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
-                return loss
+            hook = self.injected_oom.hook(step, 1 if pipelined else len(batches))
+            if agree:
+                # Every path below joins exactly one agreement per attempt after the last one
+                # it passed, so the ranks' flag all-reduces pair up whoever failed where.
+                try:
+                    loss = self.model.forward_backward(
+                        batches,
+                        self.scaler.scale,
+                        sync_each=True,
+                        before_micro_batch=oom.agreed(hook, self.ctx.device),
+                    )
+                    failed = False
+                except oom.StepAbandoned:
+                    failed = None  # agreed already, by every rank
+                except torch.OutOfMemoryError:
+                    failed = True  # inside a micro-batch (see oom.py on when that recovers)
+                if failed is not None and not oom.any_rank_failed(failed, self.ctx.device):
+                    return loss
+            else:
+                try:
+                    loss = self.model.forward_backward(
+                        batches, self.scaler.scale, sync=False, before_micro_batch=hook
+                    )
+                    failed = False
+                except torch.OutOfMemoryError:
+                    failed = True
+                if not oom.any_rank_failed(failed, self.ctx.device):
+                    self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
+                    return loss
             self.model.zero_grad()
             oom.free_memory(self.ctx.device)
             smaller = oom.halve_micro_batch(
@@ -272,6 +319,8 @@ class Trainer:
             )
             self.loader.set_micro_batch_size(smaller)
             batches = oom.split(batches, smaller)
+            if pipelined:
+                self.model.double_pipeline_microbatches()
             self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
 
     def _comm_metrics(self, steps: int) -> dict[str, float]:
@@ -368,7 +417,10 @@ class Trainer:
                     "loss_spike": self.loss_spikes.update(loss_value),
                     **self._straggler_metrics(window_steps),
                     **self._comm_metrics(window_steps),
+                    **(self.model.moe_stats.metrics() if self.model.moe_stats else {}),
                 }
+                if self.scaler.is_enabled():
+                    row.update(loss_scale=self.scaler.get_scale(), fp16_skipped=self.fp16_skipped)
                 self.metrics.log(row)
                 if self.cfg.debug.check_replicas:
                     check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())

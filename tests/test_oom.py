@@ -3,7 +3,9 @@ and retry the step; the global batch, and so the loss curve, is unchanged."""
 
 import pytest
 import torch
-from helpers import losses, train_cli
+from helpers import losses, train_cli, train_in_process
+from test_parity import BASE as PARITY
+from test_parity import assert_parity
 
 from distrain.observe.metrics import read_metrics
 from distrain.oom import split
@@ -57,3 +59,36 @@ def test_oom_at_micro_batch_one_is_a_clear_error(tmp_path):
     result = train_cli(tmp_path / "run", 2, **fields)
     assert result.returncode != 0
     assert "step 2 runs out of memory even with training.micro_batch_size = 1" in result.stderr
+
+
+# FSDP2 with tp, and pp with FSDP2: a rank's forward runs collectives, so the ranks agree
+# before each micro-batch (before the schedule under pp) and retry together (distrain/oom.py).
+# Each recovered run must still give the 1-process loss curve of test_parity (same batch, seed
+# and tolerance): kept gradients of the abandoned attempt, or a micro-batch counted twice, move
+# the loss by 1e-3 or more.
+SHARDED = {
+    "zero3x2_tp2": {"parallel__zero_stage": 3, "parallel__tp": 2},
+    "pp2_zero2x2": {"parallel__pp": 2, "parallel__zero_stage": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    return losses(train_in_process(run, **dict(PARITY, training__micro_batch_size=8)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SHARDED.values(), ids=SHARDED.keys())
+def test_injected_oom_under_sharded_layouts_keeps_the_loss_curve(
+    layout, reference, tmp_path, check_ok
+):
+    run = tmp_path / "run"
+    fields = dict(PARITY, **layout, training__oom_recovery=True, debug__oom_at_step=3)
+    check_ok(train_cli(run, 4, **fields, debug__oom_rank=3))
+    for rank in range(4):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "step 3 ran out of memory on some rank: retrying with micro-batch 1" in log, rank
+    rows = read_metrics(run / "metrics.jsonl")
+    assert {"step": 3, "oom_retry_micro_batch_size": 1} in rows
+    assert_parity(losses(rows), reference)

@@ -32,6 +32,11 @@ class Layout:
     name: str
     nproc: int
     fields: dict
+    model: tuple[tuple[str, object], ...] = ()
+    """Model overrides, given to the 1-process reference too (a tied model has its own curve)."""
+
+
+TIED = (("model__tie_embeddings", True),)
 
 
 LAYOUTS = [
@@ -61,29 +66,44 @@ LAYOUTS = [
             "parallel__pp_stages_per_rank": 2,
         },
     ),
-    Layout("dp2_tp2", 4, {"parallel__tp": 2}),
+    Layout("zero1x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 1}),
     Layout("zero3x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 3}),
     Layout(
         "hsdp2x2",
         4,
         {"parallel__zero_stage": 3, "parallel__dp_replicate": 2, "debug__check_replicas": True},
     ),
+    Layout("pp2_tp2_sp_tied", 4, {"parallel__pp": 2, "parallel__tp": 2}, TIED),
+    Layout("pp2_zero1x2_tied", 4, {"parallel__pp": 2, "parallel__zero_stage": 1}, TIED),
     Layout(
-        "pp2_tp2", 4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False}
-    ),
-    Layout("pp2_dp2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2}),
-    Layout(
-        "pp2_dp2_tp2",
+        "pp2_zero3_dp2_tp2_sp",
         8,
-        {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": False},
+        {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 3, "parallel__dp_shard": 2},
     ),
+    Layout("cp2", 2, {"parallel__cp": 2}),
+    Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
+    Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
 ]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    return losses(train_in_process(run, **dict(BASE, training__micro_batch_size=8)))
+def references(tmp_path_factory):
+    """The 1-process loss curve for a model override (`Layout.model`), each trained once."""
+    curves: dict[tuple, dict[int, float]] = {}
+
+    def curve(model: tuple[tuple[str, object], ...] = ()) -> dict[int, float]:
+        if model not in curves:
+            run = tmp_path_factory.mktemp("ref") / "run"
+            fields = dict(BASE, training__micro_batch_size=8, **dict(model))
+            curves[model] = losses(train_in_process(run, **fields))
+        return curves[model]
+
+    return curve
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
 
 
 def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
@@ -94,9 +114,11 @@ def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
-def test_layout_matches_single_process(layout, reference, tmp_path, check_ok):
-    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **layout.fields))
-    assert_parity(losses(read_metrics(tmp_path / "run" / "metrics.jsonl")), reference)
+def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
+    fields = dict(layout.fields, **dict(layout.model))
+    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **fields))
+    got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert_parity(got, references(layout.model))
 
 
 @pytest.mark.slow
@@ -174,3 +196,108 @@ def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert errors and expected in errors[0], result.stderr[-3000:]
+
+
+# Expert parallelism (parallel.ep): a tiny MoE model (4 experts in blocks 1 and 3, a shared
+# expert) compared with the 1-process run of the same model, in micro-batches of 2 like the
+# rows (capacity and the balancing losses are counted per forward call, so the reference must
+# see the same micro-batches). Each row covers several features: routing (top-1 with capacity,
+# top-2 dropless), the ZeRO stage, check_replicas, and the axis ep composes with.
+MOE = {
+    "model__moe__num_experts": 4,
+    "model__moe__every": 2,
+    "model__moe__shared_experts": 1,
+    "model__moe__ffn_dim": 128,
+}
+MOE_ROUTES = {
+    "top1_capacity": dict(MOE, model__moe__top_k=1, model__moe__capacity_factor=1.0),
+    "top2_dropless": dict(MOE, model__moe__top_k=2, model__moe__capacity_factor=0),
+}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    name: str
+    nproc: int
+    route: str
+    fields: dict
+
+
+EP_LAYOUTS = [
+    ExpertLayout(
+        "ep2_top1_capacity", 2, "top1_capacity", {"parallel__ep": 2, "debug__check_replicas": True}
+    ),
+    ExpertLayout("ep4_top2_dropless", 4, "top2_dropless", {"parallel__ep": 4}),
+    ExpertLayout(
+        "ep2_tp2_top1_capacity",
+        4,
+        "top1_capacity",
+        {"parallel__ep": 2, "parallel__tp": 2, "parallel__sequence_parallel": False},
+    ),
+    # HSDP 2 x 2: ep takes the dp_shard ranks, experts are FSDP-sharded over dp_replicate.
+    ExpertLayout(
+        "ep2_zero3_hsdp_top2_dropless",
+        4,
+        "top2_dropless",
+        {
+            "parallel__ep": 2,
+            "parallel__zero_stage": 3,
+            "parallel__dp_replicate": 2,
+            "debug__check_replicas": True,
+        },
+    ),
+    ExpertLayout(
+        "pp2_ep2_top2_dropless",
+        4,
+        "top2_dropless",
+        {"parallel__pp": 2, "parallel__ep": 2, "parallel__pp_schedule": "gpipe"},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """The 1-process curve of each MoE route, computed once per route."""
+    curves: dict[str, dict[int, float]] = {}
+
+    def curve(route: str) -> dict[int, float]:
+        if route not in curves:
+            run = tmp_path_factory.mktemp(route) / "run"
+            curves[route] = losses(train_in_process(run, **BASE, **MOE_ROUTES[route]))
+        return curves[route]
+
+    return curve
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EP_LAYOUTS, ids=[layout.name for layout in EP_LAYOUTS])
+def test_expert_parallel_matches_single_process(layout, moe_reference, tmp_path, check_ok):
+    run = tmp_path / "run"
+    check_ok(train_cli(run, layout.nproc, **BASE, **MOE_ROUTES[layout.route], **layout.fields))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert_parity(losses(rows), moe_reference(layout.route))
+    # Rows were routed to other ranks and back: the all-to-all bytes are counted, at most
+    # every routed copy of rank 0's tokens (fp32 rows of dim 128) sent out and back, in each
+    # MoE layer rank 0 holds (2, or 1 per pipeline stage).
+    tp, pp = layout.fields.get("parallel__tp", 1), layout.fields.get("parallel__pp", 1)
+    tokens = BASE["training__global_batch_size"] * BASE["training__seq_len"] * tp * pp
+    top_k = MOE_ROUTES[layout.route]["model__moe__top_k"]
+    bound = 2 * top_k * (tokens // layout.nproc) * 128 * 4 * (2 // pp)
+    sent = [row["comm_bytes"] for row in rows if "loss" in row]
+    assert len(sent) == STEPS and all(0 < b <= bound for b in sent), sent
+
+
+@pytest.mark.slow
+def test_resume_across_expert_parallel_degrees(moe_reference, tmp_path):
+    """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
+    weights resharded, and the stitched curve is the 1-process curve."""
+    run = tmp_path / "run"
+    fields = dict(BASE, **MOE_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
+    first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
+    assert first.returncode != 0
+    second = train_cli(run, 2, **fields, debug__fail_at_step=5)
+    assert second.returncode != 0
+    third = train_cli(run, 4, **fields, parallel__ep=4)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resumed from" in third.stderr and "step-00000004" in third.stderr
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), moe_reference("top1_capacity"))

@@ -39,20 +39,6 @@ CASES = [
       "(300); set model.vocab_size to at least 300 (e.g. 320)"]),
     ("cuda_available", {"run.device": "cuda"}, 1,
      ["run.device = 'cuda' but CUDA is not available", "use auto or cpu"]),
-    ("fp16_needs_cuda", {"training.precision": "fp16", "run.device": "cpu"}, 1,
-     ["training.precision = 'fp16' needs CUDA", "use bf16 or fp32"]),
-    ("fp16_plain_data_parallel",
-     {"training.precision": "fp16", "run.device": "cuda", "parallel.pp": "2", "cuda": ""}, 2,
-     ["training.precision = 'fp16'", "pp 2 here", "use bf16"]),
-    ("fp16_plain_data_parallel",
-     {"training.precision": "fp16", "run.device": "cuda", "parallel.zero_stage": "2",
-      "cuda": ""}, 2,
-     ["zero_stage 2, tp 1, pp 1 here"]),
-    ("zero1_plain_data_parallel", {"parallel.zero_stage": "1", "parallel.tp": "2"}, 2,
-     ["parallel.zero_stage = 1", "use zero_stage 0, 2 or 3"]),
-    ("oom_recovery_plain_data_parallel",
-     {"training.oom_recovery": "true", "parallel.zero_stage": "3"}, 2,
-     ["training.oom_recovery works with data-parallel layouts only"]),
     ("oom_recovery_without_comm_hooks",
      {"training.oom_recovery": "true", "comm.gradient_compression": "powersgd"}, 2,
      ["comm.gradient_compression ('powersgd')", "turn training.oom_recovery off"]),
@@ -65,6 +51,15 @@ CASES = [
      ["DDP takes one communication hook"]),
     ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "2"},
      2, ["it does not compose with sharded data parallel"]),
+    ("moe_pipeline_one_stage",
+     {"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+      "parallel.pp_stages_per_rank": "2"}, 2,
+     ["model.moe (num_experts 8) in a pipeline (parallel.pp = 2) runs with pp_schedule 'gpipe' "
+      "or '1f1b' and tp = 1 only (schedule 'interleaved_1f1b', tp 1 here)"]),
+    ("moe_pipeline_one_stage",
+     {"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.tp": "2",
+      "parallel.sequence_parallel": "false", "parallel.ep": "2"}, 8,
+     ["schedule '1f1b', tp 2 here"]),
     ("tp_splits_model", {"parallel.tp": "2", "model.vocab_size": "255"}, 2,
      ["model.vocab_size (255) must be divisible by parallel.tp (2); choose parallel.tp in {1}"]),
     ("tp_splits_model",
@@ -75,8 +70,27 @@ CASES = [
      ["model.n_kv_heads (2) must be divisible by parallel.tp (4)", "divides 2"]),
     ("sequence_parallel_splits_seq_len", {"parallel.tp": "2", "training.seq_len": "127"}, 2,
      ["splits the 127 positions", "multiple of 2", "parallel.sequence_parallel = false"]),
-    ("sequence_parallel_without_pp", {"parallel.tp": "2", "parallel.pp": "2"}, 4,
-     ["set parallel.sequence_parallel = false"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "model.moe.num_experts": "4"}, 2,
+     ["not with an MoE model (model.moe.num_experts = 4)"]),
+    ("cp_splits_seq_len", {"parallel.cp": "4", "training.seq_len": "100"}, 4,
+     ["2 x parallel.cp = 8 equal chunks", "a multiple of 8", "a smaller parallel.cp"]),
+    ("cp_with_sequence_parallel",
+     {"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "12"}, 8,
+     ["context-parallel rank's 6 positions", "parallel.tp (4)", "a multiple of 8",
+      "parallel.sequence_parallel = false"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "parallel.pp": "2"}, 4,
+     ["parallel.cp = 2 composes with data parallel (zero_stage 0, 2, 3) and tensor parallel "
+      "only, not with parallel.pp = 2"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "parallel.zero_stage": "1"}, 4,
+     ["not with parallel.zero_stage = 1"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "training.oom_recovery": "true"}, 2,
+     ["not with training.oom_recovery"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "optim.name": "onebit_adam"}, 2,
+     ["not with optim.name = 'onebit_adam'"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "comm.gradient_compression": "fp16"}, 2,
+     ["not with comm.gradient_compression = 'fp16'"]),
+    ("cp_composes_with_dp_tp", {"parallel.cp": "2", "comm.hierarchical": "true"}, 2,
+     ["not with comm.hierarchical"]),
     ("single_stage_schedule",
      {"parallel.pp": "2", "parallel.pp_schedule": "gpipe", "parallel.pp_stages_per_rank": "2"}, 2,
      ["'gpipe' runs one stage per rank", "use interleaved_1f1b or zero_bubble"]),
@@ -86,8 +100,27 @@ CASES = [
      {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
       "parallel.pp_stages_per_rank": "4"}, 2,
      ["model.n_layers (4) must be at least the number of pipeline stages (8"]),
-    ("untied_embeddings_across_stages", {"parallel.pp": "2", "model.tie_embeddings": "true"}, 2,
-     ["set model.tie_embeddings = false"]),
+    ("ep_needs_experts", {"parallel.ep": "2"}, 2,
+     ["parallel.ep (2) splits the experts of MoE layers",
+      "model.moe.num_experts = 0, preset 'tiny'"]),
+    ("ep_splits_experts", {"parallel.ep": "3", "model.moe.num_experts": "4"}, 3,
+     ["model.moe.num_experts (4) must be divisible by parallel.ep (3)",
+      "choose parallel.ep in {1, 2, 4}"]),
+    ("ep_runs_on_fsdp",
+     {"parallel.ep": "2", "model.moe.num_experts": "4", "parallel.zero_stage": "1"}, 2,
+     ["parallel.ep = 2 wraps the model in FSDP2", "parallel.zero_stage = 1 needs plain DDP"]),
+    ("ep_runs_on_fsdp",
+     {"parallel.ep": "2", "model.moe.num_experts": "4", "comm.gradient_compression": "bf16"}, 2,
+     ["comm.gradient_compression = 'bf16' needs plain DDP", "or set parallel.ep = 1"]),
+    ("moe_tp_needs_ep", {"model.moe.num_experts": "4", "parallel.tp": "2"}, 2,
+     ["parallel.tp = 2 runs its MoE layers replicated over tp",
+      "(ep 1, sequence_parallel True here)"]),
+    ("moe_tp_needs_ep",
+     {"model.moe.num_experts": "4", "parallel.tp": "2", "parallel.ep": "2"}, 4,
+     ["(ep 2, sequence_parallel True here); set both"]),
+    ("cp_divides_world", {"parallel.cp": "2", "parallel.tp": "2"}, 6,
+     ["parallel.tp (2) x parallel.pp (1) x parallel.cp (2) = 4 does not divide the world size 6",
+      "a multiple of 4 processes"]),
     ("tp_pp_divide_world", {"parallel.tp": "2"}, 3,
      ["parallel.tp (2) x parallel.pp (1) = 2 does not divide the world size 3",
       "a multiple of 2 processes"]),
@@ -103,6 +136,9 @@ CASES = [
     ("dp_degrees_fill_dp",
      {"parallel.zero_stage": "3", "parallel.dp_replicate": "2", "parallel.dp_shard": "4"}, 4,
      ["parallel.dp_replicate (2) x parallel.dp_shard (4) must equal the data-parallel size 4"]),
+    ("ep_divides_dp", {"parallel.ep": "4", "model.moe.num_experts": "4"}, 2,
+     ["parallel.ep (4) must divide the data-parallel size 2 (world 2 / tp 1 / pp 1)",
+      "choose one of 1, 2"]),
     ("batch_splits_over_dp", {}, 3,
      ["training.global_batch_size (32) must be a multiple of training.micro_batch_size (8) x "
       "data-parallel size (3, from world size 3)"]),
@@ -166,6 +202,11 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"comm.gradient_compression": "powersgd"}, 2),
         ({"parallel.tp": "2", "parallel.pp": "2", "parallel.sequence_parallel": "false"}, 4),
         ({"parallel.tp": "2", "model.preset": "llama-tiny"}, 2),
+        ({"parallel.cp": "4", "training.seq_len": "104"}, 4),
+        ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "16"}, 8),
+        ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "12",
+          "parallel.sequence_parallel": "false"}, 8),
+        ({"parallel.cp": "2", "parallel.zero_stage": "3"}, 4),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
@@ -177,15 +218,16 @@ def test_every_tested_layout_passes_the_table():
     from test_parity import BASE, LAYOUTS
 
     for layout in LAYOUTS:
-        cfg = load_config(None, overrides(Path("run"), **BASE, **layout.fields))
+        fields = dict(BASE, **layout.fields, **dict(layout.model))
+        cfg = load_config(None, overrides(Path("run"), **fields))
         assert validate(cfg, layout.nproc).dims.world_size == layout.nproc, layout.name
 
 
 def test_unknown_world_size_checks_what_it_can():
     """Elastic MIN:MAX: the world-size rules wait for the workers; the others still refuse."""
     assert validate(_config({"parallel.dp_replicate": "4"}), None).dims is None
-    with pytest.raises(LayoutError, match="model.tie_embeddings"):
-        validate(_config({"parallel.pp": "2", "model.tie_embeddings": "true"}), None)
+    with pytest.raises(LayoutError, match="model.vocab_size"):
+        validate(_config({"parallel.tp": "2", "model.vocab_size": "255"}), None)
 
 
 def test_unknown_preset_is_refused():
@@ -305,7 +347,6 @@ def _train_args(run_dir: Path, **fields: str) -> list[str]:
         ({"model.preset": "huge"}, "model.preset: unknown preset 'huge'"),
         ({"data.path": "/nonexistent/corpus.txt"},
          "data.path: no such file or folder '/nonexistent/corpus.txt'"),
-        ({"training.precision": "fp16", "run.device": "cpu"}, "'fp16' needs CUDA"),
         ({"training.seq_len": "4096"}, "training.seq_len (4096) exceeds the model's max_seq_len"),
         ({"optim.beta1": "1.5"}, "optim.beta1 = 1.5 is out of range: it must be in [0, 1)"),
         ({"checkpoint.dir": "nosuch://bucket/run"}, "unknown protocol nosuch://"),
@@ -347,9 +388,9 @@ def test_elastic_world_size_launches_after_the_rules_it_can_check(tmp_path, caps
     fields = {"parallel.dp_replicate": "4"}  # fits a 4-rank attempt: the workers decide
     assert _main(capsys, *_train_args(tmp_path / "a", **fields), *elastic)[0] == 0
     assert no_launch == [None]
-    fields = {"parallel.pp": "2", "model.tie_embeddings": "true"}  # no attempt can run this
+    fields = {"parallel.tp": "2", "model.vocab_size": "255"}  # no attempt can run this
     rc, lines = _main(capsys, *_train_args(tmp_path / "b", **fields), *elastic)
-    assert rc == 1 and no_launch == [None] and "model.tie_embeddings" in lines[0]
+    assert rc == 1 and no_launch == [None] and "model.vocab_size" in lines[0]
 
 
 def test_unknown_command(capsys):

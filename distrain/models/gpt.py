@@ -15,13 +15,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from distrain.models.moe import MoE, MoEArgs
 
 
 @dataclass(kw_only=True)
@@ -47,6 +49,7 @@ class ModelArgs:
     bias: bool = False
     """Biases in every linear layer and LayerNorm, as GPT-2 has."""
     tie_embeddings: bool = False
+    moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +71,7 @@ class ModelArgs:
             )
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
+        self.moe.check(self.n_layers)
 
 
 def _norm(args: ModelArgs) -> nn.Module:
@@ -116,11 +120,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over q, k, v [B, H, T, D] holding the whole sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.kv_heads * args.head_dim
+        # The attention kernel over [B, H, T, D]: a context-parallel layout swaps in one whose
+        # sequence spans several ranks (parallel/context.py); the model itself stays plain.
+        self.attend = causal_attention
         self.wq = nn.Linear(args.dim, args.dim, bias=args.bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.bias)
@@ -133,15 +145,14 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            # The table may cover more positions than this sequence (see GPT.forward).
+            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
         group = q.shape[2] // k.shape[2]
         if group > 1:
             # Query head h reads key/value head h // group (also per tp rank: each holds whole
             # groups). Repeated rather than SDPA's enable_gqa, which not every kernel takes.
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -163,16 +174,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention then a feed-forward layer: the dense `mlp`, or `moe` in the blocks that
+    model.moe.every picks (the attribute name keeps checkpoint keys apart)."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(args)
         self.attn = Attention(args)
         self.mlp_norm = _norm(args)
-        self.mlp = MLP(args)
+        if args.moe.is_moe_layer(layer):
+            self.moe = _moe(args)
+        else:
+            self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + ffn(self.mlp_norm(x))
+
+
+def _moe(args: ModelArgs) -> MoE:
+    ffn_dim = args.moe.expert_ffn_dim(args.ffn_dim)
+    shared = None
+    if args.moe.shared_experts:
+        shared = MLP(replace(args, ffn_dim=args.moe.shared_experts * ffn_dim))
+    return MoE(args.dim, args.moe, ffn_dim, shared=shared)
 
 
 class GPT(nn.Module):
@@ -187,7 +213,7 @@ class GPT(nn.Module):
         self.pos_emb = (
             nn.Embedding(args.max_seq_len, args.dim) if args.pos_emb == "learned" else None
         )
-        self.blocks = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = _norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -211,9 +237,19 @@ class GPT(nn.Module):
                 self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def tie_weights(self) -> None:
+        """Point the head back at the embedding's weight when tied and both are here.
+        `to_empty` (materializing a meta-built model) gives each module its own new tensor, which
+        silently unties them (FSDP2 keeps the tie itself: nothing to do then)."""
+        if self.args.tie_embeddings and self.tok_emb is not None and self.output is not None:
+            if self.output.weight is not self.tok_emb.weight:
+                self.output.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
-        or the head (it then returns hidden states); see parallel/pipeline.py."""
+        or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
+        [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
+        rank holds a few slices of each sequence)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -222,9 +258,17 @@ class GPT(nn.Module):
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         rope = None
         if self.pos_emb is not None:
-            h = h + self.pos_emb(torch.arange(seq, device=tokens.device))
+            h = h + self.pos_emb(
+                torch.arange(seq, device=tokens.device) if positions is None else positions
+            )
         elif self.rope_cache is not None:
-            rope = self.rope_cache[:seq]
+            if positions is not None:
+                rope = self.rope_cache[positions]
+            else:
+                # A stage fed hidden states may get a sequence shard (sequence parallel within a
+                # pipeline): its attention sees the gathered sequence, so it gets the whole table
+                # and each attention takes the rows of the length it sees.
+                rope = self.rope_cache[:seq] if self.tok_emb is not None else self.rope_cache
         for block in self.blocks.values():
             h = block(h, rope)
         if self.norm is not None:
@@ -242,6 +286,14 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def tied_name(name: str, args: ModelArgs) -> str:
+    """`name` canonical, with a tied head named after the embedding it shares: a pipeline's last
+    stage holds its own copy of the tied weight as `output.weight` (see parallel/tied.py), which
+    must get the embedding's init value and hyperparameters."""
+    name = canonical_name(name)
+    return "tok_emb.weight" if args.tie_embeddings and name == "output.weight" else name
+
+
 def param_init_std(name: str, args: ModelArgs) -> float | None:
     """The init of one parameter by name: a normal std, or None for ones (norm weights).
 
@@ -252,14 +304,16 @@ def param_init_std(name: str, args: ModelArgs) -> float | None:
         return 0.0
     if "norm" in name:
         return None
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "shared.w_down.weight")) or (
+        name.endswith("experts.w_down")
+    ):
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
 
 
 def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) -> torch.Tensor:
     """The unsharded fp32 initial value of parameter `name`, from the seed and the name alone."""
-    name = canonical_name(name)
+    name = tied_name(name, args)
     std = param_init_std(name, args)
     if std is None:
         return torch.ones(shape)
@@ -282,6 +336,7 @@ def init_weights(
 
     Values are made on CPU in fp32 as the full tensor; a sharded (DTensor) parameter keeps only
     its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
+    The MoE expert bias (a buffer) starts at zero.
     """
     for name, param in model.named_parameters():
         value = (
@@ -296,3 +351,6 @@ def init_weights(
             param.to_local().copy_(local)
         else:
             param.copy_(value)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.expert_bias.zero_()

@@ -7,6 +7,7 @@ import dataclasses
 
 from distrain.config import ConfigError, ModelConfig
 from distrain.models.gpt import ModelArgs
+from distrain.models.moe import MoEArgs
 
 _GPT2 = dict(
     vocab_size=50257,
@@ -103,6 +104,28 @@ PRESETS: dict[str, ModelArgs] = {
     "13b": ModelArgs(
         vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=20480, max_seq_len=4096
     ),
+    # tiny's shape with 8 experts of half tiny's MLP width, 2 per token: the same active
+    # parameters per token as tiny (plus the router).
+    "moe-tiny": ModelArgs(
+        vocab_size=256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        ffn_dim=512,
+        max_seq_len=1024,
+        moe=MoEArgs(num_experts=8, top_k=2, ffn_dim=256, aux_loss_coef=0.01),
+    ),
+    # Switch Transformer's routing at tiny's shape: 8 experts of tiny's MLP width, 1 per token,
+    # capacity factor 1.25 (tokens over it pass through the residual).
+    "switch-tiny": ModelArgs(
+        vocab_size=256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        ffn_dim=512,
+        max_seq_len=1024,
+        moe=MoEArgs(num_experts=8, top_k=1, capacity_factor=1.25, aux_loss_coef=0.01),
+    ),
 }
 
 
@@ -124,8 +147,14 @@ def model_args(cfg: ModelConfig) -> ModelArgs:
     overrides = {
         f.name: getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
-        if f.name not in ("preset", "init_from") and getattr(cfg, f.name) is not None
+        if f.name not in ("preset", "init_from", "moe") and getattr(cfg, f.name) is not None
     }
+    moe = {
+        f.name: getattr(cfg.moe, f.name)
+        for f in dataclasses.fields(cfg.moe)
+        if getattr(cfg.moe, f.name) is not None
+    }
+    overrides["moe"] = dataclasses.replace(base.moe, **moe)
     args = dataclasses.replace(base, **overrides)
     try:
         args.check()
@@ -149,13 +178,35 @@ def num_params(args: ModelArgs) -> int:
         total += args.max_seq_len * args.dim
     if not args.tie_embeddings:
         total += args.vocab_size * args.dim
-    return total
+    return total + _moe_layers(args) * (
+        _moe_params(args, active=False) - 2 * args.dim * args.ffn_dim
+    )
+
+
+def _moe_layers(args: ModelArgs) -> int:
+    return sum(args.moe.is_moe_layer(i) for i in range(args.n_layers))
+
+
+def _moe_params(args: ModelArgs, *, active: bool) -> int:
+    """Parameters of one MoE layer (router, experts, shared experts); with active, only those
+    one token uses: the router, its top_k experts and the shared experts."""
+    moe = args.moe
+    expert = 2 * args.dim * moe.expert_ffn_dim(args.ffn_dim)
+    experts = moe.top_k if active else moe.num_experts
+    return args.dim * moe.num_experts + (experts + moe.shared_experts) * expert
+
+
+def active_params(args: ModelArgs) -> int:
+    """Parameters one token's forward uses: num_params less the experts it is not routed to."""
+    inactive = _moe_params(args, active=False) - _moe_params(args, active=True)
+    return num_params(args) - _moe_layers(args) * inactive
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward: 6 per matmul weight plus attention's
-    12 L T d (PaLM's accounting). Embedding lookups are not matmuls; the output projection is."""
+    """Training FLOPs per token, forward + backward: 6 per matmul weight a token uses (MoE: the
+    router and its top_k experts) plus attention's 12 L T d (PaLM's accounting). Embedding
+    lookups are not matmuls; the output projection is."""
     lookups = args.max_seq_len * args.dim if args.pos_emb == "learned" else 0
     if not args.tie_embeddings:
         lookups += args.vocab_size * args.dim
-    return 6 * (num_params(args) - lookups) + 12 * args.n_layers * seq_len * args.dim
+    return 6 * (active_params(args) - lookups) + 12 * args.n_layers * seq_len * args.dim

@@ -23,10 +23,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
-from distrain.mesh import DistContext, ParallelDims
+from distrain.mesh import DistContext, ParallelDims, embedding_group
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
+from distrain.parallel.context import SequenceSplit, apply_context_parallel
 from distrain.parallel.data import (
     allreduce_payload,
     apply_ddp,
@@ -35,7 +36,9 @@ from distrain.parallel.data import (
     settle_bucket_layout,
 )
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
+from distrain.parallel.tied import TiedEmbedding
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,6 +69,7 @@ class ParallelModel:
         stage_ids: list[int],
         num_stages: int,
         pp_microbatches: int,
+        tied_group: dist.ProcessGroup | None = None,
     ):
         self.parts, self.dims, self.device = parts, dims, device
         self.stage_ids, self.num_stages = stage_ids, num_stages
@@ -77,23 +81,49 @@ class ParallelModel:
             device,
         )
         self.comm_stats: CommStats | None = None
+        # Under context parallelism each rank runs its share of every sequence's columns.
+        self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
         # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
         # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
         self.allreduce_payload: tuple[int, int] | None = None
+        self.moe_stats: MoEStats | None = None
+        """Set for a mixture-of-experts model: its balancing losses join the training loss."""
         self.runner = None
+        self.tied: TiedEmbedding | None = None
+        self._pp_mesh = mesh["pp"] if dims.pp > 1 else None
+        self._pp_schedule = cfg.parallel.pp_schedule
         if dims.pp > 1:
-            from distrain.parallel.pipeline import PipelineRunner
+            self._build_runner(pp_microbatches)
+            if tied_group is not None:
+                self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
 
-            self.runner = PipelineRunner(
-                parts,
-                stage_ids=stage_ids,
-                num_stages=num_stages,
-                pp_mesh=mesh["pp"],
-                schedule=cfg.parallel.pp_schedule,
-                n_microbatches=pp_microbatches,
-                device=device,
-                loss_fn=cross_entropy,
+    def _build_runner(self, n_microbatches: int) -> None:
+        from distrain.parallel.pipeline import PipelineRunner
+
+        self.runner = PipelineRunner(
+            self.parts,
+            stage_ids=self.stage_ids,
+            num_stages=self.num_stages,
+            pp_mesh=self._pp_mesh,
+            schedule=self._pp_schedule,
+            n_microbatches=n_microbatches,
+            device=self.device,
+            loss_fn=cross_entropy,
+        )
+
+    def double_pipeline_microbatches(self) -> int:
+        """Run the local batch in twice as many, half as large, pipeline microbatches from now
+        on (OOM recovery); a new schedule, since one runs a single microbatch shape. Returns the
+        new count; every pp rank must call it at the same step."""
+        assert self.runner is not None
+        doubled = self.runner.n_microbatches * 2
+        if self.train_batch_rows % doubled:
+            raise ValueError(
+                f"a local batch of {self.train_batch_rows} sequences does not split into "
+                f"{doubled} pipeline microbatches"
             )
+        self._build_runner(doubled)
+        return doubled
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return tp_loss_context(self.dims.tp > 1)
@@ -104,6 +134,12 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
+
+    @property
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another rank's copy already counts in the global norm (a
+        tied head on the last pipeline stage)."""
+        return self.tied.counted_elsewhere if self.tied is not None else []
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """Defer the gradient all-reduce / reduce-scatter to the last micro-batch."""
@@ -123,6 +159,7 @@ class ParallelModel:
         sync: bool = True,
         before_micro_batch: Callable[[int], None] | None = None,
         report_loss: bool = True,
+        sync_each: bool = False,
     ) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; the mean loss (a device tensor).
         With sync=False no gradient leaves the rank: `all_reduce_gradients` must follow (DDP
@@ -132,13 +169,22 @@ class ParallelModel:
         other pp ranks (a collective that makes every stage wait for the last one), so that every
         rank returns it. Without, a rank that does not hold the last stage returns zero: pass
         report_loss=False only for a step whose loss nobody reads.
+
+        sync_each: synchronize the gradients after every micro-batch, so that abandoning the
+        step between micro-batches leaves nothing pending in FSDP2 (OOM recovery). Under pp,
+        whose schedule runs all micro-batches in one call, `before_micro_batch(0)` runs once,
+        before the schedule.
         """
         if self.runner is not None:
+            if before_micro_batch is not None:
+                before_micro_batch(0)
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
-                loss = self.runner.train_step(inputs, targets)
+                loss = self.runner.train_step(inputs, targets, scale)
+            if self.tied is not None:
+                self.tied.sum_gradients()
             local = _local(loss) if loss is not None else None
             if report_loss:
                 return self.runner.broadcast_loss(local)
@@ -147,24 +193,39 @@ class ParallelModel:
         for i, (inputs, targets) in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch(i)
-            with self._sync_context(sync and i == len(batches) - 1), self.loss_context():
+            last = sync and i == len(batches) - 1
+            with self._sync_context(last or sync_each), self.loss_context():
                 heartbeat.mark("forward")
-                with self.autocast:
-                    logits = self.parts[0](inputs.to(self.device, non_blocking=True))
-                loss = cross_entropy(logits, targets.to(self.device, non_blocking=True))
+                logits, targets = self._forward(inputs, targets)
+                loss = cross_entropy(logits, targets)
+                # The reported loss stays the cross-entropy; MoE balancing terms only train.
+                total = loss if self.moe_stats is None else loss + self.moe_stats.after_forward()
                 heartbeat.mark("backward")
-                scale(loss / len(batches)).backward()
+                scale(total / len(batches)).backward()
             loss_sum += _local(loss.detach())
         if sync and self.allreduce_payload is not None:
             self._count_allreduce(*self.allreduce_payload)
         return loss_sum / len(batches)
+
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the single model part, and the targets they predict (this rank's share
+        of the sequence under context parallelism), on the device."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        kwargs = {}
+        if self.sequence_split is not None:
+            inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
+        with self.autocast:
+            return self.parts[0](inputs, **kwargs), targets
 
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
         so no time is taken (comm_inflight_s stays a figure of timed collectives)."""
         if self.comm_stats is not None:
             self.comm_stats.add_untimed_all_reduce(
-                nbytes, fp32_values=numel, group_size=self.dims.dp_size
+                nbytes, fp32_values=numel, group_size=self.dims.dp_size * self.dims.cp
             )
 
     @torch.no_grad()
@@ -200,9 +261,9 @@ class ParallelModel:
             return self._pipeline_eval_loss(batches)
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            with self.loss_context(), self.autocast:
-                logits = self.parts[0](inputs.to(self.device))
-                total += _local(cross_entropy(logits, targets.to(self.device)))
+            with self.loss_context():
+                logits, targets = self._forward(inputs, targets)
+                total += _local(cross_entropy(logits, targets))
         return total / len(batches)
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
@@ -258,20 +319,35 @@ def build_parallel_model(
         )
     else:
         parts = [model]
+    expert_mesh = None
+    if dims.ep > 1:
+        from distrain.parallel.experts import apply_expert_parallel
+
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
+        expert_mesh = ep_mesh["dp_mod_ep"]
     for part in parts:
+        if dims.cp > 1:
+            apply_context_parallel(part, mesh["cp"])
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
 
             apply_tensor_parallel(
                 part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
             )
+        if dims.ep > 1:
+            apply_expert_parallel(part, ep_mesh["ep"], stats=comm_stats)
         apply_activation_checkpointing(
             part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
         if cfg.training.compile:
             apply_compile(part)
     if dims.dp_wrapper == "fsdp":
-        parts = [apply_fsdp(part, mesh, dims, precision=cfg.training.precision) for part in parts]
+        parts = [
+            apply_fsdp(
+                part, mesh, dims, precision=cfg.training.precision, expert_mesh=expert_mesh
+            )
+            for part in parts
+        ]
     source = None
     if cfg.model.init_from:
         from distrain.interop.hf import pretrained_source
@@ -279,8 +355,10 @@ def build_parallel_model(
         source = pretrained_source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
+        part.tie_weights()
         init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
+        dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
             apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
             for part in parts
@@ -294,6 +372,11 @@ def build_parallel_model(
         stage_ids=stage_ids,
         num_stages=num_stages,
         pp_microbatches=microbatches,
+        tied_group=(
+            embedding_group(mesh, timeout_s=cfg.debug.collective_timeout_s)
+            if dims.pp > 1 and args.tie_embeddings
+            else None
+        ),
     )
     if dims.dp_wrapper == "ddp":
         (ddp,) = parts
@@ -313,4 +396,11 @@ def build_parallel_model(
         )
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats
+    if args.moe.enabled:
+        model.moe_stats = MoEStats(parts, dp_group=dp_mesh.get_group(), device=device)
+        if dims.pp > 1:
+            from distrain.parallel.moe_pipeline import join_balancing_losses
+
+            (stage,) = parts
+            join_balancing_losses(stage, model.moe_stats)
     return model

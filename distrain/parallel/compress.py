@@ -99,6 +99,13 @@ class CommStats:
             )
             self._marks.append(mark)
 
+    def add_all_to_all(self, nbytes: int) -> None:
+        """Count `nbytes` an expert-parallel all-to-all sends to other ranks (no compression:
+        its fp32-equivalent is itself; untimed, as it runs inside forward and backward)."""
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.fp32_equivalent_bytes += nbytes
+
     def add_untimed_all_reduce(self, nbytes: int, *, fp32_values: int, group_size: int) -> None:
         """Count an all-reduce of `nbytes` that no hook issued (DDP's built-in C++ path): its
         bytes are known from the bucket sizes, its time is not taken."""

@@ -27,6 +27,7 @@ from distrain.parallel.compress import (
     build_comm_hook,
     hierarchical_allreduce_hook,
 )
+from distrain.parallel.experts import expert_modules
 
 
 @runtime_checkable
@@ -128,7 +129,14 @@ def allreduce_payload(ddp: DistributedDataParallel) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: str) -> GPT:
+def apply_fsdp(
+    model: GPT,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    *,
+    precision: str,
+    expert_mesh: DeviceMesh | None = None,
+) -> GPT:
     """fully_shard every block, then the root (embedding, norm, head), on the data-parallel mesh.
 
     ZeRO-3 reshards parameters after forward (gathered again in backward); below stage 3 they stay
@@ -136,8 +144,13 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: s
     Pipeline stages never reshard after forward: a schedule runs every micro-batch's forward
     before (or between) the backwards, so resharding would all-gather the stage's parameters
     again for each micro-batch (torchtitan keeps them gathered for pp the same way).
+
+    Under expert parallelism (`expert_mesh`: the dp_mod_ep axis) each block's experts are
+    sharded first, on their own: their weights are already split over ep, and FSDP shards them
+    over the data-parallel ranks ep does not use, averaging their gradients there (experts.py
+    has averaged them over ep).
     """
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = dims.fsdp_mesh(mesh)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"
@@ -145,6 +158,11 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, dims: ParallelDims, *, precision: s
     )
     reshard = dims.zero_stage == 3 and dims.pp == 1
     for block in model.blocks.values():
+        if expert_mesh is not None:
+            for experts in expert_modules(block):
+                fully_shard(
+                    experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy
+                )
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     return model

@@ -9,6 +9,7 @@ The same code runs on one process, so every layout clips with identical arithmet
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -39,17 +40,26 @@ def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, *, holders: int, local: bool = False
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    holders: int,
+    local: bool = False,
+    counted_elsewhere: Collection[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clip in place to `max_norm` (math.inf: measure only); returns the total norm (a tensor
     on the gradients' device, no host sync). `holders` = world size / pipeline degree.
     local=True: the gradients were not synchronized (1-bit Adam's compressed phase), so each
-    rank clips its own gradient by its own norm."""
+    rank clips its own gradient by its own norm. `counted_elsewhere`: parameters clipped but
+    left out of the norm, as another rank holds a copy of the same gradient (a tied embedding's
+    head on the last pipeline stage)."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for grad in grads:
-        total_sq += _local_square_sum(grad, holders)
+    skipped = {id(p) for p in counted_elsewhere}
+    for param in params:
+        if param.grad is not None and id(param) not in skipped:
+            total_sq += _local_square_sum(param.grad, holders)
     if not local and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total_sq)
     total = total_sq.sqrt()

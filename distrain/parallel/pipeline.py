@@ -140,6 +140,11 @@ class PipelineRunner:
         self._last_stage_rank = dist.get_global_rank(self._group, (num_stages - 1) % pp_size)
         self._device = device
         self._batch_shape: torch.Size | None = None
+        self._loss_fn = loss_fn
+        # fp16 loss scaling: the schedule backpropagates the scaled loss; the unscaled
+        # microbatch losses are kept for reporting (see `_scaled_loss`).
+        self._scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._unscaled: list[torch.Tensor] = []
         stages = [
             PipelineStage(module, stage_id, num_stages, device, group=self._group)
             for module, stage_id in zip(stage_modules, stage_ids, strict=True)
@@ -147,11 +152,11 @@ class PipelineRunner:
         try:
             if schedule in _SINGLE_STAGE_SCHEDULES:
                 self._schedule = _SINGLE_STAGE_SCHEDULES[schedule](
-                    stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True
+                    stages[0], n_microbatches, loss_fn=self._scaled_loss, scale_grads=True
                 )
             else:
                 self._schedule = _MULTI_STAGE_SCHEDULES[schedule](
-                    stages, n_microbatches, loss_fn=loss_fn, scale_grads=True
+                    stages, n_microbatches, loss_fn=self._scaled_loss, scale_grads=True
                 )
         except ValueError as err:
             # torch's own constraint on the microbatch count for this schedule and stage count.
@@ -159,6 +164,13 @@ class PipelineRunner:
                 f"parallel.pp_microbatches = {n_microbatches} does not suit "
                 f"parallel.pp_schedule = {schedule!r} with {num_stages} stages: {err}"
             ) from err
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        if self._scale is None:
+            return loss
+        self._unscaled.append(loss.detach())
+        return self._scale(loss)
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         """Stages size their receive buffers from the first batch they see, so a later batch of
@@ -190,17 +202,31 @@ class PipelineRunner:
         args = (inputs,) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
         run = self._schedule.step if train else self._schedule.eval
+        self._unscaled = []
         run(*args, target=targets, losses=losses, return_outputs=False)
         if not self.has_last_stage:
             return None
-        return torch.stack(losses).detach().float().mean()
+        # The first step's shape inference calls the loss function once more, on placeholder
+        # data, before the microbatches: their losses are the last n_microbatches recorded.
+        unscaled = self._unscaled[-self.n_microbatches :]
+        return torch.stack(unscaled or losses).detach().float().mean()
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def train_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward over the local batch [B, T]; grads accumulate into .grad.
+        `scale` (fp16 loss scaling) multiplies each microbatch loss before its backward.
 
         Returns the mean loss (detached fp32 scalar) on the rank holding the last stage, else None.
         """
-        return self._run(inputs, targets, train=True)
+        self._scale = scale
+        try:
+            return self._run(inputs, targets, train=True)
+        finally:
+            self._scale = None
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

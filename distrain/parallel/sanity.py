@@ -1,6 +1,8 @@
 """Cross-rank sanity check (`debug.check_replicas`): parameters must agree across data-parallel
 replicas. Shards along dp_shard, tp and pp legitimately differ, so the check runs over the
-dp_replicate axis only, where every rank holds the same local tensors.
+dp_replicate axis only, where every rank holds the same local tensors. Expert weights under
+expert parallelism (DTensors on a mesh with an `ep` axis) are split over data-parallel ranks
+rather than replicated there, so they are left out.
 
 Each rank reduces every local parameter to two float64 fingerprints (a plain sum and a
 position-weighted sum) and the ranks all-gather them: one small collective, exact for identical
@@ -49,6 +51,8 @@ def check_replicas(parts: list[nn.Module], replicate_group: dist.ProcessGroup) -
     names, prints = [], []
     for part in parts:
         for name, param in part.named_parameters():
+            if isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()):
+                continue
             local = param.to_local() if isinstance(param, DTensor) else param
             names.append(canonical_name(name))
             prints.append(fingerprints(local))

@@ -175,9 +175,12 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             _Replicated(output_layout=Shard(0) if sequence_parallel else None),
         )
     for block in model.blocks.values():
-        parallelize_module(
-            block, tp_mesh, _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
-        )
+        plan = _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
+        if not hasattr(block, "mlp"):
+            # An MoE block: its router and experts run replicated over tp, on the full
+            # sequence (layout.py's moe_tp_needs_ep), so only the norm and attention split.
+            plan = {k: v for k, v in plan.items() if k != "mlp" and not k.startswith("mlp.")}
+        parallelize_module(block, tp_mesh, plan)
     if model.norm is not None:
         norm_style = SequenceParallel(use_local_output=True) if sequence_parallel else _Replicated()
         parallelize_module(model.norm, tp_mesh, norm_style)

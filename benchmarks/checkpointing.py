@@ -1,0 +1,134 @@
+"""Activation checkpointing modes compared: peak memory of a training step and its time.
+
+For each `training.activation_checkpointing` mode (none, full, selective = every
+`--every`-th block, selective_op = per-op) a fresh process builds the model with distrain's own
+`apply_activation_checkpointing`, then:
+
+- memory: the process's peak resident set (VmHWM) during its first forward + backward, minus the
+  resident set just before it (model, gradients-to-be and optimizer are allocated first, so the
+  difference is what the step adds: activations kept for backward, recomputation buffers and the
+  gradients). There are no CPU allocator statistics; the first step is the one measured because
+  glibc keeps freed memory for reuse, which would hide a later step's peak. On CUDA the script
+  reads `torch.cuda.max_memory_allocated` instead (same difference, allocator-exact).
+- time: the median of `--steps` further forward + backward + AdamW steps.
+
+Run from the repository root; prints a markdown table and writes JSON to --out:
+
+    python3 benchmarks/checkpointing.py
+    python3 benchmarks/checkpointing.py --preset small --seq-len 1024 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from distrain.config import ModelConfig
+from distrain.models.gpt import GPT, init_weights
+from distrain.models.presets import model_args
+from distrain.parallel.layers import apply_activation_checkpointing
+
+MODES = ("none", "full", "selective", "selective_op")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small", help="model preset")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--every", type=int, default=2, help="selective: every k-th block")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the measured one")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default="benchmarks/results/checkpointing.json")
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child's mode
+    return parser.parse_args(argv)
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def run_mode(args: argparse.Namespace) -> dict[str, float]:
+    """One mode in this process: the step's added peak (MiB) and the median step time (s)."""
+    device = torch.device(args.device)
+    margs = model_args(ModelConfig(preset=args.preset))
+    model = GPT(margs).to(device)
+    init_weights(model, margs, seed=0)
+    apply_activation_checkpointing(model, args.mode, every=args.every)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, margs.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    for p in model.parameters():  # gradients exist before the measured step in every mode
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # and so does the optimizer state
+
+    def step() -> None:
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        added = torch.cuda.max_memory_allocated() - before
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident set
+        before = _resident_kib("VmRSS") * 1024
+        step()
+        added = _resident_kib("VmHWM") * 1024 - before
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"peak_added_mib": added / 2**20, "step_s": statistics.median(times)}
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.mode is not None:
+        print(json.dumps(run_mode(args)))
+        return
+    results = {}
+    for mode in MODES:
+        out = subprocess.run(
+            [sys.executable, __file__, *argv, "--mode", mode],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        results[mode] = json.loads(out.stdout.splitlines()[-1])
+    base = results["none"]
+    print(f"preset {args.preset}, batch {args.batch} x seq {args.seq_len}, {args.device}")
+    print("| mode | step peak added (MiB) | vs none | step time (s) | vs none |")
+    print("| --- | --- | --- | --- | --- |")
+    for mode, r in results.items():
+        print(
+            f"| {mode} | {r['peak_added_mib']:.0f} | "
+            f"{r['peak_added_mib'] / base['peak_added_mib']:.2f} | {r['step_s']:.2f} | "
+            f"{r['step_s'] / base['step_s']:.2f} |"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,170 @@
+"""The longest sequence one rank fits, without and with context parallelism, measured.
+
+For each context-parallel degree (default 1 and 2; one torchrun launch each, CPU/gloo, cp = the
+world size) and each sequence length (doubling), a real distrain `Trainer` (preset tiny,
+micro-batch 1, `model.max_seq_len` = the sequence length) takes one training step to settle its
+buffers, then one more forward and backward is measured on every rank:
+
+- activations: bytes of the tensors autograd saves for backward (parameters excluded), counted
+  exactly by a saved-tensors hook (each storage once): the memory that grows with the sequence;
+- peak RSS: the process's resident-set high-water mark during that forward and backward
+  (`VmHWM`, reset through /proc/self/clear_refs before it; there are no CPU allocator stats).
+  It includes parameters, gradients, optimizer state and whatever glibc keeps, so it is an upper
+  bound on what the step needs.
+
+The table shows the largest value over ranks, and "fits" names the longest measured sequence
+whose peak RSS stays within --budget-mib per rank.
+
+    python3 benchmarks/context.py                       # cp 1 and 2, 2k..16k tokens
+    python3 benchmarks/context.py --seq-lens 1024,2048 --budget-mib 512
+
+It prints a table and writes JSON to --out (default benchmarks/results/context.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from harness import is_worker, launch_ranks, worker_session, write_json
+
+from distrain.config import Config, validate
+from distrain.optim import lr_at
+from distrain.trainer import Trainer
+
+CORPUS_BYTES = 2_000_000
+MIB = 2**20
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(n) for n in s.split(",")]  # noqa: E731
+    parser.add_argument("--cp", type=ints, default=[1, 2], help="context-parallel degrees")
+    parser.add_argument("--seq-lens", type=ints, default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--budget-mib", type=float, default=1024, help="memory per rank")
+    parser.add_argument("--out", default="benchmarks/results/context.json", help="JSON output")
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def make_config(seq_len: int, cp: int, run_dir: Path) -> Config:
+    cfg = Config()
+    cfg.run.dir = str(run_dir)
+    cfg.run.device = "cpu"
+    cfg.model.preset = "tiny"
+    cfg.model.max_seq_len = seq_len
+    cfg.data.max_bytes = CORPUS_BYTES
+    cfg.parallel.cp = cp
+    t = cfg.training
+    t.micro_batch_size = t.global_batch_size = 1
+    t.seq_len = seq_len
+    t.steps = 2
+    t.eval_batches = 1
+    cfg.metrics.progress_bar = False
+    cfg.metrics.tensorboard = False
+    cfg.checkpoint.at_end = False
+    cfg.checkpoint.interval_steps = 0
+    validate(cfg)
+    return cfg
+
+
+def high_water_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def measure(trainer: Trainer) -> dict[str, float]:
+    """Peak RSS and saved-activation bytes of one forward and backward, after a settling step."""
+    cfg = trainer.cfg
+    trainer.train_step(trainer.loader.next_batch(), lr_at(0, cfg=cfg.optim, total_steps=2))
+    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    batch = trainer.loader.next_batch()
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.model.forward_backward(batch, trainer.scaler.scale)
+    peak = high_water_mib()
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return {"peak_rss_mib": peak, "activations_mib": sum(saved.values()) / MIB}
+
+
+def worker(args: argparse.Namespace) -> None:
+    run_dir = Path(args.run_dir)
+    rows = []
+    with worker_session(run_dir) as (ctx, logger):
+        for seq_len in args.seq_lens:
+            cfg = make_config(seq_len, ctx.world_size, run_dir / f"seq{seq_len}")
+            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+            trainer = Trainer(cfg, ctx, logger)
+            try:
+                mine = measure(trainer)
+            finally:
+                trainer.close()
+            del trainer
+            gc.collect()
+            per_rank: list[dict[str, float]] = [{} for _ in range(ctx.world_size)]
+            dist.all_gather_object(per_rank, mine)
+            row = {"cp": ctx.world_size, "seq_len": seq_len, "per_rank": per_rank}
+            for key in ("peak_rss_mib", "activations_mib"):
+                row[key] = max(r[key] for r in per_rank)
+            rows.append(row)
+            if ctx.rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if k != "per_rank"}), flush=True)
+        if ctx.rank == 0:
+            (run_dir / f"cp{ctx.world_size}.json").write_text(json.dumps(rows))
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    print("\ntiny preset, micro-batch 1, CPU/gloo; per rank, largest over ranks")
+    print("| cp | seq_len | tokens per rank | activations MiB | peak RSS MiB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['cp']} | {r['seq_len']} | {r['seq_len'] // r['cp']} "
+            f"| {r['activations_mib']:.1f} | {r['peak_rss_mib']:.0f} |"
+        )
+    fits = {}
+    for cp in args.cp:
+        ok = [r["seq_len"] for r in rows if r["cp"] == cp and r["peak_rss_mib"] <= args.budget_mib]
+        fits[cp] = max(ok) if ok else None
+        print(f"cp {cp}: longest measured sequence within {args.budget_mib:.0f} MiB: {fits[cp]}")
+    write_json(args.out, {"budget_mib": args.budget_mib, "fits": fits, "rows": rows})
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if is_worker():
+        worker(args)
+        return
+    run_dir = tempfile.mkdtemp(prefix="distrain-context-")
+    try:
+        rows = []
+        for cp in args.cp:
+            launch_ranks(__file__, cp, sys.argv[1:], run_dir=run_dir)
+            rows += json.loads((Path(run_dir) / f"cp{cp}.json").read_text())
+        report(args, rows)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Context parallelism: each sequence split across the ranks of the `cp` mesh axis.
+
+Split: a sequence of T tokens is cut into 2 x cp chunks of c = T / (2 cp); cp rank r holds chunk
+r and chunk 2cp-1-r. Under a causal mask a late chunk attends to more keys than an early one, so
+pairing the i-th earliest with the i-th latest gives every rank the same attention work
+(torchtitan and Megatron balance the load the same way). Rank r's tokens keep their global
+positions (rotary tables and learned embeddings are indexed by them) and the targets are split
+the same way, so each rank's mean loss is over an equal share of the tokens: the mean over the
+cp group (and the data-parallel ranks) is the loss of the whole batch.
+
+Attention: every rank all-gathers the keys and values of its cp group (an autograd Function
+whose backward reduce-scatters their gradients back to the ranks that own them), puts the
+chunks in sequence order and runs, for each of its two query chunks, causal attention over
+the keys up to that chunk's end. This is the all-gather variant of ring attention (Llama 3
+trains long context this way): keys and values are whole on each rank during attention, while
+everything else (queries, scores, MLP, norms, logits) holds 1/cp of the sequence. Exact, so no
+online-softmax merge is needed: each query row sees all of its keys in one softmax.
+
+Gradients: the data-parallel wrapper reduces them over dp x cp (mesh.py's gradient mesh), as
+every cp rank computed its own share of the loss.
+
+torch 2.13's `torch.distributed.tensor.experimental.context_parallel` is not used: on CPU it
+raises "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+strategy registered" (its ring kernels cover the CUDA flash, efficient and cuDNN ops only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def chunk_order(rank: int, size: int) -> tuple[int, int]:
+    """The two chunks (of 2 x size) cp rank `rank` holds: one early, its mirror late."""
+    return rank, 2 * size - 1 - rank
+
+
+def local_positions(seq_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    """Global positions [seq_len / size] of rank `rank`'s tokens, in the order it holds them."""
+    chunk = seq_len // (2 * size)
+    return torch.cat(
+        [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in chunk_order(rank, size)]
+    )
+
+
+def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, B, H, 2c, D] (each rank's two chunks, by rank) -> [B, H, T, D] in sequence order."""
+    ranks, batch, heads, local, dim = gathered.shape
+    chunk = local // 2
+    # Chunk slots as [B, H, 2 x size, c, D], slot 2r + s = rank r's s-th chunk.
+    slots = gathered.view(ranks, batch, heads, 2, chunk, dim).permute(1, 2, 0, 3, 4, 5)
+    slots = slots.reshape(batch, heads, 2 * ranks, chunk, dim)
+    owner_slot = [0] * (2 * size)
+    for r in range(size):
+        early, late = chunk_order(r, size)
+        owner_slot[early], owner_slot[late] = 2 * r, 2 * r + 1
+    index = torch.tensor(owner_slot, device=gathered.device)
+    return slots.index_select(2, index).flatten(2, 3)
+
+
+# Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
+# at any moment to BLOCK x BLOCK per head, whatever the sequence length.
+BLOCK = 512
+
+
+Plan = list[tuple[tuple[int, int], list[tuple[int, int, bool]]]]
+
+
+def _plan(rank: int, size: int, chunk: int, block: int) -> Plan:
+    """For each block of rank `rank`'s query rows (blocks never straddle its two chunks), the
+    key blocks it sees: every block up to its last position, masked only where a block
+    reaches past its first position. From integers alone: no device value is read."""
+    plan = []
+    for slot, index in enumerate(chunk_order(rank, size)):
+        for start in range(0, chunk, block):
+            stop = min(start + block, chunk)
+            first, last = index * chunk + start, index * chunk + stop - 1
+            keys = [
+                (ks, min(ks + block, last + 1), min(ks + block, last + 1) - 1 > first)
+                for ks in range(0, last + 1, block)
+            ]
+            plan.append(((slot * chunk + start, slot * chunk + stop), keys))
+    return plan
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    masked: bool,
+) -> torch.Tensor:
+    """Scaled scores of a query block against a key block; -inf where a key lies after a query
+    (only blocks that straddle the diagonal need the mask)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if masked:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+class _BlockwiseCausalAttention(torch.autograd.Function):
+    """Exact causal attention of queries at global positions `q_pos` (increasing within each
+    block) over the whole sequence's keys/values, one BLOCK x BLOCK score block at a time.
+
+    Forward keeps a running log-sum-exp per query row and merges each block's softmax into the
+    output (the online softmax of flash attention); backward recomputes each block's
+    probabilities from the saved log-sum-exp. What is kept for backward is q, k, v, the output
+    and one log-sum-exp per row: linear in the sequence length, never a score matrix (SDPA with
+    an explicit mask would save a [queries, keys] float mask per layer). Plain tensor ops, so the
+    same code runs on every device; math in fp32 (or fp64) whatever the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: Plan):
+        dtype = q.dtype
+        # Half-precision inputs are upcast: the softmax statistics need fp32's range.
+        work = torch.promote_types(dtype, torch.float32)
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=work)
+        k_pos = torch.arange(k.shape[2], device=q.device)
+        for (qs, qe), key_blocks in plan:
+            for ks, ke, masked in key_blocks:
+                scores = _scores(
+                    q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked
+                )
+                block_lse = scores.logsumexp(-1)
+                merged = torch.logaddexp(lse[:, :, qs:qe], block_lse)
+                probs = (scores - merged[..., None]).exp()
+                keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
+                out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
+                lse[:, :, qs:qe] = merged
+        ctx.save_for_backward(q, k, v, out, lse, q_pos)
+        ctx.plan, ctx.scale, ctx.dtype = plan, scale, dtype
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, q_pos = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (grad_out * out).sum(-1)
+        k_pos = torch.arange(k.shape[2], device=q.device)
+        for (qs, qe), key_blocks in ctx.plan:
+            go, qb = grad_out[:, :, qs:qe], q[:, :, qs:qe]
+            for ks, ke, masked in key_blocks:
+                kb, vb = k[:, :, ks:ke], v[:, :, ks:ke]
+                scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], ctx.scale, masked)
+                probs = (scores - lse[:, :, qs:qe, None]).exp()
+                dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
+                dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
+                dq[:, :, qs:qe] += (dscores @ kb) * ctx.scale
+                dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * ctx.scale
+        dtype = ctx.dtype
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+
+
+def attend_local(
+    q: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    rank: int,
+    size: int,
+    *,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Causal attention of rank `rank`'s queries [B, H, 2c, D] (its two chunks) over the whole
+    sequence's keys and values [B, H, T, D]."""
+    q_pos = local_positions(k_seq.shape[2], rank, size, q.device)
+    plan = _plan(rank, size, q.shape[2] // 2, block)
+    return _BlockwiseCausalAttention.apply(q, k_seq, v_seq, q_pos, plan)
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather x [B, H, 2c, D] over `group` into [size, B, H, 2c, D]; backward sums each
+    rank's gradient of the gathered tensor and hands every rank its own slice
+    (reduce-scatter), since every rank's queries used every rank's keys."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        # The flat [size x B, ...] form: gloo takes no stacked output.
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        local = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(local, grad.contiguous().flatten(0, 1), group=ctx.group)
+        return local, None
+
+
+class ContextParallelAttention:
+    """The `attend` kernel of an Attention module on one cp rank (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_seq = gathered_to_sequence(_GatherChunks.apply(k, self.group), self.size)
+        v_seq = gathered_to_sequence(_GatherChunks.apply(v, self.group), self.size)
+        return attend_local(q, k_seq, v_seq, self.rank, self.size)
+
+
+class SequenceSplit:
+    """This rank's share of each batch: the token columns of its two chunks, and their global
+    positions (passed to the model so rotary and learned positions stay those of the sequence)."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        return local_positions(seq_len, self.rank, self.size, device)
+
+    def shard(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, targets, positions) of this rank, from the full [B, T] batch."""
+        positions = self.positions(inputs.shape[1], inputs.device)
+        return inputs[:, positions], targets[:, positions], positions
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`."""
+    attend = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    for block in model.blocks.values():
+        block.attn.attend = attend

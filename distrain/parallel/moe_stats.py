@@ -1,0 +1,108 @@
+"""The training side of mixture-of-experts layers: their balancing losses added to each
+micro-batch's loss, the expert-bias update after each optimizer step (DeepSeek-V3's auxiliary-loss-
+free balancing, from the load summed over all data-parallel ranks), and the per-logged-step
+metrics. The model file (models/moe.py) holds no collectives; the all-reduces live here.
+
+Every figure stays on the device between logging steps: the bias update is a device all-reduce
+and a sign, and the metrics are read (one all-reduce, one host copy) only when a row is logged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.models.moe import moe_layers
+
+
+class MoEStats:
+    """Collects the MoE layers' per-forward statistics of one rank's model parts."""
+
+    def __init__(
+        self, parts: list[nn.Module], *, dp_group: dist.ProcessGroup, device: torch.device
+    ):
+        self.layers = [layer for part in parts for layer in moe_layers(part)]
+        self.dp_group = dp_group
+        self.args = self.layers[0].args
+        shape = (len(self.layers), self.args.num_experts)
+        self.step_load = torch.zeros(shape, dtype=torch.float64, device=device)
+        """Token copies routed to each (layer, expert) in this step, on this rank."""
+        self.window_load = torch.zeros(shape, dtype=torch.float64, device=device)
+        """Routed copies since the last logged row: summed over data-parallel ranks already with
+        balance = 'bias' (the update needs them every step), this rank's alone otherwise."""
+        # aux loss sum, z loss sum, forward calls, dropped copies, routed copies
+        self.window_sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    @property
+    def global_load_each_step(self) -> bool:
+        return self.args.balance == "bias"
+
+    def after_forward(self) -> torch.Tensor:
+        """The balancing loss term of the forward call just made (added to its training loss),
+        and that call's statistics into this step's totals."""
+        loss = sum(layer.balancing_loss() for layer in self.layers)
+        self.step_load += torch.stack([layer.tokens_per_expert for layer in self.layers])
+        aux = torch.stack([layer.aux_loss.detach() for layer in self.layers]).mean()
+        z_loss = torch.stack([layer.z_loss.detach() for layer in self.layers]).mean()
+        dropped = torch.stack([layer.dropped for layer in self.layers]).sum()
+        routed = sum(layer.tokens_per_expert.sum() for layer in self.layers)
+        self.window_sums += torch.stack(
+            [aux, z_loss, torch.ones_like(aux), dropped.to(aux.dtype), routed.to(aux.dtype)]
+        ).double()
+        return loss
+
+    @torch.no_grad()
+    def after_step(self, *, updated: bool) -> None:
+        """Close the step: with balance = 'bias', all-reduce its load over the data-parallel ranks
+        and move each expert's bias towards balance (up for an under-loaded expert, down for an
+        over-loaded one) when the optimizer stepped."""
+        load = self.step_load
+        if self.global_load_each_step:
+            _all_reduce(load, self.dp_group)
+            if updated:
+                rate = self.args.bias_update_rate
+                for layer, row in zip(self.layers, load, strict=True):
+                    layer.expert_bias += rate * torch.sign(row.mean() - row).float()
+        self.window_load += load
+        self.step_load.zero_()
+
+    def metrics(self) -> dict[str, float]:
+        """The logged row's MoE figures over the steps since the last row, all data-parallel
+        ranks together; one all-reduce and one host read (a logging step only)."""
+        parts = [self.window_sums]
+        if not self.global_load_each_step:
+            parts.append(self.window_load.flatten())
+        flat = torch.cat(parts)
+        _all_reduce(flat, self.dp_group)
+        sums = flat[:5]
+        load = flat[5:].view_as(self.window_load) if len(parts) > 1 else self.window_load
+        mean = load.mean(dim=-1, keepdim=True).clamp(min=1)
+        relative = load / mean
+        cv = (load.std(dim=-1, correction=0) / mean.squeeze(-1)).mean()
+        figures = torch.stack(
+            [
+                sums[0] / sums[2],
+                sums[1] / sums[2],
+                sums[3] / sums[4].clamp(min=1),
+                relative.min(),
+                relative.max(),
+                cv,
+            ]
+        ).tolist()
+        self.window_sums.zero_()
+        self.window_load.zero_()
+        names = (
+            "moe_aux_loss",
+            "moe_z_loss",
+            "moe_dropped_fraction",
+            "moe_load_min",
+            "moe_load_max",
+            "moe_load_cv",
+        )
+        return dict(zip(names, figures, strict=True))
+
+
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)

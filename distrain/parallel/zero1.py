@@ -1,0 +1,104 @@
+"""ZeRO stage 1 for tensor- and pipeline-parallel layouts: AdamW whose state is partitioned over
+the data-parallel ranks of each tp/pp group (Megatron's distributed optimizer, without its
+gradient reduce-scatter: the gradients stay all-reduced, as ZeRO-1 leaves them).
+
+torch's ZeroRedundancyOptimizer, which serves plain data parallel, broadcasts whole parameters
+and so cannot take DTensor parameters (tp, and FSDP2's replication under tp/pp). Here every
+parameter is handled through its local tensor (`to_local()`): each data-parallel rank owns a
+share of the parameters, keeps AdamW state for those only, updates them, and then each owner
+broadcasts its updated local tensors to the other data-parallel ranks of its group, one flat
+buffer per owner. A tp rank's data-parallel group holds the same slice of each parameter on
+every member, so the owner's slice is the one they all need.
+
+The shape of the class follows ZeroRedundancyOptimizer's (`optim` is this rank's own AdamW,
+`param_groups` hold every parameter), so the optimizer state is saved and loaded the same way
+for both (optim.py): each rank its own share, under the parameters' names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def owners(params: list[nn.Parameter], size: int) -> list[int]:
+    """The data-parallel rank that owns each parameter: largest first to the least-loaded rank
+    (counting local elements), so every rank of the group holds about 1/size of the state. Pure
+    function of the shapes, so every rank of the group computes the same answer."""
+    loads = [0] * size
+    owner = [0] * len(params)
+    order = sorted(range(len(params)), key=lambda i: (-_local(params[i]).numel(), i))
+    for i in order:
+        rank = min(range(size), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += _local(params[i]).numel()
+    return owner
+
+
+class Zero1AdamW(torch.optim.Optimizer):
+    """AdamW with its state sharded over `group` (the data-parallel group of this tp/pp rank).
+    Gradients must be averaged over `group` before `step` (FSDP2 does, in backward)."""
+
+    def __init__(
+        self, param_groups: list[dict[str, Any]], *, group: dist.ProcessGroup, **options: Any
+    ):
+        super().__init__(param_groups, options)
+        self.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._owner = owners(self._params, size)
+        self._owner_global = [dist.get_global_rank(group, r) for r in range(size)]
+        owned = {id(p) for p, r in zip(self._params, self._owner, strict=True) if r == rank}
+        self.optim = torch.optim.AdamW(
+            [
+                {**g, "params": [p for p in g["params"] if id(p) in owned]}
+                for g in self.param_groups
+            ],
+            **options,
+        )
+
+    def _sync_hyperparameters(self) -> None:
+        """The trainer sets lr on `param_groups`; the owned-share AdamW steps with it."""
+        for mine, full in zip(self.optim.param_groups, self.param_groups, strict=True):
+            mine.update({k: v for k, v in full.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        self._sync_hyperparameters()
+        loss = self.optim.step(closure)
+        self._broadcast_updates()
+        return loss
+
+    @torch.no_grad()
+    def _broadcast_updates(self) -> None:
+        """Each owner sends its updated local tensors to the group, one flat buffer per
+        (owner, dtype): `size` broadcasts a step rather than one per parameter."""
+        buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for param, owner in zip(self._params, self._owner, strict=True):
+            local = _local(param)
+            buckets.setdefault((owner, local.dtype), []).append(local)
+        for (owner, _dtype), tensors in buckets.items():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=self._owner_global[owner], group=self.group)
+            if dist.get_rank(self.group) == owner:
+                continue
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()

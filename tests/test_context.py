@@ -1,0 +1,132 @@
+"""Context parallelism's pieces, in one process: the load-balanced split, the reordering of the
+gathered chunks, and each rank's attention against the unsplit causal attention (forward and
+gradients). The collective itself runs in the cp parity rows of tests/test_parity.py and in the
+cp2 -> 1 process resume here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import losses, train_cli, train_in_process
+from test_parity import BASE, assert_parity
+
+from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.observe.metrics import read_metrics
+from distrain.parallel.context import (
+    attend_local,
+    chunk_order,
+    gathered_to_sequence,
+    local_positions,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_split_covers_the_sequence_once_and_balances_causal_work(size):
+    seq = 8 * size
+    parts = [local_positions(seq, r, size, CPU) for r in range(size)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    # Causal work of a query at position p: p + 1 keys. Every rank gets the same total.
+    work = {int((p + 1).sum()) for p in parts}
+    assert len(work) == 1, work
+
+
+def test_chunk_order_pairs_early_with_late():
+    assert [chunk_order(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+
+
+def _shards(x: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Each rank's slice [B, H, 2c, D] of x [B, H, T, D]."""
+    return [x[:, :, local_positions(x.shape[2], r, size, CPU)] for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gathered_chunks_are_put_back_in_sequence_order(size):
+    x = torch.randn(2, 3, 12 * size, 4)
+    gathered = torch.stack(_shards(x, size))
+    assert torch.equal(gathered_to_sequence(gathered, size), x)
+
+
+@pytest.mark.parametrize(
+    ("size", "block"),
+    [(2, 512), (2, 3), (4, 4)],
+    ids=["one_block", "blocks_straddling_chunks", "blocks_within_chunks"],
+)
+def test_each_rank_attention_equals_its_rows_of_full_causal_attention(size, block):
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 16 * size, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv"
+    )
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    weights = torch.randn_like(reference)
+    want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+
+    q_shards = [s.detach().requires_grad_() for s in _shards(q.detach(), size)]
+    k_seq, v_seq = (t.detach().requires_grad_() for t in (k, v))
+    total = 0
+    for rank, q_local in enumerate(q_shards):
+        out = attend_local(q_local, k_seq, v_seq, rank, size, block=block)
+        rows = local_positions(q.shape[2], rank, size, CPU)
+        # float64: only the summation order differs from the unsplit kernel.
+        torch.testing.assert_close(out, reference[:, :, rows].detach(), rtol=1e-12, atol=1e-12)
+        total = total + (out * weights[:, :, rows]).sum()
+    total.backward()
+    q_grad = torch.zeros_like(q)
+    for rank, q_local in enumerate(q_shards):
+        q_grad[:, :, local_positions(q.shape[2], rank, size, CPU)] = q_local.grad
+    for got, expected in zip((q_grad, k_seq.grad, v_seq.grad), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "learned"])
+def test_model_given_global_positions_matches_the_whole_sequence(pos_emb):
+    """A model run on a rank's columns with their global positions gives those columns' logits
+    of the unsplit run. The all-gather is replaced by the unsplit run's keys and values of
+    each layer (what the collective hands every rank), so positions and masking are what is
+    tested here."""
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=64, pos_emb=pos_emb)
+    model = GPT(args)
+    init_weights(model, args, seed=3)
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    recorded = []
+
+    def record(q, k, v):
+        recorded.append((k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    for block in model.blocks.values():
+        block.attn.attend = record
+    full = model(tokens)
+    size = 2
+    for rank in range(size):
+        positions = local_positions(32, rank, size, CPU)
+        layers = iter(recorded)
+
+        def replay(q, k, v, rank=rank, layers=layers):
+            k_seq, v_seq = next(layers)
+            return attend_local(q, k_seq, v_seq, rank, size)
+
+        for block in model.blocks.values():
+            block.attn.attend = replay
+        got = model(tokens[:, positions], positions=positions)
+        # fp32, the same ops on the same values; only the attention's summation order differs.
+        torch.testing.assert_close(got, full[:, positions], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_cp2_on_one_process(tmp_path):
+    """A cp2 run's checkpoint resumes on one process without cp: parameters and optimizer state
+    are saved as they are without context parallelism, and the stitched loss curve is the
+    uninterrupted 1-process curve."""
+    reference = losses(
+        train_in_process(tmp_path / "ref", **dict(BASE, training__micro_batch_size=8))
+    )
+    run = tmp_path / "run"
+    fields = dict(BASE, checkpoint__interval_steps=2)
+    first = train_cli(run, 2, **fields, parallel__cp=2, debug__fail_at_step=5)
+    assert first.returncode != 0
+    rows = train_in_process(run, **dict(fields, training__micro_batch_size=8))
+    assert [r["resumed_from"] for r in rows if "resumed_from" in r] == [4]
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), reference)

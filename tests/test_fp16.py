@@ -1,0 +1,49 @@
+"""fp16 loss scaling under sharded layouts: one rank's overflow makes every rank (dp, tp and pp)
+skip the same step and halve the same scale (distrain/parallel/scaler.py)."""
+
+import math
+import re
+
+import pytest
+from helpers import train_cli
+
+from distrain.observe.metrics import read_metrics
+
+# pp2 x dp_shard2 (ZeRO-2) x tp2: each rank holds a different shard of a different stage, so
+# only an agreed flag makes rank 0 see the NaN that rank 7's shard holds.
+FIELDS = {
+    "training__steps": 4,
+    "training__global_batch_size": 8,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 32,
+    "training__precision": "fp16",
+    "parallel__pp": 2,
+    "parallel__tp": 2,
+    "parallel__sequence_parallel": False,
+    "parallel__zero_stage": 2,
+    "debug__nan_at_step": 3,
+    "debug__nan_rank": 7,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+SKIP = re.compile(
+    r"step (\d+): fp16 gradients overflowed on some rank: .* loss scale (\S+) -> (\S+)"
+)
+
+
+@pytest.mark.slow
+def test_one_rank_overflow_skips_the_step_on_every_rank(tmp_path, check_ok):
+    run = tmp_path / "run"
+    check_ok(train_cli(run, 8, **FIELDS))
+    for rank in range(8):
+        skips = SKIP.findall((run / "logs" / f"rank{rank}.log").read_text())
+        assert skips == [("3", "65536", "32768")], (rank, skips)
+    rows = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    assert [(rows[s]["loss_scale"], rows[s]["fp16_skipped"]) for s in (1, 2, 3, 4)] == [
+        (65536.0, 0),
+        (65536.0, 0),
+        (32768.0, 1),
+        (32768.0, 1),
+    ]
+    assert all(math.isfinite(rows[s]["loss"]) for s in rows)
+    assert not math.isfinite(rows[3]["grad_norm"]) and math.isfinite(rows[4]["grad_norm"])
