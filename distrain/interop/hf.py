@@ -298,6 +298,17 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
 # --- import -----------------------------------------------------------------------------------
 
 
+def _safe_open() -> Any:
+    """safetensors' reader; imported on use, as only `model.init_from` needs the package."""
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ConfigError(
+            "model.init_from needs the safetensors package: pip install safetensors"
+        ) from e
+    return safe_open
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     index = path / INDEX_FILE
@@ -310,17 +321,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
             f"model.init_from: no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors "
             "checkpoints are read: they cannot run code)"
         )
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
+    with _safe_open()(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
 
 def pretrained_source(spec: str, args: ModelArgs) -> Callable[[str, torch.Size], torch.Tensor]:
     """`name, shape -> full fp32 value` of each distrain parameter, read from `hf:DIR` (for
     `init_weights`). Shapes are checked, so a model override that changes them is refused."""
-    from safetensors import safe_open
-
+    safe_open = _safe_open()
     path = hf_dir(spec)
     files = _weight_files(path)
     by_name = {name: t for t in hf_tensors(args) for name in t.names}
