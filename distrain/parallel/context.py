@@ -48,16 +48,14 @@ def local_positions(seq_len: int, rank: int, size: int, device: torch.device) ->
 def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
     """[size, B, H, 2c, D] (each rank's two chunks, by rank) -> [B, H, T, D] in sequence order."""
     ranks, batch, heads, local, dim = gathered.shape
-    chunk = local // 2
-    # Chunk slots as [B, H, 2 x size, c, D], slot 2r + s = rank r's s-th chunk.
-    slots = gathered.view(ranks, batch, heads, 2, chunk, dim).permute(1, 2, 0, 3, 4, 5)
-    slots = slots.reshape(batch, heads, 2 * ranks, chunk, dim)
-    owner_slot = [0] * (2 * size)
+    chunks = gathered.view(ranks, batch, heads, 2, local // 2, dim)
+    # (rank, slot) of each chunk of the sequence, as Python ints: no index tensor to copy to
+    # the device in every layer.
+    owner = [(0, 0)] * (2 * size)
     for r in range(size):
         early, late = chunk_order(r, size)
-        owner_slot[early], owner_slot[late] = 2 * r, 2 * r + 1
-    index = torch.tensor(owner_slot, device=gathered.device)
-    return slots.index_select(2, index).flatten(2, 3)
+        owner[early], owner[late] = (r, 0), (r, 1)
+    return torch.cat([chunks[r, :, :, slot] for r, slot in owner], dim=2)
 
 
 # Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
