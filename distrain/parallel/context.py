@@ -9,12 +9,14 @@ the same way, so each rank's mean loss is over an equal share of the tokens: the
 cp group (and the data-parallel ranks) is the loss of the whole batch.
 
 Attention: every rank all-gathers the keys and values of its cp group (an autograd Function
-whose backward reduce-scatters their gradients back to the ranks that own them), puts the
-chunks in sequence order and runs, for each of its two query chunks, causal attention over
-the keys up to that chunk's end. This is the all-gather variant of ring attention (Llama 3
-trains long context this way): keys and values are whole on each rank during attention, while
-everything else (queries, scores, MLP, norms, logits) holds 1/cp of the sequence. Exact, so no
-online-softmax merge is needed: each query row sees all of its keys in one softmax.
+whose backward reduce-scatters their gradients back to the ranks that own them) and puts the
+chunks in sequence order: the all-gather variant of context parallelism (Llama 3 trains long
+context this way), simpler than passing keys and values around a ring, and exact. Each rank
+then computes causal attention for its own queries block by block, merging the blocks with a
+running log-sum-exp (the online softmax) and recomputing them in backward, so no
+[queries x keys] matrix or mask is ever held: what a layer keeps is linear in the sequence
+length (the whole sequence's keys and values, and 1/cp of everything else: queries, MLP,
+norms, logits).
 
 Gradients: the data-parallel wrapper reduces them over dp x cp (mesh.py's gradient mesh), as
 every cp rank computed its own share of the loss.
@@ -182,7 +184,7 @@ class _GatherChunks(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
-        # The flat [size x B, ...] form: gloo takes no stacked output.
+        # The concatenated [size x B, ...] output: gloo accepts no stacked [size, B, ...] one.
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
