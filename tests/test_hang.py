@@ -117,7 +117,7 @@ def test_collective_timeout_reaches_every_group(tmp_path):
     try:
         mesh, dp_mesh = ParallelDims.from_config(Config(), 1).build_mesh("cpu", timeout_s=7)
         groups = [dist.group.WORLD, dp_mesh.get_group()]
-        groups += [mesh.get_group(axis) for axis in ("pp", "dp_replicate", "dp_shard", "tp")]
+        groups += [mesh.get_group(axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
         for group in groups:
             backend = group._get_backend(torch.device("cpu"))
             assert backend.options._timeout == timedelta(seconds=7), group.group_name

@@ -9,12 +9,14 @@ the same way, so each rank's mean loss is over an equal share of the tokens: the
 cp group (and the data-parallel ranks) is the loss of the whole batch.
 
 Attention: every rank all-gathers the keys and values of its cp group (an autograd Function
-whose backward reduce-scatters their gradients back to the ranks that own them), puts the
-chunks in sequence order and runs, for each of its two query chunks, causal attention over
-the keys up to that chunk's end. This is the all-gather variant of ring attention (Llama 3
-trains long context this way): keys and values are whole on each rank during attention, while
-everything else (queries, scores, MLP, norms, logits) holds 1/cp of the sequence. Exact, so no
-online-softmax merge is needed: each query row sees all of its keys in one softmax.
+whose backward reduce-scatters their gradients back to the ranks that own them) and puts the
+chunks in sequence order: the all-gather variant of context parallelism (Llama 3 trains long
+context this way), simpler than passing keys and values around a ring, and exact. Each rank
+then computes causal attention for its own queries block by block, merging the blocks with a
+running log-sum-exp (the online softmax) and recomputing them in backward, so no
+[queries x keys] matrix or mask is ever held: what a layer keeps is linear in the sequence
+length (the whole sequence's keys and values, and 1/cp of everything else: queries, MLP,
+norms, logits).
 
 Gradients: the data-parallel wrapper reduces them over dp x cp (mesh.py's gradient mesh), as
 every cp rank computed its own share of the loss.
@@ -48,16 +50,14 @@ def local_positions(seq_len: int, rank: int, size: int, device: torch.device) ->
 def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
     """[size, B, H, 2c, D] (each rank's two chunks, by rank) -> [B, H, T, D] in sequence order."""
     ranks, batch, heads, local, dim = gathered.shape
-    chunk = local // 2
-    # Chunk slots as [B, H, 2 x size, c, D], slot 2r + s = rank r's s-th chunk.
-    slots = gathered.view(ranks, batch, heads, 2, chunk, dim).permute(1, 2, 0, 3, 4, 5)
-    slots = slots.reshape(batch, heads, 2 * ranks, chunk, dim)
-    owner_slot = [0] * (2 * size)
+    chunks = gathered.view(ranks, batch, heads, 2, local // 2, dim)
+    # (rank, slot) of each chunk of the sequence, as Python ints: no index tensor to copy to
+    # the device in every layer.
+    owner = [(0, 0)] * (2 * size)
     for r in range(size):
         early, late = chunk_order(r, size)
-        owner_slot[early], owner_slot[late] = 2 * r, 2 * r + 1
-    index = torch.tensor(owner_slot, device=gathered.device)
-    return slots.index_select(2, index).flatten(2, 3)
+        owner[early], owner[late] = (r, 0), (r, 1)
+    return torch.cat([chunks[r, :, :, slot] for r, slot in owner], dim=2)
 
 
 # Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
@@ -184,15 +184,15 @@ class _GatherChunks(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
-        # The flat [size x B, ...] form: gloo takes no stacked output.
+        # The concatenated [size x B, ...] output: gloo accepts no stacked [size, B, ...] one.
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         local = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(local, grad.contiguous().flatten(0, 1), group=ctx.group)
+        dist.reduce_scatter_single(local, grad.contiguous().flatten(0, 1), group=ctx.group)
         return local, None
 
 
