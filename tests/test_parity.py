@@ -86,6 +86,45 @@ LAYOUTS = [
 ]
 
 
+# Mixture-of-experts rows, each against the 1-process run of the same MoE model with the same
+# micro-batch (capacity and the balancing losses are counted per micro-batch, so the reference
+# must route the same groups of tokens). The bias row also proves the load all-reduce: a rank
+# updating its bias from its own load alone would route differently by step 2.
+MOE_MODELS = {
+    "top2_capacity_aux": {
+        "model__preset": "moe-tiny",
+        "model__n_layers": 2,
+        "model__moe__capacity_factor": 1.0,
+        "model__moe__z_loss_coef": 1e-3,
+    },
+    "top1_capacity_bias": {
+        "model__preset": "switch-tiny",
+        "model__n_layers": 2,
+        "model__moe__balance": "bias",
+        "model__moe__bias_update_rate": 1e-2,
+    },
+}
+MOE_LAYOUTS = [
+    ("top2_capacity_aux", Layout("dp2", 2, {"debug__check_replicas": True})),
+    ("top2_capacity_aux", Layout("zero3x2", 2, {"parallel__zero_stage": 3})),
+    ("top1_capacity_bias", Layout("dp2", 2, {})),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """The 1-process loss curve of each MoE model, computed when a row first needs it."""
+    curves: dict[str, dict[int, float]] = {}
+
+    def curve(model: str) -> dict[int, float]:
+        if model not in curves:
+            run = tmp_path_factory.mktemp(f"ref_{model}") / "run"
+            curves[model] = losses(train_in_process(run, **BASE, **MOE_MODELS[model]))
+        return curves[model]
+
+    return curve
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The 1-process loss curve for a model override (`Layout.model`), each trained once."""
@@ -119,6 +158,18 @@ def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
     check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **fields))
     got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert_parity(got, references(layout.model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout"), MOE_LAYOUTS, ids=[f"{m}-{layout.name}" for m, layout in MOE_LAYOUTS]
+)
+def test_moe_layout_matches_single_process(model, layout, moe_reference, tmp_path, check_ok):
+    fields = {**BASE, **MOE_MODELS[model], **layout.fields}
+    check_ok(train_cli(tmp_path / "run", layout.nproc, **fields))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert any(r.get("moe_dropped_fraction", 0) > 0 for r in rows)  # capacity dropped some
+    assert_parity(losses(rows), moe_reference(model))
 
 
 @pytest.mark.slow

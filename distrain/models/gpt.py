@@ -304,8 +304,8 @@ def param_init_std(name: str, args: ModelArgs) -> float | None:
         return 0.0
     if "norm" in name:
         return None
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "shared.w_down.weight")) or (
-        name.endswith("experts.w_down")
+    if name.endswith(
+        ("attn.wo.weight", "mlp.w_down.weight", "shared.w_down.weight", "experts.w_down")
     ):
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
