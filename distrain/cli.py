@@ -153,6 +153,12 @@ def cmd_plot(argv: list[str]) -> None:
     print(write_plot([Path(d) for d in ns.run_dirs], Path(ns.out)))
 
 
+def cmd_plan(argv: list[str]) -> None:
+    from distrain.plan.command import plan_command
+
+    plan_command(argv)
+
+
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
@@ -161,6 +167,7 @@ COMMANDS = {
     "diagnose": cmd_diagnose,
     "status": cmd_status,
     "plot": cmd_plot,
+    "plan": cmd_plan,
 }
 
 
