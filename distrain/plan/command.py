@@ -49,6 +49,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--interconnect", default="intra=450GB/s,inter=50GB/s")
     p.add_argument("--peak", help="Peak FLOP/s per device (default: calibrated, else 989T).")
     p.add_argument("--efficiency", type=float, default=0.45, help="Achieved fraction of peak.")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3).")
+    p.add_argument(
+        "--checkpointing", default="none,full", help="Activation checkpointing to search."
+    )
     p.add_argument("--top", type=int, default=10, help="Rows shown (each of fit / no fit).")
     p.add_argument("--json", action="store_true", help="Print JSON rows instead of a table.")
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
@@ -97,5 +101,11 @@ def plan_command(argv: list[str]) -> None:
         print(f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s")
         return
     cfg = base_config(ns)
-    rows = plan(cfg, cluster_of(ns), bytes_per_value=4 if cfg.training.precision == "fp32" else 2)
+    rows = plan(
+        cfg,
+        cluster_of(ns),
+        bytes_per_value=4 if cfg.training.precision == "fp32" else 2,
+        stages=tuple(int(s) for s in ns.zero.split(",")),
+        checkpointing=tuple(ns.checkpointing.split(",")),
+    )
     print(to_json(rows, ns.top) if ns.json else table(rows, ns.top))

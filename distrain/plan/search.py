@@ -94,18 +94,25 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     return cache[key]
 
 
-def candidates(base: Config, cluster: Cluster) -> list[Candidate]:
+def candidates(
+    base: Config,
+    cluster: Cluster,
+    *,
+    stages: tuple[int, ...] = STAGES,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+) -> list[Candidate]:
     world, t = cluster.world_size, base.training
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
         dp = world // tp
-        for stage in STAGES:
+        # Without data parallelism every ZeRO stage is stage 0.
+        for stage in stages if dp > 1 else (0,):
             splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in _divisors(dp)]
             for replicate, shard in splits:
                 if stage >= 2 and shard == 1 and dp > 1:
                     continue
-                for ac in CHECKPOINTING:
+                for ac in checkpointing:
                     for mb in _divisors(t.global_batch_size // dp if dp else 1):
                         found.append(Candidate(replicate, shard, tp, 1, stage, ac, mb))
         tp *= 2
@@ -117,13 +124,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan(
-    base: Config, cluster: Cluster, *, bytes_per_value: int = 4, max_micro_batch: int = 16
+    base: Config,
+    cluster: Cluster,
+    *,
+    bytes_per_value: int = 4,
+    max_micro_batch: int = 16,
+    stages: tuple[int, ...] = STAGES,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first)."""
     args = validate(base, None).model
     cache: dict = {}
     rows = []
-    for c in candidates(base, cluster):
+    for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
         if c.micro_batch_size > max_micro_batch or (c.dp_replicate > 1 and c.dp_shard > 1):
             continue  # HSDP is searched through its pure forms; micro-batches past the cap
         cfg = candidate_config(base, c)
