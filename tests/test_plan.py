@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 
 from distrain.config import Config
+from distrain.errors import ConfigError
 from distrain.layout import validate
 from distrain.mesh import DistContext
 from distrain.models.presets import model_args, num_params
 from distrain.optim import build_optimizer
 from distrain.parallel import build_parallel_model
 from distrain.parallel.compress import CommStats
-from distrain.plan.command import plan_command
+from distrain.plan.calibrate import calibrate
+from distrain.plan.command import DEFAULT_PEAK_FLOPS, cluster_of, parse, plan_command
 from distrain.plan.memory import estimate_memory, measure_step
 from distrain.plan.search import memory_of
 
@@ -169,3 +171,22 @@ def test_plan_command_ranks_fitting_layouts_first(capsys):
     for r in rows:
         assert r["fits"] == (r["memory_bytes"]["peak"] <= 14e6)
         assert (r["reason"] == "") == r["fits"]
+
+
+def test_calibration_is_stored_and_used_by_later_plans(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cluster_of(parse([])).peak_flops == DEFAULT_PEAK_FLOPS
+    found = calibrate()
+    assert (tmp_path / "distrain" / "calibration.json").exists()
+    cluster = cluster_of(parse([]))
+    assert cluster.peak_flops == found["peak_flops"] > 0
+    assert cluster.efficiency == 1.0
+    assert cluster_of(parse(["--peak", "312T"])).peak_flops == 312e12
+
+
+def test_unreadable_quantities_name_the_option():
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        cluster_of(parse(["--gpu-memory", "lots"]))
+    with pytest.raises(ConfigError, match="--interconnect"):
+        cluster_of(parse(["--interconnect", "fast"]))
+    assert cluster_of(parse(["--gpu-memory", "80GB"])).memory_bytes == 80e9

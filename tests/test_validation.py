@@ -344,7 +344,7 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, presets, slurm, diagnose, status, plot"
+        "generate, presets, slurm, diagnose, status, plot, plan"
     ]
 
 
