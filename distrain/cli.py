@@ -227,6 +227,10 @@ def cmd_export(argv: list[str]) -> None:
     else:
         out = export_program(Path(ns.run_dir), Path(ns.out), step=ns.step)
     print(out)
+def cmd_plan(argv: list[str]) -> None:
+    from distrain.plan.command import plan_command
+
+    plan_command(argv)
 
 
 COMMANDS = {
@@ -239,6 +243,7 @@ COMMANDS = {
     "plot": cmd_plot,
     "prepare": cmd_prepare,
     "export": cmd_export,
+    "plan": cmd_plan,
 }
 
 

@@ -295,12 +295,18 @@ def build_parallel_model(
     dp_mesh: DeviceMesh,
     ctx: DistContext,
     comm_stats: CommStats,
+    *,
+    meta_model: GPT | None = None,
 ) -> ParallelModel:
     """The model parts for this rank, laid out per `dims`; gradient communication (DDP's hook,
-    or the model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`."""
+    or the model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`.
+    `meta_model`: GPT(args) already built on the meta device (the planner builds it before it
+    enters its fake-tensor mode, in which module parameters could not be swapped by to_empty)."""
     device = ctx.device
-    with torch.device("meta"):
-        model = GPT(args)
+    if meta_model is None:
+        with torch.device("meta"):
+            meta_model = GPT(args)
+    model = meta_model
     stage_ids, num_stages, microbatches = [0], 1, 1
     if dims.pp > 1:
         from distrain.parallel.pipeline import split_model, stage_ids_for_rank

@@ -1,0 +1,100 @@
+"""The planner against published training runs (not a test).
+
+For each configuration: the planner's memory per rank (a fake-tensor run of distrain's real build,
+distrain/plan/memory.py) and step time (distrain/plan/timing.py) next to the published figures,
+and their ratio.
+
+- Llama 3.1 8B, FSDP on 8 H100 (torchtitan docs/performance.md, Table 1: local batch 2, global
+  16, sequence 8192, selective activation checkpointing, bf16): 5,762 tokens/s per GPU, 82.4 GiB.
+  distrain's GPT has a 2-matrix GELU MLP and full multi-head attention where Llama has SwiGLU and
+  grouped-query attention, so the stand-in matches the parameter count (8.0B: dim 4096, 32
+  layers, 32 heads, MLP 18432, vocabulary 128256), not every tensor.
+- GPT-3 175B on 1,024 A100 with tp 8 x pp 16 x dp 8 (Narayanan et al. 2021, Table 1: global batch
+  1536, sequence 2048): 138 TFLOP/s per GPU. Pipeline layouts do not build under the fake-tensor
+  mode yet, so only its step time is planned.
+
+    python3 benchmarks/plan.py [--efficiency 0.45]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from distrain.config import Config
+from distrain.layout import validate
+from distrain.models.presets import flops_per_token
+from distrain.plan.memory import estimate_memory
+from distrain.plan.timing import Candidate, Cluster, step_time
+
+GIB = 2**30
+
+
+def llama3_8b(efficiency: float) -> dict[str, float]:
+    cfg = Config()
+    m, t = cfg.model, cfg.training
+    m.preset, m.vocab_size, m.dim, m.n_layers, m.n_heads = "7b", 128256, 4096, 32, 32
+    m.ffn_dim, m.max_seq_len = 18432, 8192
+    t.seq_len, t.global_batch_size, t.micro_batch_size = 8192, 16, 2
+    t.precision, t.activation_checkpointing, t.ac_every_layers = "bf16", "selective", 2
+    cfg.parallel.zero_stage = 3
+    mem = estimate_memory(cfg, 8)
+    cluster = Cluster(
+        nodes=1,
+        gpus_per_node=8,
+        memory_bytes=96e9,
+        peak_flops=989e12,
+        efficiency=efficiency,
+        intra_bw=450e9,
+        inter_bw=50e9,
+    )
+    c = Candidate(1, 8, 1, 1, 3, "none", 2)
+    time = step_time(
+        c, validate(cfg, 8).model, cluster, global_batch=16, seq_len=8192, bytes_per_value=2
+    )
+    return {
+        "memory_gib": mem.peak(2) / GIB,
+        "memory_published_gib": 82.4,
+        "tps_per_gpu": time.tokens_per_s / 8,
+        "tps_published": 5762,
+    }
+
+
+def gpt3_175b(efficiency: float) -> dict[str, float]:
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.dim, m.n_layers, m.n_heads = 51200, 12288, 96, 96
+    m.ffn_dim, m.max_seq_len, m.pos_emb = 4 * 12288, 2048, "learned"
+    args = validate(cfg, None).model
+    cluster = Cluster(
+        nodes=128,
+        gpus_per_node=8,
+        memory_bytes=80e9,
+        peak_flops=312e12,
+        efficiency=efficiency,
+        intra_bw=300e9,
+        inter_bw=25e9,
+    )
+    c = Candidate(8, 1, 8, 16, 1, "full", 1, "interleaved_1f1b")
+    time = step_time(c, args, cluster, global_batch=1536, seq_len=2048, bytes_per_value=2)
+    flops = flops_per_token(args, 2048) * 1536 * 2048 * 4 / 3
+    return {"tflops_per_gpu": flops / time.step_s / 1024 / 1e12, "tflops_published": 138}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--efficiency", type=float, default=0.45)
+    ns = parser.parse_args()
+    llama = llama3_8b(ns.efficiency)
+    gpt = gpt3_175b(ns.efficiency)
+    print(f"efficiency {ns.efficiency} (fraction of peak the compute achieves)")
+    print(f"{'run':<38}{'figure':<16}{'planned':>10}{'published':>11}{'ratio':>7}")
+    for run, figure, planned, published in (
+        ("Llama 3.1 8B, FSDP, 8 H100", "memory GiB/GPU", llama["memory_gib"], 82.4),
+        ("Llama 3.1 8B, FSDP, 8 H100", "tokens/s/GPU", llama["tps_per_gpu"], 5762),
+        ("GPT-3 175B, tp8 pp16 dp8, 1024 A100", "TFLOP/s/GPU", gpt["tflops_per_gpu"], 138),
+    ):
+        print(f"{run:<38}{figure:<16}{planned:>10.1f}{published:>11.1f}{planned / published:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

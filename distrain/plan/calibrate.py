@@ -1,0 +1,43 @@
+"""`distrain plan --calibrate`: this machine's measured matmul rate, stored under the user's cache
+directory ($XDG_CACHE_HOME/distrain/calibration.json, default ~/.cache) for later plans; its
+peak is the plan's default peak with efficiency 1 (the measured rate is already achieved)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def calibration_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "distrain" / "calibration.json"
+
+
+def matmul_flops(size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best FLOP/s of a square matmul on this device over `repeats` timed runs."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up: thread pool and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def calibrate() -> dict[str, float]:
+    found = {"peak_flops": matmul_flops(), "threads": torch.get_num_threads()}
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(found))
+    return found
+
+
+def load_calibration() -> dict[str, float] | None:
+    path = calibration_path()
+    return json.loads(path.read_text()) if path.exists() else None

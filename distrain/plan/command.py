@@ -1,0 +1,111 @@
+"""`distrain plan`: arguments -> cluster and base config -> ranked table (or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from distrain.config import Config
+from distrain.config_io import load_config
+from distrain.errors import ConfigError
+from distrain.plan.calibrate import calibrate, load_calibration
+from distrain.plan.search import plan, table, to_json
+from distrain.plan.timing import Cluster
+
+UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+# Dense bf16 peak of the common training GPU (H100 SXM) when nothing is calibrated.
+DEFAULT_PEAK_FLOPS = 989e12
+
+
+def quantity(text: str, what: str) -> float:
+    """'80GB' -> 8e10, '900GB/s' -> 9e11, '989T' -> 9.89e14."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(?:i?B)?(?:/s)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"{what}: cannot read {text!r}; write e.g. 80GB, 900GB/s or 989T")
+    return float(m.group(1)) * UNITS[m.group(2).upper()]
+
+
+def interconnect(text: str) -> tuple[float, float]:
+    parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+    if set(parts) != {"intra", "inter"}:
+        raise ConfigError("--interconnect: write intra=900GB/s,inter=50GB/s")
+    return quantity(parts["intra"], "--interconnect"), quantity(parts["inter"], "--interconnect")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="distrain plan",
+        description="Rank the layouts of a model on a cluster by step time, with memory per "
+        "rank from a fake-tensor run of the real build.",
+    )
+    p.add_argument("--config", help="TOML config to plan (its model, batch, precision).")
+    p.add_argument("--preset", help="Model preset (overrides the config's).")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", default="80GB", help="Memory per device (default 80GB).")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--interconnect", default="intra=450GB/s,inter=50GB/s")
+    p.add_argument("--peak", help="Peak FLOP/s per device (default: calibrated, else 989T).")
+    p.add_argument("--efficiency", type=float, default=0.45, help="Achieved fraction of peak.")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3).")
+    p.add_argument(
+        "--checkpointing", default="none,full", help="Activation checkpointing to search."
+    )
+    p.add_argument("--top", type=int, default=10, help="Rows shown (each of fit / no fit).")
+    p.add_argument("--json", action="store_true", help="Print JSON rows instead of a table.")
+    p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
+    return p.parse_args(argv)
+
+
+def base_config(ns: argparse.Namespace) -> Config:
+    cfg = load_config(ns.config, [])
+    t = cfg.training
+    if ns.preset:
+        cfg.model.preset = ns.preset
+    if ns.seq_len:
+        t.seq_len = ns.seq_len
+    if ns.global_batch:
+        t.global_batch_size = ns.global_batch
+    if ns.precision:
+        t.precision = ns.precision
+    t.micro_batch_size = 1
+    return cfg
+
+
+def cluster_of(ns: argparse.Namespace) -> Cluster:
+    intra, inter = interconnect(ns.interconnect)
+    calibrated = load_calibration()
+    if ns.peak:
+        peak, efficiency = quantity(ns.peak, "--peak"), ns.efficiency
+    elif calibrated:
+        peak, efficiency = calibrated["peak_flops"], 1.0
+    else:
+        peak, efficiency = DEFAULT_PEAK_FLOPS, ns.efficiency
+    return Cluster(
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        memory_bytes=quantity(ns.gpu_memory, "--gpu-memory"),
+        peak_flops=peak,
+        efficiency=efficiency,
+        intra_bw=intra,
+        inter_bw=inter,
+    )
+
+
+def plan_command(argv: list[str]) -> None:
+    ns = parse(argv)
+    if ns.calibrate:
+        found = calibrate()
+        print(f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s")
+        return
+    cfg = base_config(ns)
+    rows = plan(
+        cfg,
+        cluster_of(ns),
+        bytes_per_value=4 if cfg.training.precision == "fp32" else 2,
+        stages=tuple(int(s) for s in ns.zero.split(",")),
+        checkpointing=tuple(ns.checkpointing.split(",")),
+    )
+    print(to_json(rows, ns.top) if ns.json else table(rows, ns.top))

@@ -1,0 +1,212 @@
+"""Per-rank memory of one layout, measured on the real build without real memory.
+
+The model is built by `build_parallel_model` (the code training uses: the same pipeline split,
+tensor parallel plan, activation checkpointing, DDP/FSDP2 wrapping) and trained for a step under
+`FakeTensorMode` (tensors carry shapes, no storage) and torch's fake process group of the planned
+world size (collectives return at once). `LiveBytes` counts the storage of every tensor the step
+creates until it is freed, so the peak follows whatever the build does, including presets and
+wrappers added later. (torch's MemTracker does the same with a per-module breakdown, at several
+times the cost per op and a 15 s import; the planner needs only the total.)
+
+Breakdown per rank:
+- params, grads, optimizer: bytes of this rank's local parts at rest (a DTensor counts its local
+  shard); under DDP gradients are views into its communication buckets, so the bucket memory is
+  this figure;
+- activations: the fwd/bwd peak above params and grads: saved activations plus transient buffers
+  (FSDP2's all-gathered parameters, the loss, temporaries);
+- peak: the largest live total over forward, backward (optimizer state held) and the optimizer
+  step.
+Activations grow linearly with the micro-batch, so two fake steps (micro-batch 1 and 2) give the
+peak for any micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from distrain.config import Config
+from distrain.layout import validate
+from distrain.mesh import DistContext
+from distrain.models.gpt import GPT
+from distrain.optim import build_optimizer
+from distrain.parallel import ParallelModel, build_parallel_model
+from distrain.parallel.compress import CommStats
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. The fwd/bwd peak at micro-batch size b is fixed + b x per_sample (params
+    and gradients included, optimizer state not)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    fixed: int
+    per_sample: int
+    opt_step_peak: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def activations(self, micro_batch_size: int) -> int:
+        return max(0, self.fixed + micro_batch_size * self.per_sample - self.params - self.grads)
+
+    def peak(self, micro_batch_size: int) -> int:
+        fwd_bwd = self.fixed + micro_batch_size * self.per_sample + self.optimizer
+        return max(fwd_bwd, self.opt_step_peak, self.model_states)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, and their peak, counting what ops create inside the mode
+    (each storage once, until it is freed) on top of `baseline`. Works on fake tensors."""
+
+    def __init__(self, baseline: int = 0):
+        super().__init__()
+        self.live = self.peak = baseline
+        self._seen: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage) if t.is_meta else storage._cdata
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            nbytes = storage.nbytes()
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._release, key, nbytes)
+        return out
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Tensor state the optimizers hold on this rank (ZeroRedundancyOptimizer: its partition)."""
+    total = 0
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optim", optimizer)
+        for state in inner.state.values():
+            total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Torch's fake process group of `world_size` ranks, as rank `rank`, for this block; it must
+    be the only default group of this process (the planner runs before any real one)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
+    return tokens, tokens
+
+
+def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
+    """Memory of rank `rank` when `cfg` trains on `world_size` ranks, from a fake step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layout = validate(cfg, world_size)
+    dims = layout.dims
+    assert dims is not None
+    with fake_world(world_size, rank):
+        ctx = DistContext(
+            rank=rank,
+            local_rank=0,
+            world_size=world_size,
+            device=torch.device("cpu"),
+            backend="fake",
+        )
+        mesh, dp_mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            meta_model = GPT(layout.model)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _fake_step(cfg, layout.model, dims, mesh, dp_mesh, ctx, meta_model)
+
+
+def _fake_step(cfg, args, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
+    """Build, then one fwd/bwd at micro-batch 1 and 2 (the activation slope) and the optimizer
+    step; every pipeline micro-batch of the schedule is in flight together (the worst stage)."""
+    one_cfg = dataclasses.replace(
+        cfg, training=dataclasses.replace(cfg.training, micro_batch_size=1)
+    )
+    model = build_parallel_model(
+        args, one_cfg, dims, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model
+    )
+    optimizers = [
+        build_optimizer(
+            part,
+            cfg.optim,
+            zero1_group=dp_mesh.get_group() if dims.zero_stage == 1 else None,
+            dp_group=dp_mesh.get_group(),
+        )
+        for part in model.parts
+    ]
+    return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
+
+
+def _grad_bytes(model: ParallelModel) -> int:
+    return sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+
+def measure_step(
+    model: ParallelModel,
+    optimizers: list[torch.optim.Optimizer],
+    seq_len: int,
+    device: torch.device,
+) -> MemoryEstimate:
+    """Live-byte peaks of fwd/bwd at micro-batch 1 and 2, then of the optimizer step; on fake
+    tensors (the planner) or real ones (the tests' measurement), counted the same way. The
+    gradients at rest (DDP's buckets) are in the baseline of each pass."""
+    params = sum(local_bytes(p) for p in model.parameters())
+    peaks = []
+    for rows in (1, 2):
+        model.zero_grad()
+        with LiveBytes(params + _grad_bytes(model)) as live:
+            model.forward_backward([_tokens(rows, seq_len, device)], lambda loss: loss)
+        peaks.append(live.peak)
+    grads = _grad_bytes(model)
+    with LiveBytes(params + grads) as live:
+        for optimizer in optimizers:
+            optimizer.step()
+    optimizer_bytes = optimizer_state_bytes(optimizers)
+    per_sample = peaks[1] - peaks[0]
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        optimizer=optimizer_bytes,
+        fixed=peaks[0] - per_sample,
+        per_sample=per_sample,
+        opt_step_peak=max(live.peak, params + grads + optimizer_bytes),
+    )

@@ -1,0 +1,197 @@
+"""The ranked search of `distrain plan`: every layout of the cluster (data-parallel replicate x
+shard, tp inside a node, ZeRO stage, activation checkpointing, micro-batch), its memory from the
+fake build (memory.py) and its step time (timing.py); layouts that fit come first, fastest first,
+then the ones that do not fit with the reason.
+
+Pipeline layouts are not searched yet: the pipeline schedule's stage objects do not build under
+the fake-tensor mode, and a plan reports only what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from distrain.config import Config
+from distrain.errors import ConfigError
+from distrain.layout import validate
+from distrain.plan.memory import MemoryEstimate, estimate_memory
+from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
+
+GIB = 2**30
+STAGES = (0, 1, 2, 3)
+CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    candidate: Candidate
+    memory: dict[str, int]
+    time: StepTime
+    fits: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layout": dataclasses.asdict(self.candidate),
+            "memory_bytes": self.memory,
+            "time": self.time.as_dict(),
+            "fits": self.fits,
+            "reason": self.reason,
+        }
+
+
+def candidate_config(base: Config, c: Candidate) -> Config:
+    cfg = dataclasses.replace(
+        base,
+        parallel=dataclasses.replace(
+            base.parallel,
+            dp_replicate=c.dp_replicate,
+            dp_shard=c.dp_shard if c.zero_stage >= 2 else -1,
+            tp=c.tp,
+            pp=c.pp,
+            zero_stage=c.zero_stage,
+        ),
+        training=dataclasses.replace(
+            base.training,
+            micro_batch_size=c.micro_batch_size,
+            activation_checkpointing=c.activation_checkpointing,
+        ),
+    )
+    if c.zero_stage <= 1:
+        cfg.parallel.dp_replicate = -1
+    return cfg
+
+
+def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
+    """estimate_memory, shared between candidates that differ only in the micro-batch.
+
+    Two wrappers read tensor data while they are built, so they cannot run on fake tensors, and
+    are planned from the build they wrap: DDP (its C++ reducer checks parameter values across
+    ranks) holds what the unwrapped model holds, its gradients being views into its buckets, so
+    it is planned as one rank; ZeroRedundancyOptimizer (ZeRO-1) is ZeRO-0 with the optimizer
+    state split over the data-parallel ranks."""
+    p, t = cfg.parallel, cfg.training
+    key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
+    if key not in cache:
+        if p.zero_stage <= 1 and p.tp == p.pp == 1 and world_size > 1:
+            single = dataclasses.replace(
+                cfg, training=dataclasses.replace(t, global_batch_size=t.micro_batch_size)
+            )
+            cache[key] = memory_of(single, 1, cache)
+            if p.zero_stage == 1:
+                optimizer = -(-cache[key].optimizer // world_size)
+                cache[key] = dataclasses.replace(cache[key], optimizer=optimizer)
+        elif p.zero_stage == 1:
+            zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
+            base = memory_of(zero0, world_size, cache)
+            dp = world_size // (p.tp * p.pp)
+            cache[key] = dataclasses.replace(base, optimizer=-(-base.optimizer // dp))
+        else:
+            cache[key] = estimate_memory(cfg, world_size)
+    return cache[key]
+
+
+def candidates(
+    base: Config,
+    cluster: Cluster,
+    *,
+    stages: tuple[int, ...] = STAGES,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+) -> list[Candidate]:
+    world, t = cluster.world_size, base.training
+    found = []
+    tp = 1
+    while tp <= cluster.gpus_per_node and world % tp == 0:
+        dp = world // tp
+        # Without data parallelism every ZeRO stage is stage 0.
+        for stage in stages if dp > 1 else (0,):
+            splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in _divisors(dp)]
+            for replicate, shard in splits:
+                if stage >= 2 and shard == 1 and dp > 1:
+                    continue
+                for ac in checkpointing:
+                    for mb in _divisors(t.global_batch_size // dp if dp else 1):
+                        found.append(Candidate(replicate, shard, tp, 1, stage, ac, mb))
+        tp *= 2
+    return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def plan(
+    base: Config,
+    cluster: Cluster,
+    *,
+    bytes_per_value: int = 4,
+    max_micro_batch: int = 16,
+    stages: tuple[int, ...] = STAGES,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+) -> list[PlanRow]:
+    """Every valid candidate with its memory and time, ranked (fitting and fastest first)."""
+    args = validate(base, None).model
+    cache: dict = {}
+    rows = []
+    for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
+        if c.micro_batch_size > max_micro_batch or (c.dp_replicate > 1 and c.dp_shard > 1):
+            continue  # HSDP is searched through its pure forms; micro-batches past the cap
+        cfg = candidate_config(base, c)
+        try:
+            validate(cfg, cluster.world_size)
+        except ConfigError:
+            continue
+        mem = memory_of(cfg, cluster.world_size, cache)
+        peak = mem.peak(c.micro_batch_size)
+        memory = {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "activations": mem.activations(c.micro_batch_size),
+            "peak": peak,
+        }
+        fits = peak <= cluster.memory_bytes
+        reason = (
+            ""
+            if fits
+            else (f"peak {peak / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB per device")
+        )
+        time = step_time(
+            c,
+            args,
+            cluster,
+            global_batch=base.training.global_batch_size,
+            seq_len=base.training.seq_len,
+            bytes_per_value=bytes_per_value,
+        )
+        rows.append(PlanRow(c, memory, time, fits, reason))
+    rows.sort(key=lambda r: (not r.fits, r.time.step_s))
+    return rows
+
+
+def table(rows: list[PlanRow], top: int) -> str:
+    header = (
+        f"{'#':>3} {'dp_rep':>6} {'dp_shd':>6} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>4} "
+        f"{'mb':>3} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'peak':>7} "
+        f"{'step s':>8} {'comm s':>7} {'bubble':>6} {'tok/s':>9} {'MFU':>5}  fits"
+    )
+    lines = [header + "   (memory GiB per rank)", "-" * len(header)]
+    shown = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
+    for i, r in enumerate(shown, 1):
+        c, m, t = r.candidate, r.memory, r.time
+        kinds = ("params", "grads", "optimizer", "activations", "peak")
+        gib = [f"{m[k] / GIB:7.2f}" for k in kinds]
+        lines.append(
+            f"{i:>3} {c.dp_replicate:>6} {c.dp_shard:>6} {c.tp:>3} {c.pp:>3} {c.zero_stage:>4} "
+            f"{c.activation_checkpointing:>4} {c.micro_batch_size:>3} {' '.join(gib)} "
+            f"{t.step_s:8.3f} {t.exposed_comm_s:7.3f} {t.bubble_s:6.3f} {t.tokens_per_s:9.0f} "
+            f"{t.mfu:5.2f}  {'yes' if r.fits else 'no: ' + r.reason}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rows: list[PlanRow], top: int) -> str:
+    return json.dumps([r.as_dict() for r in rows[:top]], indent=1)
