@@ -227,6 +227,8 @@ def cmd_export(argv: list[str]) -> None:
     else:
         out = export_program(Path(ns.run_dir), Path(ns.out), step=ns.step)
     print(out)
+
+
 def cmd_plan(argv: list[str]) -> None:
     from distrain.plan.command import plan_command
 
