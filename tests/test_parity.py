@@ -307,7 +307,7 @@ EP_LAYOUTS = [
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
+def ep_reference(tmp_path_factory):
     """The 1-process curve of each MoE route, computed once per route."""
     curves: dict[str, dict[int, float]] = {}
 
@@ -322,11 +322,11 @@ def moe_reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EP_LAYOUTS, ids=[layout.name for layout in EP_LAYOUTS])
-def test_expert_parallel_matches_single_process(layout, moe_reference, tmp_path, check_ok):
+def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, check_ok):
     run = tmp_path / "run"
     check_ok(train_cli(run, layout.nproc, **BASE, **MOE_ROUTES[layout.route], **layout.fields))
     rows = read_metrics(run / "metrics.jsonl")
-    assert_parity(losses(rows), moe_reference(layout.route))
+    assert_parity(losses(rows), ep_reference(layout.route))
     # Rows were routed to other ranks and back: the all-to-all bytes are counted, at most
     # every routed copy of rank 0's tokens (fp32 rows of dim 128) sent out and back, in each
     # MoE layer rank 0 holds (2, or 1 per pipeline stage).
@@ -339,7 +339,7 @@ def test_expert_parallel_matches_single_process(layout, moe_reference, tmp_path,
 
 
 @pytest.mark.slow
-def test_resume_across_expert_parallel_degrees(moe_reference, tmp_path):
+def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
     weights resharded, and the stitched curve is the 1-process curve."""
     run = tmp_path / "run"
@@ -351,4 +351,4 @@ def test_resume_across_expert_parallel_degrees(moe_reference, tmp_path):
     third = train_cli(run, 4, **fields, parallel__ep=4)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resumed from" in third.stderr and "step-00000004" in third.stderr
-    assert_parity(losses(read_metrics(run / "metrics.jsonl")), moe_reference("top1_capacity"))
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), ep_reference("top1_capacity"))
