@@ -70,7 +70,8 @@ def test_one_rank_memory_predicted_matches_measured(ac):
         # difference is an allocation the fake kernels shape differently.
         assert predicted.activations(mb) == pytest.approx(measured.activations(mb), rel=0.10)
         assert predicted.peak(mb) == pytest.approx(measured.peak(mb), rel=0.05)
-    assert measured.activations(8) > measured.activations(4) > 0
+    assert measured.per_sample > 0
+    assert measured.activations(16) > measured.activations(8) > 0
 
 
 def test_checkpointing_saves_activation_memory():

@@ -70,7 +70,8 @@ class MemoryEstimate:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive, and their peak, counting what ops create inside the mode
-    (each storage once, until it is freed) on top of `baseline`. Works on fake tensors."""
+    (each storage once, until the tensor that brought it is freed) on top of `baseline`. Works on
+    fake tensors."""
 
     def __init__(self, baseline: int = 0):
         super().__init__()
@@ -81,14 +82,25 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
         self.live -= nbytes
 
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # A view (or in-place result) shares an input's storage: no new bytes, even when that
+        # input was made before the mode (a parameter's transpose).
+        inputs = {
+            self._key(t)
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 continue
             storage = t.untyped_storage()
-            key = id(storage) if t.is_meta else storage._cdata
-            if key in self._seen:
+            key = storage._cdata
+            if key in self._seen or key in inputs:
                 continue
             self._seen.add(key)
             nbytes = storage.nbytes()
