@@ -181,15 +181,15 @@ def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
 # rows (capacity and the balancing losses are counted per forward call, so the reference must
 # see the same micro-batches). Each row covers several features: routing (top-1 with capacity,
 # top-2 dropless), the ZeRO stage, check_replicas, and the axis ep composes with.
-MOE = {
+EP_MOE = {
     "model__moe__num_experts": 4,
     "model__moe__every": 2,
     "model__moe__shared_experts": 1,
     "model__moe__ffn_dim": 128,
 }
-MOE_ROUTES = {
-    "top1_capacity": dict(MOE, model__moe__top_k=1, model__moe__capacity_factor=1.0),
-    "top2_dropless": dict(MOE, model__moe__top_k=2, model__moe__capacity_factor=0),
+EP_ROUTES = {
+    "top1_capacity": dict(EP_MOE, model__moe__top_k=1, model__moe__capacity_factor=1.0),
+    "top2_dropless": dict(EP_MOE, model__moe__top_k=2, model__moe__capacity_factor=0),
 }
 
 
@@ -234,14 +234,14 @@ EP_LAYOUTS = [
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
+def ep_reference(tmp_path_factory):
     """The 1-process curve of each MoE route, computed once per route."""
     curves: dict[str, dict[int, float]] = {}
 
     def curve(route: str) -> dict[int, float]:
         if route not in curves:
-            run = tmp_path_factory.mktemp(route) / "run"
-            curves[route] = losses(train_in_process(run, **BASE, **MOE_ROUTES[route]))
+            run = tmp_path_factory.mktemp(f"ep_ref_{route}") / "run"
+            curves[route] = losses(train_in_process(run, **BASE, **EP_ROUTES[route]))
         return curves[route]
 
     return curve
@@ -249,28 +249,28 @@ def moe_reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EP_LAYOUTS, ids=[layout.name for layout in EP_LAYOUTS])
-def test_expert_parallel_matches_single_process(layout, moe_reference, tmp_path, check_ok):
+def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, check_ok):
     run = tmp_path / "run"
-    check_ok(train_cli(run, layout.nproc, **BASE, **MOE_ROUTES[layout.route], **layout.fields))
+    check_ok(train_cli(run, layout.nproc, **BASE, **EP_ROUTES[layout.route], **layout.fields))
     rows = read_metrics(run / "metrics.jsonl")
-    assert_parity(losses(rows), moe_reference(layout.route))
+    assert_parity(losses(rows), ep_reference(layout.route))
     # Rows were routed to other ranks and back: the all-to-all bytes are counted, at most
     # every routed copy of rank 0's tokens (fp32 rows of dim 128) sent out and back, in each
     # MoE layer rank 0 holds (2, or 1 per pipeline stage).
     tp, pp = layout.fields.get("parallel__tp", 1), layout.fields.get("parallel__pp", 1)
     tokens = BASE["training__global_batch_size"] * BASE["training__seq_len"] * tp * pp
-    top_k = MOE_ROUTES[layout.route]["model__moe__top_k"]
+    top_k = EP_ROUTES[layout.route]["model__moe__top_k"]
     bound = 2 * top_k * (tokens // layout.nproc) * 128 * 4 * (2 // pp)
     sent = [row["comm_bytes"] for row in rows if "loss" in row]
     assert len(sent) == STEPS and all(0 < b <= bound for b in sent), sent
 
 
 @pytest.mark.slow
-def test_resume_across_expert_parallel_degrees(moe_reference, tmp_path):
+def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
     weights resharded, and the stitched curve is the 1-process curve."""
     run = tmp_path / "run"
-    fields = dict(BASE, **MOE_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
+    fields = dict(BASE, **EP_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
     first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
     assert first.returncode != 0
     second = train_cli(run, 2, **fields, debug__fail_at_step=5)
@@ -278,4 +278,4 @@ def test_resume_across_expert_parallel_degrees(moe_reference, tmp_path):
     third = train_cli(run, 4, **fields, parallel__ep=4)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resumed from" in third.stderr and "step-00000004" in third.stderr
-    assert_parity(losses(read_metrics(run / "metrics.jsonl")), moe_reference("top1_capacity"))
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), ep_reference("top1_capacity"))
