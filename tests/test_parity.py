@@ -11,7 +11,7 @@ real bug, e.g. a missing gradient reduction or a wrong scaling, moves it by 1e-3
 from dataclasses import dataclass
 
 import pytest
-from helpers import losses, train_cli, train_in_process
+from helpers import losses, run_cli, train_cli, train_in_process
 
 from distrain.observe.metrics import read_metrics
 
@@ -268,7 +268,8 @@ def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, 
 @pytest.mark.slow
 def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
-    weights resharded, and the stitched curve is the 1-process curve."""
+    weights resharded, and the stitched curve is the 1-process curve; the ep4 checkpoint then
+    loads in `distrain generate` (one process)."""
     run = tmp_path / "run"
     fields = dict(BASE, **EP_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
     first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
@@ -279,3 +280,5 @@ def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resumed from" in third.stderr and "step-00000004" in third.stderr
     assert_parity(losses(read_metrics(run / "metrics.jsonl")), ep_reference("top1_capacity"))
+    sample = run_cli("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "9")
+    assert sample.returncode == 0 and sample.stdout.startswith("def "), sample.stderr[-3000:]
