@@ -11,7 +11,7 @@ real bug, e.g. a missing gradient reduction or a wrong scaling, moves it by 1e-3
 from dataclasses import dataclass
 
 import pytest
-from helpers import losses, train_cli, train_in_process
+from helpers import losses, run_cli, train_cli, train_in_process
 
 from distrain.observe.metrics import read_metrics
 
@@ -254,15 +254,15 @@ def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
 # rows (capacity and the balancing losses are counted per forward call, so the reference must
 # see the same micro-batches). Each row covers several features: routing (top-1 with capacity,
 # top-2 dropless), the ZeRO stage, check_replicas, and the axis ep composes with.
-MOE = {
+EP_MOE = {
     "model__moe__num_experts": 4,
     "model__moe__every": 2,
     "model__moe__shared_experts": 1,
     "model__moe__ffn_dim": 128,
 }
-MOE_ROUTES = {
-    "top1_capacity": dict(MOE, model__moe__top_k=1, model__moe__capacity_factor=1.0),
-    "top2_dropless": dict(MOE, model__moe__top_k=2, model__moe__capacity_factor=0),
+EP_ROUTES = {
+    "top1_capacity": dict(EP_MOE, model__moe__top_k=1, model__moe__capacity_factor=1.0),
+    "top2_dropless": dict(EP_MOE, model__moe__top_k=2, model__moe__capacity_factor=0),
 }
 
 
@@ -313,8 +313,8 @@ def ep_reference(tmp_path_factory):
 
     def curve(route: str) -> dict[int, float]:
         if route not in curves:
-            run = tmp_path_factory.mktemp(route) / "run"
-            curves[route] = losses(train_in_process(run, **BASE, **MOE_ROUTES[route]))
+            run = tmp_path_factory.mktemp(f"ep_ref_{route}") / "run"
+            curves[route] = losses(train_in_process(run, **BASE, **EP_ROUTES[route]))
         return curves[route]
 
     return curve
@@ -324,7 +324,7 @@ def ep_reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", EP_LAYOUTS, ids=[layout.name for layout in EP_LAYOUTS])
 def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, check_ok):
     run = tmp_path / "run"
-    check_ok(train_cli(run, layout.nproc, **BASE, **MOE_ROUTES[layout.route], **layout.fields))
+    check_ok(train_cli(run, layout.nproc, **BASE, **EP_ROUTES[layout.route], **layout.fields))
     rows = read_metrics(run / "metrics.jsonl")
     assert_parity(losses(rows), ep_reference(layout.route))
     # Rows were routed to other ranks and back: the all-to-all bytes are counted, at most
@@ -332,7 +332,7 @@ def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, 
     # MoE layer rank 0 holds (2, or 1 per pipeline stage).
     tp, pp = layout.fields.get("parallel__tp", 1), layout.fields.get("parallel__pp", 1)
     tokens = BASE["training__global_batch_size"] * BASE["training__seq_len"] * tp * pp
-    top_k = MOE_ROUTES[layout.route]["model__moe__top_k"]
+    top_k = EP_ROUTES[layout.route]["model__moe__top_k"]
     bound = 2 * top_k * (tokens // layout.nproc) * 128 * 4 * (2 // pp)
     sent = [row["comm_bytes"] for row in rows if "loss" in row]
     assert len(sent) == STEPS and all(0 < b <= bound for b in sent), sent
@@ -341,9 +341,10 @@ def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, 
 @pytest.mark.slow
 def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
-    weights resharded, and the stitched curve is the 1-process curve."""
+    weights resharded, and the stitched curve is the 1-process curve; the ep4 checkpoint then
+    loads in `distrain generate` (one process)."""
     run = tmp_path / "run"
-    fields = dict(BASE, **MOE_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
+    fields = dict(BASE, **EP_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
     first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
     assert first.returncode != 0
     second = train_cli(run, 2, **fields, debug__fail_at_step=5)
@@ -352,3 +353,5 @@ def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
     assert third.returncode == 0, third.stderr[-3000:]
     assert "resumed from" in third.stderr and "step-00000004" in third.stderr
     assert_parity(losses(read_metrics(run / "metrics.jsonl")), ep_reference("top1_capacity"))
+    sample = run_cli("generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "9")
+    assert sample.returncode == 0 and sample.stdout.startswith("def "), sample.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Applying a parallel layout to a plain model, in one fixed order, and running it.
 
-build on meta -> pipeline split (pp) -> tensor/sequence parallel (tp) -> activation checkpointing
--> compile -> data parallel (DDP, or FSDP2 for ZeRO 2/3 and whenever tp/pp is on)
+build on meta -> pipeline split (pp) -> tensor/sequence parallel (tp) -> expert parallel (ep)
+-> activation checkpointing -> compile -> data parallel (DDP, or FSDP2 for ZeRO 2/3 and whenever
+tp/pp/ep is on)
 -> materialize + seeded init (identical values under every layout).
 
 `ParallelModel` hides what differs between layouts from the trainer: how micro-batches run
@@ -199,7 +200,11 @@ class ParallelModel:
                 logits, targets = self._forward(inputs, targets)
                 loss = cross_entropy(logits, targets)
                 # The reported loss stays the cross-entropy; MoE balancing terms only train.
-                total = loss if self.moe_stats is None else loss + self.moe_stats.after_forward()
+                total = (
+                    loss
+                    if self.moe_stats is None
+                    else loss + _as_loss(loss, self.moe_stats.after_forward())
+                )
                 heartbeat.mark("backward")
                 scale(total / len(batches)).backward()
             loss_sum += _local(loss.detach())
@@ -281,6 +286,15 @@ class ParallelModel:
                 loss = self.runner.eval_loss(inputs[rows], targets[rows])
             total += self.runner.broadcast_loss(_local(loss) if loss is not None else None)
         return total / chunks
+
+
+def _as_loss(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """`term` in the loss's kind: under tp the loss is a Replicate DTensor, and a term every tp
+    rank computed alike (the MoE balancing losses: MoE layers run replicated over tp) joins
+    it as a Replicate DTensor too."""
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(term, loss.device_mesh, loss.placements, run_check=False)
+    return term
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
