@@ -1,7 +1,7 @@
 """Training throughput and model FLOPs utilization (MFU) of a preset in bf16, with and without
 `training.compile`.
 
-A real distrain `Trainer` (precision bf16, data parallel over --nproc ranks) runs --warmup untimed
+A real distrain `Trainer` (precision bf16, data parallel over --ranks ranks) runs --warmup untimed
 steps, then --steps timed ones exactly as `Trainer.run` calls them (learning rate,
 `loader.next_batch()`, `train_step`); on CUDA the device is synchronized before the clock starts
 and stops, and the time is the slowest rank's. Then
@@ -21,7 +21,7 @@ torchrun's API):
 
     python3 benchmarks/mfu.py                              # both variants, device defaults
     python3 benchmarks/mfu.py --no-compile-variant         # eager only (compile costs ~30 s on CPU)
-    python3 benchmarks/mfu.py --micro-batch-size 8 --nproc 1 --peak-tflops 989
+    python3 benchmarks/mfu.py --micro-batch-size 8 --ranks 1 --peak-tflops 989
 
 It prints a table and writes JSON to --out (default benchmarks/results/mfu.json).
 """
@@ -65,7 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048 if cuda else 128)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument(
-        "--nproc",
+        # Not --nproc: torchrun's parser would take that for its --nproc-per-node.
+        "--ranks",
         type=int,
         default=torch.cuda.device_count() if cuda else 1,
         help="ranks (data parallel); default: every local GPU, or 1 on CPU",
@@ -245,7 +246,7 @@ def main() -> None:
     if is_worker():
         worker(args)
     else:
-        launch_self(__file__, args.nproc, argv, name="mfu")
+        launch_self(__file__, args.ranks, argv, name="mfu")
 
 
 if __name__ == "__main__":

@@ -190,8 +190,11 @@ class TrainingConfig:
     )
     micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.", AT_LEAST_1)
     seq_len: int = doc(128, "Tokens per sequence.", AT_LEAST_1)
-    precision: Literal["fp32", "bf16", "fp16"] = doc(
-        "fp32", "Compute precision: bf16 by autocast; fp16 by autocast with loss scaling."
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = doc(
+        "fp32",
+        "Compute precision: bf16 by autocast; fp16 by autocast with loss scaling; auto = bf16 "
+        "where the device has native bf16 matmuls (CUDA with bf16, a CPU with AMX or "
+        "AVX-512 BF16), else fp32.",
     )
     seed: int = doc(
         1234, "Seed for model init, data order and all RNGs.", Range(low=0, high=2**32 - 1)

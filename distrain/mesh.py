@@ -55,6 +55,36 @@ def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX-BF16 or AVX-512 BF16), from
+    torch's dispatch capability or the flags in /proc/cpuinfo (`cpuinfo` stands in for its text).
+    Without them torch emulates bf16 matmuls through fp32 and autocast only adds casts."""
+    if cpuinfo is None:
+        if torch.backends.cpu.get_cpu_capability() == "AVX512_BF16":
+            return True
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = {
+        word for line in cpuinfo.splitlines() if line.startswith("flags") for word in line.split()
+    }
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """training.precision with "auto" decided for `device`: bf16 where its matmuls run bf16
+    natively (CUDA with bf16 support, or a CPU per `cpu_has_native_bf16`), else fp32."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = cpu_has_native_bf16()
+    return "bf16" if native else "fp32"
+
+
 def collective_timeout(timeout_s: float) -> timedelta | None:
     """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
     return timedelta(seconds=timeout_s) if timeout_s > 0 else None

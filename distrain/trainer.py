@@ -26,7 +26,7 @@ from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
 from distrain.errors import CheckpointError
 from distrain.layout import validate as validate_layout
-from distrain.mesh import DistContext, host_group
+from distrain.mesh import DistContext, host_group, resolve_precision
 from distrain.models.presets import num_params
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
@@ -60,6 +60,11 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext, logger: logging.Logger):
         self.cfg, self.ctx, self.log = cfg, ctx, logger
         t = cfg.training
+        # "auto" is decided once, here, so every later reader (wrappers, autocast, loader) sees
+        # the concrete precision.
+        requested, t.precision = t.precision, resolve_precision(t.precision, ctx.device)
+        if requested == "auto":
+            logger.info("training.precision auto: %s on %s", t.precision, ctx.device)
         self.run_dir = Path(cfg.run.dir)
         self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)

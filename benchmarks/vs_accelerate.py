@@ -1,0 +1,289 @@
+"""distrain's default job against the same model trained the way a Hugging Face Accelerate user
+would, side by side on this machine.
+
+Both sides train distrain's GPT (the `tiny` preset unless --preset), from the same seeded weights,
+on the same batches (distrain's loader: same global batch, same sample order), with AdamW (the same
+hyper-parameters, decay groups, gradient clipping) and the same warmup + cosine schedule. distrain
+runs its real `Trainer` (`train_step`, as `Trainer.run` calls it); the Accelerate side is a plain
+torch loop over the module prepared by `accelerate.Accelerator` (DDP across the ranks,
+`accelerator.accumulate` / `accelerator.backward`, its `mixed_precision` for bf16,
+`accelerator.clip_grad_norm_`).
+
+Variants (levers): fp32 vs bf16 autocast on both sides; torch's fused AdamW (`fused=True`) on the
+Accelerate side; and processes x threads (2 x 1 and 1 x 2). Every repetition runs every variant
+once, in the same order, so the load of a shared machine falls on all of them alike; a variant's
+figure is its median over --reps.
+
+    tokens/s         global batch x seq_len x timed steps / time of the timed steps (slowest rank)
+    time to target   seconds from the first timed step until the training loss (mean over ranks)
+                     first reaches the target: the highest final loss of all variants, so every
+                     variant reaches it
+    ratio            tokens/s / tokens/s of "accelerate fp32 2x1"
+
+Run from the repository root (it launches its own ranks through torchrun's API):
+
+    python3 benchmarks/vs_accelerate.py --steps 8 --reps 2
+
+It prints a table and writes JSON to --out (default benchmarks/results/vs_accelerate.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from harness import is_worker, launch_ranks, worker_session, write_json
+
+from distrain.config import Config, validate
+from distrain.data import DistributedBatchLoader, build_datasets
+from distrain.mesh import DistContext
+from distrain.models.gpt import GPT, init_weights
+from distrain.models.presets import model_args
+from distrain.optim import lr_at, param_groups, set_lr
+from distrain.parallel import cross_entropy
+from distrain.trainer import Trainer
+
+CORPUS_BYTES = 4_000_000
+BASELINE = "accelerate fp32 2x1"
+# (name, side, precision, fused AdamW, processes, threads per process)
+VARIANTS = (
+    ("distrain fp32 2x1", "distrain", "fp32", False, 2, 1),
+    ("accelerate fp32 2x1", "accelerate", "fp32", False, 2, 1),
+    ("distrain bf16 2x1", "distrain", "bf16", False, 2, 1),
+    ("accelerate bf16 2x1", "accelerate", "bf16", False, 2, 1),
+    ("accelerate fp32 fused-adamw 2x1", "accelerate", "fp32", True, 2, 1),
+    ("distrain fp32 1x2", "distrain", "fp32", False, 1, 2),
+    ("accelerate fp32 1x2", "accelerate", "fp32", False, 1, 2),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--out", default="benchmarks/results/vs_accelerate.json")
+    # Set by the launcher for its workers.
+    parser.add_argument("--ranks", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace, precision: str, run_dir: Path) -> Config:
+    """The default job (its batch, sequence length, optimizer and schedule) at this length."""
+    cfg = Config()
+    cfg.run.dir = str(run_dir)
+    cfg.model.preset = args.preset
+    cfg.data.max_bytes = CORPUS_BYTES
+    cfg.training.precision = precision
+    cfg.training.steps = args.warmup + args.steps
+    cfg.metrics.progress_bar = False
+    cfg.metrics.tensorboard = False
+    cfg.checkpoint.at_end = False
+    cfg.checkpoint.interval_steps = 0
+    validate(cfg)
+    return cfg
+
+
+def timed(step: Any, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Run `step(i) -> loss tensor` for warmup + timed steps; per-step elapsed seconds (the
+    slowest rank's clock) and losses (mean over ranks), read after the loop: no host sync
+    inside it beyond what the step itself does."""
+    for i in range(args.warmup):
+        step(i)
+    dist.barrier()
+    start = time.perf_counter()
+    ends, losses = [], []
+    for i in range(args.warmup, args.warmup + args.steps):
+        losses.append(step(i).detach().float())
+        ends.append(time.perf_counter() - start)
+    stats = torch.stack([torch.tensor(ends, dtype=torch.float64), torch.stack(losses).double()])
+    dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
+    return {"ends": stats[0].tolist(), "losses": (stats[1] / dist.get_world_size()).tolist()}
+
+
+def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger: Any) -> dict:
+    trainer = Trainer(cfg, ctx, logger)
+
+    def step(i: int) -> torch.Tensor:
+        lr = lr_at(i, cfg=cfg.optim, total_steps=cfg.training.steps)
+        loss, _ = trainer.train_step(trainer.loader.next_batch(), lr)
+        trainer.step += 1
+        return loss
+
+    try:
+        return timed(step, args, ctx.device)
+    finally:
+        trainer.close()
+
+
+def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext, fused: bool) -> dict:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # One Accelerator per variant in this process: its state is a singleton, reset between
+    # variants (the process group, PartialState's, stays).
+    AcceleratorState._reset_state()
+    t, o = cfg.training, cfg.optim
+    accum = t.global_batch_size // (t.micro_batch_size * ctx.world_size)
+    accelerator = Accelerator(
+        mixed_precision="bf16" if t.precision == "bf16" else "no",
+        gradient_accumulation_steps=accum,
+        cpu=ctx.device.type == "cpu",
+    )
+    margs = model_args(cfg.model)
+    torch.manual_seed(t.seed)
+    model = GPT(margs)
+    init_weights(model, margs, t.seed)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, o.weight_decay),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        **({"fused": True} if fused else {"foreach": True}),
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    train_set, _ = build_datasets(cfg.data, t.seq_len, vocab_size=margs.vocab_size)
+    loader = DistributedBatchLoader(
+        train_set,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=ctx.rank,
+        dp_size=ctx.world_size,
+        seed=t.seed,
+    )
+
+    def step(i: int) -> torch.Tensor:
+        set_lr(optimizer, lr_at(i, cfg=o, total_steps=t.steps))
+        total = torch.zeros((), device=accelerator.device)
+        for inputs, targets in loader.next_batch():
+            with accelerator.accumulate(model):
+                inputs, targets = inputs.to(accelerator.device), targets.to(accelerator.device)
+                loss = cross_entropy(model(inputs), targets)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), o.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+                total += loss.detach()
+        return total / accum
+
+    return timed(step, args, ctx.device)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    run_dir = Path(args.run_dir)
+    rows = []
+    with worker_session(run_dir, "cpu") as (ctx, logger):
+        for name in args.variants.split(","):
+            _, side, precision, fused, _, _ = next(v for v in VARIANTS if v[0] == name)
+            cfg = make_config(args, precision, run_dir / name.replace(" ", "_"))
+            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+            if side == "distrain":
+                result = run_distrain(cfg, args, ctx, logger)
+            else:
+                result = run_accelerate(cfg, args, ctx, fused)
+            rows.append({"variant": name, **result})
+        if ctx.rank == 0:
+            Path(args.result).write_text(json.dumps(rows))
+
+
+def summarize(args: argparse.Namespace, runs: list[dict[str, Any]], tokens_per_step: int) -> list:
+    """Median tokens/s and time to the target loss per variant, over the repetitions."""
+    by_name: dict[str, list[dict]] = {}
+    for r in runs:
+        by_name.setdefault(r["variant"], []).append(r)
+    target = max(r["losses"][-1] for r in runs)
+    rows = []
+    for name, reps in by_name.items():
+        tps = [tokens_per_step * args.steps / r["ends"][-1] for r in reps]
+        to_target = [
+            next(end for end, loss in zip(r["ends"], r["losses"], strict=True) if loss <= target)
+            for r in reps
+        ]
+        rows.append(
+            {
+                "variant": name,
+                "tokens_per_s": statistics.median(tps),
+                "tokens_per_s_reps": tps,
+                "time_to_target_s": statistics.median(to_target),
+                "final_loss": statistics.median(r["losses"][-1] for r in reps),
+                "losses": [r["losses"] for r in reps],
+            }
+        )
+    base = next(r for r in rows if r["variant"] == BASELINE)
+    for r in rows:
+        r["ratio_tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["ratio_time_to_target"] = base["time_to_target_s"] / r["time_to_target_s"]
+    return [target, rows]
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if is_worker():
+        worker(args)
+        return
+    cfg = make_config(args, "fp32", Path("."))
+    tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
+    layouts = sorted({(v[4], v[5]) for v in VARIANTS}, reverse=True)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="distrain-vs-accelerate-") as tmp:
+        for rep in range(args.reps):
+            for nproc, threads in layouts:
+                names = [v[0] for v in VARIANTS if (v[4], v[5]) == (nproc, threads)]
+                result = Path(tmp) / f"rep{rep}-{nproc}x{threads}.json"
+                extra = ["--ranks", str(nproc), "--threads", str(threads)]
+                extra += ["--variants", ",".join(names), "--result", str(result)]
+                launch_ranks(__file__, nproc, argv + extra, run_dir=f"{tmp}/run{rep}-{nproc}")
+                runs.extend(json.loads(result.read_text()))
+    target, rows = summarize(args, runs, tokens_per_step)
+    t = cfg.training
+    print(
+        f"\npreset {args.preset}, global batch {t.global_batch_size} x seq {t.seq_len}, "
+        f"micro-batch {t.micro_batch_size}, {args.warmup} warmup + {args.steps} timed steps, "
+        f"{args.reps} interleaved reps (medians); target loss {target:.4f}; "
+        f"torch {torch.__version__}"
+    )
+    header = (
+        f"{'variant':<32} {'tokens/s':>9} {'to target s':>11} {'final loss':>10} "
+        f"{'ratio tok/s':>11} {'ratio time':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['variant']:<32} {r['tokens_per_s']:>9,.0f} {r['time_to_target_s']:>11.2f} "
+            f"{r['final_loss']:>10.4f} {r['ratio_tokens_per_s']:>11.2f} "
+            f"{r['ratio_time_to_target']:>10.2f}"
+        )
+    config = {
+        "preset": args.preset,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "seq_len": t.seq_len,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "reps": args.reps,
+        "target_loss": target,
+        "torch": torch.__version__,
+    }
+    write_json(args.out, {"config": config, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
