@@ -83,6 +83,8 @@ def _worker(rank: int, store: Path) -> None:
         exp_avg = {k for k in saved if k.startswith("state.") and k.endswith(".exp_avg")}
         assert exp_avg == {f"state.p{i}.exp_avg" for i in mine}
         before = {k: v.to_local().clone() for k, v in saved.items() if k in exp_avg}
+        # The saved tensors are the live state (nothing copied): clone before clearing it.
+        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
         for p in state.values():
             p["exp_avg"].zero_()
         load_optimizer_state_dict(model, opt, saved)
