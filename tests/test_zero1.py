@@ -100,6 +100,7 @@ def test_owners_balance_and_agree():
     split = owners(params, 2)
     assert split == owners(params, 2) and set(split) == {0, 1}
     assert owners(params, 1) == [0] * len(params)
+    assert owners(params[:2], 3) == [0, 1]  # more ranks than parameters: rank 2 owns nothing
 
 
 @pytest.mark.slow
