@@ -4,12 +4,13 @@ For each `training.activation_checkpointing` mode (none, full, selective = every
 `--every`-th block, selective_op = per-op) a fresh process builds the model with distrain's own
 `apply_activation_checkpointing`, then:
 
-- memory: the process's peak resident set (VmHWM) during its first forward + backward, minus the
-  resident set just before it (model, gradients-to-be and optimizer are allocated first, so the
-  difference is what the step adds: activations kept for backward, recomputation buffers and the
-  gradients). There are no CPU allocator statistics; the first step is the one measured because
-  glibc keeps freed memory for reuse, which would hide a later step's peak. On CUDA the script
-  reads `torch.cuda.max_memory_allocated` instead (same difference, allocator-exact).
+- memory: the peak of the bytes allocated during one forward + backward, above what was
+  allocated before it (model, gradients and optimizer state exist already, so this is what the
+  step adds: activations kept for backward, recomputation and backward buffers). On CPU, where
+  torch keeps no allocator statistics, it is summed from the profiler's allocation and free
+  events (`profile_memory=True`), in order; on CUDA it is `torch.cuda.max_memory_allocated`.
+  (The process's peak resident set was tried first and is useless here: glibc keeps and
+  fragments freed memory.)
 - time: the median of `--steps` further forward + backward + AdamW steps.
 
 Run from the repository root; prints a markdown table and writes JSON to --out:
@@ -51,13 +52,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _resident_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def run_mode(args: argparse.Namespace) -> dict[str, float]:
     """One mode in this process: the step's added peak (MiB) and the median step time (s)."""
     device = torch.device(args.device)
@@ -86,10 +80,15 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
         torch.cuda.synchronize()
         added = torch.cuda.max_memory_allocated() - before
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident set
-        before = _resident_kib("VmRSS") * 1024
-        step()
-        added = _resident_kib("VmHWM") * 1024 - before
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            step()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        added = current = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            current += event.nbytes()  # negative for a free
+            added = max(added, current)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()

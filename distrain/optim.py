@@ -119,6 +119,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     zero = _zero1(optimizer)
     if zero is None:
         return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    if isinstance(zero, Zero1AdamW) and zero.owns_nothing:
+        return {}  # no state here; the group hyperparameters come from rank 0, an owner
     if not zero.optim.state:  # before the first step: let torch initialize the local state
         local = get_optimizer_state_dict(model, zero.optim, options=_FLAT)
         if not zero.optim.state:
@@ -133,6 +135,8 @@ def load_optimizer_state_dict(
 ) -> None:
     """Load flattened entries; under ZeRO-1 each rank loads those of its own partition."""
     zero = _zero1(optimizer)
+    if isinstance(zero, Zero1AdamW) and zero.owns_nothing:
+        return
     set_optimizer_state_dict(model, optimizer if zero is None else zero.optim, state, options=_FLAT)
 
 

@@ -193,8 +193,9 @@ def test_resume_across_layouts(reference, tmp_path):
     [
         {"training__activation_checkpointing": "full"},
         {"training__activation_checkpointing": "selective", "training__ac_every_layers": 2},
+        {"training__activation_checkpointing": "selective_op"},
     ],
-    ids=["full", "selective"],
+    ids=["full", "selective", "selective_op"],
 )
 def test_activation_checkpointing_changes_nothing(fields, reference, tmp_path):
     # Recomputation replays the same fp32 ops on the same inputs: bit-identical in practice;

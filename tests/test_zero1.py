@@ -83,6 +83,8 @@ def _worker(rank: int, store: Path) -> None:
         exp_avg = {k for k in saved if k.startswith("state.") and k.endswith(".exp_avg")}
         assert exp_avg == {f"state.p{i}.exp_avg" for i in mine}
         before = {k: v.to_local().clone() for k, v in saved.items() if k in exp_avg}
+        # The saved tensors are the live state (nothing copied): clone before clearing it.
+        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
         for p in state.values():
             p["exp_avg"].zero_()
         load_optimizer_state_dict(model, opt, saved)
@@ -98,6 +100,7 @@ def test_owners_balance_and_agree():
     split = owners(params, 2)
     assert split == owners(params, 2) and set(split) == {0, 1}
     assert owners(params, 1) == [0] * len(params)
+    assert owners(params[:2], 3) == [0, 1]  # more ranks than parameters: rank 2 owns nothing
 
 
 @pytest.mark.slow

@@ -58,18 +58,22 @@ class Zero1AdamW(torch.optim.Optimizer):
         self._owner = owners(self._params, size)
         self._owner_global = [dist.get_global_rank(group, r) for r in range(size)]
         owned = {id(p) for p, r in zip(self._params, self._owner, strict=True) if r == rank}
-        self.optim = torch.optim.AdamW(
-            [
-                {**g, "params": [p for p in g["params"] if id(p) in owned]}
-                for g in self.param_groups
-            ],
-            **options,
-        )
+        # The groups this rank owns parameters of (torch's state-dict code cannot take an empty
+        # group), each with the index of its group in `param_groups`.
+        mine = [
+            (i, {**g, "params": [p for p in g["params"] if id(p) in owned]})
+            for i, g in enumerate(self.param_groups)
+        ]
+        mine = [(i, g) for i, g in mine if g["params"]]
+        self._group_index = [i for i, _ in mine]
+        self.owns_nothing = not mine
+        """More data-parallel ranks than parameters leave some ranks without a share."""
+        self.optim = torch.optim.AdamW([g for _, g in mine] or [{"params": []}], **options)
 
     def _sync_hyperparameters(self) -> None:
         """The trainer sets lr on `param_groups`; the owned-share AdamW steps with it."""
-        for mine, full in zip(self.optim.param_groups, self.param_groups, strict=True):
-            mine.update({k: v for k, v in full.items() if k != "params"})
+        for mine, index in zip(self.optim.param_groups, self._group_index, strict=False):
+            mine.update({k: v for k, v in self.param_groups[index].items() if k != "params"})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
