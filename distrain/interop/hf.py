@@ -304,7 +304,7 @@ def _safe_open() -> Any:
         from safetensors import safe_open
     except ImportError as e:
         raise ConfigError(
-            "model.init_from needs the safetensors package: pip install safetensors"
+            "model.init_from needs the safetensors package: pip install 'distrain[hf]'"
         ) from e
     return safe_open
 
