@@ -118,7 +118,7 @@ def run_preset(
     return {
         "preset": preset,
         "experts": model_args.moe.num_experts,
-        "top_k": model_args.moe.top_k,
+        "top_k": model_args.moe.top_k if model_args.moe.enabled else 0,
         "params": num_params(model_args),
         "active_params": active_params(model_args),
         "flops_per_token": flops_per_token(model_args, t.seq_len),

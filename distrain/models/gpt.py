@@ -198,7 +198,7 @@ def _moe(args: ModelArgs) -> MoE:
     shared = None
     if args.moe.shared_experts:
         shared = MLP(replace(args, ffn_dim=args.moe.shared_experts * ffn_dim))
-    return MoE(args.dim, args.moe, ffn_dim, shared=shared)
+    return MoE(args.dim, args.moe, ffn_dim, shared=shared, gated=args.mlp == "swiglu")
 
 
 class GPT(nn.Module):

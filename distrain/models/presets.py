@@ -170,17 +170,20 @@ def num_params(args: ModelArgs) -> int:
     norm = args.dim * (2 if bias and args.norm == "layernorm" else 1)
     kv_dim = args.kv_heads * args.head_dim
     attn = 2 * args.dim * (args.dim + kv_dim) + bias * (2 * args.dim + 2 * kv_dim)
-    matrices = 3 if args.mlp == "swiglu" else 2
-    mlp = matrices * args.dim * args.ffn_dim + bias * ((matrices - 1) * args.ffn_dim + args.dim)
+    mlp = _mlp_params(args, args.ffn_dim)
     block = attn + mlp + 2 * norm
     total = args.vocab_size * args.dim + args.n_layers * block + norm
     if args.pos_emb == "learned":
         total += args.max_seq_len * args.dim
     if not args.tie_embeddings:
         total += args.vocab_size * args.dim
-    return total + _moe_layers(args) * (
-        _moe_params(args, active=False) - 2 * args.dim * args.ffn_dim
-    )
+    return total + _moe_layers(args) * (_moe_params(args, active=False) - mlp)
+
+
+def _mlp_params(args: ModelArgs, ffn_dim: int) -> int:
+    """One dense MLP of width ffn_dim: two matrices (gelu) or three (swiglu), and biases."""
+    matrices = 3 if args.mlp == "swiglu" else 2
+    return matrices * args.dim * ffn_dim + args.bias * ((matrices - 1) * ffn_dim + args.dim)
 
 
 def _moe_layers(args: ModelArgs) -> int:
@@ -191,9 +194,11 @@ def _moe_params(args: ModelArgs, *, active: bool) -> int:
     """Parameters of one MoE layer (router, experts, shared experts); with active, only those
     one token uses: the router, its top_k experts and the shared experts."""
     moe = args.moe
-    expert = 2 * args.dim * moe.expert_ffn_dim(args.ffn_dim)
+    ffn_dim = moe.expert_ffn_dim(args.ffn_dim)
+    expert = (3 if args.mlp == "swiglu" else 2) * args.dim * ffn_dim  # experts have no biases
     experts = moe.top_k if active else moe.num_experts
-    return args.dim * moe.num_experts + (experts + moe.shared_experts) * expert
+    shared = _mlp_params(args, moe.shared_experts * ffn_dim) if moe.shared_experts else 0
+    return args.dim * moe.num_experts + experts * expert + shared
 
 
 def active_params(args: ModelArgs) -> int:
