@@ -35,7 +35,6 @@ def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
     with torch.device("meta"):
         model = GPT(model_args(cfg.model))
     model.to_empty(device=device)
-    model.tie_weights()
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
         warnings.simplefilter("ignore", UserWarning)

@@ -227,20 +227,17 @@ class GPT(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
         super().to_empty(device=device, recurse=recurse)
-        tied = self.args.tie_embeddings and self.tok_emb is not None and self.output is not None
-        if tied and self.output.weight is not self.tok_emb.weight:
-            # Materializing a plain meta tensor makes a new Parameter per module, untying them
-            # (DTensor parameters are swapped in place and stay tied).
-            self.output.weight = self.tok_emb.weight
+        self.tie_weights()
         if self.rope_cache is not None:
             with torch.no_grad():
                 self.rope_cache.copy_(rope_tables(self.args, self.args.max_seq_len, device="cpu"))
         return self
 
     def tie_weights(self) -> None:
-        """Point the head back at the embedding's weight when tied and both are here.
-        `to_empty` (materializing a meta-built model) gives each module its own new tensor, which
-        silently unties them (FSDP2 keeps the tie itself: nothing to do then)."""
+        """Point the head back at the embedding's weight when tied and both are here (`to_empty`
+        calls it). Materializing a plain meta tensor gives each module its own new Parameter,
+        which silently unties them; DTensor parameters (FSDP2, tp) are swapped in place and stay
+        tied, so there is nothing to do then."""
         if self.args.tie_embeddings and self.tok_emb is not None and self.output is not None:
             if self.output.weight is not self.tok_emb.weight:
                 self.output.weight = self.tok_emb.weight

@@ -375,7 +375,6 @@ def build_parallel_model(
         source = pretrained_source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
-        part.tie_weights()
         init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
