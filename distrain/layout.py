@@ -12,17 +12,16 @@ Ranges of single fields live with the schema (config.py); data and paths are pre
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
+from distrain.config import Config
 from distrain.data.corpus import is_token_data
-from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError
+from distrain.layout_facts import Facts
 from distrain.mesh import CUDA_MISSING, ParallelDims
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
@@ -32,7 +31,6 @@ from distrain.models.presets import model_args
 Needs = Literal["config", "world", "dims"]
 
 _SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-_TP_SPLIT_FIELDS = ("n_heads", "ffn_dim", "vocab_size", "dim")
 
 
 class LayoutError(ConfigError):
@@ -41,154 +39,6 @@ class LayoutError(ConfigError):
     def __init__(self, rule: str, message: str):
         super().__init__(message)
         self.rule = rule
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the rules look at; the short names keep the message templates readable."""
-
-    cfg: Config
-    model: ModelArgs
-    world_size: int | None = None
-    dims: ParallelDims | None = None
-
-    @property
-    def p(self) -> ParallelConfig:
-        return self.cfg.parallel
-
-    @property
-    def t(self) -> TrainingConfig:
-        return self.cfg.training
-
-    @property
-    def c(self) -> CommConfig:
-        return self.cfg.comm
-
-    @property
-    def tp_pp(self) -> int:
-        return self.p.tp * self.p.pp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: the ranks left once tp, pp and cp took theirs."""
-        assert self.world_size is not None
-        return self.world_size // self.cp_tp_pp
-
-    @property
-    def cp_chunks(self) -> int:
-        """Chunks context parallelism cuts a sequence into: two per cp rank."""
-        return 2 * self.p.cp
-
-    @property
-    def cp_positions(self) -> int:
-        """Positions of a sequence one cp rank holds."""
-        return self.t.seq_len // self.p.cp
-
-    @property
-    def cp_tp(self) -> int:
-        return self.p.cp * self.p.tp
-
-    @property
-    def cp_tp_pp(self) -> int:
-        return self.tp_pp * self.p.cp
-
-    @property
-    def cp_conflict(self) -> str:
-        """The first setting context parallelism does not compose with ("" when none)."""
-        conflicts = {
-            f"parallel.pp = {self.p.pp}": self.p.pp > 1,
-            "parallel.zero_stage = 1": self.p.zero_stage == 1,
-            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
-            "training.oom_recovery": self.t.oom_recovery,
-            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
-                self.c.gradient_compression != "none"
-            ),
-            "comm.hierarchical": self.c.hierarchical,
-            "training.precision = 'fp16'": self.t.precision == "fp16",
-            f"an MoE model (model.moe.num_experts = {self.num_experts})": self.num_experts > 0,
-        }
-        return next((name for name, on in conflicts.items() if on), "")
-
-    @property
-    def dp_divisors(self) -> str:
-        return ", ".join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)
-
-    @property
-    def num_stages(self) -> int:
-        return self.p.pp * self.p.pp_stages_per_rank
-
-    @property
-    def local_batch(self) -> int:
-        """Sequences per step on one data-parallel rank."""
-        assert self.dims is not None
-        return self.t.global_batch_size // self.dims.dp_size
-
-    @property
-    def tp_uneven(self) -> str:
-        """The first model size that parallel.tp does not divide ("" when all split evenly)."""
-        return next((f for f in _TP_SPLIT_FIELDS if getattr(self.model, f) % self.p.tp), "")
-
-    @property
-    def model_size(self) -> int:
-        return getattr(self.model, self.tp_uneven)
-
-    @property
-    def tp_choices(self) -> str:
-        common = math.gcd(*(getattr(self.model, f) for f in _TP_SPLIT_FIELDS))
-        return ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-
-    @property
-    def replicate_world(self) -> int:
-        """The world size that parallel.dp_replicate asks for (zero_stage 0/1)."""
-        return self.p.dp_replicate * self.cp_tp_pp
-
-    @property
-    def eval_rows(self) -> int:
-        return self.t.eval_batches * self.t.micro_batch_size
-
-    @property
-    def eval_batches_needed(self) -> int:
-        return -(-self.local_batch // self.t.micro_batch_size)
-
-    @property
-    def num_experts(self) -> int:
-        return self.model.moe.num_experts
-
-    @property
-    def ep_choices(self) -> str:
-        e = self.num_experts
-        return ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
-
-    @property
-    def ep_conflict(self) -> str:
-        """The first setting that needs plain DDP, which expert parallelism does not use
-        ("" when there is none)."""
-        conflicts = {
-            "parallel.zero_stage = 1": self.p.zero_stage == 1,
-            "training.precision = 'fp16'": self.t.precision == "fp16",
-            "training.oom_recovery": self.t.oom_recovery,
-            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
-                self.c.gradient_compression != "none"
-            ),
-            "comm.hierarchical": self.c.hierarchical,
-            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
-        }
-        return next((name for name, found in conflicts.items() if found), "")
-
-    @property
-    def tokenizer_vocab(self) -> int:
-        return load_tokenizer(self.cfg.data.tokenizer).vocab_size
-
-    @property
-    def padded_vocab(self) -> int:
-        """The tokenizer's vocabulary rounded up to a multiple of 64 (even tp splits, aligned
-        matmuls)."""
-        return -(-self.tokenizer_vocab // 64) * 64
-
-    @property
-    def sharded(self) -> bool:
-        """Parameters or gradients sharded, or split by tp/pp: DDP's hooks do not apply."""
-        return self.p.zero_stage >= 2 or self.p.tp > 1 or self.p.pp > 1
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""The values a numeric config field accepts (`Range`), and the ranges most fields use; the
-schema (config.py) puts one in each numeric field's metadata."""
+"""The values a numeric config field accepts (`Range`), the ranges most fields use, and `doc`,
+which makes a schema field (config.py, config_debug.py) with its help text and range."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +55,12 @@ FRACTION = Range(low=0, high=1)
 AUTO_OR_AT_LEAST_1 = Range(low=1, also=(-1,))
 ANY_RANK = Range(low=0, also=(-1,))
 BETA = Range(low=0, high=1, high_open=True)
+
+
+def doc(default: Any, help: str, valid: Range | None = None) -> Any:
+    """A dataclass field with a default, a help text shown by `--help` and, for a number, the
+    range of values it accepts (checked by `validate`)."""
+    metadata: dict[str, Any] = {"help": help}
+    if valid is not None:
+        metadata["range"] = valid
+    return field(default=default, metadata=metadata)

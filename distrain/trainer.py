@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from distrain.checkpoint_policy import CheckpointPolicy
 from distrain.config import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew, val_batches
 from distrain.errors import CheckpointError
+from distrain.fault_injection import maybe_inject_failure, maybe_inject_hang, maybe_inject_nan
 from distrain.layout import validate as validate_layout
 from distrain.mesh import DistContext, host_group, resolve_precision
 from distrain.models.presets import num_params
@@ -50,10 +49,6 @@ from distrain.rng import seed_everything
 from distrain.train_state import ModelState, OptimizerState, RNGState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class InjectedFailure(RuntimeError):
-    """The crash that debug.fail_at_step asks for."""
 
 
 class Trainer:
@@ -234,7 +229,7 @@ class Trainer:
                 batches, self.scaler.scale, sync=not local, report_loss=report_loss
             )
         heartbeat.mark("optimizer")
-        self._maybe_inject_nan()
+        maybe_inject_nan(self.cfg.debug, self.step + 1, self.ctx.rank, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(
@@ -394,12 +389,14 @@ class Trainer:
         self.model.train(True)
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
-            self._maybe_inject_failure()
+            maybe_inject_failure(self.cfg.debug, self.step + 1, self.ctx.rank, self.log)
             self.profiler.before_step(self.step + 1)
             heartbeat.mark("data", step=self.step + 1)
             if self.cfg.debug.slow_rank == self.ctx.rank:
                 time.sleep(self.cfg.debug.slow_ms / 1000)
-            self._maybe_inject_hang()
+            maybe_inject_hang(
+                self.cfg.debug, self.step + 1, self.ctx.rank, self.model.parameters, self.log
+            )
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
             logged = (self.step + 1) % t.log_interval_steps == 0 or self.step + 1 == t.steps
             loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
@@ -471,19 +468,6 @@ class Trainer:
             "none" if newest is None else step_name(newest),
         )
 
-    def _maybe_inject_failure(self) -> None:
-        debug = self.cfg.debug
-        if not debug.fail_at_step or self.step + 1 != debug.fail_at_step:
-            return
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if debug.fail_rank not in (-1, self.ctx.rank) or attempt != debug.fail_attempt:
-            return
-        message = f"debug.fail_at_step: rank {self.ctx.rank} crashes at step {self.step + 1}"
-        self.log.error("%s (%s)", message, debug.fail_mode)
-        if debug.fail_mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise InjectedFailure(message)
-
     def _straggler_metrics(self, steps: int) -> dict[str, float | int]:
         found = straggler_metrics(self.compute_timer.take() / steps, self.ctx.device)
         if found["straggler_ratio"] > self.cfg.debug.straggler_ratio and self.ctx.rank == 0:
@@ -495,33 +479,6 @@ class Trainer:
                 found["compute_s_max"],
             )
         return found
-
-    def _maybe_inject_nan(self) -> None:
-        """debug.nan_at_step: one NaN in the first gradient of this rank, after backward."""
-        debug = self.cfg.debug
-        if debug.nan_at_step != self.step + 1 or debug.nan_rank not in (-1, self.ctx.rank):
-            return
-        grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
-        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
-
-    def _maybe_inject_hang(self) -> None:
-        """debug.hang_at_step: block forever inside this step's backward pass (a gradient hook
-        on the first parameter never returns), the way a stuck kernel or a deadlock would."""
-        debug = self.cfg.debug
-        if not debug.hang_at_step or self.step + 1 != debug.hang_at_step:
-            return
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if debug.hang_rank not in (-1, self.ctx.rank) or attempt != debug.fail_attempt:
-            return
-        self.log.error(
-            "debug.hang_at_step: rank %d hangs in backward of step %d", self.ctx.rank, self.step + 1
-        )
-
-        def sleep_forever(grad: torch.Tensor) -> torch.Tensor:
-            while True:
-                time.sleep(3600)
-
-        next(p for p in self.model.parameters() if p.requires_grad).register_hook(sleep_forever)
 
     def close(self) -> None:
         self.profiler.stop()

@@ -19,12 +19,12 @@ import pytest
 from helpers import losses, overrides, run_cli, start_train, train_in_process
 
 from distrain.errors import CheckpointError, ConfigError
+from distrain.fault_injection import InjectedFailure
 from distrain.launch import worker_threads
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
 from distrain.rundir import LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
-from distrain.trainer import InjectedFailure
 
 TINY = {
     "training__steps": 4,

@@ -10,9 +10,9 @@ import pytest
 from helpers import losses, run_cli, train_cli, train_in_process
 
 from distrain import checkpoint
+from distrain.fault_injection import InjectedFailure
 from distrain.observe.metrics import read_metrics
 from distrain.storage import Storage
-from distrain.trainer import InjectedFailure
 
 STEPS = 6
 # Global batch 8 x 64 tokens: small enough for 2 cores, the same math on any number of ranks.
