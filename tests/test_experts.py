@@ -4,7 +4,6 @@ expert on one process: outputs, input gradients and expert weight gradients, wit
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -84,5 +83,4 @@ def _worker(rank: int, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_dispatch_combine_matches_local_experts(tmp_path: Path) -> None:
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     mp.spawn(_worker, args=(tmp_path,), nprocs=2)
