@@ -129,7 +129,10 @@ def test_a_job_signalled_mid_run_checkpoints_requeues_and_ends_with_the_same_los
     # What Slurm does at `--signal=B:USR1@grace` before the time limit or on preemption.
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     wait_until(lambda: slurm.job(job_id).get("Restarts") == "1", job_id, workdir)
-    # Slurm holds a requeued job back for 121 s (BeginTime); let it start now.
+    # Slurm holds a requeued job back for 121 s (BeginTime); let it start now, but not within
+    # the second its old credential was revoked in: slurmd compares whole seconds and would
+    # refuse the new one too ("Job credential revoked"; the job then ends FAILED).
+    time.sleep(2)
     slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     fields = slurm.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=600)
     out = job_output(workdir, job_id)

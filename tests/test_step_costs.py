@@ -22,7 +22,9 @@ class _Runner:
     def __init__(self, local_loss: torch.Tensor | None):
         self.local_loss, self.broadcasts = local_loss, 0
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def train_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, scale: object = None
+    ) -> torch.Tensor | None:
         return self.local_loss
 
     def broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -34,6 +36,7 @@ def _pipeline_model(runner: _Runner) -> ParallelModel:
     model = object.__new__(ParallelModel)
     model.runner, model.device = runner, torch.device("cpu")
     model.dims, model.autocast = SimpleNamespace(tp=1), contextlib.nullcontext()
+    model.tied = None  # no tied embedding across stages
     return model
 
 
