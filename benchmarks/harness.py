@@ -10,14 +10,19 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.run import get_args_parser, run
 
 from distrain.mesh import DistContext, init_distributed, teardown
 from distrain.observe.logs import close_logging, setup_logging
+from distrain.optim import lr_at
+from distrain.trainer import Trainer
 
 
 def is_worker() -> bool:
@@ -66,3 +71,33 @@ def write_json(path: str | Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously; CPU work does not)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_steps(
+    trainer: Trainer, *, warmup: int, steps: int, device: torch.device, report_loss: bool = True
+) -> float:
+    """Seconds for `steps` training steps after `warmup` untimed ones, on the slowest rank."""
+    cfg = trainer.cfg
+
+    def step() -> None:
+        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
+        trainer.train_step(trainer.loader.next_batch(), lr, report_loss=report_loss)
+        trainer.step += 1
+
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()

@@ -36,13 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from harness import is_worker, launch_self, worker_session, write_json
+from harness import is_worker, launch_self, measure_steps, synchronize, worker_session, write_json
 
 from distrain.config import Config, validate
 from distrain.mesh import DistContext
 from distrain.models.presets import flops_per_token, num_params
-from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
 # Dense bf16 peak FLOP/s per GPU, matched in order against torch.cuda.get_device_name().
@@ -107,11 +105,6 @@ def make_config(args: argparse.Namespace, compile_: bool, world_size: int, run_d
     return cfg
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def matmul_flops(device: torch.device, reps: int = 10) -> float:
     """Achieved FLOP/s of a MATMUL_SIZE^3 bf16 matmul on this device."""
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16)
@@ -139,28 +132,6 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[float, s
     return matmul_flops(device), f"measured {MATMUL_SIZE}^3 bf16 matmul on this CPU"
 
 
-def measure(trainer: Trainer, args: argparse.Namespace, device: torch.device) -> float:
-    """Seconds for args.steps training steps after args.warmup, on the slowest rank."""
-    cfg = trainer.cfg
-
-    def step() -> None:
-        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
-        trainer.train_step(trainer.loader.next_batch(), lr)
-        trainer.step += 1
-
-    for _ in range(args.warmup):
-        step()
-    synchronize(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def run_variant(
     args: argparse.Namespace, compile_: bool, ctx: DistContext, logger: Any, run_dir: Path
 ) -> dict[str, Any]:
@@ -168,7 +139,7 @@ def run_variant(
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, ctx, logger)
     try:
-        seconds = measure(trainer, args, ctx.device)
+        seconds = measure_steps(trainer, warmup=args.warmup, steps=args.steps, device=ctx.device)
         model_args = trainer.args
     finally:
         trainer.close()

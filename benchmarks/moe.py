@@ -21,18 +21,15 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from harness import is_worker, launch_self, worker_session, write_json
+from harness import is_worker, launch_self, measure_steps, worker_session, write_json
 
 from distrain.config import Config, validate
 from distrain.mesh import DistContext
 from distrain.models.presets import active_params, flops_per_token, num_params
-from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
 CORPUS_BYTES = 8_000_000
@@ -74,33 +71,6 @@ def make_config(args: argparse.Namespace, preset: str, world_size: int, run_dir:
     return cfg
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(trainer: Trainer, args: argparse.Namespace, device: torch.device) -> float:
-    """Seconds for args.steps training steps after args.warmup, on the slowest rank."""
-    cfg = trainer.cfg
-
-    def step() -> None:
-        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
-        trainer.train_step(trainer.loader.next_batch(), lr, report_loss=False)
-        trainer.step += 1
-
-    for _ in range(args.warmup):
-        step()
-    synchronize(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def run_preset(
     args: argparse.Namespace, preset: str, ctx: DistContext, logger: Any, run_dir: Path
 ) -> dict[str, Any]:
@@ -108,7 +78,9 @@ def run_preset(
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, ctx, logger)
     try:
-        seconds = measure(trainer, args, ctx.device)
+        seconds = measure_steps(
+            trainer, warmup=args.warmup, steps=args.steps, device=ctx.device, report_loss=False
+        )
         model_args = trainer.args
     finally:
         trainer.close()
