@@ -16,22 +16,18 @@ import torch
 from torch import nn
 
 from distrain.config_debug import DebugConfig
+from distrain.observe.heartbeat import attempt_number
 
 
 class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
 
 
-def _attempt() -> int:
-    """This attempt's number in an elastic run (torchrun's restart count; 0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
 def maybe_inject_failure(debug: DebugConfig, step: int, rank: int, log: logging.Logger) -> None:
     """debug.fail_at_step: crash as `step` begins."""
     if not debug.fail_at_step or step != debug.fail_at_step:
         return
-    if debug.fail_rank not in (-1, rank) or _attempt() != debug.fail_attempt:
+    if debug.fail_rank not in (-1, rank) or attempt_number() != debug.fail_attempt:
         return
     message = f"debug.fail_at_step: rank {rank} crashes at step {step}"
     log.error("%s (%s)", message, debug.fail_mode)
@@ -61,7 +57,7 @@ def maybe_inject_hang(
     first parameter never returns), the way a stuck kernel or a deadlock would."""
     if not debug.hang_at_step or step != debug.hang_at_step:
         return
-    if debug.hang_rank not in (-1, rank) or _attempt() != debug.fail_attempt:
+    if debug.hang_rank not in (-1, rank) or attempt_number() != debug.fail_attempt:
         return
     log.error("debug.hang_at_step: rank %d hangs in backward of step %d", rank, step)
 
