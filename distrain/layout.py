@@ -349,6 +349,17 @@ RULES: tuple[Rule, ...] = (
         "zero_bubble with a data-parallel size of 1",
     ),
     Rule(
+        "ddp_detail_debug_on_gloo",
+        "dims",
+        lambda f: f.ddp_detail_on_gloo,
+        # gloo only: torch 2.13's DDP segfaults in every worker under DETAIL on gloo (a plain
+        # 2-rank DDP nn.Linear under torchrun shows it; tests/test_torch_faults.py proves it
+        # still does, and fails once torch is fixed, to lift this rule). NCCL is not affected.
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch 2.13's DDP crash on gloo (SIGSEGV in every "
+        "worker, no error); unset it or set TORCH_DISTRIBUTED_DEBUG=INFO, or use a layout "
+        "without DDP (parallel.zero_stage 2 or 3, tp or pp)",
+    ),
+    Rule(
         "pp_microbatches_split_batch",
         "dims",
         lambda f: f.p.pp > 1 and f.p.pp_microbatches > 0 and f.local_batch % f.p.pp_microbatches,

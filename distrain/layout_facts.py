@@ -5,11 +5,12 @@ messages read."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from distrain.config import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
-from distrain.mesh import ParallelDims
+from distrain.mesh import ParallelDims, pick_device
 from distrain.models.gpt import ModelArgs
 
 # The model sizes tensor parallelism splits over its ranks.
@@ -162,3 +163,11 @@ class Facts:
     def sharded(self) -> bool:
         """Parameters or gradients sharded, or split by tp/pp: DDP's hooks do not apply."""
         return self.p.zero_stage >= 2 or self.p.tp > 1 or self.p.pp > 1
+
+    @property
+    def ddp_detail_on_gloo(self) -> bool:
+        """TORCH_DISTRIBUTED_DEBUG=DETAIL is set and the model is wrapped in DDP on gloo."""
+        assert self.dims is not None
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        backend = pick_device(self.cfg.run.device, 0)[1]
+        return detail and backend == "gloo" and self.dims.dp_wrapper == "ddp"

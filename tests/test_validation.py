@@ -26,7 +26,8 @@ from distrain.layout import RULES, LayoutError, validate
 BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
 
 # (rule, overrides, world size, texts the one-line message must hold). Every rule of the table
-# appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present.
+# appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present;
+# "env.NAME" sets the environment variable NAME.
 CASES = [
     ("seq_len_within_model", {"training.seq_len": "2048"}, 1,
      ["training.seq_len (2048) exceeds the model's max_seq_len (1024, preset 'tiny')",
@@ -146,6 +147,12 @@ CASES = [
      {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
       "parallel.pp_stages_per_rank": "2", "parallel.zero_stage": "2"}, 4,
      ["'zero_bubble' with data parallelism gives wrong gradients"]),
+    ("ddp_detail_debug_on_gloo", {"env.TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, 2,
+     ["TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch 2.13's DDP crash on gloo",
+      "set TORCH_DISTRIBUTED_DEBUG=INFO", "parallel.zero_stage 2 or 3"]),
+    ("ddp_detail_debug_on_gloo",
+     {"env.TORCH_DISTRIBUTED_DEBUG": "detail", "parallel.zero_stage": "1"}, 2,
+     ["TORCH_DISTRIBUTED_DEBUG=DETAIL"]),
     ("pp_microbatches_split_batch", {"parallel.pp": "2", "parallel.pp_microbatches": "3"}, 2,
      ["a local batch of 32 sequences", "parallel.pp_microbatches = 3", "a divisor of 32"]),
     ("pp_eval_holds_a_batch", {"parallel.pp": "2", "training.eval_batches": "1"}, 2,
@@ -155,7 +162,9 @@ CASES = [
 
 
 def _config(fields: dict[str, str]) -> Config:
-    return load_config(None, [(k, v) for k, v in fields.items() if k != "cuda"])
+    return load_config(
+        None, [(k, v) for k, v in fields.items() if k != "cuda" and not k.startswith("env.")]
+    )
 
 
 @pytest.fixture
@@ -169,8 +178,13 @@ def cuda_present(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize(("rule", "fields", "world_size", "texts"), CASES)
-def test_layout_rule_refuses_in_one_line(rule, fields, world_size, texts, cuda_present):
+def test_layout_rule_refuses_in_one_line(
+    rule, fields, world_size, texts, cuda_present, monkeypatch
+):
     cuda_present("cuda" in fields)
+    for key, value in fields.items():
+        if key.startswith("env."):
+            monkeypatch.setenv(key.removeprefix("env."), value)
     cfg = _config(fields)
     with pytest.raises(LayoutError) as info:
         validate(cfg, world_size)
@@ -211,6 +225,20 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
         assert layout.dims is not None and layout.dims.world_size == world_size
+
+
+def test_detail_debug_refuses_ddp_on_gloo_only(monkeypatch):
+    """Under DETAIL the layouts without DDP (FSDP2, tp, one process) and INFO still pass."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    for fields, world_size in [
+        ({"parallel.zero_stage": "2"}, 2),
+        ({"parallel.tp": "2"}, 2),
+        ({"parallel.pp": "2", "parallel.pp_microbatches": "4"}, 2),
+        ({}, 1),
+    ]:
+        assert validate(_config(fields), world_size).dims.world_size == world_size
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
+    assert validate(_config({}), 2).dims.dp_wrapper == "ddp"
 
 
 def test_every_tested_layout_passes_the_table():
