@@ -33,10 +33,18 @@ class Layout:
     nproc: int
     fields: dict
     model: tuple[tuple[str, object], ...] = ()
-    """Model overrides, given to the 1-process reference too (a tied model has its own curve)."""
+    """Model overrides, given to the 1-process reference too (a tied model has its own curve, so
+    does bf16)."""
+    rel_tol: float = REL_TOL
 
 
 TIED = (("model__tie_embeddings", True),)
+# bf16 against the 1-process bf16 run: the cp ranks' blockwise attention rounds its bf16 partial
+# results in another order than one whole-sequence attention. Measured worst 3.2e-5 relative
+# over the 6 steps (1.2e-5 at step 1, before any update: the forward's rounding alone); 2e-4
+# leaves 6x room and still fails a real bug (1e-3 or more, see the module docstring).
+BF16 = (("training__precision", "bf16"),)
+BF16_REL_TOL = 2e-4
 
 
 LAYOUTS = [
@@ -44,7 +52,13 @@ LAYOUTS = [
     Layout("zero1x2", 2, {"parallel__zero_stage": 1}),
     Layout("zero2x2", 2, {"parallel__zero_stage": 2}),
     Layout("zero3x2", 2, {"parallel__zero_stage": 3}),
-    Layout("tp2_sp", 2, {"parallel__tp": 2}),
+    # Op-level selective checkpointing recomputes the cheap ops and keeps the collectives'
+    # outputs; tp2 with sp is where a recomputed collective would desynchronize the ranks.
+    Layout(
+        "tp2_sp_selective_op",
+        2,
+        {"parallel__tp": 2, "training__activation_checkpointing": "selective_op"},
+    ),
     Layout("tp2_no_sp", 2, {"parallel__tp": 2, "parallel__sequence_parallel": False}),
     Layout("pp2_gpipe", 2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe"}),
     Layout("pp2_1f1b", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
@@ -80,7 +94,8 @@ LAYOUTS = [
         8,
         {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 3, "parallel__dp_shard": 2},
     ),
-    Layout("cp2", 2, {"parallel__cp": 2}),
+    Layout("cp2_compile", 2, {"parallel__cp": 2, "training__compile": True}),
+    Layout("cp2_bf16", 2, {"parallel__cp": 2}, BF16, BF16_REL_TOL),
     Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
 ]
@@ -145,10 +160,12 @@ def reference(references):
     return references()
 
 
-def assert_parity(got: dict[int, float], want: dict[int, float]) -> None:
+def assert_parity(
+    got: dict[int, float], want: dict[int, float], rel_tol: float = REL_TOL
+) -> None:
     assert got.keys() == want.keys()
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
-    assert worst <= REL_TOL, f"relative loss difference {worst:.2e} > {REL_TOL}: {got} vs {want}"
+    assert worst <= rel_tol, f"relative loss difference {worst:.2e} > {rel_tol}: {got} vs {want}"
 
 
 @pytest.mark.slow
@@ -157,7 +174,7 @@ def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
     fields = dict(layout.fields, **dict(layout.model))
     check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **fields))
     got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
-    assert_parity(got, references(layout.model))
+    assert_parity(got, references(layout.model), layout.rel_tol)
 
 
 @pytest.mark.slow
