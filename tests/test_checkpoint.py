@@ -460,3 +460,34 @@ def test_two_ranks_zero1_shards_shared_verification_and_one_rank_failing(tmp_pat
         )
         assert r["newest"] == 3
     assert not (tmp_path / "ckpt" / "step-00000004").exists()
+
+
+def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
+    """A pipeline's last stage holds its own copy of a tied embedding as its head; its optimizer
+    state is saved and loaded under the embedding's name, as one process names the one shared
+    weight, so a checkpoint moves between pipeline and other layouts."""
+    from distrain.models.gpt import GPT, ModelArgs
+    from distrain.parallel.pipeline import split_model
+    from distrain.train_state import OptimizerState
+
+    args = ModelArgs(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=16,
+        tie_embeddings=True,
+    )
+    torch.manual_seed(0)
+    whole = GPT(args)
+    head = split_model(GPT(args), 1, 2)
+    tokens = torch.randint(64, (2, 8))
+    optimizers = []
+    for model, inputs in ((whole, tokens), (head, torch.randn(2, 8, 32))):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(inputs).sum().backward()
+        optimizer.step()
+        optimizers.append(optimizer)
+    saved = OptimizerState([whole], optimizers[:1]).state_dict()
+    head_state = OptimizerState([head], optimizers[1:])
+    assert "state.tok_emb.weight.exp_avg" in head_state.state_dict()
+    assert not any("output.weight" in key for key in [*saved, *head_state.state_dict()])
+    head_state.load_state_dict(saved)
+    loaded = optimizers[1].state[head.output.weight]["exp_avg"]
+    assert torch.equal(loaded, optimizers[0].state[whole.tok_emb.weight]["exp_avg"])
