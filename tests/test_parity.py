@@ -71,13 +71,16 @@ LAYOUTS = [
             "parallel__pp_stages_per_rank": 2,
         },
     ),
+    # Once refused (torch's split weight backward lost a block's gradients under data
+    # parallelism); 2e-7 measured with torch 2.13 and FSDP2 over dp2.
     Layout(
-        "pp2_zero_bubble",
-        2,
+        "pp2_zero_bubble_zero3x2",
+        4,
         {
             "parallel__pp": 2,
             "parallel__pp_schedule": "zero_bubble",
             "parallel__pp_stages_per_rank": 2,
+            "parallel__zero_stage": 3,
         },
     ),
     Layout("zero1x2_tp2", 4, {"parallel__tp": 2, "parallel__zero_stage": 1}),
@@ -254,17 +257,8 @@ def test_compile_changes_nothing_beyond_rounding(reference, tmp_path):
             },
             "model.n_layers",
         ),
-        (
-            4,
-            {
-                "parallel__pp": 2,
-                "parallel__pp_schedule": "zero_bubble",
-                "parallel__pp_stages_per_rank": 2,
-            },
-            "parallel.pp_schedule = 'zero_bubble' with data parallelism",
-        ),
     ],
-    ids=["tp_vocab", "pp_too_many_stages", "zero_bubble_with_dp"],
+    ids=["tp_vocab", "pp_too_many_stages"],
 )
 def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
     result = train_cli(tmp_path / "run", nproc, **BASE, **fields)

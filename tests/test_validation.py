@@ -143,10 +143,6 @@ CASES = [
     ("batch_splits_over_dp", {}, 3,
      ["training.global_batch_size (32) must be a multiple of training.micro_batch_size (8) x "
       "data-parallel size (3, from world size 3)"]),
-    ("zero_bubble_without_dp",
-     {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
-      "parallel.pp_stages_per_rank": "2", "parallel.zero_stage": "2"}, 4,
-     ["'zero_bubble' with data parallelism gives wrong gradients"]),
     ("ddp_detail_debug_on_gloo", {"env.TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, 2,
      ["TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch 2.13's DDP crash on gloo",
       "set TORCH_DISTRIBUTED_DEBUG=INFO", "parallel.zero_stage 2 or 3"]),
