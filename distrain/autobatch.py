@@ -16,9 +16,12 @@ its peak exceeds `training.memory_budget_gb` (CUDA default: the device's memory)
 of memory (debug.oom_at_micro_batch injects that); every rank agrees on the verdict
 (oom.any_rank_failed) before the next candidate, so all ranks choose the same size.
 
-The search: the smallest candidate, then the next, whose peaks give the activation slope (the
-planner's linear model, MemoryEstimate); the largest candidate that slope says fits is tried
-next, then a binary search between the largest size that fitted and the smallest that failed.
+The search: one unrecorded trial at the smallest size (one-time allocations), then the two
+smallest sizes, whose peaks give the activation slope (activations grow linearly with the
+micro-batch: plan/memory.py's model). The largest size that slope says fits is tried next, then
+a binary search between the largest size that fitted and the smallest that failed. (The
+planner's own estimate runs on a fake process group, which a worker with a real one cannot
+start; the two measured trials seed the search instead.)
 The trials leave no trace: no optimizer step runs, gradients are dropped, the RNG states and the
 MoE statistics are put back, so the loss curve equals a run with the chosen size set by hand.
 """
@@ -257,8 +260,12 @@ def choose(
         oom_here=cfg.debug.oom_rank in (-1, rank),
     )
     rng = rng_state()
+    sizes = candidates(t.global_batch_size, dp_size)
     try:
-        trials = search(candidates(t.global_batch_size, dp_size), run_trial, budget)
+        # Unrecorded: the first forward after DDP's settling iteration rebuilds its buckets (and
+        # CUDA sets up its libraries), once; the measured trials then see what steps see.
+        run_trial(sizes[0])
+        trials = search(sizes, run_trial, budget)
     finally:
         set_rng_state(rng)
         if model.moe_stats is not None:
