@@ -20,6 +20,7 @@ BASE = {
     "training__global_batch_size": 16,
     "training__steps": 4,
     "training__deterministic": True,
+    "training__eval_batches": 1,
     "checkpoint__interval_steps": 0,
     "checkpoint__at_end": False,
 }
@@ -124,3 +125,21 @@ def test_two_ranks_agree_on_a_smaller_size_after_an_injected_oom(tmp_path, measu
     assert got.keys() == want.keys()
     for step in want:
         assert abs(got[step] - want[step]) <= REL_TOL * want[step], (step, got[step], want[step])
+
+
+def test_trials_leave_no_trace_in_moe_routing_statistics(tmp_path):
+    """With balance = 'bias' each step's expert load moves the routing bias: the trials' forward
+    calls must not count in the first step's load, or the curve would leave the fixed run's."""
+    moe = dict(
+        BASE,
+        model__preset="moe-tiny",
+        model__moe__balance="bias",
+        model__moe__bias_update_rate=0.1,
+        training__steps=3,
+    )
+    rows = train_in_process(
+        tmp_path / "auto", **moe, training__micro_batch_size="auto", training__memory_budget_gb=64
+    )
+    assert _choice(rows)["auto_micro_batch_size"] == 16
+    fixed = train_in_process(tmp_path / "fixed", **moe, training__micro_batch_size=16)
+    assert losses(rows) == losses(fixed)
