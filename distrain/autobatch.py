@@ -55,7 +55,8 @@ class MicroBatchDoesNotFit(oom.OutOfMemoryAtMicroBatchOne):
 class Trial:
     micro_batch_size: int
     peak_bytes: int
-    """The largest peak over the ranks (0 when a rank ran out of memory before measuring)."""
+    """The largest peak measured over the ranks (a rank that ran out of memory measures none:
+    0 when all did)."""
     out_of_memory: bool
     """Some rank ran out of memory (a real or an injected torch.OutOfMemoryError)."""
     fits: bool
@@ -189,7 +190,7 @@ class TrialStep:
         outside = sum(
             local_bytes(p.grad)
             for p in self.model.parameters()
-            if p.grad is not None and LiveBytes._key(_local(p.grad)) not in live._seen
+            if p.grad is not None and not live.counts(_local(p.grad))
         )
         return live.peak + outside
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import losses, train_cli, train_in_process
 
-from distrain.autobatch import Trial, candidates, first_probe, search
+from distrain.autobatch import MicroBatchDoesNotFit, Trial, candidates, first_probe, search
 from distrain.observe.metrics import read_metrics
 
 GIB = 2**30
@@ -95,6 +95,19 @@ def test_one_rank_chooses_the_largest_that_fits_and_keeps_the_loss(tmp_path, mea
     assert choice["auto_micro_batch_size"] == 4
     fixed = train_in_process(tmp_path / "fixed", **BASE, training__micro_batch_size=4)
     assert losses(rows) == losses(fixed)  # same size, same order of every sum: bit-exact
+
+
+def test_a_budget_below_micro_batch_one_is_a_clear_error(tmp_path, measured):
+    with pytest.raises(MicroBatchDoesNotFit) as info:
+        train_in_process(
+            tmp_path / "run",
+            **BASE,
+            training__micro_batch_size="auto",
+            training__memory_budget_gb=measured[0] / 2 / GIB,
+        )
+    message = str(info.value)
+    assert "training.micro_batch_size = 'auto': even micro-batch 1 needs" in message
+    assert "raise training.memory_budget_gb" in message and "\n" not in message
 
 
 @pytest.mark.slow
