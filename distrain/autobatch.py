@@ -8,8 +8,8 @@ training set) and measures its peak memory:
 - on CUDA, torch.cuda.max_memory_allocated since the trial began; a real
   torch.OutOfMemoryError fails the candidate;
 - on CPU, where memory is not the device's limit, the live tensor bytes (plan/memory.py's
-  `LiveBytes`, the planner's counter) on top of the parameters, plus the gradients that live in
-  storage made before the trial (DDP's buckets).
+  `LiveBytes`, the planner's counter) on top of the parameters, plus every gradient counted as
+  held throughout (true under accumulation; without it, at most the gradients' size too high).
 Both add the optimizer state the first step will allocate and the trial does not: Adam's two
 moments, 2 x the bytes of the parameters this rank's optimizer updates. A candidate fails when
 its peak exceeds `training.memory_budget_gb` (CUDA default: the device's memory) or it runs out
@@ -186,7 +186,9 @@ class TrialStep:
             return torch.cuda.max_memory_allocated(self.device) + self.optimizer_bytes
         with LiveBytes(self.param_bytes + self.optimizer_bytes) as live:
             self._forward_backward(m)
-        # Gradients in storage made before the trial (DDP's buckets) held all along.
+        # Gradients LiveBytes does not hold, counted as held all along (as under accumulation):
+        # storage made before the trial (DDP's buckets), and .grad tensors, which it stops
+        # counting once autograd drops their Python object though the storage lives on.
         outside = sum(
             local_bytes(p.grad)
             for p in self.model.parameters()
