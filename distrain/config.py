@@ -180,7 +180,20 @@ class TrainingConfig:
         "Sequences per optimizer step, summed over data-parallel ranks and accumulation steps.",
         AT_LEAST_1,
     )
-    micro_batch_size: int = doc(8, "Sequences per forward/backward on one rank.", AT_LEAST_1)
+    micro_batch_size: int | Literal["auto"] = doc(
+        8,
+        "Sequences per forward/backward on one rank; auto = the largest size dividing this "
+        "rank's share of the global batch whose trial step fits in training.memory_budget_gb "
+        "(found before the first step; accumulation keeps the global batch).",
+        AT_LEAST_1,
+    )
+    memory_budget_gb: float | None = doc(
+        None,
+        "Memory a rank may use (GiB), for micro_batch_size = auto: the peak of a trial step "
+        "plus Adam's state must stay within it. Required on CPU; on CUDA None = the device's "
+        "memory.",
+        POSITIVE,
+    )
     seq_len: int = doc(128, "Tokens per sequence.", AT_LEAST_1)
     precision: Literal["fp32", "bf16", "fp16", "auto"] = doc(
         "fp32",
@@ -459,10 +472,11 @@ def validate(cfg: Config) -> None:
     number within its field's range, then the relations between fields."""
     for name, value, f in numeric_fields(cfg):
         valid = f.metadata.get("range")
-        if valid is not None and value is not None and value not in valid:
+        # A word ("auto") is a choice of the field's type, not a number to range-check.
+        if valid is not None and isinstance(value, int | float) and value not in valid:
             raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
     t = cfg.training
-    if t.global_batch_size % t.micro_batch_size:
+    if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"training.micro_batch_size ({t.micro_batch_size})"

@@ -39,7 +39,16 @@ class DebugConfig:
         AT_LEAST_0,
     )
     oom_rank: int = doc(
-        -1, "Rank that runs out of memory at debug.oom_at_step (-1 = every rank).", ANY_RANK
+        -1,
+        "Rank that runs out of memory at debug.oom_at_step or debug.oom_at_micro_batch (-1 = "
+        "every rank).",
+        ANY_RANK,
+    )
+    oom_at_micro_batch: int = doc(
+        0,
+        "Fault injection: with training.micro_batch_size = auto, the trial steps of this "
+        "micro-batch size and larger raise an out-of-memory error (0 = never).",
+        AT_LEAST_0,
     )
     preempt_delay_s: float = doc(
         0.0,

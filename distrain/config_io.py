@@ -45,6 +45,8 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
                 return _coerce(name, option, value, from_text=from_text)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) > 1:  # e.g. int | Literal["auto"]: name every choice
+            raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
         raise errors[0]
     if origin is Literal:
         allowed = typing.get_args(tp)

@@ -22,7 +22,7 @@ from distrain.config import Config
 from distrain.data.corpus import is_token_data
 from distrain.errors import ConfigError
 from distrain.layout_facts import Facts
-from distrain.mesh import CUDA_MISSING, ParallelDims
+from distrain.mesh import CUDA_MISSING, ParallelDims, device_type
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
 
@@ -252,6 +252,26 @@ RULES: tuple[Rule, ...] = (
         "parallel.sequence_parallel = false only (ep {f.p.ep}, sequence_parallel "
         "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
     ),
+    Rule(
+        "auto_micro_batch_needs_budget",
+        "config",
+        lambda f: (
+            f.auto_micro_batch
+            and f.t.memory_budget_gb is None
+            and device_type(f.cfg.run.device) == "cpu"
+        ),
+        "training.micro_batch_size = 'auto' on CPU needs training.memory_budget_gb (the memory "
+        "a rank may use, in GiB; on CUDA it defaults to the device's memory); set it, or set "
+        "training.micro_batch_size to a number",
+    ),
+    Rule(
+        "auto_micro_batch_without_pp",
+        "config",
+        lambda f: f.auto_micro_batch and f.p.pp > 1,
+        "training.micro_batch_size = 'auto' runs its trial steps outside a pipeline schedule, "
+        "so it does not apply with parallel.pp = {f.p.pp}; set training.micro_batch_size to a "
+        "number (distrain plan ranks the sizes), or parallel.pp = 1",
+    ),
     # --- the degrees against the world size ---
     Rule(
         "cp_divides_world",
@@ -332,11 +352,23 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "batch_splits_over_dp",
         "dims",
-        lambda f: f.t.global_batch_size % (f.t.micro_batch_size * f.dims.dp_size) != 0,
+        lambda f: (
+            not f.auto_micro_batch
+            and f.t.global_batch_size % (f.t.micro_batch_size * f.dims.dp_size) != 0
+        ),
         "training.global_batch_size ({f.t.global_batch_size}) must be a multiple of "
         "training.micro_batch_size ({f.t.micro_batch_size}) x data-parallel size "
         "({f.dims.dp_size}, from world size {f.world_size}); change the batch sizes or the "
         "number of processes",
+    ),
+    Rule(
+        "auto_batch_splits_over_dp",
+        "dims",
+        lambda f: f.auto_micro_batch and f.t.global_batch_size % f.dims.dp_size != 0,
+        "training.global_batch_size ({f.t.global_batch_size}) must be a multiple of the "
+        "data-parallel size ({f.dims.dp_size}, from world size {f.world_size}) for "
+        "training.micro_batch_size = 'auto' to split it; change the batch size or the number "
+        "of processes",
     ),
     Rule(
         "ddp_detail_debug_on_gloo",

@@ -117,6 +117,11 @@ class Facts:
         return self.p.dp_replicate * self.cp_tp_pp
 
     @property
+    def auto_micro_batch(self) -> bool:
+        """training.micro_batch_size = 'auto': the trainer picks it (autobatch.py)."""
+        return self.t.micro_batch_size == "auto"
+
+    @property
     def eval_rows(self) -> int:
         return self.t.eval_batches * self.t.micro_batch_size
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distrain import oom
+from distrain import autobatch, oom
 from distrain.checkpoint import (
     Checkpointer,
     checkpoint_storage,
@@ -63,6 +63,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)
+        auto_batch = autobatch.defer_choice(t)
         self.dims, self.args = layout.dims, layout.model
         self.mesh, dp_mesh = self.dims.build_mesh(
             ctx.device.type, timeout_s=cfg.debug.collective_timeout_s
@@ -111,6 +112,11 @@ class Trainer:
             )
             for part in self.model.parts
         ]
+        self.auto_batch = (
+            autobatch.choose(self.model, self.optimizers, train_set, self.loader, cfg, ctx, logger)
+            if auto_batch
+            else None
+        )
         self.scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
         self.fp16_skipped = 0
         """Steps the loss scaler skipped (gradients overflowed on some rank)."""
@@ -143,6 +149,8 @@ class Trainer:
         self.metrics = MetricsWriter(
             self.run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard
         )
+        if self.auto_batch is not None:
+            self.metrics.log(self.auto_batch.metrics_row())
         self.stop = StopAgreement(self.stop_signals, host_group())
         self.nonfinite = NonFiniteGuard(
             t.nonfinite,

@@ -26,6 +26,21 @@ def test_toml_int_accepted_for_float(tmp_path):
     assert load_config(str(path)).optim.lr == 1.0
 
 
+def test_micro_batch_size_auto_round_trips(tmp_path):
+    """'auto' is a value of micro_batch_size in TOML and on the command line; a global batch
+    that no fixed micro-batch splits is left to the trainer's choice."""
+    path = tmp_path / "c.toml"
+    path.write_text('[training]\nmicro_batch_size = "auto"\nmemory_budget_gb = 1.5\n')
+    cfg = load_config(str(path), parse_overrides(["--training.global_batch_size", "7"]))
+    assert (cfg.training.micro_batch_size, cfg.training.memory_budget_gb) == ("auto", 1.5)
+    write_toml(cfg, tmp_path / "resolved.toml")
+    assert load_config(str(tmp_path / "resolved.toml")) == cfg
+    assert load_config(None, [("training.micro_batch_size", "AUTO")]).training.micro_batch_size == (
+        "auto"
+    )
+    assert load_config(None, [("training.micro_batch_size", "4")]).training.micro_batch_size == 4
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -151,6 +151,17 @@ CASES = [
      ["TORCH_DISTRIBUTED_DEBUG=DETAIL"]),
     ("pp_microbatches_split_batch", {"parallel.pp": "2", "parallel.pp_microbatches": "3"}, 2,
      ["a local batch of 32 sequences", "parallel.pp_microbatches = 3", "a divisor of 32"]),
+    ("auto_micro_batch_needs_budget", {"training.micro_batch_size": "auto"}, 1,
+     ["training.micro_batch_size = 'auto' on CPU needs training.memory_budget_gb",
+      "set it, or set training.micro_batch_size to a number"]),
+    ("auto_micro_batch_without_pp",
+     {"training.micro_batch_size": "auto", "training.memory_budget_gb": "2", "parallel.pp": "2"},
+     2, ["does not apply with parallel.pp = 2", "or parallel.pp = 1"]),
+    ("auto_batch_splits_over_dp",
+     {"training.micro_batch_size": "auto", "training.memory_budget_gb": "2",
+      "training.global_batch_size": "9"}, 2,
+     ["training.global_batch_size (9) must be a multiple of the data-parallel size (2, from "
+      "world size 2) for training.micro_batch_size = 'auto'"]),
     ("pp_eval_holds_a_batch", {"parallel.pp": "2", "training.eval_batches": "1"}, 2,
      ["= 8 evaluation sequences per rank is less than one pipeline batch (32)",
       "raise training.eval_batches to at least 4"]),
@@ -217,6 +228,9 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "12",
           "parallel.sequence_parallel": "false"}, 8),
         ({"parallel.cp": "2", "parallel.zero_stage": "3"}, 4),
+        ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2"}, 2),
+        ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2",
+          "parallel.zero_stage": "3", "training.global_batch_size": "10"}, 2),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
@@ -245,6 +259,15 @@ def test_every_tested_layout_passes_the_table():
         fields = dict(BASE, **layout.fields, **dict(layout.model))
         cfg = load_config(None, overrides(Path("run"), **fields))
         assert validate(cfg, layout.nproc).dims.world_size == layout.nproc, layout.name
+
+
+def test_auto_micro_batch_on_cuda_defaults_its_budget(cuda_present):
+    """On CUDA the budget is the device's memory: auto needs no training.memory_budget_gb; the
+    global batch need not be a multiple of an auto micro-batch, only of the data-parallel size."""
+    cuda_present(True)
+    cfg = _config({"training.micro_batch_size": "auto", "training.global_batch_size": "6"})
+    assert cfg.training.micro_batch_size == "auto" and cfg.training.memory_budget_gb is None
+    assert validate(cfg, 2).dims.dp_size == 2
 
 
 def test_unknown_world_size_checks_what_it_can():
@@ -301,6 +324,13 @@ def test_workers_run_the_table_again(tmp_path):
         ("checkpoint.keep_temporary", "-1", "it must be >= 0"),
         ("checkpoint.interval_minutes", "inf", "it must be >= 0"),
         ("debug.fail_rank", "-2", "debug.fail_rank = -2 is out of range: it must be -1 or >= 0"),
+        ("training.memory_budget_gb", "0",
+         "training.memory_budget_gb = 0.0 is out of range: it must be > 0"),
+        ("training.micro_batch_size", "0",
+         "training.micro_batch_size = 0 is out of range: it must be >= 1"),
+        ("training.micro_batch_size", "big",
+         "training.micro_batch_size: expected int | auto, got 'big'"),
+        ("debug.oom_at_micro_batch", "-1", "it must be >= 0"),
     ],
 )  # fmt: skip
 def test_out_of_range_number_is_one_line(field, value, expected):
@@ -374,6 +404,8 @@ def _train_args(run_dir: Path, **fields: str) -> list[str]:
         ({"training.seq_len": "4096"}, "training.seq_len (4096) exceeds the model's max_seq_len"),
         ({"optim.beta1": "1.5"}, "optim.beta1 = 1.5 is out of range: it must be in [0, 1)"),
         ({"checkpoint.dir": "nosuch://bucket/run"}, "unknown protocol nosuch://"),
+        ({"training.micro_batch_size": "auto"},
+         "training.micro_batch_size = 'auto' on CPU needs training.memory_budget_gb"),
     ],
 )  # fmt: skip
 def test_train_refuses_before_launch(fields, expected, tmp_path, capsys, no_launch):

@@ -52,6 +52,12 @@ class MoEStats:
         ).double()
         return loss
 
+    def discard_step(self) -> None:
+        """Forget the forward calls made before the first step (the automatic micro-batch
+        size's trials, which train nothing)."""
+        self.step_load.zero_()
+        self.window_sums.zero_()
+
     @torch.no_grad()
     def after_step(self, *, updated: bool) -> None:
         """Close the step: with balance = 'bias', all-reduce its load over the data-parallel ranks

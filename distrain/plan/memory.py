@@ -86,6 +86,10 @@ class LiveBytes(TorchDispatchMode):
     def _key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
 
+    def counts(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s storage was made inside the mode and is still counted as live."""
+        return self._key(t) in self._seen
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # A view (or in-place result) shares an input's storage: no new bytes, even when that
