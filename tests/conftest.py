@@ -65,9 +65,10 @@ def check_ok():
 
 
 # Where each test's time goes, for cutting CI time: with DISTRAIN_TEST_TIMES=path, one JSON line
-# per test (setup, call and teardown together) with its wall seconds and the CPU seconds of this process
-# and of the child processes it waited for (torchrun workers). Child CPU is far less sensitive to
-# a loaded machine than wall time; wall minus CPU is time spent waiting (timeouts, sleeps, joins).
+# per test (setup, call and teardown together) with its wall seconds and the CPU seconds of this
+# process and of the child processes it waited for (torchrun workers). Child CPU is far less
+# sensitive to a loaded machine than wall time; wall minus CPU is time spent waiting (timeouts,
+# sleeps, joins).
 TIMES_ENV = "DISTRAIN_TEST_TIMES"
 
 

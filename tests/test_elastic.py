@@ -7,7 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import SMALL_RUN, free_port, losses, overrides, run_cli, start_train, train_cli
+from helpers import (
+    SMALL_RUN,
+    cli_in_process,
+    free_port,
+    losses,
+    overrides,
+    run_cli,
+    start_train,
+    train_cli,
+)
 
 from distrain.observe.metrics import read_metrics
 
@@ -129,8 +138,8 @@ def test_two_agents_rendezvous_as_two_nodes(tmp_path, two_rank_reference, monkey
         ),
     ],
 )
-def test_bad_launch_option_is_one_line_error(args, expected):
-    result = run_cli("train", *args)
+def test_bad_launch_option_is_one_line_error(args, expected, capsys):
+    result = cli_in_process(capsys, "train", *args)
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert lines and expected in lines[0], result.stderr[-2000:]

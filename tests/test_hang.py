@@ -149,7 +149,9 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
     run = tmp_path / "run"
-    proc = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS, training__steps=40)
+    # 16 steps: the stop lands at step 3 or 4 (the heartbeat is polled every 0.05 s), far from
+    # the end, and the resumed attempt trains only the rest.
+    proc = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS, training__steps=16)
     pid = None
     try:
         pid = _wait_for_step(run, 3, 3, proc)["pid"]
@@ -183,7 +185,7 @@ def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
     assert _gone(pid)
     # The second attempt resumed from a checkpoint and finished.
     assert "resumed from checkpoint" in (run / "logs" / "rank0.log").read_text()
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 40
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 16
 
     report = run_cli("diagnose", str(run))
     assert report.returncode == 0, report.stderr

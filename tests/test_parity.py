@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from batch import Batches, Run
-from helpers import losses, run_cli, train_cli, train_in_process
+from helpers import cli_in_process, losses, overrides, run_cli, train_cli, train_in_process
 
 from distrain.observe.metrics import read_metrics
 
@@ -43,6 +43,7 @@ TIED = (("model__tie_embeddings", True),)
 
 LAYOUTS = [
     Layout("dp2", 2, {"debug__check_replicas": True}),
+    Layout("dp2_no_accumulation", 2, {"training__micro_batch_size": 4}),
     Layout("zero1x2", 2, {"parallel__zero_stage": 1}),
     Layout("zero2x2", 2, {"parallel__zero_stage": 2}),
     Layout("zero3x2", 2, {"parallel__zero_stage": 3}),
@@ -269,8 +270,12 @@ def test_compile_changes_nothing_beyond_rounding(reference, tmp_path):
     ],
     ids=["tp_vocab", "pp_too_many_stages", "zero_bubble_with_dp"],
 )
-def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
-    result = train_cli(tmp_path / "run", nproc, **BASE, **fields)
+def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path, capsys):
+    # Refused by the launcher's layout rules, before any worker starts: in this process.
+    args = ["train", "--nproc", str(nproc)]
+    for key, value in overrides(tmp_path / "run", **BASE, **fields):
+        args += [f"--{key}", value]
+    result = cli_in_process(capsys, *args)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert errors and expected in errors[0], result.stderr[-3000:]
