@@ -18,6 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from distrain.args import parse_train_args
@@ -37,7 +38,13 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
         timeout=collective_timeout(cfg.debug.collective_timeout_s),
     )
     # run_training joins the group made above and destroys it at its end, failed or not.
-    code = train_main(argv)
+    # training.deterministic turns torch's process-wide deterministic mode on: the next run
+    # starts in the mode a process of its own would.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        code = train_main(argv)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     if code != 0:
         raise RuntimeError(f"distrain.train exited with {code} (its error is on stderr)")
     if dist.is_initialized():

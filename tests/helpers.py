@@ -49,9 +49,17 @@ def overrides(run_dir: Path, **fields: object) -> list[tuple[str, str]]:
 
 def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
     """Train on 1 rank in this process; returns the run's metrics rows."""
+    import torch
+
     from distrain.train import run_training
 
-    run_training(load_config(None, overrides(run_dir, **fields)))
+    # training.deterministic turns torch's process-wide deterministic mode on: the tests run
+    # after this one in this process get the mode they would have had without it.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        run_training(load_config(None, overrides(run_dir, **fields)))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     return read_metrics(run_dir / "metrics.jsonl")
 
 
