@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import is_worker, launch_ranks, worker_session, write_json
+from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
 
-from distrain.config import Config, validate
+from distrain.config import Config
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
 
@@ -56,24 +56,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_config(seq_len: int, cp: int, run_dir: Path) -> Config:
-    cfg = Config()
-    cfg.run.dir = str(run_dir)
-    cfg.run.device = "cpu"
-    cfg.model.preset = "tiny"
-    cfg.model.max_seq_len = seq_len
-    cfg.data.max_bytes = CORPUS_BYTES
-    cfg.parallel.cp = cp
-    t = cfg.training
-    t.micro_batch_size = t.global_batch_size = 1
-    t.seq_len = seq_len
-    t.steps = 2
-    t.eval_batches = 1
-    cfg.metrics.progress_bar = False
-    cfg.metrics.tensorboard = False
-    cfg.checkpoint.at_end = False
-    cfg.checkpoint.interval_steps = 0
-    validate(cfg)
-    return cfg
+    return bench_config(
+        run_dir,
+        device="cpu",
+        preset="tiny",
+        micro_batch_size=1,
+        seq_len=seq_len,
+        global_batch_size=1,
+        steps=2,
+        max_bytes=CORPUS_BYTES,
+        model__max_seq_len=seq_len,
+        parallel__cp=cp,
+        training__eval_batches=1,
+    )
 
 
 def high_water_mib() -> float:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.run import get_args_parser, run
 
+from distrain.config import Config, validate
 from distrain.mesh import DistContext, init_distributed, teardown
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim import lr_at
@@ -64,6 +65,46 @@ def worker_session(
     finally:
         close_logging(logger)
         teardown(synchronize=ended_well)
+
+
+def bench_config(
+    run_dir: str | Path,
+    *,
+    preset: str,
+    micro_batch_size: int,
+    seq_len: int,
+    global_batch_size: int,
+    steps: int,
+    max_bytes: int,
+    device: str | None = None,
+    **fields: object,
+) -> Config:
+    """A validated Config for a benchmark's run: the model, batch and step count given, the first
+    `max_bytes` of the corpus, and nothing the timing should not include (no progress bar,
+    TensorBoard or checkpoints). `device` None keeps the config's default (CUDA where present);
+    `fields` sets further fields by `section__field` name (e.g. parallel__cp=2)."""
+    cfg = Config()
+    cfg.run.dir = str(run_dir)
+    if device is not None:
+        cfg.run.device = device
+    cfg.model.preset = preset
+    cfg.data.max_bytes = max_bytes
+    t = cfg.training
+    t.micro_batch_size = micro_batch_size
+    t.seq_len = seq_len
+    t.global_batch_size = global_batch_size
+    t.steps = steps
+    cfg.metrics.progress_bar = False
+    cfg.metrics.tensorboard = False
+    cfg.checkpoint.at_end = False
+    cfg.checkpoint.interval_steps = 0
+    for name, value in fields.items():
+        section, field = name.split("__")
+        if not hasattr(getattr(cfg, section), field):
+            raise AttributeError(f"bench_config: no config field {section}.{field}")
+        setattr(getattr(cfg, section), field, value)
+    validate(cfg)
+    return cfg
 
 
 def write_json(path: str | Path, result: dict[str, Any]) -> None:

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import is_worker, launch_ranks, worker_session, write_json
+from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from distrain.config import Config, validate
+from distrain.config import Config
 from distrain.models.presets import num_params
 from distrain.optim import lr_at
 from distrain.trainer import Trainer
@@ -82,23 +82,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, stage: int, world_size: int, run_dir: Path) -> Config:
-    cfg = Config()
-    cfg.run.dir = str(run_dir)
-    cfg.run.device = "cpu"
-    cfg.model.preset = args.preset
-    cfg.data.max_bytes = CORPUS_BYTES
-    cfg.parallel.zero_stage = stage
-    t = cfg.training
-    t.micro_batch_size = args.micro_batch_size
-    t.seq_len = args.seq_len
-    t.global_batch_size = args.micro_batch_size * world_size
-    t.steps = 2
-    cfg.metrics.progress_bar = False
-    cfg.metrics.tensorboard = False
-    cfg.checkpoint.at_end = False
-    cfg.checkpoint.interval_steps = 0
-    validate(cfg)
-    return cfg
+    return bench_config(
+        run_dir,
+        device="cpu",
+        preset=args.preset,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        global_batch_size=args.micro_batch_size * world_size,
+        steps=2,
+        max_bytes=CORPUS_BYTES,
+        parallel__zero_stage=stage,
+    )
 
 
 def local_bytes(t: torch.Tensor) -> int:

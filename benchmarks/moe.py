@@ -25,9 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import is_worker, launch_self, measure_steps, worker_session, write_json
+from harness import (
+    bench_config,
+    is_worker,
+    launch_self,
+    measure_steps,
+    worker_session,
+    write_json,
+)
 
-from distrain.config import Config, validate
+from distrain.config import Config
 from distrain.mesh import DistContext
 from distrain.models.presets import active_params, flops_per_token, num_params
 from distrain.trainer import Trainer
@@ -52,23 +59,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, preset: str, world_size: int, run_dir: Path) -> Config:
-    cfg = Config()
-    cfg.run.dir = str(run_dir)
-    cfg.model.preset = preset
-    cfg.data.max_bytes = CORPUS_BYTES
-    t = cfg.training
-    t.precision = args.precision
-    t.micro_batch_size = args.micro_batch_size
-    t.seq_len = args.seq_len
-    t.global_batch_size = args.micro_batch_size * world_size
-    t.steps = args.warmup + args.steps
-    t.log_interval_steps = t.steps + 1  # no metric rows (and no host reads) in the timed steps
-    cfg.metrics.progress_bar = False
-    cfg.metrics.tensorboard = False
-    cfg.checkpoint.at_end = False
-    cfg.checkpoint.interval_steps = 0
-    validate(cfg)
-    return cfg
+    steps = args.warmup + args.steps
+    return bench_config(
+        run_dir,
+        preset=preset,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        global_batch_size=args.micro_batch_size * world_size,
+        steps=steps,
+        max_bytes=CORPUS_BYTES,
+        training__precision=args.precision,
+        # No metric rows (and no host reads) in the timed steps.
+        training__log_interval_steps=steps + 1,
+    )
 
 
 def run_preset(

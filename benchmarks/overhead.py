@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import is_worker, launch_self, worker_session, write_json
+from harness import bench_config, is_worker, launch_self, worker_session, write_json
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.config import Config, validate
+from distrain.config import Config
 from distrain.data import DistributedBatchLoader, TokenDataset
 from distrain.mesh import DistContext
 from distrain.models.gpt import GPT, init_weights
@@ -74,22 +74,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, accum: int, run_dir: Path) -> Config:
-    cfg = Config()
-    cfg.run.dir = str(run_dir)
-    cfg.run.device = "cpu"
-    cfg.model.preset = PRESET
-    cfg.data.max_bytes = CORPUS_BYTES
-    t = cfg.training
-    t.micro_batch_size = args.micro_batch_size
-    t.seq_len = args.seq_len
-    t.global_batch_size = args.micro_batch_size * NUM_RANKS * accum
-    t.steps = args.warmup + args.blocks * args.steps_per_block
-    cfg.metrics.progress_bar = False
-    cfg.metrics.tensorboard = False
-    cfg.checkpoint.at_end = False
-    cfg.checkpoint.interval_steps = 0
-    validate(cfg)
-    return cfg
+    return bench_config(
+        run_dir,
+        device="cpu",
+        preset=PRESET,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        global_batch_size=args.micro_batch_size * NUM_RANKS * accum,
+        steps=args.warmup + args.blocks * args.steps_per_block,
+        max_bytes=CORPUS_BYTES,
+    )
 
 
 def distrain_step(trainer: Trainer) -> Step:

@@ -62,3 +62,39 @@ def check_ok():
         return result
 
     return check
+
+
+# Where each test's time goes, for cutting CI time: with DISTRAIN_TEST_TIMES=path, one JSON line
+# per test (setup, call and teardown together) with its wall seconds and the CPU seconds of this
+# process and of the child processes it waited for (torchrun workers). Child CPU is far less
+# sensitive to a loaded machine than wall time; wall minus CPU is time spent waiting (timeouts,
+# sleeps, joins).
+TIMES_ENV = "DISTRAIN_TEST_TIMES"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get(TIMES_ENV)
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def snapshot() -> tuple[float, float, float]:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.monotonic(), own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    start = snapshot()
+    yield
+    end = snapshot()
+    row = {
+        "test": item.nodeid,
+        "wall_s": round(end[0] - start[0], 2),
+        "self_cpu_s": round(end[1] - start[1], 2),
+        "child_cpu_s": round(end[2] - start[2], 2),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

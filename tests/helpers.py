@@ -7,9 +7,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distrain.config_io import load_config
 from distrain.observe.metrics import read_metrics
+
+if TYPE_CHECKING:
+    import pytest
 
 # Small enough for CI's 2 cores, big enough that the loss moves: 4 MB of stdlib source.
 FAST = {
@@ -45,9 +49,17 @@ def overrides(run_dir: Path, **fields: object) -> list[tuple[str, str]]:
 
 def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
     """Train on 1 rank in this process; returns the run's metrics rows."""
+    import torch
+
     from distrain.train import run_training
 
-    run_training(load_config(None, overrides(run_dir, **fields)))
+    # training.deterministic turns torch's process-wide deterministic mode on: the tests run
+    # after this one in this process get the mode they would have had without it.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        run_training(load_config(None, overrides(run_dir, **fields)))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     return read_metrics(run_dir / "metrics.jsonl")
 
 
@@ -60,6 +72,19 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         timeout=timeout,
         env=env,
     )
+
+
+def cli_in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """`distrain args` through `distrain.cli.main` in this process, as `run_cli` reports it: for
+    a command that starts no worker (a refusal before launch, `slurm --dry-run`), which then
+    costs no new interpreter importing torch (~3 s of CI each). test_validation keeps a real
+    process's refusal."""
+    from distrain.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["distrain", *args], code, out, err)
 
 
 def train_cli(run_dir: Path, nproc: int, **fields: object) -> subprocess.CompletedProcess:

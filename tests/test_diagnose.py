@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, train_cli
+from helpers import cli_in_process, train_cli
 
 from distrain.errors import DistrainError
 from distrain.observe.diagnose import diagnose
@@ -23,11 +23,11 @@ FIELDS = {
 
 
 @pytest.mark.slow
-def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path):
+def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path, capsys):
     run = tmp_path / "run"
     result = train_cli(run, 2, **FIELDS, debug__fail_at_step=3, debug__fail_rank=1)
     assert result.returncode != 0
-    report = run_cli("diagnose", str(run))
+    report = cli_in_process(capsys, "diagnose", str(run))
     assert report.returncode == 0, report.stderr
     lines = report.stdout.splitlines()
     first = next(line for line in lines if line.startswith("attempt 0:"))
@@ -39,7 +39,7 @@ def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path):
 
     # distrain status on the same run dir: last metrics, checkpoints checked against their
     # manifest's sizes, then a truncated shard is reported as such.
-    shown = run_cli("status", str(run))
+    shown = cli_in_process(capsys, "status", str(run))
     assert shown.returncode == 0, shown.stderr
     assert "step 2/4: loss " in shown.stdout
     assert "ETA " in shown.stdout
@@ -48,7 +48,7 @@ def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path):
     assert "restarts: 0" in shown.stdout
     shard = next((run / "checkpoints" / "step-00000002").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:10])
-    assert "FILES MISSING OR TRUNCATED" in run_cli("status", str(run)).stdout
+    assert "FILES MISSING OR TRUNCATED" in cli_in_process(capsys, "status", str(run)).stdout
 
 
 def _log(path: Path, lines: list[str]) -> None:

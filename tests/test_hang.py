@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_cli, start_train, train_cli
+from helpers import cli_in_process, start_train, train_cli
 
 from distrain.observe.heartbeat import read_heartbeats
 from distrain.observe.metrics import read_metrics
@@ -147,9 +147,11 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
+def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path, capsys):
     run = tmp_path / "run"
-    proc = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS, training__steps=40)
+    # 16 steps: the stop lands at step 3 or 4 (the heartbeat is polled every 0.05 s), far from
+    # the end, and the resumed attempt trains only the rest.
+    proc = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS, training__steps=16)
     pid = None
     try:
         pid = _wait_for_step(run, 3, 3, proc)["pid"]
@@ -183,9 +185,9 @@ def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path):
     assert _gone(pid)
     # The second attempt resumed from a checkpoint and finished.
     assert "resumed from checkpoint" in (run / "logs" / "rank0.log").read_text()
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 40
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 16
 
-    report = run_cli("diagnose", str(run))
+    report = cli_in_process(capsys, "diagnose", str(run))
     assert report.returncode == 0, report.stderr
     assert "attempt 0: hang: rank 3 stopped responding in " in report.stdout
     assert "attempt 1: finished" in report.stdout
@@ -218,9 +220,9 @@ def test_rank_stuck_in_backward_is_named_with_its_phase(hung_in_backward):
 
 
 @pytest.mark.slow
-def test_diagnose_names_the_hung_rank(hung_in_backward):
+def test_diagnose_names_the_hung_rank(hung_in_backward, capsys):
     run, _ = hung_in_backward
-    result = run_cli("diagnose", str(run))
+    result = cli_in_process(capsys, "diagnose", str(run))
     assert result.returncode == 0, result.stderr
     assert "rank 1 stopped in backward of step 3" in result.stdout
     assert "in sleep_forever" in result.stdout

@@ -9,9 +9,11 @@ real bug, e.g. a missing gradient reduction or a wrong scaling, moves it by 1e-3
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from helpers import losses, run_cli, train_cli, train_in_process
+from batch import Batches, Run
+from helpers import cli_in_process, losses, overrides, run_cli, train_cli, train_in_process
 
 from distrain.observe.metrics import read_metrics
 
@@ -49,6 +51,7 @@ BF16_REL_TOL = 2e-4
 
 LAYOUTS = [
     Layout("dp2", 2, {"debug__check_replicas": True}),
+    Layout("dp2_no_accumulation", 2, {"training__micro_batch_size": 4}),
     Layout("zero1x2", 2, {"parallel__zero_stage": 1}),
     Layout("zero2x2", 2, {"parallel__zero_stage": 2}),
     Layout("zero3x2", 2, {"parallel__zero_stage": 3}),
@@ -171,12 +174,38 @@ def assert_parity(
     assert worst <= rel_tol, f"relative loss difference {worst:.2e} > {rel_tol}: {got} vs {want}"
 
 
+@pytest.fixture(scope="module")
+def batched(request, tmp_path_factory):
+    """The run dir of this case's row, once it trained without error. The rows of every
+    matrix in this file that this session selected run in one torchrun launch per world size
+    (tests/batch.py), started by the first case that needs one of them."""
+    rows = {f"test_layout_matches_single_process[{layout.name}]": layout for layout in LAYOUTS}
+    runs = {
+        name: Run(layout.nproc, {**BASE, **layout.fields, **dict(layout.model)})
+        for name, layout in rows.items()
+    }
+    for model, layout in MOE_LAYOUTS:
+        name = f"test_moe_layout_matches_single_process[{model}-{layout.name}]"
+        runs[name] = Run(layout.nproc, {**BASE, **MOE_MODELS[model], **layout.fields})
+    for layout in EP_LAYOUTS:
+        name = f"test_expert_parallel_matches_single_process[{layout.name}]"
+        runs[name] = Run(layout.nproc, {**BASE, **EP_ROUTES[layout.route], **layout.fields})
+    selected = {item.name for item in request.session.items}
+    runs = {name: run for name, run in runs.items() if name in selected}
+    batches = Batches(runs, tmp_path_factory.mktemp("batched"))
+
+    def run_dir(node: pytest.Item) -> Path:
+        outcome = batches.result(node.name)
+        assert outcome.error is None, outcome.error
+        return outcome.run_dir
+
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
-def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
-    fields = dict(layout.fields, **dict(layout.model))
-    check_ok(train_cli(tmp_path / "run", layout.nproc, **BASE, **fields))
-    got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+def test_layout_matches_single_process(layout, references, batched, request):
+    got = losses(read_metrics(batched(request.node) / "metrics.jsonl"))
     assert_parity(got, references(layout.model), layout.rel_tol)
 
 
@@ -184,10 +213,8 @@ def test_layout_matches_single_process(layout, references, tmp_path, check_ok):
 @pytest.mark.parametrize(
     ("model", "layout"), MOE_LAYOUTS, ids=[f"{m}-{layout.name}" for m, layout in MOE_LAYOUTS]
 )
-def test_moe_layout_matches_single_process(model, layout, moe_reference, tmp_path, check_ok):
-    fields = {**BASE, **MOE_MODELS[model], **layout.fields}
-    check_ok(train_cli(tmp_path / "run", layout.nproc, **fields))
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+def test_moe_layout_matches_single_process(model, layout, moe_reference, batched, request):
+    rows = read_metrics(batched(request.node) / "metrics.jsonl")
     assert any(r.get("moe_dropped_fraction", 0) > 0 for r in rows)  # capacity dropped some
     assert_parity(losses(rows), moe_reference(model))
 
@@ -260,8 +287,12 @@ def test_compile_changes_nothing_beyond_rounding(reference, tmp_path):
     ],
     ids=["tp_vocab", "pp_too_many_stages"],
 )
-def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path):
-    result = train_cli(tmp_path / "run", nproc, **BASE, **fields)
+def test_unsupported_shapes_are_refused(nproc, fields, expected, tmp_path, capsys):
+    # Refused by the launcher's layout rules, before any worker starts: in this process.
+    args = ["train", "--nproc", str(nproc)]
+    for key, value in overrides(tmp_path / "run", **BASE, **fields):
+        args += [f"--{key}", value]
+    result = cli_in_process(capsys, *args)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert errors and expected in errors[0], result.stderr[-3000:]
@@ -340,10 +371,8 @@ def ep_reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EP_LAYOUTS, ids=[layout.name for layout in EP_LAYOUTS])
-def test_expert_parallel_matches_single_process(layout, ep_reference, tmp_path, check_ok):
-    run = tmp_path / "run"
-    check_ok(train_cli(run, layout.nproc, **BASE, **EP_ROUTES[layout.route], **layout.fields))
-    rows = read_metrics(run / "metrics.jsonl")
+def test_expert_parallel_matches_single_process(layout, ep_reference, batched, request):
+    rows = read_metrics(batched(request.node) / "metrics.jsonl")
     assert_parity(losses(rows), ep_reference(layout.route))
     # Rows were routed to other ranks and back: the all-to-all bytes are counted, at most
     # every routed copy of rank 0's tokens (fp32 rows of dim 128) sent out and back, in each

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMALL_RUN, losses, overrides, run_cli
+from helpers import SMALL_RUN, cli_in_process, losses, overrides
 from slurm import multiple_slurmd_supported, slurm, slurm_cluster, slurm_unavailable  # noqa: F401
 
 from distrain.checkpoint import committed
@@ -317,8 +317,9 @@ def test_srun_environment_becomes_torch_distributed_variables():
     assert first_host("node5") == "node5" and first_host("a[1-2]-ib,b") == "a1-ib"
 
 
-def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path):
-    result = run_cli(
+def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
+    result = cli_in_process(
+        capsys,
         "slurm",
         "--nodes",
         "1-2",
@@ -332,6 +333,6 @@ def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --signal=B:USR1@45" in result.stdout
     assert not (tmp_path / "run").exists()
-    bad = run_cli("slurm", "--nodes", "3-1", "--dry-run")
+    bad = cli_in_process(capsys, "slurm", "--nodes", "3-1", "--dry-run")
     assert bad.returncode == 1
     assert bad.stderr.strip() == "distrain: error: --nodes 3-1: need 1 <= MIN <= MAX"

@@ -1,0 +1,148 @@
+"""Many small multi-process training runs in few torchrun launches: one per world size.
+
+Each launch costs CI the import of torch in every process and a rendezvous (~10 s of CPU on 2
+ranks, more on 4 and 8) before any training, so a test file of many short runs (the parity
+matrix) pays that once per world size instead of once per run. The runs stay separate where it
+matters: each has its own run dir, config, process group and pytest case; the launcher-side
+checks of `distrain train` (layout rules, preflight) run here for each; a run that fails is
+reported under its own name, and the runs after it go on in a new launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers import overrides
+
+from distrain.args import parse_train_args
+from distrain.errors import DistrainError
+from distrain.launch import worker_threads
+from distrain.layout import validate
+from distrain.preflight import preflight
+
+WORKER = Path(__file__).with_name("batch_worker.py")
+# What `run_cli` allows one run, per run of a launch.
+TIMEOUT_PER_RUN_S = 240
+
+
+@dataclass(frozen=True)
+class Run:
+    nproc: int
+    fields: dict
+    """section__field=value overrides on top of helpers.FAST, as for `train_cli`."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    run_dir: Path
+    error: str | None
+    """None when every rank finished the run; else why not (the worker's traceback, or the
+    launch's stderr)."""
+
+
+class Batches:
+    """Runs by name, launched together per world size when the first of them is asked for."""
+
+    def __init__(self, runs: dict[str, Run], root: Path):
+        self.runs = runs
+        self.root = root
+        self.outcomes: dict[str, Outcome] = {}
+        self.launches = 0
+
+    def run_dir(self, name: str) -> Path:
+        return self.root / re.sub(r"[^\w.-]+", "_", name) / "run"
+
+    def result(self, name: str) -> Outcome:
+        if name not in self.runs:
+            raise KeyError(f"no batched run named {name!r}")
+        if name not in self.outcomes:
+            nproc = self.runs[name].nproc
+            self._launch_all([n for n, r in self.runs.items() if r.nproc == nproc])
+        return self.outcomes[name]
+
+    def _argv(self, name: str) -> list[str]:
+        argv = []
+        for key, value in overrides(self.run_dir(name), **self.runs[name].fields):
+            argv += [f"--{key}", value]
+        return argv
+
+    def _launch_all(self, names: list[str]) -> None:
+        pending = []
+        for name in names:
+            # What `distrain train` checks before it starts any worker.
+            try:
+                _, cfg = parse_train_args(self._argv(name), worker=False)
+                validate(cfg, self.runs[name].nproc)
+                preflight(cfg)
+            except DistrainError as e:
+                self.outcomes[name] = Outcome(self.run_dir(name), f"launcher refused: {e}")
+                continue
+            pending.append(name)
+        while pending:
+            pending = self._launch(pending)
+
+    def _launch(self, names: list[str]) -> list[str]:
+        """Launch `names` in one torchrun job; the names still to run afterwards."""
+        self.launches += 1
+        nproc = self.runs[names[0]].nproc
+        work = self.root / f"launch{self.launches}"
+        status_dir = work / "status"
+        status_dir.mkdir(parents=True)
+        spec = {
+            "status_dir": str(status_dir),
+            "runs": [{"name": n, "argv": self._argv(n)} for n in names],
+        }
+        (work / "spec.json").write_text(json.dumps(spec))
+        threads, _ = worker_threads(nproc)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+        log = work / "launch.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={nproc}",
+                    str(WORKER),
+                    str(work / "spec.json"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=TIMEOUT_PER_RUN_S * len(names))
+                ending = f"exit code {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                ending = f"timed out after {TIMEOUT_PER_RUN_S * len(names)} s"
+        finished: dict[str, int] = {}
+        errors: dict[str, list[str]] = {}
+        for path in status_dir.glob("rank*.jsonl"):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                if row["ok"]:
+                    finished[row["name"]] = finished.get(row["name"], 0) + 1
+                else:
+                    errors.setdefault(row["name"], []).append(f"{path.stem}: {row['error']}")
+        for i, name in enumerate(names):
+            if finished.get(name) == nproc:
+                self.outcomes[name] = Outcome(self.run_dir(name), None)
+                continue
+            # The first run not finished on every rank ended this launch.
+            why = "\n".join(errors.get(name, [])) + "\nlaunch log tail:\n" + log.read_text()[-4000:]
+            self.outcomes[name] = Outcome(
+                self.run_dir(name), f"batched launch ({ending}; log {log}) failed:\n{why}"
+            )
+            return names[i + 1 :]
+        return []
