@@ -85,6 +85,15 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return "bf16" if native else "fp32"
 
 
+def resolve_compile(requested: bool | str, device: torch.device) -> bool:
+    """training.compile with "auto" decided for `device`: compile on CUDA, where fused kernels
+    and fewer launches pay within a few steps; eager on CPU, where the default job measured no
+    faster compiled once the compile itself is counted (see benchmarks/vs_accelerate.py)."""
+    if requested != "auto":
+        return bool(requested)
+    return device.type == "cuda"
+
+
 def collective_timeout(timeout_s: float) -> timedelta | None:
     """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
     return timedelta(seconds=timeout_s) if timeout_s > 0 else None
