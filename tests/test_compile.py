@@ -43,7 +43,7 @@ def test_compile_cache_lives_in_the_users_cache_dir_unless_they_chose_one(monkey
 def _compiled_forward(tokens: torch.Tensor) -> torch.Tensor:
     """A fresh tiny model compiled whole, as a new process would: nothing compiled in memory."""
     torch._dynamo.reset()
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=32)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
     model = GPT(args)
     init_weights(model, args, seed=1)
     apply_compile(model, whole=True)
