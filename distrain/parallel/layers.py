@@ -1,8 +1,8 @@
 """Transforms applied before data parallelism: activation checkpointing and compile (with its
 persistent cache).
 
-Both act in place (the block's key in `model.blocks` is kept), so
-parameter names, and so checkpoints and seeded init, are the same with or without them.
+Both act in place (a wrapped block keeps its key in `model.blocks`; a compiled module keeps its
+own), so parameter names, and so checkpoints and seeded init, are the same with or without them.
 """
 
 from __future__ import annotations
