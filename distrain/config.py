@@ -216,7 +216,12 @@ class TrainingConfig:
         "With selective activation checkpointing, checkpoint every k-th block.",
         AT_LEAST_1,
     )
-    compile: bool = doc(False, "torch.compile each transformer block.")
+    compile: bool | Literal["auto"] = doc(
+        "auto",
+        "torch.compile the model (the whole model on a plain or DDP layout, else each block), "
+        "with a persistent compile cache under the user's cache dir; auto = compile on CUDA, "
+        "eager on CPU (where it measured 1.1-1.3x per step, not worth a cold compile of minutes).",
+    )
     oom_recovery: bool = doc(
         False,
         "Retry a step that runs out of memory with half the micro-batch and twice the "

@@ -25,7 +25,7 @@ from distrain.data import DistributedBatchLoader, build_datasets, check_data_ske
 from distrain.errors import CheckpointError
 from distrain.fault_injection import maybe_inject_failure, maybe_inject_hang, maybe_inject_nan
 from distrain.layout import validate as validate_layout
-from distrain.mesh import DistContext, host_group, resolve_precision
+from distrain.mesh import DistContext, host_group, resolve_compile, resolve_precision
 from distrain.models.presets import num_params
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
@@ -60,6 +60,9 @@ class Trainer:
         requested, t.precision = t.precision, resolve_precision(t.precision, ctx.device)
         if requested == "auto":
             logger.info("training.precision auto: %s on %s", t.precision, ctx.device)
+        requested, t.compile = t.compile, resolve_compile(t.compile, ctx.device)
+        if requested == "auto":
+            logger.info("training.compile auto: %s on %s", t.compile, ctx.device)
         self.run_dir = Path(cfg.run.dir)
         self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)

@@ -115,7 +115,9 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     checkpoints load without permuting the rows of wq and wk.
     """
     first, second = x.float().chunk(2, dim=-1)
-    cos, sin = table[:, None, :, 0], table[:, None, :, 1]
+    # Contiguous copies (T x D/2 values): multiplying by the table's strided cos/sin views takes
+    # a slower elementwise path; the same products, in the same order, either way.
+    cos, sin = table[:, None, :, 0].contiguous(), table[:, None, :, 1].contiguous()
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     return rotated.type_as(x)
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
-from distrain.mesh import DistContext, ParallelDims, embedding_group
+from distrain.mesh import DistContext, ParallelDims, embedding_group, resolve_compile
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
@@ -359,8 +359,12 @@ def build_parallel_model(
         apply_activation_checkpointing(
             part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
-        if cfg.training.compile:
-            apply_compile(part)
+        if resolve_compile(cfg.training.compile, device):
+            plain = dims.world_size == dims.dp_size and dims.ep == 1
+            whole = plain and dims.dp_wrapper != "fsdp" and not args.moe.enabled
+            apply_compile(
+                part, whole=whole and cfg.training.activation_checkpointing == "none"
+            )
     if dims.dp_wrapper == "fsdp":
         parts = [
             apply_fsdp(

@@ -1,0 +1,69 @@
+"""training.compile: "auto" decided per device (mesh.py) and the compile cache that outlives a run
+(parallel/layers.py). That a compiled run trains like an eager one is a parity row
+(tests/test_parity.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrain.mesh import resolve_compile
+from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.parallel.layers import apply_compile, use_persistent_compile_cache
+
+
+def test_explicit_compile_is_kept_and_auto_compiles_on_cuda_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for device in (cpu, cuda):
+        assert resolve_compile(True, device) is True
+        assert resolve_compile(False, device) is False
+    assert resolve_compile("auto", cuda) is True
+    assert resolve_compile("auto", cpu) is False
+
+
+def test_compile_cache_lives_in_the_users_cache_dir_unless_they_chose_one(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    expected = tmp_path / "xdg" / "distrain" / "torch-compile"
+    assert use_persistent_compile_cache() == expected
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected)
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert use_persistent_compile_cache() == tmp_path / "home" / ".cache/distrain/torch-compile"
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_persistent_compile_cache() == tmp_path / "mine"
+
+
+def _compiled_forward(tokens: torch.Tensor) -> torch.Tensor:
+    """A fresh tiny model compiled whole, as a new process would: nothing compiled in memory."""
+    torch._dynamo.reset()
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
+    model = GPT(args)
+    init_weights(model, args, seed=1)
+    apply_compile(model, whole=True)
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.slow
+def test_a_second_compile_is_served_from_the_cache_on_disk(monkeypatch, tmp_path):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    counters.clear()
+    first = _compiled_forward(tokens)
+    assert counters["inductor"]["fxgraph_cache_miss"] >= 1
+    assert counters["inductor"]["fxgraph_cache_hit"] == 0
+    assert any(Path(tmp_path / "cache").rglob("*.py")), "nothing was written to the cache dir"
+    counters.clear()
+    second = _compiled_forward(tokens)
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    assert torch.equal(first, second)
