@@ -11,6 +11,7 @@ distrain creates process groups, and `teardown` is the one way they end.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distrain.config import Config
+from distrain.config import Config, TrainingConfig
 from distrain.errors import ConfigError
 from distrain.torch_compat import flatten_mesh
 
@@ -93,6 +94,18 @@ def resolve_compile(requested: bool | str, device: torch.device) -> bool:
     if requested != "auto":
         return bool(requested)
     return device.type == "cuda"
+
+
+def resolve_auto_choices(t: TrainingConfig, device: torch.device, logger: logging.Logger) -> None:
+    """Decide training.precision and .compile (`t`) where they say "auto", once, in place, so
+    every later reader (wrappers, autocast, loader) sees the concrete choice; each decision is
+    logged."""
+    requested, t.precision = t.precision, resolve_precision(t.precision, device)
+    if requested == "auto":
+        logger.info("training.precision auto: %s on %s", t.precision, device)
+    requested, t.compile = t.compile, resolve_compile(t.compile, device)
+    if requested == "auto":
+        logger.info("training.compile auto: %s on %s", t.compile, device)
 
 
 def collective_timeout(timeout_s: float) -> timedelta | None:

@@ -25,7 +25,7 @@ from distrain.data import DistributedBatchLoader, build_datasets, check_data_ske
 from distrain.errors import CheckpointError
 from distrain.fault_injection import maybe_inject_failure, maybe_inject_hang, maybe_inject_nan
 from distrain.layout import validate as validate_layout
-from distrain.mesh import DistContext, host_group, resolve_compile, resolve_precision
+from distrain.mesh import DistContext, host_group, resolve_auto_choices
 from distrain.models.presets import num_params
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
@@ -55,14 +55,7 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext, logger: logging.Logger):
         self.cfg, self.ctx, self.log = cfg, ctx, logger
         t = cfg.training
-        # "auto" is decided once, here, so every later reader (wrappers, autocast, loader) sees
-        # the concrete precision.
-        requested, t.precision = t.precision, resolve_precision(t.precision, ctx.device)
-        if requested == "auto":
-            logger.info("training.precision auto: %s on %s", t.precision, ctx.device)
-        requested, t.compile = t.compile, resolve_compile(t.compile, ctx.device)
-        if requested == "auto":
-            logger.info("training.compile auto: %s on %s", t.compile, ctx.device)
+        resolve_auto_choices(t, ctx.device, logger)
         self.run_dir = Path(cfg.run.dir)
         self.stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
         layout = validate_layout(cfg, ctx.world_size)
