@@ -79,6 +79,13 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         compressed (`KeepsGradientsLocal`)."""
         return self.steps_taken >= self.freeze_step
 
+    def _name_state(self, p: torch.nn.Parameter) -> None:
+        """The per-parameter state torch's flattened state dicts look for: the step, and the
+        names (only: the values live flat, filled by `state_dict`) of what a checkpoint holds,
+        since torch loads just the names a parameter's state already has."""
+        self.state[p]["step"] = torch.tensor(float(self.steps_taken))
+        self.state[p].update({key: {} for key in (*_MOMENTS, *_ERROR_KEYS)})
+
     def _padded(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         return torch.nn.functional.pad(flat, (0, self.world * self.chunk - self.numel))
@@ -104,8 +111,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         compressed = self.keeps_gradients_local()
         self.steps_taken += 1
         for p in self._params:
-            # torch's state-dict helpers look for per-parameter state; the moments live flat.
-            self.state[p]["step"] = torch.tensor(float(self.steps_taken))
+            self._name_state(p)
         beta1, beta2 = self.param_groups[0]["betas"]
         eps, lr = self.param_groups[0]["eps"], self.param_groups[0]["lr"]
         step = self.steps_taken
@@ -142,7 +148,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if self.world == 1:
             return mine
         full = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
+        dist.all_gather_single(full, mine.contiguous(), group=self.group)
         return full
 
     def _exchange_gradients(self) -> torch.Tensor:
@@ -229,6 +235,8 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             own = (state.pop("worker_error", None) or {}).get(f"rank{self.rank}")
             saved["worker_error"].append(own if own is not None else torch.zeros_like(p))
         self.steps_taken = max(steps, default=0)
+        for p in self._params:
+            self._name_state(p)
         for key in (*_MOMENTS, "server_error"):
             setattr(self, key, self._mine(self._padded(saved[key])).clone())
         self.worker_error = self._padded(saved["worker_error"])
