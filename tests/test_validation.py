@@ -207,6 +207,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "12",
           "parallel.sequence_parallel": "false"}, 8),
         ({"parallel.cp": "2", "parallel.zero_stage": "3"}, 4),
+        ({"optim.name": "onebit_adam", "parallel.zero_stage": "1"}, 2),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
