@@ -73,6 +73,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         self.server_error = torch.zeros(self.chunk, device=device)
         self.worker_error = torch.zeros(self.world * self.chunk, device=device)
         self.steps_taken = 0
+        self._weight_decay: torch.Tensor | None = None
 
     def keeps_gradients_local(self) -> bool:
         """Past warm-up the trainer leaves the gradients local: they cross the network here,
@@ -94,13 +95,16 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         return full[self.start : self.start + self.chunk]
 
     def _decay(self) -> torch.Tensor:
-        """lr x weight decay per value of this rank's chunk (groups differ in weight decay)."""
-        rates = [
-            torch.full((p.numel(),), g["lr"] * g["weight_decay"], device=p.device)
-            for g in self.param_groups
-            for p in g["params"]
-        ]
-        return self._mine(self._padded(rates))
+        """lr x weight decay per value of this rank's chunk (groups differ in weight decay; the
+        trainer sets one lr on all)."""
+        if self._weight_decay is None:
+            rates = [
+                torch.full((p.numel(),), g["weight_decay"], device=p.device)
+                for g in self.param_groups
+                for p in g["params"]
+            ]
+            self._weight_decay = self._mine(self._padded(rates)).clone()
+        return self._weight_decay * self.param_groups[0]["lr"]
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
