@@ -127,8 +127,9 @@ def test_onebit_adam_is_adam_then_sends_16x_less(
     for got, want in zip(rows[: freeze + 1], adam[: freeze + 1], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (got, want)
     # Past the freeze step only the 1-bit momentum exchange is on the wire: 32x fewer bytes sent
-    # than a ring fp32 all-reduce, less the scales (measured 31.998).
-    for row in rows[freeze + 1 :]:
+    # than a ring fp32 all-reduce, less the scales (measured 31.998). Under ZeRO-1 the first
+    # compressed step also all-gathers the frozen variance (fp32, once).
+    for row in rows[freeze + 1 + (zero_stage == 1) :]:
         assert row["comm_fp32_bytes"] / row["comm_bytes"] >= ratio, row
     # A freeze step of 5 is far shorter than a real warm-up: the frozen variance and the
     # compressed momentum then make less progress than Adam (measured 0.86 at 30 steps).

@@ -8,15 +8,18 @@ server error. Each parameter stays whole and replicated on every rank (ZeRO-1).
 - Warm-up (the first `freeze_step` steps): exactly sharded AdamW. The gradients arrive
   averaged in fp32 (the trainer's DDP all-reduce), the owner updates its chunk with AdamW's
   math and the chunks are all-gathered into every replica: the same numbers as plain AdamW.
-- Then the variance is frozen and gradients stay local. Each rank compresses (its gradient +
-  its worker error) to signs and one scale per block and sends chunk r to rank r (all-to-all);
-  the owner averages what it received, folds it into its exact momentum, computes its chunk's
-  Adam step (frozen variance), compresses that step (+ its server error) to signs and scales
-  and all-gathers it. Every rank, the owner included, applies the same decoded step, so the
-  replicas stay identical. Both errors keep what compression dropped and add it back at the
-  next step: delayed, not lost. Weight decay is applied exactly on every rank (it only needs
-  the replicated parameter). Bytes each rank sends: 2(N-1)/N x n/8 plus 4 bytes per block
-  against a ring fp32 all-reduce's 2(N-1)/N x 4n, ~32x fewer whatever N.
+- Then the variance is frozen and gradients stay local. At the first such step the frozen
+  variance is all-gathered once (fp32), so every rank holds Adam's denominator for every value.
+  Each rank compresses (its gradient + its worker error) to signs and one scale per block and
+  sends chunk r to rank r (all-to-all); the owner averages what it received into its exact
+  momentum, compresses that momentum (+ its server error) to signs and scales and all-gathers
+  it. Every rank, the owner included, divides the same decoded momentum by the denominator and
+  applies it, so the replicas stay identical and each value keeps Adam's own scale. Both errors
+  keep what compression dropped and add it back at the next step: delayed, not lost. Weight
+  decay is applied exactly on every rank (it only needs the replicated parameter). Bytes each
+  rank sends per step: 2(N-1)/N x n/8 plus 4 bytes per block against a ring fp32 all-reduce's
+  2(N-1)/N x 4n, ~32x fewer whatever N. The warm-up's parameter all-gather is not counted
+  (nor is ZeRO-1's broadcast under AdamW).
 
 Checkpoints (`state_dict`): per parameter its whole `exp_avg`, `exp_avg_sq` and `server_error`,
 all-gathered from the owners (the same on every rank, so any number of ranks loads them, each
@@ -73,6 +76,8 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         self.server_error = torch.zeros(self.chunk, device=device)
         self.worker_error = torch.zeros(self.world * self.chunk, device=device)
         self.steps_taken = 0
+        self.frozen_denom: torch.Tensor | None = None
+        """Past warm-up: Adam's denominator for every value (`_gather_frozen_denominator`)."""
         self._weight_decay: torch.Tensor | None = None
 
     def keeps_gradients_local(self) -> bool:
@@ -126,11 +131,14 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             grad = self._mine(self._padded([p.grad for p in self._params]))
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         self.exp_avg.lerp_(grad, 1 - beta1)
-        denom = (self.exp_avg_sq.sqrt() / (1 - beta2**v_steps) ** 0.5).add_(eps)
-        update = self.exp_avg / denom * (-lr / (1 - beta1**step))
         if compressed:
-            self._apply(self._exchange_update(update), decay=True)
+            if self.frozen_denom is None:
+                self.frozen_denom = self._gather_frozen_denominator()
+            momentum = self._exchange_momentum()
+            self._apply(momentum / self.frozen_denom * (-lr / (1 - beta1**step)), decay=True)
         else:
+            denom = (self.exp_avg_sq.sqrt() / (1 - beta2**v_steps) ** 0.5).add_(eps)
+            update = self.exp_avg / denom * (-lr / (1 - beta1**step))
             mine = self._mine(self._padded(list(self._params)))
             mine.mul_(1 - self._decay()).add_(update)
             self._apply(self._all_gather(mine), decay=False)
@@ -175,11 +183,23 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         rows = received.view(self.world * self.blocks, -1)
         return _decode_rows(rows, self.block).view(self.world, -1).mean(0)
 
-    def _exchange_update(self, update: torch.Tensor) -> torch.Tensor:
-        """Every rank's chunk of the step, compressed by its owner with the server error; the
-        same decoded flat vector on every rank."""
+    def _gather_frozen_denominator(self) -> torch.Tensor:
+        """Adam's denominator from the frozen variance, whole on every rank: once, at the first
+        compressed step (after a resume too), so that each rank scales the decoded momentum per
+        value as Adam does. An fp32 all-gather of the variance chunks, counted."""
+        mark = comm_clock.start(self.exp_avg_sq.device)
+        variance = self._all_gather(self.exp_avg_sq)
+        mark.stop()
+        self._count(wire_bytes("all_gather", self.exp_avg_sq.nbytes, self.world), 0, mark)
+        beta2, eps = self.param_groups[0]["betas"][1], self.param_groups[0]["eps"]
+        correction = (1 - beta2 ** max(self.freeze_step, 1)) ** 0.5
+        return (variance.sqrt() / correction).add_(eps)
+
+    def _exchange_momentum(self) -> torch.Tensor:
+        """Every rank's chunk of the momentum, compressed by its owner with the server error
+        (the owner keeps its exact momentum); the same decoded flat vector on every rank."""
         signs, scales, self.server_error = onebit_compress(
-            update.view(self.blocks, self.block), self.server_error, valid=self.valid
+            self.exp_avg.view(self.blocks, self.block), self.server_error, valid=self.valid
         )
         self.server_error = self.server_error.view(-1)
         mine = _with_scale(signs, scales).view(-1)
@@ -239,6 +259,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             own = (state.pop("worker_error", None) or {}).get(f"rank{self.rank}")
             saved["worker_error"].append(own if own is not None else torch.zeros_like(p))
         self.steps_taken = max(steps, default=0)
+        self.frozen_denom = None
         for p in self._params:
             self._name_state(p)
         for key in (*_MOMENTS, "server_error"):
