@@ -18,13 +18,13 @@ server error. Each parameter stays whole and replicated on every rank (ZeRO-1).
   keep what compression dropped and add it back at the next step: delayed, not lost. Weight
   decay is applied exactly on every rank (it only needs the replicated parameter). Bytes each
   rank sends per step: 2(N-1)/N x n/8 plus 4 bytes per block against a ring fp32 all-reduce's
-  2(N-1)/N x 4n, ~32x fewer whatever N. The warm-up's parameter all-gather is not counted
-  (nor is ZeRO-1's broadcast under AdamW).
+  2(N-1)/N x 4n, ~32x fewer whatever N. The warm-up's parameter all-gather is not counted.
 
 Checkpoints (`state_dict`): per parameter its whole `exp_avg`, `exp_avg_sq` and `server_error`,
 all-gathered from the owners (the same on every rank, so any number of ranks loads them, each
 taking its chunk), and `worker_error.rank<r>`, each rank's own (a resume on fewer ranks drops the
-extra ranks' one-step errors). No tensor of the step is read on the host.
+extra ranks' one-step errors; one on more ranks finds no entry for the new ones, untested). No
+tensor of the step is read on the host.
 """
 
 from __future__ import annotations
