@@ -2,8 +2,9 @@
 and loss after a fixed budget.
 
 For each method (DDP hooks none, fp16, bf16, powersgd, onebit; and the onebit_adam optimizer with
-a small freeze step) the same training run (preset "small" by default, 10.8M parameters, 2 ranks,
-one process per rank, OMP_NUM_THREADS=1 each) is launched through `distrain train`:
+a small freeze step, under plain DDP and under ZeRO-1, `onebit_adam_zero1`) the same training
+run (preset "small" by default, 10.8M parameters, 2 ranks, one process per rank,
+OMP_NUM_THREADS=1 each) is launched through `distrain train`:
 
 - on loopback: `--nproc 2` standalone on this machine;
 - on each shaped link (`--rates`): a 2-host network lab (tests/netlab.py: two network namespaces
@@ -15,7 +16,9 @@ From metrics.jsonl (one row per step): bytes per step is what this rank sends ov
 plain fp32 all-reduce of the same gradients, both taken after the first SKIP steps (DDP's bucket
 rebuild, PowerSGD's start and 1-bit Adam's freeze are all within them). Step time is the median
 `step_time_s` over the steps after SKIP; on each link it is also given as a ratio to `none` on the
-same link. Final loss is the training loss at the last step (every method sees the same data).
+same link. Final loss is the training loss at the last step (every method sees the same data);
+progress is the share of `none`'s loss decrease (first step to the mean of the last 4) a method
+made.
 
 Overlap: how much of the plain all-reduce's communication is hidden behind backward. The
 no-communication baseline is two independent single-rank runs side by side (each `--nproc 1`, the
@@ -65,7 +68,7 @@ NUM_RANKS = 2
 SKIP = 3  # steps left out of medians and byte counts; covers every method's warm-up
 FREEZE_STEP = 2  # onebit_adam's fp32 warm-up, and PowerSGD's start
 PORT = 29400  # rendezvous port inside the lab; each run adds its own offset
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900  # a busy shared machine ran 60 steps of preset tiny in more than 300 s
 METHODS: dict[str, dict[str, str]] = {
     "none": {},
     "fp16": {"comm.gradient_compression": "fp16"},
@@ -76,7 +79,13 @@ METHODS: dict[str, dict[str, str]] = {
     },
     "onebit": {"comm.gradient_compression": "onebit"},
     "onebit_adam": {"optim.name": "onebit_adam", "optim.onebit.freeze_step": str(FREEZE_STEP)},
+    "onebit_adam_zero1": {
+        "optim.name": "onebit_adam",
+        "optim.onebit.freeze_step": str(FREEZE_STEP),
+        "parallel.zero_stage": "1",
+    },
 }
+PROGRESS_WINDOW = 4  # last steps averaged for the progress column (one step's loss is noisy)
 LOOPBACK = "loopback"
 
 Launch = Callable[[list[str], Path], list[subprocess.Popen]]
@@ -100,6 +109,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--preset", default="small", help="model preset")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--freeze-step",
+        type=int,
+        default=FREEZE_STEP,
+        help="onebit_adam's warm-up steps and PowerSGD's start (at most the skipped steps "
+        "when bytes per step should be the compressed phase's only)",
+    )
+    parser.add_argument(
+        "--skip-overlap",
+        action="store_true",
+        help="skip the single-rank runs that estimate overlap (loss and bytes only)",
+    )
     parser.add_argument("--out", default="benchmarks/results/comm.json", help="JSON output")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods) - set(METHODS))
@@ -131,6 +152,9 @@ def train_args(args: argparse.Namespace, run_dir: Path, ranks: int, method: str)
         "metrics.tensorboard": "false",
         **METHODS[method],
     }
+    for key in ("optim.onebit.freeze_step", "comm.powersgd_start_step"):
+        if key in fields:
+            fields[key] = str(args.freeze_step)
     return [part for key, value in fields.items() for part in (f"--{key}", value)]
 
 
@@ -152,10 +176,11 @@ def wait_all(procs: list[subprocess.Popen], log: Path) -> None:
             raise RuntimeError(f"run failed (exit {code}), log {log}:\n{tail}")
 
 
-def summarize(run_dir: Path) -> dict[str, Any]:
-    """Medians over the steps after SKIP, and the last step's loss."""
+def summarize(run_dir: Path, freeze_step: int) -> dict[str, Any]:
+    """Medians over the steps after SKIP (and after the freeze step), and the last step's
+    loss."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-    steady = [r for r in rows if r["step"] > SKIP]
+    steady = [r for r in rows if r["step"] > max(SKIP, freeze_step)]
     summary: dict[str, Any] = {
         "step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "final_loss": rows[-1]["loss"],
@@ -181,7 +206,7 @@ def run_loopback(args: argparse.Namespace, method: str, work: Path) -> dict[str,
             env=run_env(),
         )
         wait_all([proc], log)
-    return summarize(run_dir)
+    return summarize(run_dir, args.freeze_step)
 
 
 def run_solo_pair(args: argparse.Namespace, work: Path) -> float:
@@ -202,7 +227,7 @@ def run_solo_pair(args: argparse.Namespace, work: Path) -> float:
                 )
             )
         wait_all(procs, log)
-    return statistics.mean(summarize(d)["step_time_s"] for d in dirs)
+    return statistics.mean(summarize(d, args.freeze_step)["step_time_s"] for d in dirs)
 
 
 def run_lab(
@@ -226,7 +251,16 @@ def run_lab(
             for node in range(NUM_RANKS)
         ]
         wait_all(procs, log)
-    return summarize(run_dir)
+    return summarize(run_dir, args.freeze_step)
+
+
+def progress(losses: list[float], reference: list[float]) -> float:
+    """The share of the reference run's loss decrease that `losses` made."""
+
+    def decrease(values: list[float]) -> float:
+        return values[0] - statistics.mean(values[-PROGRESS_WINDOW:])
+
+    return decrease(losses) / decrease(reference)
 
 
 def hidden_fraction(ddp: dict[str, Any], solo_step_s: float) -> float:
@@ -254,7 +288,7 @@ def report(
     header = f"{'method':<12}{'MB/step':>9}{'x fp32':>8}" + "".join(
         f"{link + ' ms':>20}" for link in links
     )
-    header += f"{'final loss':>12}"
+    header += f"{'final loss':>12}{'progress':>10}"
     print(header)
     print("-" * len(header))
     for method in args.methods:
@@ -266,9 +300,14 @@ def report(
             step_s = by_link[link]["step_time_s"]
             ratio = step_s / results["none"][link]["step_time_s"] if "none" in results else 1.0
             line += f"{step_s * 1e3:>12.0f} ({ratio:4.2f}x)"
-        print(line + f"{first['final_loss']:>12.4f}")
+        line += f"{first['final_loss']:>12.4f}"
+        if "none" in results:
+            first["progress"] = progress(first["losses"], results["none"][LOOPBACK]["losses"])
+            line += f"{first['progress']:>10.3f}"
+        print(line)
     overlap: dict[str, float] = {}
-    if "none" in results and all("comm_inflight_s" in results["none"][link] for link in links):
+    timed = "none" in results and all("comm_inflight_s" in results["none"][link] for link in links)
+    if timed and solo_step_s > 0:
         overlap = {link: hidden_fraction(results["none"][link], solo_step_s) for link in links}
         print(
             f"overlap (none vs 2 side-by-side single-rank runs, {solo_step_s * 1e3:.0f} ms/step): "
@@ -283,7 +322,7 @@ def report(
             "backend": "gloo",
             "steps": args.steps,
             "skip_steps": SKIP,
-            "freeze_step": FREEZE_STEP,
+            "freeze_step": args.freeze_step,
             "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len,
             "links": links,
@@ -306,7 +345,8 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     results: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in args.methods}
     try:
-        solo_step_s = run_solo_pair(args, work) if "none" in args.methods else 0.0
+        overlap = "none" in args.methods and not args.skip_overlap
+        solo_step_s = run_solo_pair(args, work) if overlap else 0.0
         for method in args.methods:
             results[method][LOOPBACK] = run_loopback(args, method, work)
             print(f"{LOOPBACK} {method}: {results[method][LOOPBACK]['step_time_s']:.3f} s/step")

@@ -23,6 +23,7 @@ from distrain.config import OptimConfig
 from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
 from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.parallel.onebit_zero import OneBitZeroAdam
 from distrain.parallel.zero1 import Zero1AdamW
 from distrain.torch_compat import is_zero_redundancy_optimizer
 
@@ -68,16 +69,17 @@ def build_optimizer(
     each rank updating its share and broadcasting it: by torch's ZeroRedundancyOptimizer for
     plain tensors (DDP), by `Zero1AdamW` for DTensor parameters (tp, and FSDP2's replication
     under tp/pp), which torch's cannot broadcast. Or 1-bit Adam, which averages its momentum
-    over `dp_group` itself."""
+    over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too)."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "onebit_adam":
-        return OneBitAdam(
+        onebit = OneBitAdam if zero1_group is None else OneBitZeroAdam
+        return onebit(
             groups,
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
             freeze_step=cfg.onebit.freeze_step,
-            group=dp_group,
+            group=dp_group if zero1_group is None else zero1_group,
             stats=comm_stats,
         )
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.

@@ -147,7 +147,7 @@ def test_four_ranks_injected_kill_resumes_bit_exact(tmp_path, four_rank_referenc
     assert_same_state(final_state(run), final_state(four_rank_reference))
 
 
-ONEBIT = {
+ONEBIT_FIELDS = {
     **FIELDS,
     "training__micro_batch_size": 4,
     "optim__name": "onebit_adam",
@@ -156,18 +156,22 @@ ONEBIT = {
 
 
 @pytest.mark.slow
-def test_onebit_adam_resumes_bit_exact_in_both_phases(tmp_path, check_ok):
-    check_ok(train_cli(tmp_path / "ref", 2, **ONEBIT))
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["ddp", "zero1"])
+def test_onebit_adam_resumes_bit_exact_in_both_phases(zero_stage, tmp_path, check_ok):
+    # zero_stage 1: OneBitZeroAdam, whose moments and server errors are gathered from their
+    # owners into each parameter's entries.
+    onebit = {**ONEBIT_FIELDS, "parallel__zero_stage": zero_stage}
+    check_ok(train_cli(tmp_path / "ref", 2, **onebit))
     reference = run_losses(tmp_path / "ref")
     run = tmp_path / "run"
     # In warm-up: the job stops at step 3 and is started again with --resume (from step 2).
-    stopped = train_cli(run, 2, **ONEBIT, debug__fail_at_step=3)
+    stopped = train_cli(run, 2, **onebit, debug__fail_at_step=3)
     assert stopped.returncode != 0 and "crashes at step 3" in stopped.stderr
     # Past the freeze step: rank 1 is SIGKILLed as step 8 begins and restarted from step 6's
     # checkpoint (after two compressed steps: non-zero error buffers).
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--resume"]
     faults = {"debug__fail_at_step": 8, "debug__fail_rank": 1, "debug__fail_mode": "kill"}
-    for key, value in overrides(run, **ONEBIT, **faults):
+    for key, value in overrides(run, **onebit, **faults):
         args += [f"--{key}", value]
     check_ok(run_cli(*args, timeout=300))
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10]

@@ -51,7 +51,7 @@ CASES = [
     ("one_comm_hook", {"comm.gradient_compression": "bf16", "comm.hierarchical": "true"}, 2,
      ["DDP takes one communication hook"]),
     ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "2"},
-     2, ["it does not compose with sharded data parallel"]),
+     2, ["it does not compose with FSDP2 (zero_stage 2/3)"]),
     ("moe_pipeline_one_stage",
      {"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
       "parallel.pp_stages_per_rank": "2"}, 2,
@@ -231,6 +231,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2"}, 2),
         ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2",
           "parallel.zero_stage": "3", "training.global_batch_size": "10"}, 2),
+        ({"optim.name": "onebit_adam", "parallel.zero_stage": "1"}, 2),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)

@@ -1,0 +1,141 @@
+"""1-bit Adam under ZeRO-1 (OneBitZeroAdam), on two gloo ranks in one spawn.
+
+Warm-up: the same averaged gradients on both ranks must give plain AdamW's parameters while
+each rank holds the moments of half the values. Past the freeze step each rank gets its own
+gradients: the replicas must stay identical, the bytes counted must be the 1-bit exchange's
+(~32x fewer than fp32), and a fresh optimizer loaded from the flattened state dict must
+continue bit for bit in both phases. The saved state then loads into one process (a different
+world size), which takes the whole moments. The end-to-end run (warm-up equal to Adam, loss
+progress, bytes from the trainer's metrics) is tests/test_comm.py's zero1 case.
+"""
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from distrain.optim import load_optimizer_state_dict, optimizer_state_dict
+from distrain.parallel.compress import CommStats
+from distrain.parallel.onebit_zero import OneBitZeroAdam
+
+SHAPES = [(64, 32), (32,), (32, 32), (16, 32), (8,)]
+FREEZE = 3
+STEPS = 8
+OPTIONS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def _model() -> nn.Module:
+    return nn.ParameterDict(
+        {f"p{i}": nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+         for i, s in enumerate(SHAPES)}
+    )  # fmt: skip
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim == 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
+    ]
+
+
+def _optimizer(model: nn.Module, stats: CommStats | None = None) -> OneBitZeroAdam:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return OneBitZeroAdam(_groups(model), **OPTIONS, freeze_step=FREEZE, group=group, stats=stats)
+
+
+def _set_grads(model: nn.Module, step: int, rank: int) -> None:
+    """Warm-up: the same (already averaged) gradient on every rank; then each rank's own."""
+    seed = 1000 * step + (100 * rank if step >= FREEZE else 0)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i))
+
+
+def _run(model: nn.Module, opt: OneBitZeroAdam, steps: range, rank: int) -> None:
+    for step in steps:
+        _set_grads(model, step, rank)
+        opt.step()
+        opt.zero_grad()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _snapshot(model: nn.Module, opt: OneBitZeroAdam) -> tuple[dict, dict]:
+    saved = optimizer_state_dict(model, opt)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+    return saved, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, store: Path, out: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        model, reference = _model(), _model()
+        stats = CommStats()
+        opt = _optimizer(model, stats)
+        adamw = torch.optim.AdamW(_groups(reference), **OPTIONS, foreach=True)
+        _run(reference, adamw, range(FREEZE), rank)
+        saved = {}
+        for step in range(STEPS):
+            if step in (2, 5):  # in warm-up; past the freeze step, after two compressed steps
+                saved[step] = _snapshot(model, opt)
+            if step == FREEZE:
+                torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-6, atol=1e-7)
+                stats.reset()
+            _run(model, opt, range(step, step + 1), rank)
+        # Half the moments on each rank; the errors hold what compression dropped.
+        n = sum(p.numel() for p in model.parameters())
+        assert opt.exp_avg.numel() == opt.chunk and 2 * opt.chunk - n < 2 * 8 * opt.blocks
+        assert opt.worker_error.abs().sum() > 0 and opt.server_error.abs().sum() > 0
+        # Identical replicas although each rank trained on its own gradients.
+        both = [torch.empty(n), torch.empty(n)]
+        dist.all_gather(both, _flat(model))
+        assert torch.equal(both[0], both[1])
+        # Bytes: the signs and one fp32 scale per block, all-to-all then all-gather, against a
+        # ring fp32 all-reduce of n values (4n bytes on 2 ranks); once, the fp32 all-gather of
+        # this rank's chunk of the frozen variance.
+        row = opt.block // 8 + 4
+        per_step = 0.5 * (2 * opt.blocks * row) + opt.blocks * row
+        compressed = STEPS - FREEZE
+        assert stats.bytes_sent == compressed * per_step + 4 * opt.chunk
+        assert stats.fp32_equivalent_bytes == compressed * 4 * n
+        assert stats.fp32_equivalent_bytes / (stats.bytes_sent - 4 * opt.chunk) >= 31
+        # A fresh optimizer loaded from each snapshot continues bit for bit.
+        for step, (state, weights) in saved.items():
+            restarted = _model()
+            restarted.load_state_dict(weights)
+            again = _optimizer(restarted)
+            load_optimizer_state_dict(restarted, again, state)
+            assert again.keeps_gradients_local() == (step >= FREEZE)
+            _run(restarted, again, range(step, STEPS), rank)
+            assert torch.equal(_flat(restarted), _flat(model)), step
+        if rank == 0:
+            torch.save(saved[5], out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_onebit_zero_is_sharded_adamw_then_one_bit_with_identical_replicas(tmp_path: Path):
+    out = tmp_path / "saved.pt"
+    mp.spawn(_worker, args=(tmp_path / "store", out), nprocs=2)
+    # The two ranks' checkpoint loads into one process: whole moments, the phase kept.
+    state, weights = torch.load(out, weights_only=True)
+    model = _model()
+    model.load_state_dict(weights)
+    opt = _optimizer(model)
+    load_optimizer_state_dict(model, opt, state)
+    assert opt.steps_taken == 5 and opt.keeps_gradients_local()
+    names = {id(p): name for name, p in model.named_parameters()}
+    exp_avg = torch.cat([state[f"state.{names[id(p)]}.exp_avg"].reshape(-1) for p in opt._params])
+    assert torch.equal(opt.exp_avg[: exp_avg.numel()], exp_avg) and exp_avg.abs().sum() > 0
+    _run(model, opt, range(5, STEPS), 0)
+    assert torch.isfinite(_flat(model)).all()
