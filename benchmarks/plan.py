@@ -14,11 +14,13 @@ and their ratio.
   mode yet, so only its step time is planned.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
+    python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from distrain.config import Config
 from distrain.layout import validate
@@ -83,7 +85,18 @@ def gpt3_175b(efficiency: float) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--efficiency", type=float, default=0.45)
-    ns = parser.parse_args()
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="Predicted vs measured step time of small layouts on this machine (plan_steps.py).",
+    )
+    ns, rest = parser.parse_known_args()
+    if ns.measure:
+        from plan_steps import main as measure_main
+
+        sys.exit(measure_main(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     llama = llama3_8b(ns.efficiency)
     gpt = gpt3_175b(ns.efficiency)
     print(f"efficiency {ns.efficiency} (fraction of peak the compute achieves)")
