@@ -10,8 +10,11 @@ and their ratio.
   grouped-query attention, so the stand-in matches the parameter count (8.0B: dim 4096, 32
   layers, 32 heads, MLP 18432, vocabulary 128256), not every tensor.
 - GPT-3 175B on 1,024 A100 with tp 8 x pp 16 x dp 8 (Narayanan et al. 2021, Table 1: global batch
-  1536, sequence 2048): 138 TFLOP/s per GPU. Pipeline layouts do not build under the fake-tensor
-  mode yet, so only its step time is planned.
+  1536, sequence 2048): 138 TFLOP/s per GPU. The paper gives no memory figure to compare with,
+  so only its step time is planned.
+
+With --measure, the planner's step-time model for this machine (distrain/plan/probe.py) against
+measured steps of small layouts, and its memory against the same runs: see plan_steps.py.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
     python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py

@@ -18,8 +18,9 @@ clusters).
   microbatches over p ranks with v stages each takes (m + (p - 1) / v) x the slowest rank's
   work per microbatch (the bubble), plus each microbatch's activation and its gradient crossing
   the stage boundary, plus the optimizer step.
-The probe runs at `threads` intra-op threads, which should be what each rank gets (torchrun starts
-several ranks with 1).
+The probe runs on the CPU at `threads` intra-op threads, which should be what each rank gets
+(torchrun starts several ranks with 1); timing a GPU rank would need the device's own clock and
+synchronization, which it does not do yet.
 """
 
 from __future__ import annotations
