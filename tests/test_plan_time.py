@@ -24,6 +24,8 @@ from distrain.plan.collectives import KINDS, LinkCost, fit
 from distrain.plan.memory import LiveBytes, local_bytes, optimizer_state_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
 from distrain.plan.probe import Collective, Probe, predicted_time, probe
+from distrain.plan.search import candidates, memory_row
+from distrain.plan.timing import Cluster
 
 
 def tiny_config(**parallel) -> Config:
@@ -222,3 +224,22 @@ def test_in_flight_microbatches_per_schedule():
     # Interleaved, 2 stages per rank on 4 ranks: (v - 1) p + 2 (p - 1 - r) + 1.
     assert [in_flight("interleaved_1f1b", 4, r, 2, 8) for r in range(4)] == [11, 9, 7, 5]
     assert in_flight("interleaved_1f1b", 4, 0, 2, 4) == 8
+
+
+def test_search_plans_pipeline_layouts_at_their_worst_rank():
+    cfg = pipeline_config("1f1b")
+    cluster = Cluster(
+        nodes=1,
+        gpus_per_node=2,
+        memory_bytes=1e9,
+        peak_flops=1e12,
+        efficiency=1.0,
+        intra_bw=1e9,
+        inter_bw=1e9,
+    )
+    found = candidates(cfg, cluster, stages=(0,), checkpointing=("none",))
+    assert {c.pp for c in found} == {1, 2}
+    ranks = [estimate_pipeline_memory(cfg, 2, rank=r) for r in (0, 1)]
+    row = memory_row(cfg, 2, {})
+    assert row["peak"] == max(m.peak for m in ranks)
+    assert row["peak"] > row["params"] + row["grads"] + row["optimizer"]
