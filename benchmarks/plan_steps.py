@@ -2,16 +2,19 @@
 (`benchmarks/plan.py --measure`; not a test).
 
 Layouts (preset tiny: dim 128, 4 layers; seq 64, global batch 8, micro-batch 2, fp32): 1 rank,
-dp2 DDP, ZeRO-3 x2, tp2, pp2 1f1b. Measured: a real `Trainer` per layout, every 2-rank layout
-built in one 2-rank launch (and the 1-rank one in a launch of its own), timed with
-harness.measure_steps in rounds that visit the layouts in turn (so load from other jobs falls on
-all of them), the median round's seconds per step. Every rank runs one intra-op thread
-(OMP_NUM_THREADS=1, torchrun's default for several ranks), and so does the probe.
-Predicted: distrain/plan/probe.py (the rank's real step timed on one process under a fake process
-group, plus the collectives it issues priced by the calibrated alpha-beta costs), after
-`distrain plan --calibrate`'s collective measurement (run here unless --no-calibrate). Memory:
-parameters + optimizer state per rank at rest after the timed steps, against the fake-tensor plan
-(distrain/plan/search.py memory_of); the pipeline row against the stage plan of memory.py.
+dp2 DDP, ZeRO-3 x2, tp2, pp2 1f1b. Measured: a real `Trainer` per layout, the 2-rank ones built
+together in one 2-rank launch and timed with harness.measure_steps in rounds that visit them in
+turn; after each round rank 0 starts a fresh process (rank 1 waits) that measures the 1-rank
+layout the same way and then probes every layout, so that measurements and probes of each round
+share the machine's load of that moment. Each figure is the median over rounds of seconds per
+step. Every rank and the probe run one intra-op thread (OMP_NUM_THREADS=1, torchrun's default
+for several ranks). Predicted: distrain/plan/probe.py (the rank's real step timed on one process
+under a fake process group, plus the collectives it issues priced by the calibrated alpha-beta
+costs), after `distrain plan --calibrate`'s measurement (run here unless --no-calibrate). The
+wall/cpu column (seconds per step over the CPU seconds rank 0 spent in it) says how loaded the
+machine was. Memory: parameters + optimizer state per rank at rest after the timed steps, against
+the fake-tensor plan (distrain/plan/search.py memory_of; the pipeline row
+distrain/plan/pipeline_memory.py).
 
 A row passes when predicted / measured step time is within 25%; the script exits 1 if any fails.
 The plan ranks the layouts by predicted time; the check is that the measured-fastest is first or
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +91,21 @@ def worker(ns: argparse.Namespace) -> None:
     run_dir = Path(ns.run_dir)
     chosen = [(name, par) for name, world, par in LAYOUTS if world == 2]
     rounds: dict[str, list[float]] = {name: [] for name, _, _ in LAYOUTS}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in LAYOUTS}
     probes: dict[str, list[dict]] = {name: [] for name, _, _ in LAYOUTS}
     with worker_session(run_dir) as (ctx, logger):
         trainers = [
             _trainer(par, ctx, logger, run_dir / str(i)) for i, (_, par) in enumerate(chosen)
         ]
         try:
+            for trainer in trainers:
+                measure_steps(trainer, warmup=0, steps=2, device=ctx.device)
             for r in range(ns.rounds):
                 for (name, _), trainer in zip(chosen, trainers, strict=True):
-                    seconds = measure_steps(
-                        trainer, warmup=2 if r == 0 else 0, steps=ns.steps, device=ctx.device
-                    )
+                    start = time.process_time()
+                    seconds = measure_steps(trainer, warmup=0, steps=ns.steps, device=ctx.device)
                     rounds[name].append(seconds / ns.steps)
+                    cpu[name].append((time.process_time() - start) / ns.steps)
                 if ctx.rank == 0:
                     side_out = run_dir / f"side{r}.json"
                     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
@@ -116,6 +123,8 @@ def worker(ns: argparse.Namespace) -> None:
                     )
                     side_rows = json.loads(side_out.read_text())
                     rounds["1 rank"].append(side_rows["measured_s"])
+                    cpu["1 rank"].append(side_rows["cpu_s"])
+                    cpu.setdefault("probe", []).append(side_rows["probe_load"])
                     one_rank_state = side_rows["model_state_bytes"]
                     for name, found in side_rows["probes"].items():
                         probes[name].append(found)
@@ -127,7 +136,8 @@ def worker(ns: argparse.Namespace) -> None:
             for trainer in trainers:
                 trainer.close()
     if ctx.rank == 0:
-        write_json(ns.out, {"rounds_s": rounds, "probes": probes, "model_state_bytes": states})
+        result = {"rounds_s": rounds, "cpu_s": cpu, "probes": probes, "model_state_bytes": states}
+        write_json(ns.out, result)
 
 
 # What torchrun puts in a worker's environment: a side process must form its own group.
@@ -153,18 +163,28 @@ def side(out: Path, steps: int) -> None:
     with worker_session(run_dir) as (ctx, logger):
         trainer = _trainer(par, ctx, logger, run_dir)
         try:
-            seconds = measure_steps(trainer, warmup=2, steps=steps, device=ctx.device)
+            measure_steps(trainer, warmup=0, steps=2, device=ctx.device)
+            start = time.process_time()
+            seconds = measure_steps(trainer, warmup=0, steps=steps, device=ctx.device)
+            cpu_s = (time.process_time() - start) / steps
             state = _model_state(trainer)
         finally:
             trainer.close()
         del trainer
     found = {}
+    wall, cpu = time.perf_counter(), time.process_time()
     for layout_name, world, layout_par in LAYOUTS:
         p = probe(layout_config(layout_par), world, repeats=3)
         found[layout_name] = dataclasses.asdict(p)
-    out.write_text(
-        json.dumps({"measured_s": seconds / steps, "model_state_bytes": state, "probes": found})
-    )
+    load = (time.perf_counter() - wall) / (time.process_time() - cpu)
+    rows = {
+        "measured_s": seconds / steps,
+        "cpu_s": cpu_s,
+        "model_state_bytes": state,
+        "probes": found,
+        "probe_load": load,
+    }
+    out.write_text(json.dumps(rows))
 
 
 def measure(rounds: int, steps: int) -> dict[str, Any]:
@@ -209,7 +229,7 @@ def predict(found: dict[str, Any], costs: dict) -> dict[str, dict[str, Any]]:
 def report(found: dict[str, Any], predicted: dict[str, dict[str, Any]]) -> bool:
     print(
         f"{'layout':<11}{'pred s':>8}{'meas s':>8}{'ratio':>7}{'pred tok/s':>11}"
-        f"{'meas tok/s':>11}  {'state MiB pred/meas':<20} time"
+        f"{'meas tok/s':>11}{'wall/cpu':>9}  {'state MiB pred/meas':<20} time"
     )
     cfg = layout_config({})
     tokens = cfg.training.global_batch_size * cfg.training.seq_len
@@ -226,7 +246,8 @@ def report(found: dict[str, Any], predicted: dict[str, dict[str, Any]]) -> bool:
         )
         print(
             f"{name:<11}{pred_s:8.3f}{meas_s:8.3f}{ratio:7.2f}{tokens / pred_s:11.0f}"
-            f"{tokens / meas_s:11.0f}  {state:<20} {'PASS' if passed else 'FAIL'}"
+            f"{tokens / meas_s:11.0f}{meas_s / statistics.median(found['cpu_s'][name]):9.2f}"
+            f"  {state:<20} {'PASS' if passed else 'FAIL'}"
         )
     by_pred = sorted(predicted, key=lambda n: predicted[n]["step_s"])
     fastest = min(measured, key=measured.__getitem__)
@@ -235,6 +256,12 @@ def report(found: dict[str, Any], predicted: dict[str, dict[str, Any]]) -> bool:
     print(
         f"measured fastest: {fastest}; the plan ranks it #{place} of {len(by_pred)} "
         f"({' < '.join(by_pred)}): {'PASS' if ranked else 'FAIL'}"
+    )
+    print(
+        "wall/cpu: seconds per step / CPU seconds per step of the process (rank 0); the probes ran"
+        f" at {statistics.median(found['cpu_s']['probe']):.2f}. Near 1 on an idle machine for"
+        " compute-bound ranks; far above 1, other jobs held the CPU and the figures are not the"
+        " model's."
     )
     return ok and ranked
 

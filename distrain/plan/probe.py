@@ -25,10 +25,12 @@ synchronization, which it does not do yet.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +148,7 @@ def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -
         if dims.pp > 1:
             return _probe_pipeline(cfg, layout.model, dims, repeats)
         if dims.dp_wrapper == "ddp":
-            return _probe_ddp(cfg, world_size, dims.dp_size, threads, repeats)
+            return _probe_ddp(cfg, world_size, dims.dp_size, repeats)
         return _probe_fake_world(cfg, layout, world_size, repeats)
     finally:
         torch.set_num_threads(previous)
@@ -183,7 +185,7 @@ def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -
     return Probe(compute, tuple(recorded.found))
 
 
-def _probe_ddp(cfg: Config, world_size: int, dp: int, threads: int, repeats: int) -> Probe:
+def _probe_ddp(cfg: Config, world_size: int, dp: int, repeats: int) -> Probe:
     t = cfg.training
     local = dataclasses.replace(
         cfg,
@@ -200,11 +202,12 @@ def _probe_ddp(cfg: Config, world_size: int, dp: int, threads: int, repeats: int
     return Probe(alone.compute_s, tuple(collectives))
 
 
-class _flush_denormals:
-    def __enter__(self) -> None:
-        self._was = torch.set_flush_denormal(True)
-
-    def __exit__(self, *exc: object) -> None:
+@contextlib.contextmanager
+def _flush_denormals() -> Iterator[None]:
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
         torch.set_flush_denormal(False)
 
 
