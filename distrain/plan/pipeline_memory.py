@@ -24,13 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from distrain.config import Config
 from distrain.layout import validate
 from distrain.models.gpt import GPT
 from distrain.optim import build_optimizer
+from distrain.parallel import cross_entropy
 from distrain.parallel.layers import apply_activation_checkpointing
+from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.memory import LiveBytes, fake_world, local_bytes, optimizer_state_bytes
 
 
@@ -95,10 +96,14 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             params = sum(local_bytes(x) for part in parts for x in part.parameters())
             # The received activations and gradients live in the kept receive buffers (counted
             # as comm_buffers), made here before the count starts.
-            received = torch.empty(per_chunk, rows, t.seq_len, args.dim)
-            with LiveBytes(params) as live:
+            # Under sequence parallelism a stage boundary carries this rank's sequence shard.
+            shard = dims.tp if p.sequence_parallel and dims.tp > 1 else 1
+            received = torch.empty(per_chunk, rows, t.seq_len // shard, args.dim)
+            # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
+            with LiveBytes(params) as live, tp_loss_context(dims.tp > 1):
                 for part, stage_id in zip(parts, stage_ids, strict=True):
-                    _stage_steps(part, stage_id == 0, stage_id == num_stages - 1, received)
+                    first, last = stage_id == 0, stage_id == num_stages - 1
+                    _stage_steps(part, first, last, received, t.seq_len)
             grads = sum(
                 local_bytes(x.grad)
                 for part in parts
@@ -144,16 +149,16 @@ def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
     return apply_fsdp(part, mesh, dims, precision=cfg.training.precision)
 
 
-def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor) -> None:
+def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq_len: int) -> None:
     """One forward per microbatch in `received` (its activations, or token ids on the first
     stage), then their backwards, oldest first: the peak of 1F1B's steady state, every kept
     microbatch saved and one backward running."""
-    tokens = torch.zeros(received.shape[1:3], dtype=torch.long)
+    tokens = torch.zeros(received.shape[1], seq_len, dtype=torch.long)
     outputs = []
     for x in received:
         out = part(tokens if first else x.detach().requires_grad_())
         if last:
-            out = F.cross_entropy(out.float().flatten(0, 1), tokens.flatten())
+            out = cross_entropy(out, tokens)
         outputs.append(out)
     for i in range(len(outputs)):
         out, outputs[i] = outputs[i], None
