@@ -10,15 +10,20 @@ and their ratio.
   grouped-query attention, so the stand-in matches the parameter count (8.0B: dim 4096, 32
   layers, 32 heads, MLP 18432, vocabulary 128256), not every tensor.
 - GPT-3 175B on 1,024 A100 with tp 8 x pp 16 x dp 8 (Narayanan et al. 2021, Table 1: global batch
-  1536, sequence 2048): 138 TFLOP/s per GPU. Pipeline layouts do not build under the fake-tensor
-  mode yet, so only its step time is planned.
+  1536, sequence 2048): 138 TFLOP/s per GPU. The paper gives no memory figure to compare with,
+  so only its step time is planned.
+
+With --measure, the planner's step-time model for this machine (distrain/plan/probe.py) against
+measured steps of small layouts, and its memory against the same runs: see plan_steps.py.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
+    python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from distrain.config import Config
 from distrain.layout import validate
@@ -83,7 +88,18 @@ def gpt3_175b(efficiency: float) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--efficiency", type=float, default=0.45)
-    ns = parser.parse_args()
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="Predicted vs measured step time of small layouts on this machine (plan_steps.py).",
+    )
+    ns, rest = parser.parse_known_args()
+    if ns.measure:
+        from plan_steps import main as measure_main
+
+        sys.exit(measure_main(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     llama = llama3_8b(ns.efficiency)
     gpt = gpt3_175b(ns.efficiency)
     print(f"efficiency {ns.efficiency} (fraction of peak the compute achieves)")

@@ -1,6 +1,7 @@
-"""`distrain plan --calibrate`: this machine's measured matmul rate, stored under the user's cache
-directory ($XDG_CACHE_HOME/distrain/calibration.json, default ~/.cache) for later plans; its
-peak is the plan's default peak with efficiency 1 (the measured rate is already achieved)."""
+"""`distrain plan --calibrate`: this machine's measured matmul rate and collective costs (the
+alpha-beta fit of collectives.py, under "collectives"), stored under the user's cache directory
+($XDG_CACHE_HOME/distrain/calibration.json, default ~/.cache) for later plans; its peak is the
+plan's default peak with efficiency 1 (the measured rate is already achieved)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from distrain.plan.collectives import LinkCost, measure_collectives
 
 
 def calibration_path() -> Path:
@@ -30,14 +34,26 @@ def matmul_flops(size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.
     return 2 * size**3 / best
 
 
-def calibrate() -> dict[str, float]:
-    found = {"peak_flops": matmul_flops(), "threads": torch.get_num_threads()}
+def calibrate(*, collectives: bool = True, repeats: int = 10) -> dict[str, Any]:
+    """Measure and store; `collectives=False` keeps the matmul rate only (no processes started);
+    `repeats`: timed runs of each collective at each size."""
+    found: dict[str, Any] = {"peak_flops": matmul_flops(), "threads": torch.get_num_threads()}
+    if collectives:
+        costs = measure_collectives(repeats=repeats)
+        found["collectives"] = {kind: cost.as_dict() for kind, cost in costs.items()}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found))
     return found
 
 
-def load_calibration() -> dict[str, float] | None:
+def load_calibration() -> dict[str, Any] | None:
     path = calibration_path()
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def collective_costs(calibration: dict[str, Any] | None) -> dict[str, LinkCost] | None:
+    """The stored alpha-beta costs, or None when the calibration predates them."""
+    if not calibration or "collectives" not in calibration:
+        return None
+    return {kind: LinkCost(**c) for kind, c in calibration["collectives"].items()}

@@ -99,6 +99,12 @@ def plan_command(argv: list[str]) -> None:
     if ns.calibrate:
         found = calibrate()
         print(f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s")
+        for kind, c in found["collectives"].items():
+            print(
+                f"  {kind}: latency {c['latency_s'] * 1e6:.0f} us, "
+                f"{1 / c['s_per_byte'] / 1e9 if c['s_per_byte'] else float('inf'):.2f} GB/s "
+                f"({c['group_size']} ranks)"
+            )
         return
     cfg = base_config(ns)
     rows = plan(

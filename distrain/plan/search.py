@@ -1,10 +1,9 @@
 """The ranked search of `distrain plan`: every layout of the cluster (data-parallel replicate x
-shard, tp inside a node, ZeRO stage, activation checkpointing, micro-batch), its memory from the
-fake build (memory.py) and its step time (timing.py); layouts that fit come first, fastest first,
-then the ones that do not fit with the reason.
-
-Pipeline layouts are not searched yet: the pipeline schedule's stage objects do not build under
-the fake-tensor mode, and a plan reports only what it measured.
+shard, tp inside a node, pp with the 1F1B schedule, ZeRO stage, activation checkpointing,
+micro-batch), its memory from the fake build (memory.py; pipeline_memory.py for pp, whose
+schedule does not build on fake tensors, from the stage modules and the microbatches the schedule
+keeps in flight) and its step time (timing.py); layouts that fit come first, fastest first, then
+the ones that do not fit with the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from distrain.config import Config
 from distrain.errors import ConfigError
 from distrain.layout import validate
 from distrain.plan.memory import MemoryEstimate, estimate_memory
+from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
@@ -52,6 +52,7 @@ def candidate_config(base: Config, c: Candidate) -> Config:
             dp_shard=c.dp_shard if c.zero_stage >= 2 else -1,
             tp=c.tp,
             pp=c.pp,
+            pp_schedule=c.pp_schedule,
             zero_stage=c.zero_stage,
         ),
         training=dataclasses.replace(
@@ -94,6 +95,39 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     return cache[key]
 
 
+def memory_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
+    """Bytes per rank of one candidate: params, grads, optimizer, activations, peak. A pipeline
+    is planned per micro-batch (it sets the number of microbatches in flight) for the rank
+    whose peak is largest."""
+    p, mb = cfg.parallel, cfg.training.micro_batch_size
+    if p.pp == 1:
+        mem = memory_of(cfg, world_size, cache)
+        return {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "activations": mem.activations(mb),
+            "peak": mem.peak(mb),
+        }
+    key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
+    key += (cfg.training.activation_checkpointing,)
+    if key not in cache:
+        # Ranks of one pp coordinate hold the same stages: plan the first rank of each stage.
+        ranks = [world_size // p.pp * s for s in range(p.pp)]
+        worst = max(
+            (estimate_pipeline_memory(cfg, world_size, rank=r) for r in ranks),
+            key=lambda m: m.peak,
+        )
+        cache[key] = {
+            "params": worst.params,
+            "grads": worst.grads,
+            "optimizer": worst.optimizer,
+            "activations": worst.activations + worst.comm_buffers,
+            "peak": worst.peak,
+        }
+    return cache[key]
+
+
 def candidates(
     base: Config,
     cluster: Cluster,
@@ -102,20 +136,36 @@ def candidates(
     checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[Candidate]:
     world, t = cluster.world_size, base.training
+    n_layers = validate(base, None).model.n_layers
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
-        dp = world // tp
-        # Without data parallelism every ZeRO stage is stage 0.
-        for stage in stages if dp > 1 else (0,):
-            splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in _divisors(dp)]
-            for replicate, shard in splits:
-                if stage >= 2 and shard == 1 and dp > 1:
-                    continue
-                for ac in checkpointing:
-                    for mb in _divisors(t.global_batch_size // dp if dp else 1):
-                        found.append(Candidate(replicate, shard, tp, 1, stage, ac, mb))
+        pp = 1
+        while pp <= n_layers and world % (tp * pp) == 0:
+            found += _data_parallel(world // (tp * pp), tp, pp, t, stages, checkpointing)
+            pp *= 2
         tp *= 2
+    return found
+
+
+def _data_parallel(
+    dp: int,
+    tp: int,
+    pp: int,
+    t: Any,
+    stages: tuple[int, ...],
+    checkpointing: tuple[str, ...],
+) -> list[Candidate]:
+    found = []
+    # Without data parallelism every ZeRO stage is stage 0.
+    for stage in stages if dp > 1 else (0,):
+        splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in _divisors(dp)]
+        for replicate, shard in splits:
+            if stage >= 2 and shard == 1 and dp > 1:
+                continue
+            for ac in checkpointing:
+                for mb in _divisors(t.global_batch_size // dp if dp else 1):
+                    found.append(Candidate(replicate, shard, tp, pp, stage, ac, mb))
     return found
 
 
@@ -144,15 +194,8 @@ def plan(
             validate(cfg, cluster.world_size)
         except ConfigError:
             continue
-        mem = memory_of(cfg, cluster.world_size, cache)
-        peak = mem.peak(c.micro_batch_size)
-        memory = {
-            "params": mem.params,
-            "grads": mem.grads,
-            "optimizer": mem.optimizer,
-            "activations": mem.activations(c.micro_batch_size),
-            "peak": peak,
-        }
+        memory = memory_row(cfg, cluster.world_size, cache)
+        peak = memory["peak"]
         fits = peak <= cluster.memory_bytes
         reason = (
             ""

@@ -1,0 +1,128 @@
+"""Collective cost as measured on this machine: an alpha-beta model per kind of collective.
+
+`distrain plan --calibrate` times all-reduce, all-gather, reduce-scatter, broadcast and a
+send/recv pair on a real 2-process group of this machine's default backend (gloo on CPU, NCCL on
+GPUs) at several message sizes, and fits seconds = latency + bytes x seconds-per-byte per kind
+(least squares over the sizes, each size's median of the repeats). A plan then prices a
+collective of a group of n ranks with ring scaling from the measured group of g ranks: latency x
+(n - 1) / (g - 1) (a ring takes n - 1 steps) and the byte term x ((n - 1) / n) / ((g - 1) / g)
+(the share of the message each rank moves). Bytes are the full message: the all-reduced tensor,
+the all-gather's output, the reduce-scatter's input, the tensor sent.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """seconds = latency_s + nbytes x s_per_byte, measured on a group of group_size ranks."""
+
+    latency_s: float
+    s_per_byte: float
+    group_size: int
+
+    def seconds(self, nbytes: float, group_size: int) -> float:
+        if group_size <= 1:
+            return 0.0
+        if self.group_size <= 1:
+            return self.latency_s + nbytes * self.s_per_byte
+        steps = (group_size - 1) / (self.group_size - 1)
+        share = ((group_size - 1) / group_size) / ((self.group_size - 1) / self.group_size)
+        return self.latency_s * steps + nbytes * self.s_per_byte * share
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def fit(sizes: list[float], seconds: list[float], group_size: int) -> LinkCost:
+    """Least-squares line through (bytes, seconds), both coefficients kept >= 0 (a negative
+    intercept is noise on a bandwidth-bound link: refit through the origin)."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var
+    slope = max(0.0, slope)
+    latency = mean_y - slope * mean_x
+    if latency < 0:
+        latency = 0.0
+        slope = sum(x * y for x, y in zip(sizes, seconds, strict=True)) / sum(x * x for x in sizes)
+    return LinkCost(latency_s=latency, s_per_byte=slope, group_size=group_size)
+
+
+def _time_kind(kind: str, nbytes: int, repeats: int, device: torch.device) -> float:
+    """Median seconds of one collective of `nbytes` over the default group (all ranks call)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    numel = nbytes // 4
+    full = torch.ones(numel, device=device)
+    piece = torch.ones(numel // world, device=device)
+    times = []
+    for i in range(repeats + 2):  # two untimed: connection set-up, buffer allocation
+        dist.barrier()
+        start = time.perf_counter()
+        if kind == "all_reduce":
+            dist.all_reduce(full)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(full, piece)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(piece, full)
+        elif kind == "broadcast":
+            dist.broadcast(full, src=0)
+        elif rank == 0:  # send_recv: one message each way, half the round trip
+            dist.send(full, dst=1)
+            dist.recv(full, src=1)
+        elif rank == 1:
+            dist.recv(full, src=0)
+            dist.send(full, dst=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if i >= 2:
+            times.append(elapsed / 2 if kind == "send_recv" else elapsed)
+    # The slowest rank's median: a collective ends for the group when its last rank is done.
+    value = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _worker(rank: int, world: int, store_path: str, repeats: int, out: dict) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    try:
+        found = {
+            kind: [_time_kind(kind, size, repeats, device) for size in SIZES] for kind in KINDS
+        }
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.update(found)
+
+
+def measure_collectives(world_size: int = 2, repeats: int = 10) -> dict[str, LinkCost]:
+    """Fitted cost of each kind on `world_size` fresh processes of this machine."""
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(
+            _worker,
+            args=(world_size, os.path.join(tmp, "store"), repeats, out),
+            nprocs=world_size,
+        )
+        measured = dict(out)
+    return {kind: fit([float(s) for s in SIZES], measured[kind], world_size) for kind in KINDS}

@@ -1,0 +1,165 @@
+"""Per-rank memory of a pipeline layout, from the real stage split on fake tensors.
+
+A pipeline schedule's `PipelineStage` objects do not build under `FakeTensorMode`, and the
+schedule is not needed to know what a stage holds: each stage module this rank owns is cut by
+`split_model` (the code training uses) from the meta-device model, given the same per-part steps
+`build_parallel_model` applies (tensor parallel, activation checkpointing, FSDP2), materialized
+as fake tensors, and stepped with as many microbatches in flight as the schedule keeps at its
+peak, counted by memory.py's `LiveBytes`:
+
+- gpipe: every microbatch's forward before the first backward: m;
+- 1f1b: stage rank r of p runs p - r forwards before its first backward: min(m, p - r);
+- interleaved_1f1b and zero_bubble (v stages per rank, torch's interleaved warm-up, as in
+  Megatron's schedule, Narayanan et al. 2021): (v - 1) p + 2 (p - 1 - r) + 1 chunk-microbatches,
+  at most v m, spread over the rank's chunks; zero_bubble's deferred weight-gradient passes may
+  keep more, so its figure is a lower bound.
+
+On top: the schedule's receive buffers, one per microbatch for each direction a stage receives
+(activations into every stage but the first, their gradients into every stage but the last),
+allocated at the first step and kept (torch.distributed.pipelining's stage infrastructure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distrain.config import Config
+from distrain.layout import validate
+from distrain.models.gpt import GPT
+from distrain.optim import build_optimizer
+from distrain.parallel import cross_entropy
+from distrain.parallel.layers import apply_activation_checkpointing
+from distrain.parallel.tensor import tp_loss_context
+from distrain.plan.memory import LiveBytes, fake_world, local_bytes, optimizer_state_bytes
+
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    """Bytes of one pp rank: model states at rest, the fwd/bwd peak of the schedule's in-flight
+    microbatches above params and grads, the kept receive buffers, and the peak."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    in_flight: int
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers
+
+
+def in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int, microbatches: int) -> int:
+    """Chunk-microbatches whose activations rank `pp_rank` holds at once (module docstring)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - pp_rank)
+    v = stages_per_rank
+    return min(v * microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> PipelineMemory:
+    """Memory of rank `rank` of a pp layout, from fake steps of its stage modules."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+
+    layout = validate(cfg, world_size)
+    dims, args, p, t = layout.dims, layout.model, cfg.parallel, cfg.training
+    assert dims is not None and dims.pp > 1
+    if dims.cp > 1 or dims.ep > 1:
+        raise NotImplementedError("the planner does not yet plan pipelines with cp or ep")
+    num_stages = dims.pp * p.pp_stages_per_rank
+    local_batch = t.global_batch_size // dims.dp_size
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
+    rows = local_batch // microbatches
+    with fake_world(world_size, rank):
+        mesh, _ = dims.build_mesh("cpu")
+        pp_rank = mesh["pp"].get_local_rank()
+        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, p.pp_stages_per_rank, p.pp_schedule)
+        with torch.device("meta"):
+            meta = GPT(args)
+        # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
+        parts = [split_model(meta, s, num_stages) for s in stage_ids]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for part in parts:
+                _parallelize_stage(part, cfg, dims, mesh)
+            parts = [_shard(part, cfg, dims, mesh) for part in parts]
+            for part in parts:
+                part.to_empty(device="cpu")
+            kept = in_flight(p.pp_schedule, dims.pp, pp_rank, p.pp_stages_per_rank, microbatches)
+            per_chunk = -(-kept // len(parts))
+            params = sum(local_bytes(x) for part in parts for x in part.parameters())
+            # The received activations and gradients live in the kept receive buffers (counted
+            # as comm_buffers), made here before the count starts.
+            # Under sequence parallelism a stage boundary carries this rank's sequence shard.
+            shard = dims.tp if p.sequence_parallel and dims.tp > 1 else 1
+            received = torch.empty(per_chunk, rows, t.seq_len // shard, args.dim)
+            # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
+            with LiveBytes(params) as live, tp_loss_context(dims.tp > 1):
+                for part, stage_id in zip(parts, stage_ids, strict=True):
+                    first, last = stage_id == 0, stage_id == num_stages - 1
+                    _stage_steps(part, first, last, received, t.seq_len)
+            grads = sum(
+                local_bytes(x.grad)
+                for part in parts
+                for x in part.parameters()
+                if x.grad is not None
+            )
+            optimizers = [build_optimizer(part, cfg.optim) for part in parts]
+            for optimizer in optimizers:
+                optimizer.step()
+            optimizer_bytes = optimizer_state_bytes(optimizers)
+    boundary = (
+        rows * t.seq_len * args.dim * 4 // dims.tp
+        if p.sequence_parallel
+        else (rows * t.seq_len * args.dim * 4)
+    )
+    receives = sum((s != 0) + (s != num_stages - 1) for s in stage_ids)
+    return PipelineMemory(
+        params=params,
+        grads=grads,
+        optimizer=optimizer_bytes,
+        activations=max(0, live.peak - params - grads),
+        comm_buffers=receives * microbatches * boundary,
+        in_flight=kept,
+    )
+
+
+def _parallelize_stage(part: GPT, cfg: Config, dims, mesh) -> None:  # noqa: ANN001
+    """build_parallel_model's per-part steps, in its order (tp, then activation checkpointing)."""
+    if dims.tp > 1:
+        from distrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
+    apply_activation_checkpointing(
+        part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+    )
+
+
+def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
+    if dims.dp_wrapper != "fsdp":
+        return part
+    from distrain.parallel.data import apply_fsdp
+
+    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision)
+
+
+def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq_len: int) -> None:
+    """One forward per microbatch in `received` (its activations, or token ids on the first
+    stage), then their backwards, oldest first: the peak of 1F1B's steady state, every kept
+    microbatch saved and one backward running."""
+    tokens = torch.zeros(received.shape[1], seq_len, dtype=torch.long)
+    outputs = []
+    for x in received:
+        out = part(tokens if first else x.detach().requires_grad_())
+        if last:
+            out = cross_entropy(out, tokens)
+        outputs.append(out)
+    for i in range(len(outputs)):
+        out, outputs[i] = outputs[i], None
+        out.backward(None if last else received[i])

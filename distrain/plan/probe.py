@@ -1,0 +1,281 @@
+"""Step time of a layout on this machine, from a probe of the rank's own work and the measured
+collective costs (collectives.py): the model for layouts small enough to run here, where per-op
+overhead and collective latency, not FLOPs, decide the step (timing.py's FLOP model is for
+clusters).
+
+- compute: one process runs this rank's real training step (the model built by
+  `build_parallel_model`, forward and backward over its micro-batches, gradient clipping, the
+  optimizer step) under torch's fake process group of the planned world size, whose collectives
+  return at once: the median of a few timed steps is the rank's compute with communication free.
+  DDP cannot run on the fake group (its reducer needs a collective's result), so a DDP rank is
+  probed as the unwrapped model on its local batch, the same work without the reducer.
+- communication: every collective that step issues, recorded from the dispatcher with its bytes
+  and group size (DDP's bucketed all-reduce is counted from its bucket size instead), priced by
+  the alpha-beta model. Nothing overlaps: on CPU a rank's collectives run on the thread, or
+  against the core, that computes.
+- pipeline (1 stage module per rank or more): each stage module is cut by `split_model` and its
+  forward and backward of one microbatch timed alone, without the schedule; a schedule of m
+  microbatches over p ranks with v stages each takes (m + (p - 1) / v) x the slowest rank's
+  work per microbatch (the bubble), plus each microbatch's activation and its gradient crossing
+  the stage boundary, plus the optimizer step.
+The probe runs on the CPU at `threads` intra-op threads, which should be what each rank gets
+(torchrun starts several ranks with 1); timing a GPU rank would need the device's own clock and
+synchronization, which it does not do yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distrain.config import Config
+from distrain.layout import validate
+from distrain.mesh import DistContext
+from distrain.models.gpt import GPT, init_weights
+from distrain.optim import build_optimizer
+from distrain.parallel import build_parallel_model
+from distrain.parallel.compress import CommStats
+from distrain.parallel.grad_norm import clip_grad_norm
+from distrain.plan.collectives import LinkCost
+from distrain.plan.memory import fake_world
+
+# Dispatcher op name -> (kind, index of the argument whose bytes are the message).
+_OPS = {
+    "_c10d_functional.all_reduce": ("all_reduce", 0),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", -1),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0),
+    "c10d.allreduce_": ("all_reduce", 0),
+    "c10d._allgather_base_": ("all_gather", 0),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "c10d.broadcast_": ("broadcast", 0),
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    nbytes: int
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One rank's step: compute seconds (communication free), its collectives, and for a
+    pipeline the per-microbatch work that the bubble multiplies."""
+
+    compute_s: float
+    collectives: tuple[Collective, ...]
+    pp: int = 1
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    microbatch_s: float = 0.0
+    boundary_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ProbedTime:
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def _nbytes(value: Any) -> int:
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.distributed.ProcessGroup):
+            return a.size()
+        if isinstance(a, torch.ScriptObject):  # c10d ops carry the group boxed
+            return torch.distributed.ProcessGroup.unbox(a).size()
+    sizes = [a for a in args if isinstance(a, int)]
+    # Functional collectives take (tensor, [reduce op,] group_size, group_name).
+    return sizes[0] if sizes else 1
+
+
+class RecordCollectives(TorchDispatchMode):
+    """Every collective issued inside the block, with its message bytes and group size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[Collective] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = f"{func.namespace}.{func.__name__.split('.')[0]}"
+        if name in _OPS:
+            kind, index = _OPS[name]
+            self.found.append(Collective(kind, _nbytes(args[index]), _group_size(args, kwargs)))
+        return func(*args, **(kwargs or {}))
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    fn()  # warm-up: allocator, autograd graph caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -> Probe:
+    """This layout's rank-0 step on this machine (see the module docstring)."""
+    layout = validate(cfg, world_size)
+    dims = layout.dims
+    assert dims is not None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if dims.pp > 1:
+            return _probe_pipeline(cfg, layout.model, dims, repeats)
+        if dims.dp_wrapper == "ddp":
+            return _probe_ddp(cfg, world_size, dims.dp_size, repeats)
+        return _probe_fake_world(cfg, layout, world_size, repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -> Probe:
+    dims, t = layout.dims, cfg.training
+    with fake_world(world_size):
+        ctx = DistContext(
+            rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"), backend="fake"
+        )
+        mesh, dp_mesh = dims.build_mesh("cpu")
+        torch.manual_seed(t.seed)
+        model = build_parallel_model(layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats())
+        optimizers = [
+            build_optimizer(part, cfg.optim, dp_group=dp_mesh.get_group()) for part in model.parts
+        ]
+        rows = t.global_batch_size // dims.dp_size
+        tokens = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long)
+        batches = [(tokens, tokens)] * (rows // t.micro_batch_size)
+
+        def step() -> None:
+            model.forward_backward(batches, lambda loss: loss, report_loss=False)
+            clip_grad_norm(model.parameters(), 1.0, holders=world_size)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        # Garbage from the fake collectives must not slow the timed steps with denormals.
+        with _flush_denormals():
+            compute = _median_time(step, repeats)
+            with RecordCollectives() as recorded:
+                step()
+    return Probe(compute, tuple(recorded.found))
+
+
+def _probe_ddp(cfg: Config, world_size: int, dp: int, repeats: int) -> Probe:
+    t = cfg.training
+    local = dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(t, global_batch_size=t.global_batch_size // dp),
+        parallel=dataclasses.replace(cfg.parallel, zero_stage=0, dp_replicate=-1, dp_shard=-1),
+    )
+    alone = _probe_fake_world(local, validate(local, 1), 1, repeats)
+    with torch.device("meta"):
+        grad_bytes = 4 * sum(p.numel() for p in GPT(validate(local, 1).model).parameters())
+    bucket = int(cfg.comm.bucket_cap_mb * 2**20)
+    buckets = [min(bucket, grad_bytes - start) for start in range(0, grad_bytes, bucket)]
+    collectives = [Collective("all_reduce", b, dp) for b in buckets]
+    collectives.append(Collective("all_reduce", 4, world_size))  # the gradient norm
+    return Probe(alone.compute_s, tuple(collectives))
+
+
+@contextlib.contextmanager
+def _flush_denormals() -> Iterator[None]:
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _probe_pipeline(cfg: Config, args: Any, dims: Any, repeats: int) -> Probe:
+    """Each stage's forward + backward of one microbatch and its optimizer step, timed alone."""
+    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+
+    p, t = cfg.parallel, cfg.training
+    num_stages = dims.pp * p.pp_stages_per_rank
+    local_batch = t.global_batch_size // dims.dp_size
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
+    rows = local_batch // microbatches
+    with torch.device("meta"):
+        meta = GPT(args)
+    stage_s, step_s = [], []
+    tokens = torch.zeros(rows, t.seq_len, dtype=torch.long)
+    hidden = torch.randn(rows, t.seq_len, args.dim)
+    for stage_id in range(num_stages):
+        stage = split_model(meta, stage_id, num_stages)
+        stage.to_empty(device="cpu")
+        init_weights(stage, args, t.seed)
+        optimizer = build_optimizer(stage, cfg.optim)
+
+        def fwd_bwd(stage: GPT = stage, stage_id: int = stage_id) -> None:
+            x = tokens if stage_id == 0 else hidden.clone().requires_grad_()
+            out = stage(x)
+            if stage_id == num_stages - 1:
+                F.cross_entropy(out.flatten(0, 1), tokens.flatten()).backward()
+            else:
+                out.backward(torch.ones_like(out))
+
+        stage_s.append(_median_time(fwd_bwd, repeats))
+        step_s.append(_median_time(optimizer.step, repeats))
+    per_rank = [
+        sum(stage_s[s] for s in stage_ids_for_rank(r, dims.pp, p.pp_stages_per_rank, ""))
+        for r in range(dims.pp)
+    ]
+    collectives = (
+        Collective("broadcast", 4, dims.pp),  # the last stage's loss, reported every step
+        Collective("all_reduce", 4, dims.world_size),  # the gradient norm
+    )
+    return Probe(
+        compute_s=max(step_s),
+        collectives=collectives,
+        pp=dims.pp,
+        stages_per_rank=p.pp_stages_per_rank,
+        microbatches=microbatches,
+        microbatch_s=max(per_rank),
+        boundary_bytes=rows * t.seq_len * args.dim * 4,
+    )
+
+
+def predicted_time(probe: Probe, costs: dict[str, LinkCost], *, tokens_per_step: int) -> ProbedTime:
+    """Step seconds of a probed layout with the calibrated collective costs."""
+    comm = sum(costs[c.kind].seconds(c.nbytes, c.group_size) for c in probe.collectives)
+    compute, bubble = probe.compute_s, 0.0
+    if probe.pp > 1:
+        # Each microbatch's activation and its gradient cross each of the rank's boundaries.
+        crossings = 2 * probe.microbatches * probe.stages_per_rank
+        comm += crossings * costs["send_recv"].seconds(probe.boundary_bytes, 2)
+        pipelined = probe.microbatches * probe.microbatch_s
+        bubble = (probe.pp - 1) / probe.stages_per_rank * probe.microbatch_s
+        compute += pipelined
+    step = compute + comm + bubble
+    return ProbedTime(
+        compute_s=compute,
+        comm_s=comm,
+        bubble_s=bubble,
+        step_s=step,
+        tokens_per_s=tokens_per_step / step if step > 0 else math.inf,
+    )

@@ -1,0 +1,245 @@
+"""The planner's step-time model for this machine: the alpha-beta fit of collective costs, the
+collectives a probed step records (against the model's own parameter bytes), and the predicted
+step time from given probe and calibration figures (hand-computed). Measured-vs-predicted step
+times are a benchmark (benchmarks/plan.py --measure), not a test: they depend on the machine's
+load."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distrain.config import Config
+from distrain.layout import validate
+from distrain.mesh import DistContext
+from distrain.models.presets import model_args, num_params
+from distrain.optim import build_optimizer
+from distrain.parallel import build_parallel_model
+from distrain.parallel.compress import CommStats
+from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
+from distrain.plan.collectives import KINDS, LinkCost, fit
+from distrain.plan.memory import LiveBytes, local_bytes, optimizer_state_bytes
+from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
+from distrain.plan.probe import Collective, Probe, predicted_time, probe
+from distrain.plan.search import candidates, memory_row
+from distrain.plan.timing import Cluster
+
+
+def tiny_config(**parallel) -> Config:
+    cfg = Config()
+    cfg.run.device = "cpu"
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 64, 2, 4, 256
+    cfg.training.seq_len = 32
+    cfg.training.micro_batch_size = 1
+    cfg.training.global_batch_size = 4
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    cost = fit(sizes, [50e-6 + s * 2e-9 for s in sizes], group_size=2)
+    assert cost.latency_s == pytest.approx(50e-6)
+    assert cost.s_per_byte == pytest.approx(2e-9)
+    # A negative intercept (noise) is refit through the origin, never a negative latency.
+    through_origin = fit(sizes, [s * 3e-9 - 1e-6 for s in sizes], group_size=2)
+    assert through_origin.latency_s == 0.0
+    assert through_origin.s_per_byte == pytest.approx(3e-9, rel=1e-3)
+
+
+def test_ring_scaling_from_the_measured_group():
+    cost = LinkCost(latency_s=1e-4, s_per_byte=1e-9, group_size=2)
+    assert cost.seconds(1e6, 2) == pytest.approx(1e-4 + 1e-3)
+    # 4 ranks: 3 ring steps instead of 1, each rank moves 3/4 of the message instead of 1/2.
+    assert cost.seconds(1e6, 4) == pytest.approx(3e-4 + 1e-3 * 1.5)
+    assert cost.seconds(1e6, 1) == 0.0
+
+
+COSTS = {kind: LinkCost(latency_s=1e-4, s_per_byte=1e-9, group_size=2) for kind in KINDS}
+
+
+def test_predicted_time_adds_collectives_to_the_probed_compute():
+    p = Probe(
+        compute_s=0.5,
+        collectives=(Collective("all_reduce", 1_000_000, 2), Collective("all_gather", 4, 2)),
+    )
+    t = predicted_time(p, COSTS, tokens_per_step=1000)
+    comm = (1e-4 + 1e-3) + (1e-4 + 4e-9)
+    assert t.comm_s == pytest.approx(comm)
+    assert t.step_s == pytest.approx(0.5 + comm)
+    assert t.tokens_per_s == pytest.approx(1000 / (0.5 + comm))
+    assert t.bubble_s == 0.0
+
+
+def test_predicted_pipeline_time_has_the_bubble_and_boundary_traffic():
+    # 2 ranks, 1 stage each, 4 microbatches of 0.1 s on the slowest rank, 0.05 s optimizer step.
+    p = Probe(
+        compute_s=0.05,
+        collectives=(),
+        pp=2,
+        stages_per_rank=1,
+        microbatches=4,
+        microbatch_s=0.1,
+        boundary_bytes=100_000,
+    )
+    t = predicted_time(p, COSTS, tokens_per_step=1)
+    assert t.bubble_s == pytest.approx(0.1)  # (p - 1) / v microbatch times
+    assert t.comm_s == pytest.approx(2 * 4 * (1e-4 + 1e-4))  # activation + gradient, each mb
+    assert t.step_s == pytest.approx(0.05 + 4 * 0.1 + 0.1 + 8 * 2e-4)
+    interleaved = predicted_time(
+        Probe(0.05, (), pp=2, stages_per_rank=2, microbatches=4, microbatch_s=0.1),
+        COSTS,
+        tokens_per_step=1,
+    )
+    assert interleaved.bubble_s == pytest.approx(0.05)
+
+
+def test_zero3_probe_records_fsdp_traffic_of_the_model_bytes():
+    """Under ZeRO-3 every parameter is all-gathered for forward and again for backward in each
+    micro-batch, and its gradient reduce-scattered once per step (the last micro-batch)."""
+    cfg = tiny_config(zero_stage=3)
+    found = probe(cfg, 2, repeats=1)
+    param_bytes = 4 * num_params(model_args(cfg.model))
+    micro_batches = 2  # global 4 / dp 2 / micro-batch 1
+    gathered = sum(c.nbytes for c in found.collectives if c.kind == "all_gather")
+    scattered = sum(c.nbytes for c in found.collectives if c.kind == "reduce_scatter")
+    assert gathered == 2 * micro_batches * param_bytes
+    assert scattered == param_bytes
+    assert {c.group_size for c in found.collectives} == {2}
+    assert found.compute_s > 0
+
+
+def test_ddp_probe_counts_one_all_reduce_per_bucket():
+    cfg = tiny_config()
+    cfg.comm.bucket_cap_mb = 0.25
+    found = probe(cfg, 2, repeats=1)
+    grad_bytes = 4 * num_params(model_args(cfg.model))
+    buckets = [c for c in found.collectives if c.kind == "all_reduce" and c.nbytes > 4]
+    assert sum(c.nbytes for c in buckets) == grad_bytes
+    assert len(buckets) == -(-grad_bytes // (2**18))
+
+
+@pytest.mark.slow
+def test_calibration_stores_collective_costs(tmp_path, monkeypatch):
+    """Two real gloo processes time each collective; the stored fit prices later plans."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    found = calibrate(repeats=3)
+    costs = collective_costs(load_calibration())
+    assert set(costs) == set(KINDS)
+    for kind, cost in costs.items():
+        assert cost.group_size == 2
+        assert cost.latency_s + cost.s_per_byte > 0, kind
+        assert cost.as_dict() == found["collectives"][kind]
+    # A message costs more than an empty one of the same kind.
+    assert costs["all_reduce"].seconds(2**24, 2) > costs["all_reduce"].seconds(0, 2)
+
+
+def pipeline_config(schedule: str) -> Config:
+    cfg = tiny_config(pp=2, pp_schedule=schedule)
+    # 8 microbatches of 2 sequences: 1F1B keeps 2 (stage 0) and 1, GPipe 8; sequences long
+    # enough that activations, not the gradients made during backward, set the peak.
+    t = cfg.training
+    t.seq_len, t.micro_batch_size, t.global_batch_size = 128, 2, 16
+    t.eval_batches = 8  # one pipeline batch (a layout rule; no evaluation runs here)
+    return cfg
+
+
+def _pipeline_worker(rank: int, tmp_path: Path) -> None:
+    """Each pp rank's memory over a real schedule step (gloo, 2 processes), counted like the
+    planner counts fake tensors: the second step (the first allocates the receive buffers)."""
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        found = {}
+        for schedule in SCHEDULES:
+            cfg = pipeline_config(schedule)
+            layout = validate(cfg, 2)
+            ctx = DistContext(
+                rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo"
+            )
+            mesh, dp_mesh = layout.dims.build_mesh("cpu")
+            model = build_parallel_model(
+                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats()
+            )
+            optimizers = [build_optimizer(part, cfg.optim) for part in model.parts]
+            tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)
+            batches = [(tokens, tokens)] * 8
+            model.forward_backward(batches, lambda loss: loss, report_loss=False)
+            model.zero_grad()
+            params = sum(local_bytes(p) for p in model.parameters())
+            with LiveBytes(params) as live:
+                model.forward_backward(batches, lambda loss: loss, report_loss=False)
+            grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            for optimizer in optimizers:
+                optimizer.step()
+            found[schedule] = {
+                "params": params,
+                "grads": grads,
+                "optimizer": optimizer_state_bytes(optimizers),
+                "activations": live.peak - params - grads,
+            }
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@pytest.mark.slow
+def test_pipeline_memory_predicted_matches_a_real_schedule(tmp_path):
+    """pp2 on 2 real ranks: each rank's model states within 5% and its activations (the
+    schedule's in-flight microbatches) within 10% of the plan from fake stage steps."""
+    mp.spawn(_pipeline_worker, args=(tmp_path,), nprocs=2)
+    for rank in (0, 1):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for schedule in SCHEDULES:
+            planned = estimate_pipeline_memory(pipeline_config(schedule), 2, rank=rank)
+            got = measured[schedule]
+            for kind in ("params", "grads", "optimizer"):
+                assert getattr(planned, kind) == pytest.approx(got[kind], rel=0.05), (
+                    rank,
+                    schedule,
+                    kind,
+                )
+            assert planned.activations == pytest.approx(got["activations"], rel=0.10), (
+                rank,
+                schedule,
+                planned,
+                got,
+            )
+    # GPipe keeps all 8 microbatches where 1F1B keeps 2 (stage 0): the schedules must differ.
+    first = json.loads((tmp_path / "rank0.json").read_text())
+    assert first["gpipe"]["activations"] > 2 * first["1f1b"]["activations"]
+
+
+def test_in_flight_microbatches_per_schedule():
+    assert [in_flight("1f1b", 4, r, 1, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 0, 1, 2) == 2
+    assert in_flight("gpipe", 4, 3, 1, 8) == 8
+    # Interleaved, 2 stages per rank on 4 ranks: (v - 1) p + 2 (p - 1 - r) + 1.
+    assert [in_flight("interleaved_1f1b", 4, r, 2, 8) for r in range(4)] == [11, 9, 7, 5]
+    assert in_flight("interleaved_1f1b", 4, 0, 2, 4) == 8
+
+
+def test_search_plans_pipeline_layouts_at_their_worst_rank():
+    cfg = pipeline_config("1f1b")
+    cluster = Cluster(
+        nodes=1,
+        gpus_per_node=2,
+        memory_bytes=1e9,
+        peak_flops=1e12,
+        efficiency=1.0,
+        intra_bw=1e9,
+        inter_bw=1e9,
+    )
+    found = candidates(cfg, cluster, stages=(0,), checkpointing=("none",))
+    assert {c.pp for c in found} == {1, 2}
+    ranks = [estimate_pipeline_memory(cfg, 2, rank=r) for r in (0, 1)]
+    row = memory_row(cfg, 2, {})
+    assert row["peak"] == max(m.peak for m in ranks)
+    assert row["peak"] > row["params"] + row["grads"] + row["optimizer"]
