@@ -45,6 +45,16 @@ class Outcome:
     error: str | None
     """None when every rank finished the run; else why not (the worker's traceback, or the
     launch's stderr)."""
+    log: Path | None = None
+    """The whole output of the launch that ran it (every rank's stdout and stderr), where one
+    did."""
+
+
+def selected(runs: dict[str, Run], items: list) -> dict[str, Run]:
+    """The runs that this session's tests need: a run is named after its test case (the item's
+    name), or after it and a role in that test (`case:role`, for a test of several runs)."""
+    names = {item.name for item in items}
+    return {name: run for name, run in runs.items() if name.split(":")[0] in names}
 
 
 class Batches:
@@ -137,12 +147,12 @@ class Batches:
                     errors.setdefault(row["name"], []).append(f"{path.stem}: {row['error']}")
         for i, name in enumerate(names):
             if finished.get(name) == nproc:
-                self.outcomes[name] = Outcome(self.run_dir(name), None)
+                self.outcomes[name] = Outcome(self.run_dir(name), None, log)
                 continue
             # The first run not finished on every rank ended this launch.
             why = "\n".join(errors.get(name, [])) + "\nlaunch log tail:\n" + log.read_text()[-4000:]
             self.outcomes[name] = Outcome(
-                self.run_dir(name), f"batched launch ({ending}; log {log}) failed:\n{why}"
+                self.run_dir(name), f"batched launch ({ending}; log {log}) failed:\n{why}", log
             )
             return names[i + 1 :]
         return []

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, train_cli, train_in_process
+from batch import Batches, Run, selected
+from helpers import losses, train_in_process
 from test_parity import assert_parity
 
 from distrain.cli import main
@@ -229,17 +230,32 @@ HF_LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def batched(hf_dirs, request, tmp_path_factory):
+    """The run dir of a layout's fine-tuning run, once it trained without error. The layouts
+    this session selected train in one torchrun launch per world size (tests/batch.py)."""
+    runs = {
+        f"test_fine_tune_under_layout_matches_and_exports[{name}]": Run(
+            nproc, dict(RUN, **fields, model__init_from=f"hf:{hf_dirs[family]}")
+        )
+        for name, family, nproc, fields in HF_LAYOUTS
+    }
+    batches = Batches(selected(runs, request.session.items), tmp_path_factory.mktemp("batched"))
+
+    def run_dir(name: str) -> Path:
+        outcome = batches.result(name)
+        assert outcome.error is None, outcome.error
+        return outcome.run_dir
+
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "nproc", "fields"),
-    [layout[1:] for layout in HF_LAYOUTS],
-    ids=[layout[0] for layout in HF_LAYOUTS],
+    "family", [layout[1] for layout in HF_LAYOUTS], ids=[layout[0] for layout in HF_LAYOUTS]
 )
-def test_fine_tune_under_layout_matches_and_exports(
-    family, nproc, fields, hf_dirs, references, tmp_path, check_ok
-):
-    run = tmp_path / "run"
-    check_ok(train_cli(run, nproc, **RUN, **fields, model__init_from=f"hf:{hf_dirs[family]}"))
+def test_fine_tune_under_layout_matches_and_exports(family, references, batched, request, tmp_path):
+    run = batched(request.node.name)
     assert_parity(losses(read_metrics(run / "metrics.jsonl")), references[family][1])
     # A small shard limit makes several shards, so the index is exercised.
     _assert_export_matches(run, tmp_path / "hf", shard_mb=0.05)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import train_cli, train_in_process
+from batch import Batches, Run
+from helpers import train_in_process
 
 from distrain.observe.health import LossSpikes, NonFiniteError
 from distrain.observe.metrics import read_metrics
@@ -81,19 +82,29 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
     # replicas diverge (debug.check_replicas compares them after every logged step). The same
     # run has rank 1 sleep 0.5 s per step: the straggler metrics must name it (shares the run
     # to keep multi-process tests few).
-    skipped = train_cli(
-        tmp_path / "skip",
-        2,
-        **FIELDS,
-        debug__nan_at_step=2,
-        debug__nan_rank=1,
-        debug__check_replicas=True,
-        debug__slow_rank=1,
-        debug__slow_ms=500,
-        debug__straggler_ratio=1.2,
-    )
-    assert skipped.returncode == 0, skipped.stderr[-4000:]
-    rows = [r for r in read_metrics(tmp_path / "skip" / "metrics.jsonl") if "loss" in r]
+    # Both runs share one torchrun launch (tests/batch.py); the stopping run comes last, as its
+    # failure ends the launch.
+    runs = {
+        "skip": Run(
+            2,
+            dict(
+                FIELDS,
+                debug__nan_at_step=2,
+                debug__nan_rank=1,
+                debug__check_replicas=True,
+                debug__slow_rank=1,
+                debug__slow_ms=500,
+                debug__straggler_ratio=1.2,
+            ),
+        ),
+        "stop": Run(
+            2, dict(FIELDS, debug__nan_at_step=2, debug__nan_rank=1, training__nonfinite="stop")
+        ),
+    }
+    batches = Batches(runs, tmp_path)
+    skipped = batches.result("skip")
+    assert skipped.error is None, skipped.error
+    rows = [r for r in read_metrics(skipped.run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 1, 1, 1]
     # Step 1 is left out: DDP rebuilds its buckets in the forward after the first backward (the
     # settling one distrain runs before step 1), a collective in which rank 0 waits for rank 1's
@@ -104,18 +115,12 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
     # model's forward puts it well above 1.2.
     assert all(1.2 < r["straggler_ratio"] < 2 for r in timed), rows
     assert all(r["compute_s_max"] >= 0.5 for r in timed), rows
-    assert "straggler: rank 1 computes " in skipped.stderr
+    assert "straggler: rank 1 computes " in (skipped.run_dir / "logs" / "rank0.log").read_text()
 
-    stopped = train_cli(
-        tmp_path / "stop",
-        2,
-        **FIELDS,
-        debug__nan_at_step=2,
-        debug__nan_rank=1,
-        training__nonfinite="stop",
-    )
-    assert stopped.returncode != 0
-    assert "first on rank 1 in parameter tok_emb.weight" in stopped.stderr, stopped.stderr[-4000:]
+    stopped = batches.result("stop")
+    assert stopped.error is not None and stopped.log is not None
+    # Only a stopping run raises this error (the skipping run above finished).
+    assert "first on rank 1 in parameter tok_emb.weight" in stopped.log.read_text(), stopped.error
 
 
 def test_compute_timer_counts_data_and_forward_only():

@@ -1,9 +1,13 @@
 """Out-of-memory recovery: an injected OOM on one rank makes every rank halve the micro-batch
-and retry the step; the global batch, and so the loss curve, is unchanged."""
+and retry the step; the global batch, and so the loss curve, is unchanged. The multi-process
+runs share one torchrun launch per world size (tests/batch.py)."""
+
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, train_cli, train_in_process
+from batch import Batches, Run, selected
+from helpers import losses, train_in_process
 from test_parity import BASE as PARITY
 from test_parity import assert_parity
 
@@ -27,23 +31,18 @@ def test_split_keeps_samples_and_order():
     assert torch.equal(torch.cat([b[0] for b in halves]), torch.cat([b[0] for b in batches]))
 
 
+ONE_RANK_OOM = "test_injected_oom_on_one_rank_halves_micro_batch_everywhere"
+
+
 @pytest.mark.slow
-def test_injected_oom_on_one_rank_halves_micro_batch_everywhere(tmp_path, check_ok):
-    check_ok(train_cli(tmp_path / "small", 2, **BASE, training__micro_batch_size=2))
-    result = check_ok(
-        train_cli(
-            tmp_path / "oom",
-            2,
-            **BASE,
-            training__micro_batch_size=4,
-            debug__oom_at_step=3,
-            debug__oom_rank=1,
-        )
-    )
-    assert "step 3 ran out of memory on some rank: retrying with micro-batch 2" in result.stderr
-    rows = read_metrics(tmp_path / "oom" / "metrics.jsonl")
+def test_injected_oom_on_one_rank_halves_micro_batch_everywhere(batched):
+    small, oom = batched(f"{ONE_RANK_OOM}:small"), batched(f"{ONE_RANK_OOM}:oom")
+    for rank in range(2):
+        log = (oom / "logs" / f"rank{rank}.log").read_text()
+        assert "step 3 ran out of memory on some rank: retrying with micro-batch 2" in log, rank
+    rows = read_metrics(oom / "metrics.jsonl")
     assert {"step": 3, "oom_retry_micro_batch_size": 2} in rows
-    got, want = losses(rows), losses(read_metrics(tmp_path / "small" / "metrics.jsonl"))
+    got, want = losses(rows), losses(read_metrics(small / "metrics.jsonl"))
     # 1e-6: the first two steps ran with micro-batch 4, the reference with 2; accumulating
     # 2 x 4 or 4 x 2 sequences reorders fp32 sums (~1e-7), nothing else differs.
     assert got.keys() == want.keys()
@@ -52,13 +51,12 @@ def test_injected_oom_on_one_rank_halves_micro_batch_everywhere(tmp_path, check_
 
 
 @pytest.mark.slow
-def test_oom_at_micro_batch_one_is_a_clear_error(tmp_path):
-    fields = dict(
-        BASE, training__global_batch_size=2, training__micro_batch_size=1, debug__oom_at_step=2
+def test_oom_at_micro_batch_one_is_a_clear_error(oom_batches):
+    outcome = oom_batches.result("test_oom_at_micro_batch_one_is_a_clear_error")
+    assert outcome.error is not None and outcome.log is not None
+    assert "step 2 runs out of memory even with training.micro_batch_size = 1" in (
+        outcome.log.read_text()
     )
-    result = train_cli(tmp_path / "run", 2, **fields)
-    assert result.returncode != 0
-    assert "step 2 runs out of memory even with training.micro_batch_size = 1" in result.stderr
 
 
 # FSDP2 with tp, and pp with FSDP2: a rank's forward runs collectives, so the ranks agree
@@ -78,14 +76,52 @@ def reference(tmp_path_factory):
     return losses(train_in_process(run, **dict(PARITY, training__micro_batch_size=8)))
 
 
+@pytest.fixture(scope="module")
+def oom_batches(request, tmp_path_factory) -> Batches:
+    """Every multi-process run of this file: one torchrun launch per world size (tests/batch.py).
+    The run that fails on purpose comes last of its world size, so its launch ends after it."""
+    runs = {
+        f"{ONE_RANK_OOM}:small": Run(2, dict(BASE, training__micro_batch_size=2)),
+        f"{ONE_RANK_OOM}:oom": Run(
+            2,
+            dict(BASE, training__micro_batch_size=4, debug__oom_at_step=3, debug__oom_rank=1),
+        ),
+        "test_oom_at_micro_batch_one_is_a_clear_error": Run(
+            2,
+            dict(
+                BASE,
+                training__global_batch_size=2,
+                training__micro_batch_size=1,
+                debug__oom_at_step=2,
+            ),
+        ),
+    }
+    for name, layout in SHARDED.items():
+        fields = dict(PARITY, **layout, training__oom_recovery=True, debug__oom_at_step=3)
+        runs[f"test_injected_oom_under_sharded_layouts_keeps_the_loss_curve[{name}]"] = Run(
+            4, dict(fields, debug__oom_rank=3)
+        )
+    return Batches(selected(runs, request.session.items), tmp_path_factory.mktemp("batched"))
+
+
+@pytest.fixture(scope="module")
+def batched(oom_batches):
+    """The run dir of a run that trained without error."""
+
+    def run_dir(name: str) -> Path:
+        outcome = oom_batches.result(name)
+        assert outcome.error is None, outcome.error
+        return outcome.run_dir
+
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", SHARDED.values(), ids=SHARDED.keys())
 def test_injected_oom_under_sharded_layouts_keeps_the_loss_curve(
-    layout, reference, tmp_path, check_ok
+    layout, reference, batched, request
 ):
-    run = tmp_path / "run"
-    fields = dict(PARITY, **layout, training__oom_recovery=True, debug__oom_at_step=3)
-    check_ok(train_cli(run, 4, **fields, debug__oom_rank=3))
+    run = batched(request.node.name)
     for rank in range(4):
         log = (run / "logs" / f"rank{rank}.log").read_text()
         assert "step 3 ran out of memory on some rank: retrying with micro-batch 1" in log, rank

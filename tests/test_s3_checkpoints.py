@@ -11,6 +11,7 @@ import time
 import fsspec
 import pytest
 import torch
+from batch import Batches, Run
 from helpers import losses, start_train, train_cli
 from s3 import (  # noqa: F401  (s3: the module-scoped fixture)
     Gateway,
@@ -40,20 +41,28 @@ FIELDS = {
 @pytest.mark.slow
 def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa: F811
     assert s3.kind == expected_kind()
-    check_ok(train_cli(tmp_path / "local", 2, **FIELDS))
     url = s3.url("run/checkpoints")
-    crashed = train_cli(tmp_path / "s3", 2, **FIELDS, checkpoint__dir=url, debug__fail_at_step=5)
-    assert crashed.returncode != 0
+    # The local reference and the crashing run share a torchrun launch (tests/batch.py); the
+    # crash ends it, so it comes last.
+    runs = {
+        "local": Run(2, FIELDS),
+        "s3": Run(2, dict(FIELDS, checkpoint__dir=url, debug__fail_at_step=5)),
+    }
+    batches = Batches(runs, tmp_path)
+    local = batches.result("local")
+    assert local.error is None, local.error
+    crashed = batches.result("s3")
+    assert crashed.error is not None and "crashes at step 5" in crashed.error, crashed.error
     storage = Storage(url)
     assert [e.step for e in committed(storage)] == [4]  # step 2 pruned (keep_temporary = 1)
-    result = check_ok(train_cli(tmp_path / "s3", 2, **FIELDS, checkpoint__dir=url))
+    result = check_ok(train_cli(crashed.run_dir, 2, **FIELDS, checkpoint__dir=url))
     assert "resumed from checkpoint step-00000004" in result.stderr
     entries = committed(Storage(url))
     assert [(e.step, e.permanent) for e in entries] == [(4, False), (6, True)]
     fs, root = fsspec.url_to_fs(url)
     assert fs.exists(f"{root}/step-00000006/MANIFEST.json")
-    want = losses(read_metrics(tmp_path / "local" / "metrics.jsonl"))
-    assert losses(read_metrics(tmp_path / "s3" / "metrics.jsonl")) == want
+    want = losses(read_metrics(local.run_dir / "metrics.jsonl"))
+    assert losses(read_metrics(crashed.run_dir / "metrics.jsonl")) == want
 
 
 def test_s3_save_hashes_while_writing_and_reads_nothing_back(

@@ -1,12 +1,14 @@
 """End-to-end training: layout parity, accumulation, exact resume, crash safety, CLI and errors.
 
 Single-rank references run in this process; multi-rank runs go through `distrain train --nproc N`
-(torchrun's agent, gloo), exactly as a user starts them.
+(torchrun's agent, gloo), exactly as a user starts them, or where several only need to finish or
+crash, through distrain's worker entry in one torchrun launch (tests/batch.py).
 """
 
 import shutil
 
 import pytest
+from batch import Batches, Run
 from helpers import cli_in_process, losses, run_cli, train_cli, train_in_process
 
 from distrain import checkpoint
@@ -90,14 +92,21 @@ def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
         checkpoint__interval_steps=3,
         checkpoint__async_mode="async",
     )
-    check_ok(train_cli(tmp_path / "full", 2, **fields))
-    run = tmp_path / "resumed"
-    failed = train_cli(run, 2, **fields, debug__fail_at_step=5, debug__fail_rank=1)
-    assert (
-        failed.returncode != 0 and "debug.fail_at_step: rank 1 crashes at step 5" in failed.stderr
-    )
+    # The uninterrupted run and the crashing one share a torchrun launch (tests/batch.py); the
+    # crash ends it, so it comes last.
+    runs = {
+        "full": Run(2, fields),
+        "resumed": Run(2, dict(fields, debug__fail_at_step=5, debug__fail_rank=1)),
+    }
+    batches = Batches(runs, tmp_path)
+    full_run = batches.result("full")
+    assert full_run.error is None, full_run.error
+    failed = batches.result("resumed")
+    assert failed.error is not None
+    assert "debug.fail_at_step: rank 1 crashes at step 5" in failed.error, failed.error
+    run = failed.run_dir
     check_ok(train_cli(run, 2, **fields))
-    full = losses(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    full = losses(read_metrics(full_run.run_dir / "metrics.jsonl"))
     assert losses(read_metrics(run / "metrics.jsonl")) == full
 
 
