@@ -195,7 +195,8 @@ class ParallelDims:
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
-        if p.zero_stage <= 1:
+        shards_gradients = cfg.optim.name == "onebit_adam" and p.zero_stage == 2
+        if p.zero_stage <= 1 or shards_gradients:  # the parameters are whole on every dp rank
             replicate, shard = dp, 1
         elif shard == -1:
             replicate = 1 if replicate == -1 else replicate
@@ -211,7 +212,7 @@ class ParallelDims:
             world_size=world_size,
             ep=p.ep,
             cp=p.cp,
-            optimizer_shards_gradients=cfg.optim.name == "onebit_adam" and p.zero_stage == 2,
+            optimizer_shards_gradients=shards_gradients,
         )
 
     @property

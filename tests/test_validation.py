@@ -258,6 +258,8 @@ def test_onebit_adam_under_zero2_runs_unwrapped():
     model; AdamW's ZeRO-2 stays FSDP2."""
     onebit = validate(_config({"optim.name": "onebit_adam", "parallel.zero_stage": "2"}), 2)
     assert onebit.dims.dp_wrapper == "optimizer"
+    # The parameters are whole on every dp rank: debug.check_replicas compares them all.
+    assert (onebit.dims.dp_replicate, onebit.dims.dp_shard) == (2, 1)
     assert validate(_config({"parallel.zero_stage": "2"}), 2).dims.dp_wrapper == "fsdp"
 
 
