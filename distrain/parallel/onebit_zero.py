@@ -148,11 +148,15 @@ class OneBitZeroAdam(torch.optim.Optimizer):
 
     def _reduce_scatter(self) -> torch.Tensor:
         """This rank's chunk of the gradient averaged in fp32 over the ranks; the local
-        gradients are freed."""
+        gradients are freed as they are copied into the flat buffer, so that the two together
+        hold about one gradient's bytes."""
         if any(p.grad is None for p in self._params):
             raise RuntimeError(_MISSING_GRADIENT)
-        flat = self._padded([p.grad for p in self._params])
+        flat = torch.zeros(self.world * self.chunk, device=self._params[0].device)
+        offset = 0
         for p in self._params:
+            flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
             p.grad = None
         mine = torch.empty(self.chunk, device=flat.device)
         mark = comm_clock.start(flat.device)
