@@ -263,7 +263,7 @@ class OneBitConfig:
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
     name: Literal["adamw", "onebit_adam"] = doc(
-        "adamw", "Optimizer: adamw, or onebit_adam (Tang et al. 2021; DDP layouts only)."
+        "adamw", "Optimizer: adamw, or onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2)."
     )
     lr: float = doc(2e-3, "Peak learning rate.", POSITIVE)
     min_lr_ratio: float = doc(

@@ -113,16 +113,16 @@ RULES: tuple[Rule, ...] = (
         lambda f: (
             f.cfg.optim.name == "onebit_adam"
             and (
-                f.p.zero_stage >= 2
+                f.p.zero_stage == 3
                 or f.p.tp > 1
                 or f.p.pp > 1
                 or f.c.gradient_compression != "none"
                 or f.t.oom_recovery
             )
         ),
-        "optim.name = 'onebit_adam' communicates the momentum itself: it needs DDP data "
-        "parallel (zero_stage 0 or 1, no tp/pp, comm.gradient_compression = 'none', no "
-        "training.oom_recovery); it does not compose with FSDP2 (zero_stage 2/3)",
+        "optim.name = 'onebit_adam' communicates the momentum itself: it needs plain data "
+        "parallel (zero_stage 0, 1 or 2, no tp/pp, comm.gradient_compression = 'none', no "
+        "training.oom_recovery); it does not compose with FSDP2's zero_stage 3",
     ),
     Rule(
         "moe_pipeline_one_stage",

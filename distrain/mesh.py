@@ -185,6 +185,8 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     cp: int = 1
+    optimizer_shards_gradients: bool = False
+    """1-bit Adam under ZeRO-2: the optimizer reduce-scatters the gradients itself."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
@@ -193,7 +195,8 @@ class ParallelDims:
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
-        if p.zero_stage <= 1:
+        shards_gradients = cfg.optim.name == "onebit_adam" and p.zero_stage == 2
+        if p.zero_stage <= 1 or shards_gradients:  # the parameters are whole on every dp rank
             replicate, shard = dp, 1
         elif shard == -1:
             replicate = 1 if replicate == -1 else replicate
@@ -209,6 +212,7 @@ class ParallelDims:
             world_size=world_size,
             ep=p.ep,
             cp=p.cp,
+            optimizer_shards_gradients=shards_gradients,
         )
 
     @property
@@ -222,9 +226,13 @@ class ParallelDims:
         with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
         correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
         of a data-parallel rank count as replicas here: each computes its share of the gradient,
-        which the wrapper averages over dp x cp."""
+        which the wrapper averages over dp x cp. "optimizer": no wrapper, the optimizer averages
+        (1-bit Adam under ZeRO-2, whose owner chunks replace both DDP's full-size buckets and
+        FSDP2's parameter sharding; decided here with the other wrapper choices)."""
         if self.dp_size * self.cp == 1:
             return "none"
+        if self.optimizer_shards_gradients:
+            return "optimizer"
         if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
             return "fsdp"
         return "ddp"

@@ -64,13 +64,26 @@ def build_optimizer(
     zero1_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     comm_stats: CommStats | None = None,
+    zero2_group: dist.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW; with `zero1_group` (ZeRO stage 1) its state is partitioned across that group,
     each rank updating its share and broadcasting it: by torch's ZeroRedundancyOptimizer for
     plain tensors (DDP), by `Zero1AdamW` for DTensor parameters (tp, and FSDP2's replication
     under tp/pp), which torch's cannot broadcast. Or 1-bit Adam, which averages its momentum
-    over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too)."""
+    over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too; with
+    `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well)."""
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "onebit_adam" and zero2_group is not None:
+        return OneBitZeroAdam(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            freeze_step=cfg.onebit.freeze_step,
+            group=zero2_group,
+            stats=comm_stats,
+            shard_gradients=True,
+        )
     if cfg.name == "onebit_adam":
         onebit = OneBitAdam if zero1_group is None else OneBitZeroAdam
         return onebit(

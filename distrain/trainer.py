@@ -40,7 +40,7 @@ from distrain.optim import (
 )
 from distrain.parallel import build_parallel_model
 from distrain.parallel.compress import CommStats
-from distrain.parallel.data import KeepsGradientsLocal
+from distrain.parallel.data import KeepsGradientsLocal, ShardsGradients
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.sanity import check_replicas
 from distrain.parallel.scaler import AgreedGradScaler
@@ -103,6 +103,7 @@ class Trainer:
                 part,
                 cfg.optim,
                 zero1_group=self.dp_group if self.dims.zero_stage == 1 else None,
+                zero2_group=self.dp_group if self.dims.dp_wrapper == "optimizer" else None,
                 dp_group=self.dp_group,
                 comm_stats=self.comm_stats,
             )
@@ -236,13 +237,17 @@ class Trainer:
         maybe_inject_nan(self.cfg.debug, self.step + 1, self.ctx.rank, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(
-            self.model.parameters(),
-            self.cfg.optim.max_grad_norm or math.inf,
-            holders=1 if local else self.ctx.world_size // self.dims.pp,
-            local=local,
-            counted_elsewhere=self.model.counted_elsewhere,
-        )
+        max_norm, owner = self.cfg.optim.max_grad_norm or math.inf, self.optimizers[0]
+        if isinstance(owner, ShardsGradients) and owner.shards_gradients:  # 1-bit ZeRO-2, no pp
+            grad_norm = owner.reduce_and_clip(max_norm)
+        else:
+            grad_norm = clip_grad_norm(
+                self.model.parameters(),
+                max_norm,
+                holders=1 if local else self.ctx.world_size // self.dims.pp,
+                local=local,
+                counted_elsewhere=self.model.counted_elsewhere,
+            )
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,
             step=self.step + 1,

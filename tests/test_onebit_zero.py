@@ -139,3 +139,101 @@ def test_onebit_zero_is_sharded_adamw_then_one_bit_with_identical_replicas(tmp_p
     assert torch.equal(opt.exp_avg[: exp_avg.numel()], exp_avg) and exp_avg.abs().sum() > 0
     _run(model, opt, range(5, STEPS), 0)
     assert torch.isfinite(_flat(model)).all()
+
+
+# --- ZeRO-2: the optimizer reduce-scatters each rank's own gradients ---------------------------
+
+MAX_NORM = 10.0  # below the averaged gradients' norm (~37): clipping is on
+
+
+def _zero2(model: nn.Module, stats: CommStats | None = None) -> OneBitZeroAdam:
+    return OneBitZeroAdam(
+        _groups(model), **OPTIONS, freeze_step=FREEZE, group=dist.group.WORLD, stats=stats,
+        shard_gradients=True,
+    )  # fmt: skip
+
+
+def _own_grads(model: nn.Module, step: int, rank: int) -> None:
+    for i, p in enumerate(model.parameters()):
+        seed = 1000 * step + 100 * rank + i
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _run_zero2(model: nn.Module, opt: OneBitZeroAdam, steps: range, rank: int) -> list:
+    """The trainer's order: backward, `reduce_and_clip`, step; returns per step the norm, the
+    gradient bytes held after `reduce_and_clip` and those held after the step."""
+    seen = []
+    for step in steps:
+        _own_grads(model, step, rank)
+        norm = opt.reduce_and_clip(MAX_NORM)
+        held = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        held += opt._owned.nbytes if opt._owned is not None else 0
+        opt.step()
+        seen.append((norm, held, sum(p.grad is not None for p in model.parameters())))
+        opt.zero_grad()
+    return seen
+
+
+def _zero2_worker(rank: int, store: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        model, reference = _model(), _model()
+        n = sum(p.numel() for p in model.parameters())
+        stats = CommStats()
+        opt = _zero2(model, stats)
+        adamw = torch.optim.AdamW(_groups(reference), **OPTIONS, foreach=True)
+        saved, seen = {}, []
+        for step in range(STEPS):
+            if step in (2, 5):  # in warm-up; past the freeze step, after two compressed steps
+                saved[step] = _snapshot(model, opt)
+            if step == FREEZE:
+                # Warm-up: AdamW on the two ranks' averaged gradients, clipped by their norm.
+                torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-5, atol=1e-7)
+                # Reduce-scatter plus parameter all-gather: an fp32 all-reduce's bytes (of the
+                # padded vector).
+                assert stats.bytes_sent == FREEZE * 2 * 0.5 * 4 * 2 * opt.chunk
+                assert 1 <= stats.bytes_sent / stats.fp32_equivalent_bytes < 1.01
+                stats.reset()
+            if step < FREEZE:
+                for i, p in enumerate(reference.parameters()):
+                    p.grad = sum(
+                        torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+                        for seed in (1000 * step + i, 1000 * step + 100 + i)
+                    ) / 2  # fmt: skip
+                want = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+                adamw.step()
+                adamw.zero_grad()
+            seen += _run_zero2(model, opt, range(step, step + 1), rank)
+            if step < FREEZE:
+                assert want > MAX_NORM
+                torch.testing.assert_close(seen[-1][0], want, rtol=1e-5, atol=0)
+        # Memory: after the warm-up exchange a rank holds only its chunk of the averaged
+        # gradient, no local gradient: half the model's gradient bytes on 2 ranks (+ padding).
+        for _, held, _ in seen[:FREEZE]:
+            assert held == 4 * opt.chunk and 2 * held - 4 * n < 4 * 2 * 8 * opt.blocks
+        # Past warm-up the local gradient is freed once compressed, inside the step.
+        assert all(left == 0 for _, _, left in seen)
+        both = [torch.empty(n), torch.empty(n)]
+        dist.all_gather(both, _flat(model))
+        assert torch.equal(both[0], both[1])
+        # Past warm-up: the ZeRO-1 exchange; the frozen variance's fp32 all-gather once.
+        compressed = stats.bytes_sent - 4 * opt.chunk
+        assert stats.fp32_equivalent_bytes / compressed >= 31
+        # A fresh optimizer loaded from each snapshot continues bit for bit.
+        for step, (state, weights) in saved.items():
+            restarted = _model()
+            restarted.load_state_dict(weights)
+            again = _zero2(restarted)
+            load_optimizer_state_dict(restarted, again, state)
+            _run_zero2(restarted, again, range(step, STEPS), rank)
+            assert torch.equal(_flat(restarted), _flat(model)), step
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_onebit_zero2_reduce_scatters_clips_and_keeps_a_chunk_of_the_gradient(tmp_path: Path):
+    mp.spawn(_zero2_worker, args=(tmp_path / "store",), nprocs=2)

@@ -50,8 +50,8 @@ CASES = [
      ["DDP communication hooks", "zero_stage 2, tp 1, pp 1 here"]),
     ("one_comm_hook", {"comm.gradient_compression": "bf16", "comm.hierarchical": "true"}, 2,
      ["DDP takes one communication hook"]),
-    ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "2"},
-     2, ["it does not compose with FSDP2 (zero_stage 2/3)"]),
+    ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "3"},
+     2, ["it does not compose with FSDP2's zero_stage 3"]),
     ("moe_pipeline_one_stage",
      {"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
       "parallel.pp_stages_per_rank": "2"}, 2,
@@ -232,6 +232,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2",
           "parallel.zero_stage": "3", "training.global_batch_size": "10"}, 2),
         ({"optim.name": "onebit_adam", "parallel.zero_stage": "1"}, 2),
+        ({"optim.name": "onebit_adam", "parallel.zero_stage": "2"}, 2),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
@@ -250,6 +251,16 @@ def test_detail_debug_refuses_ddp_on_gloo_only(monkeypatch):
         assert validate(_config(fields), world_size).dims.world_size == world_size
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
     assert validate(_config({}), 2).dims.dp_wrapper == "ddp"
+
+
+def test_onebit_adam_under_zero2_runs_unwrapped():
+    """1-bit Adam under ZeRO-2 averages the gradients itself: neither DDP nor FSDP2 wraps the
+    model; AdamW's ZeRO-2 stays FSDP2."""
+    onebit = validate(_config({"optim.name": "onebit_adam", "parallel.zero_stage": "2"}), 2)
+    assert onebit.dims.dp_wrapper == "optimizer"
+    # The parameters are whole on every dp rank: debug.check_replicas compares them all.
+    assert (onebit.dims.dp_replicate, onebit.dims.dp_shard) == (2, 1)
+    assert validate(_config({"parallel.zero_stage": "2"}), 2).dims.dp_wrapper == "fsdp"
 
 
 def test_every_tested_layout_passes_the_table():

@@ -39,6 +39,7 @@ def wire_bytes(collective: str, nbytes: float, group_size: int) -> float:
     factor = {
         "all_reduce": 2 * (n - 1) / n,
         "all_to_all": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
         "all_gather": n - 1,
         "reduce": (n - 1) / n,
         "broadcast": (n - 1) / n,

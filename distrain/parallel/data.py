@@ -39,6 +39,18 @@ class KeepsGradientsLocal(Protocol):
     def keeps_gradients_local(self) -> bool: ...
 
 
+@runtime_checkable
+class ShardsGradients(Protocol):
+    """An optimizer that averages the local gradients itself in every phase (1-bit Adam under
+    ZeRO-2, with no wrapper: `ParallelDims.dp_wrapper` "optimizer"). When `shards_gradients`,
+    the trainer clips through `reduce_and_clip`, which first reduce-scatters the gradients to
+    their owners, instead of `clip_grad_norm`."""
+
+    shards_gradients: bool
+
+    def reduce_and_clip(self, max_norm: float) -> torch.Tensor: ...
+
+
 def apply_ddp(
     model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float, device: torch.device
 ) -> DistributedDataParallel:

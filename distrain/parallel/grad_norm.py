@@ -64,12 +64,17 @@ def clip_grad_norm(
         dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm != math.inf:
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        # A non-finite norm would smear NaN over every gradient; leave them as they are so the
-        # non-finite guard can name the parameter that holds it (the step is not taken).
-        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+        coef = clip_coefficient(total, max_norm)
         for grad in grads:
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             local.mul_(coef.to(local.dtype))
     return total
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to scale the gradients by for a global norm `total` (a device tensor)."""
+    # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # A non-finite norm would smear NaN over every gradient; leave them as they are so the
+    # non-finite guard can name the parameter that holds it (the step is not taken).
+    return torch.where(torch.isfinite(total), coef, torch.ones_like(coef))

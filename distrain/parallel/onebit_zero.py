@@ -1,5 +1,6 @@
-"""1-bit Adam under ZeRO-1: the Adam state sharded over the data-parallel ranks, the exchange
-compressed to 1 bit per value after the warm-up (DeepSpeed's 1-bit optimizers refuse ZeRO).
+"""1-bit Adam under ZeRO-1 and ZeRO-2: the Adam state (and under ZeRO-2 the averaged gradient)
+sharded over the data-parallel ranks, the exchange compressed to 1 bit per value after the
+warm-up (DeepSpeed's 1-bit optimizers refuse ZeRO).
 
 The parameters are seen as one flat vector of n values cut into `world` chunks of whole
 blocks (`compress.onebit_blocks`); rank r owns chunk r: its momentum, its variance and its
@@ -20,6 +21,14 @@ server error. Each parameter stays whole and replicated on every rank (ZeRO-1).
   rank sends per step: 2(N-1)/N x n/8 plus 4 bytes per block against a ring fp32 all-reduce's
   2(N-1)/N x 4n, ~32x fewer whatever N. The warm-up's parameter all-gather is not counted.
 
+ZeRO-2 (`shard_gradients`): the model has no DDP/FSDP2 wrapper, so backward leaves each rank's
+local gradient. In warm-up `reduce_and_clip` reduce-scatters them (fp32, one flat buffer,
+averaged) to the owners and frees them: past the exchange a rank holds only its chunk of the
+averaged gradient (1/N of the gradient bytes, and no DDP bucket), clipped by the global norm
+from the owners' chunk norms (one scalar all-reduce). Both the reduce-scatter and the parameter
+all-gather are counted here: together an fp32 all-reduce's bytes. Past warm-up: the compressed
+path above, each local gradient freed once compressed.
+
 Checkpoints (`state_dict`): per parameter its whole `exp_avg`, `exp_avg_sq` and `server_error`,
 all-gathered from the owners (the same on every rank, so any number of ranks loads them, each
 taking its chunk), and `worker_error.rank<r>`, each rank's own (a resume on fewer ranks drops the
@@ -28,6 +37,8 @@ tensor of the step is read on the host.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -41,8 +52,10 @@ from distrain.parallel.compress import (
     onebit_compress,
     wire_bytes,
 )
+from distrain.parallel.grad_norm import clip_coefficient, clip_grad_norm
 
 _ERROR_KEYS = ("worker_error", "server_error")
+_MISSING_GRADIENT = "1-bit Adam under ZeRO updates every parameter; a parameter got no gradient"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -57,9 +70,14 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         freeze_step: int,
         group: dist.ProcessGroup | None,
         stats: CommStats | None = None,
+        shard_gradients: bool = False,
     ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.freeze_step, self.group, self.stats = freeze_step, group, stats
+        self.shards_gradients = shard_gradients
+        """ZeRO-2: the optimizer averages the local gradients in warm-up too (`ShardsGradients`)."""
+        self._owned: torch.Tensor | None = None
+        """ZeRO-2 warm-up: this rank's chunk of the averaged, clipped gradient, until the step."""
         distributed = group is not None and dist.is_initialized()
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
@@ -112,11 +130,48 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         return self._weight_decay * self.param_groups[0]["lr"]
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
+        """ZeRO-2: clip to `max_norm` (math.inf: measure only) and return the gradient norm (a
+        device tensor, no host sync). In warm-up the local gradients are first reduce-scattered
+        to their owners and freed; the norm, the same on every rank, sums the owners' chunk
+        norms. Past it each rank clips its own local gradient, as under ZeRO-1."""
+        if self.keeps_gradients_local():
+            return clip_grad_norm(self._params, max_norm, holders=1, local=True)
+        self._owned = self._reduce_scatter()
+        total_sq = self._owned.pow(2).sum()
+        if self.world > 1:
+            dist.all_reduce(total_sq, group=self.group)
+        total = total_sq.sqrt()
+        if max_norm != math.inf:
+            self._owned.mul_(clip_coefficient(total, max_norm))
+        return total
+
+    def _reduce_scatter(self) -> torch.Tensor:
+        """This rank's chunk of the gradient averaged in fp32 over the ranks; the local
+        gradients are freed as they are copied into the flat buffer, so that the two together
+        hold about one gradient's bytes."""
         if any(p.grad is None for p in self._params):
-            raise RuntimeError(
-                "1-bit Adam under ZeRO-1 updates every parameter; a parameter got no gradient"
-            )
+            raise RuntimeError(_MISSING_GRADIENT)
+        flat = torch.zeros(self.world * self.chunk, device=self._params[0].device)
+        offset = 0
+        for p in self._params:
+            flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+            p.grad = None
+        mine = torch.empty(self.chunk, device=flat.device)
+        mark = comm_clock.start(flat.device)
+        if self.world == 1:
+            mine.copy_(flat)
+        else:
+            dist.reduce_scatter_single(mine, flat, group=self.group)
+        mark.stop()
+        self._count(wire_bytes("reduce_scatter", flat.nbytes, self.world), self.numel, mark)
+        return mine.div_(self.world)
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if self._owned is None and any(p.grad is None for p in self._params):
+            raise RuntimeError(_MISSING_GRADIENT)
         compressed = self.keeps_gradients_local()
         self.steps_taken += 1
         for p in self._params:
@@ -128,7 +183,11 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if compressed:
             grad = self._exchange_gradients()
         else:
-            grad = self._mine(self._padded([p.grad for p in self._params]))
+            if self.shards_gradients:
+                grad = self._owned if self._owned is not None else self._reduce_scatter()
+                self._owned = None
+            else:
+                grad = self._mine(self._padded([p.grad for p in self._params]))
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         self.exp_avg.lerp_(grad, 1 - beta1)
         if compressed:
@@ -141,7 +200,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             update = self.exp_avg / denom * (-lr / (1 - beta1**step))
             mine = self._mine(self._padded(list(self._params)))
             mine.mul_(1 - self._decay()).add_(update)
-            self._apply(self._all_gather(mine), decay=False)
+            self._apply(self._gather_parameters(mine), decay=False)
 
     def _apply(self, full: torch.Tensor, *, decay: bool) -> None:
         """Write the gathered flat vector into the parameters: their new values (warm-up), or
@@ -155,6 +214,17 @@ class OneBitZeroAdam(torch.optim.Optimizer):
                     p.mul_(1 - g["lr"] * g["weight_decay"]).add_(values)
                 else:
                     p.copy_(values)
+
+    def _gather_parameters(self, mine: torch.Tensor) -> torch.Tensor:
+        """The warm-up's updated chunks, all-gathered; counted under ZeRO-2, where with the
+        gradients' reduce-scatter it stands for DDP's all-reduce."""
+        if not self.shards_gradients:
+            return self._all_gather(mine)
+        mark = comm_clock.start(mine.device)
+        gathered = self._all_gather(mine)
+        mark.stop()
+        self._count(wire_bytes("all_gather", mine.nbytes, self.world), 0, mark)
+        return gathered
 
     def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -171,6 +241,9 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             padded, self.worker_error, valid=self.numel
         )
         self.worker_error = self.worker_error.view(-1)
+        if self.shards_gradients:
+            for p in self._params:
+                p.grad = None
         send = _with_scale(packed, scales).view(-1)
         mark = comm_clock.start(send.device)
         received = torch.empty_like(send)
@@ -217,6 +290,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._owned = None  # a skipped step (non-finite norm) leaves its chunk here
         for p in self._params:
             if set_to_none:
                 p.grad = None
