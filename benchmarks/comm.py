@@ -2,7 +2,7 @@
 and loss after a fixed budget.
 
 For each method (DDP hooks none, fp16, bf16, powersgd, onebit; and the onebit_adam optimizer with
-a small freeze step, under plain DDP and under ZeRO-1, `onebit_adam_zero1`) the same training
+a small freeze step, under plain DDP, under ZeRO-1 and under ZeRO-2, `onebit_adam_zero1`, `onebit_adam_zero2`) the same training
 run (preset "small" by default, 10.8M parameters, 2 ranks, one process per rank,
 OMP_NUM_THREADS=1 each) is launched through `distrain train`:
 
@@ -83,6 +83,11 @@ METHODS: dict[str, dict[str, str]] = {
         "optim.name": "onebit_adam",
         "optim.onebit.freeze_step": str(FREEZE_STEP),
         "parallel.zero_stage": "1",
+    },
+    "onebit_adam_zero2": {
+        "optim.name": "onebit_adam",
+        "optim.onebit.freeze_step": str(FREEZE_STEP),
+        "parallel.zero_stage": "2",
     },
 }
 PROGRESS_WINDOW = 4  # last steps averaged for the progress column (one step's loss is noisy)
