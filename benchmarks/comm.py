@@ -2,8 +2,8 @@
 and loss after a fixed budget.
 
 For each method (DDP hooks none, fp16, bf16, powersgd, onebit; and the onebit_adam optimizer with
-a small freeze step, under plain DDP, under ZeRO-1 and under ZeRO-2, `onebit_adam_zero1`, `onebit_adam_zero2`) the same training
-run (preset "small" by default, 10.8M parameters, 2 ranks, one process per rank,
+a small freeze step, under plain DDP, ZeRO-1 and ZeRO-2: `onebit_adam_zero1`, `onebit_adam_zero2`)
+the same training run (preset "small" by default, 10.8M parameters, 2 ranks, one process per rank,
 OMP_NUM_THREADS=1 each) is launched through `distrain train`:
 
 - on loopback: `--nproc 2` standalone on this machine;

@@ -73,27 +73,19 @@ def build_optimizer(
     over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too; with
     `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well)."""
     groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "onebit_adam" and zero2_group is not None:
-        return OneBitZeroAdam(
-            groups,
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            freeze_step=cfg.onebit.freeze_step,
-            group=zero2_group,
-            stats=comm_stats,
-            shard_gradients=True,
-        )
     if cfg.name == "onebit_adam":
-        onebit = OneBitAdam if zero1_group is None else OneBitZeroAdam
+        sharded = zero2_group if zero2_group is not None else zero1_group
+        extra = {"shard_gradients": True} if zero2_group is not None else {}
+        onebit = OneBitAdam if sharded is None else OneBitZeroAdam
         return onebit(
             groups,
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
             freeze_step=cfg.onebit.freeze_step,
-            group=dp_group if zero1_group is None else zero1_group,
+            group=dp_group if sharded is None else sharded,
             stats=comm_stats,
+            **extra,
         )
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.
     options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
