@@ -220,17 +220,21 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         gradients' reduce-scatter it stands for DDP's all-reduce."""
         if not self.shards_gradients:
             return self._all_gather(mine)
-        mark = comm_clock.start(mine.device)
-        gathered = self._all_gather(mine)
-        mark.stop()
-        self._count(wire_bytes("all_gather", mine.nbytes, self.world), 0, mark)
-        return gathered
+        return self._counted_all_gather(mine)
 
     def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return mine
         full = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
         dist.all_gather_single(full, mine.contiguous(), group=self.group)
+        return full
+
+    def _counted_all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """`_all_gather`, timed and counted in the communication statistics."""
+        mark = comm_clock.start(mine.device)
+        full = self._all_gather(mine)
+        mark.stop()
+        self._count(wire_bytes("all_gather", mine.nbytes, self.world), 0, mark)
         return full
 
     def _exchange_gradients(self) -> torch.Tensor:
@@ -260,10 +264,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         """Adam's denominator from the frozen variance, whole on every rank: once, at the first
         compressed step (after a resume too), so that each rank scales the decoded momentum per
         value as Adam does. An fp32 all-gather of the variance chunks, counted."""
-        mark = comm_clock.start(self.exp_avg_sq.device)
-        variance = self._all_gather(self.exp_avg_sq)
-        mark.stop()
-        self._count(wire_bytes("all_gather", self.exp_avg_sq.nbytes, self.world), 0, mark)
+        variance = self._counted_all_gather(self.exp_avg_sq)
         beta2, eps = self.param_groups[0]["betas"][1], self.param_groups[0]["eps"]
         correction = (1 - beta2 ** max(self.freeze_step, 1)) ** 0.5
         return (variance.sqrt() / correction).add_(eps)
@@ -275,11 +276,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             self.exp_avg.view(self.blocks, self.block), self.server_error, valid=self.valid
         )
         self.server_error = self.server_error.view(-1)
-        mine = _with_scale(signs, scales).view(-1)
-        mark = comm_clock.start(mine.device)
-        gathered = self._all_gather(mine)
-        mark.stop()
-        self._count(wire_bytes("all_gather", mine.nbytes, self.world), 0, mark)
+        gathered = self._counted_all_gather(_with_scale(signs, scales).view(-1))
         rows = gathered.view(self.world * self.blocks, -1)
         return _decode_rows(rows, self.block).view(-1)
 
