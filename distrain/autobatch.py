@@ -39,6 +39,7 @@ from distrain import oom
 from distrain.config import Config, TrainingConfig
 from distrain.data.dataset import TokenDataset
 from distrain.data.loader import DistributedBatchLoader
+from distrain.layout_facts import divisors
 from distrain.mesh import DistContext
 from distrain.parallel import ParallelModel
 from distrain.plan.memory import LiveBytes, local_bytes
@@ -81,8 +82,7 @@ class Choice:
 
 def candidates(global_batch_size: int, dp_size: int) -> list[int]:
     """Micro-batch sizes that split one data-parallel rank's share evenly, smallest first."""
-    share = global_batch_size // dp_size
-    return [m for m in range(1, share + 1) if share % m == 0]
+    return divisors(global_batch_size // dp_size)
 
 
 def budget_bytes(memory_budget_gb: float | None, device: torch.device) -> int:

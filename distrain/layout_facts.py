@@ -17,6 +17,11 @@ from distrain.models.gpt import ModelArgs
 _TP_SPLIT_FIELDS = ("n_heads", "ffn_dim", "vocab_size", "dim")
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, smallest first (none for n <= 0)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @dataclass(frozen=True)
 class Facts:
     """What the rules look at; the short names keep the message templates readable."""
@@ -85,7 +90,7 @@ class Facts:
 
     @property
     def dp_divisors(self) -> str:
-        return ", ".join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)
+        return ", ".join(str(d) for d in divisors(self.dp))
 
     @property
     def num_stages(self) -> int:

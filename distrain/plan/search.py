@@ -16,6 +16,7 @@ from typing import Any
 from distrain.config import Config
 from distrain.errors import ConfigError
 from distrain.layout import validate
+from distrain.layout_facts import divisors
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
@@ -159,18 +160,14 @@ def _data_parallel(
     found = []
     # Without data parallelism every ZeRO stage is stage 0.
     for stage in stages if dp > 1 else (0,):
-        splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in _divisors(dp)]
+        splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in divisors(dp)]
         for replicate, shard in splits:
             if stage >= 2 and shard == 1 and dp > 1:
                 continue
             for ac in checkpointing:
-                for mb in _divisors(t.global_batch_size // dp if dp else 1):
+                for mb in divisors(t.global_batch_size // dp if dp else 1):
                     found.append(Candidate(replicate, shard, tp, pp, stage, ac, mb))
     return found
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
 
 
 def plan(
