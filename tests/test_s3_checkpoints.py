@@ -104,8 +104,8 @@ OUTAGE_FIELDS = dict(FIELDS, training__steps=10, checkpoint__interval_steps=1)
 
 def _outage_run(run_dir, url: str, gateway: Gateway, *, outage_s: float | None, **fields):
     """Start a 2-rank run saving through `gateway`, cut it once step 2 is logged, restore it
-    after `outage_s` (None: never); returns the finished process, its stderr and the number of
-    connections the cut refused."""
+    `outage_s` seconds after the run first reached for the storage while cut (None: never);
+    returns the finished process, its stderr and the number of connections the cut refused."""
     proc = start_train(run_dir, "--nproc", "2", **OUTAGE_FIELDS, checkpoint__dir=url, **fields)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -114,6 +114,11 @@ def _outage_run(run_dir, url: str, gateway: Gateway, *, outage_s: float | None, 
         time.sleep(0.05)
     gateway.cut()
     if outage_s is not None:
+        # Timed from the first refused connection, not from the cut: a save's retry may be
+        # asleep in its backoff when the cut begins, and a restore before it wakes tests nothing.
+        while gateway.refused == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
         time.sleep(outage_s)
         gateway.restore()
     _, stderr = proc.communicate(timeout=240)
