@@ -74,6 +74,17 @@ def test_one_rank_memory_predicted_matches_measured(ac):
     assert measured.activations(16) > measured.activations(8) > 0
 
 
+def test_onebit_adam_is_planned_like_its_real_step():
+    """1-bit Adam keeps its step count in a tensor that its update reads on the host; the fake
+    step must see its value (it once failed on a data-dependent fake tensor)."""
+    cfg = tiny_config()
+    cfg.optim.name = "onebit_adam"
+    predicted = estimate_memory(cfg, 1)
+    measured = measured_one_rank(cfg)
+    for kind in ("params", "grads", "optimizer"):
+        assert getattr(predicted, kind) == pytest.approx(getattr(measured, kind), rel=0.05)
+
+
 def test_checkpointing_saves_activation_memory():
     full = estimate_memory(tiny_config(ac="full"), 1)
     none = estimate_memory(tiny_config(ac="none"), 1)

@@ -79,7 +79,9 @@ class OneBitAdam(torch.optim.Optimizer):
         for p, group in pairs:
             state = self.state[p]
             if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                # A literal, not zeros(): fake tensor mode keeps a literal's value, so the
+                # planner's fake step can read it.
+                state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
                 # Names only (filled by state_dict): torch's flattened optimizer state dicts
