@@ -113,6 +113,22 @@ def test_zero3_probe_records_fsdp_traffic_of_the_model_bytes():
     assert found.compute_s > 0
 
 
+def test_tp_probe_records_functional_collectives_on_their_group():
+    """DTensor issues functional collectives, which name their group rather than carry it: each
+    is priced on the tp group (2 ranks), an all-gather at its output's bytes. Tensor parallel
+    all-reduces one activation [micro-batch, seq, dim] per block twice in forward (attention and
+    MLP outputs) and twice in backward (their inputs' gradients), in each micro-batch."""
+    cfg = tiny_config(tp=2)
+    found = probe(cfg, 2, repeats=1)
+    activation = 4 * cfg.training.micro_batch_size * cfg.training.seq_len * cfg.model.dim
+    micro_batches = 4  # global 4 / micro-batch 1
+    reduced = [c for c in found.collectives if c.kind == "all_reduce" and c.nbytes == activation]
+    assert len(reduced) == 4 * cfg.model.n_layers * micro_batches
+    assert {c.group_size for c in found.collectives} == {2}
+    gathers = [c for c in found.collectives if c.kind == "all_gather"]
+    assert gathers and all(c.nbytes == activation for c in gathers)
+
+
 def test_ddp_probe_counts_one_all_reduce_per_bucket():
     cfg = tiny_config()
     cfg.comm.bucket_cap_mb = 0.25

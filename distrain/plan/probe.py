@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.config import Config
@@ -49,17 +50,18 @@ from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.plan.collectives import LinkCost
 from distrain.plan.memory import fake_world
 
-# Dispatcher op name -> (kind, index of the argument whose bytes are the message).
+# Dispatcher op name -> (kind, index of the argument whose bytes are the message, whether the
+# message is that argument times the group size: a functional all-gather's argument is its input).
 _OPS = {
-    "_c10d_functional.all_reduce": ("all_reduce", 0),
-    "_c10d_functional.all_gather_into_tensor": ("all_gather", -1),
-    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0),
-    "c10d.allreduce_": ("all_reduce", 0),
-    "c10d._allgather_base_": ("all_gather", 0),
-    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "c10d._reduce_scatter_base_": ("reduce_scatter", 1),
-    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "c10d.broadcast_": ("broadcast", 0),
+    "_c10d_functional.all_reduce": ("all_reduce", 0, False),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", 0, True),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0, False),
+    "c10d.allreduce_": ("all_reduce", 0, False),
+    "c10d._allgather_base_": ("all_gather", 0, False),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 1, False),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "c10d.broadcast_": ("broadcast", 0, False),
 }
 
 
@@ -107,9 +109,9 @@ def _group_size(args: tuple, kwargs: dict) -> int:
             return a.size()
         if isinstance(a, torch.ScriptObject):  # c10d ops carry the group boxed
             return torch.distributed.ProcessGroup.unbox(a).size()
-    sizes = [a for a in args if isinstance(a, int)]
-    # Functional collectives take (tensor, [reduce op,] group_size, group_name).
-    return sizes[0] if sizes else 1
+    # Functional collectives name their group last: (tensor, [reduce op,] [group size,] name).
+    name = (*args, *kwargs.values())[-1]
+    return _resolve_process_group(name).size()
 
 
 class RecordCollectives(TorchDispatchMode):
@@ -122,8 +124,10 @@ class RecordCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = f"{func.namespace}.{func.__name__.split('.')[0]}"
         if name in _OPS:
-            kind, index = _OPS[name]
-            self.found.append(Collective(kind, _nbytes(args[index]), _group_size(args, kwargs)))
+            kind, index, times_group = _OPS[name]
+            size = _group_size(args, kwargs)
+            nbytes = _nbytes(args[index]) * (size if times_group else 1)
+            self.found.append(Collective(kind, nbytes, size))
         return func(*args, **(kwargs or {}))
 
 
