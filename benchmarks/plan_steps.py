@@ -10,7 +10,8 @@ share the machine's load of that moment. Each figure is the median over rounds o
 step. Every rank and the probe run one intra-op thread (OMP_NUM_THREADS=1, torchrun's default
 for several ranks). Predicted: distrain/plan/probe.py (the rank's real step timed on one process
 under a fake process group, plus the collectives it issues priced by the calibrated alpha-beta
-costs), after `distrain plan --calibrate`'s measurement (run here unless --no-calibrate). The
+costs; the 2-rank layouts probed by 2 processes at once, probe_together), after `distrain plan
+--calibrate`'s measurement (run here unless --no-calibrate). The
 wall/cpu column (seconds per step over the CPU seconds rank 0 spent in it) says how loaded the
 machine was. Memory: parameters + optimizer state per rank at rest after the timed steps, against
 the fake-tensor plan (distrain/plan/search.py memory_of; the pipeline row
@@ -27,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -156,7 +158,7 @@ TORCHRUN_ENV = {
 
 def side(out: Path, steps: int) -> None:
     """The 1-rank layout measured (one process, its own group), then every layout probed."""
-    from distrain.plan.probe import probe
+    from distrain.plan.probe import probe, probe_together
 
     run_dir = out.parent / (out.stem + "-run")
     ((name, _, par),) = [layout for layout in LAYOUTS if layout[1] == 1]
@@ -171,12 +173,16 @@ def side(out: Path, steps: int) -> None:
         finally:
             trainer.close()
         del trainer
-    found = {}
-    wall, cpu = time.perf_counter(), time.process_time()
-    for layout_name, world, layout_par in LAYOUTS:
-        p = probe(layout_config(layout_par), world, repeats=3)
-        found[layout_name] = dataclasses.asdict(p)
-    load = (time.perf_counter() - wall) / (time.process_time() - cpu)
+    # The 1-rank layout probed here, alone; the 2-rank ones by 2 processes at once, as the
+    # machine runs their 2 ranks (probe_together).
+    found = {name: dataclasses.asdict(probe(layout_config(par), 1, repeats=3))}
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    jobs = [(layout_config(par), world) for _, world, par in LAYOUTS if world == 2]
+    together = probe_together(jobs, 2, repeats=3)
+    names = [name for name, world, _ in LAYOUTS if world == 2]
+    found.update({n: dataclasses.asdict(p) for n, p in zip(names, together, strict=True)})
+    # Both cores busy: wall x cores in use / CPU seconds.
+    load = 2 * (time.perf_counter() - wall) / (_cpu_seconds() - cpu)
     rows = {
         "measured_s": seconds / steps,
         "cpu_s": cpu_s,
@@ -185,6 +191,14 @@ def side(out: Path, steps: int) -> None:
         "probe_load": load,
     }
     out.write_text(json.dumps(rows))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def measure(rounds: int, steps: int) -> dict[str, Any]:

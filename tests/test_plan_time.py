@@ -23,7 +23,7 @@ from distrain.plan.calibrate import calibrate, collective_costs, load_calibratio
 from distrain.plan.collectives import KINDS, LinkCost, fit
 from distrain.plan.memory import LiveBytes, local_bytes, optimizer_state_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
-from distrain.plan.probe import Collective, Probe, predicted_time, probe
+from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates, memory_row
 from distrain.plan.timing import Cluster
 
@@ -137,6 +137,18 @@ def test_ddp_probe_counts_one_all_reduce_per_bucket():
     buckets = [c for c in found.collectives if c.kind == "all_reduce" and c.nbytes > 4]
     assert sum(c.nbytes for c in buckets) == grad_bytes
     assert len(buckets) == -(-grad_bytes // (2**18))
+
+
+@pytest.mark.slow
+def test_probe_together_times_each_layout_in_several_processes():
+    """Two processes probe the same layouts at once (as a machine's two ranks run); each
+    layout comes back with the collectives the in-process probe records."""
+    jobs = [(tiny_config(zero_stage=3), 2), (tiny_config(), 1)]
+    together = probe_together(jobs, 2, repeats=1)
+    for (cfg, world), found in zip(jobs, together, strict=True):
+        alone = probe(cfg, world, repeats=1)
+        assert found.collectives == alone.collectives
+        assert found.compute_s > 0
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ clusters).
   optimizer step) under torch's fake process group of the planned world size, whose collectives
   return at once: the median of a few timed steps is the rank's compute with communication free.
   DDP cannot run on the fake group (its reducer needs a collective's result), so a DDP rank is
-  probed as the unwrapped model on its local batch, the same work without the reducer.
+  probed as the unwrapped model on its local batch, the same work without the reducer. A rank
+  of a layout whose ranks share this machine is probed by as many processes at once
+  (`probe_together`): alone, a probe of a 2-rank layout's rank ran faster than the rank does
+  while the other computes.
 - communication: every collective that step issues, recorded from the dispatcher with its bytes
   and group size (DDP's bucketed all-reduce is counted from its bucket size instead), priced by
   the alpha-beta model. Nothing overlaps: on CPU a rank's collectives run on the thread, or
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -156,6 +160,62 @@ def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -
         return _probe_fake_world(cfg, layout, world_size, repeats)
     finally:
         torch.set_num_threads(previous)
+
+
+def probe_together(
+    jobs: list[tuple[Config, int]], processes: int, *, threads: int = 1, repeats: int = 5
+) -> list[Probe]:
+    """`probe` of each (config, world size) as a machine running `processes` ranks sees it:
+    `processes` fresh processes probe the same layouts at the same time (each keeps probing
+    until all have finished, so none is timed alone), and each layout's compute is their mean.
+    A rank shares the machine's caches, memory bandwidth and clock (on CPU, cores that may be
+    hyper-threads of one another) with the other local ranks, which a probe alone does not."""
+    spawn = mp.get_context("spawn")
+    start, finished = spawn.Barrier(processes), spawn.Value("i", 0)
+    queue = spawn.Queue()
+    children = [
+        spawn.Process(
+            target=_probe_child, args=(jobs, threads, repeats, start, finished, queue, processes)
+        )
+        for _ in range(processes)
+    ]
+    for child in children:
+        child.start()
+    found = [queue.get() for _ in children]
+    for child in children:
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"a probe process failed (exit code {child.exitcode})")
+    return [_mean_probe([probes[i] for probes in found]) for i in range(len(jobs))]
+
+
+def _probe_child(
+    jobs: list[tuple[Config, int]],
+    threads: int,
+    repeats: int,
+    start: Any,
+    finished: Any,
+    queue: Any,
+    processes: int,
+) -> None:
+    start.wait()
+    found = [probe(cfg, world, threads=threads, repeats=repeats) for cfg, world in jobs]
+    with finished.get_lock():
+        finished.value += 1
+    queue.put(found)
+    while finished.value < processes:  # company for the probes still being timed
+        for cfg, world in jobs:
+            probe(cfg, world, threads=threads, repeats=1)
+            if finished.value >= processes:
+                break
+
+
+def _mean_probe(probes: list[Probe]) -> Probe:
+    return dataclasses.replace(
+        probes[0],
+        compute_s=statistics.mean(p.compute_s for p in probes),
+        microbatch_s=statistics.mean(p.microbatch_s for p in probes),
+    )
 
 
 def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -> Probe:
