@@ -10,11 +10,13 @@ torch loop over the module prepared by `accelerate.Accelerator` (DDP across the 
 `accelerator.clip_grad_norm_`).
 
 Variants (levers): fp32 vs bf16 autocast on both sides; torch's fused AdamW (`fused=True`) on the
-Accelerate side; processes x threads (2 x 1 and 1 x 2); and distrain with `training.compile`
-on, from a cold compile cache (an empty folder) and from a warm one (the folder the cold run
-filled: a second run of the same job), each in processes of its own so nothing compiled stays in
-memory between them. Every repetition runs every variant once, in the same order, so the load of
-a shared machine falls on all of them alike; a variant's figure is its median over --reps.
+Accelerate side (distrain's own AdamW is fused wherever torch has the kernel, optim.adamw_kernel);
+processes x threads (2 x 1 and 1 x 2); and distrain with `training.compile` on (the whole model
+and its loss as one graph), from a cold compile cache (an empty folder) and from a warm one (the
+folder the cold run filled: a second run of the same job), each in processes of its own so
+nothing compiled stays in memory between them. Every repetition runs every variant once, in the
+same order, so the load of a shared machine falls on all of them alike; a variant's figure is its
+median over --reps.
 
     tokens/s         global batch x seq_len x timed steps / time of the timed steps (slowest rank)
     setup s          building the trainer (model, wrappers, data) and the --warmup steps: where

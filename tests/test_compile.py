@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distrain.mesh import resolve_compile
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
 from distrain.parallel.layers import apply_compile, use_persistent_compile_cache
 
 
@@ -67,3 +67,67 @@ def test_a_second_compile_is_served_from_the_cache_on_disk(monkeypatch, tmp_path
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
     assert torch.equal(first, second)
+
+
+def test_given_targets_the_model_returns_the_loss_it_would_be_scored_by():
+    # What lets a model compiled whole hold the loss in its graph (ParallelModel.loss_in_model):
+    # the same loss, bit for bit, and the same gradients as the loss taken outside the model.
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
+    model = GPT(args)
+    init_weights(model, args, seed=1)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inside = model(inputs, targets=targets)
+    inside.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    outside = next_token_loss(model(inputs), targets)
+    outside.backward()
+    assert inside.shape == () and torch.equal(inside, outside)
+    for got, p in zip(grads, model.parameters(), strict=True):
+        assert torch.equal(got, p.grad)
+
+
+@pytest.mark.slow
+def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eagerly():
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from distrain.config import Config
+    from distrain.layout import validate
+    from distrain.mesh import DistContext
+    from distrain.parallel import build_parallel_model
+    from distrain.parallel.compress import CommStats
+
+    torch._dynamo.reset()
+    cfg = Config()
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 1, 2, 64
+    cfg.training.seq_len, cfg.training.micro_batch_size = 32, 2
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layout = validate(cfg, 1)
+        ctx = DistContext(
+            rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
+        )
+        mesh, dp_mesh = layout.dims.build_mesh("cpu")
+        models = {}
+        for compiled in (False, True):
+            cfg.training.compile = compiled
+            models[compiled] = build_parallel_model(
+                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats()
+            )
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        assert models[True].loss_in_model and not models[False].loss_in_model
+        counters.clear()
+        got, want = (models[c].forward_backward(batch, lambda x: x) for c in (True, False))
+        # One graph, ending in the loss: no second graph for a loss taken outside the model.
+        assert counters["stats"]["unique_graphs"] == 1
+        # Inductor fuses and reassociates fp32 sums: rounding only (~1e-7 measured).
+        assert abs(got.item() - want.item()) <= 1e-6 * want.item()
+        evaluated = [models[c].eval_loss(batch) for c in (True, False)]
+        # Evaluation (no_grad) ran the compiled model eagerly rather than compile again.
+        assert counters["stats"]["unique_graphs"] == 1
+        assert abs(evaluated[0].item() - evaluated[1].item()) <= 1e-6 * evaluated[1].item()
+    finally:
+        dist.destroy_process_group()

@@ -244,11 +244,18 @@ class GPT(nn.Module):
             if self.output.weight is not self.tok_emb.weight:
                 self.output.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
         or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
         [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
-        rank holds a few slices of each sequence)."""
+        rank holds a few slices of each sequence). With `targets` [B, T] it returns their mean
+        `next_token_loss` instead of the logits: a model compiled whole then has the loss, its
+        softmax and their backward in its one graph too."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -272,7 +279,15 @@ class GPT(nn.Module):
             h = block(h, rope)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        return logits if targets is None else next_token_loss(logits, targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")

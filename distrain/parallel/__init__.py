@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -25,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from distrain.config import Config
 from distrain.mesh import DistContext, ParallelDims, embedding_group, resolve_compile
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
 from distrain.observe import heartbeat
 from distrain.parallel.compress import CommStats
 from distrain.parallel.context import SequenceSplit, apply_context_parallel
@@ -53,7 +52,7 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss; under tp the logits are vocab-sharded DTensors (loss_parallel)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+    return next_token_loss(logits, targets)
 
 
 class ParallelModel:
@@ -82,6 +81,9 @@ class ParallelModel:
             device,
         )
         self.comm_stats: CommStats | None = None
+        self.loss_in_model = False
+        """The model part computes the loss itself (`GPT.forward` with targets): set when it is
+        compiled whole, so that the loss joins its graph."""
         # Under context parallelism each rank runs its share of every sequence's columns.
         self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
         # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
@@ -197,8 +199,7 @@ class ParallelModel:
             last = sync and i == len(batches) - 1
             with self._sync_context(last or sync_each), self.loss_context():
                 heartbeat.mark("forward")
-                logits, targets = self._forward(inputs, targets)
-                loss = cross_entropy(logits, targets)
+                loss = self._loss(inputs, targets)
                 # The reported loss stays the cross-entropy; MoE balancing terms only train.
                 total = (
                     loss
@@ -224,6 +225,16 @@ class ParallelModel:
             inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
         with self.autocast:
             return self.parts[0](inputs, **kwargs), targets
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (the single model part's)."""
+        if self.loss_in_model:
+            with self.autocast:
+                return self.parts[0](
+                    inputs.to(self.device, non_blocking=True),
+                    targets=targets.to(self.device, non_blocking=True),
+                )
+        return cross_entropy(*self._forward(inputs, targets))
 
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
@@ -260,6 +271,9 @@ class ParallelModel:
         for p in self.parameters():
             p.grad = None
 
+    # A compiled model's training graph does not serve no_grad calls: rather than compile a
+    # second, inference graph (as long as the first when cold) for a few batches, run eagerly.
+    @torch.compiler.set_stance("eager_on_recompile")
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         if self.runner is not None:
@@ -345,6 +359,7 @@ def build_parallel_model(
 
         ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
         expert_mesh = ep_mesh["dp_mod_ep"]
+    compile_whole = False
     for part in parts:
         if dims.cp > 1:
             apply_context_parallel(part, mesh["cp"])
@@ -362,9 +377,8 @@ def build_parallel_model(
         if resolve_compile(cfg.training.compile, device):
             plain = dims.world_size == dims.dp_size and dims.ep == 1
             whole = plain and dims.dp_wrapper != "fsdp" and not args.moe.enabled
-            apply_compile(
-                part, whole=whole and cfg.training.activation_checkpointing == "none"
-            )
+            compile_whole = whole and cfg.training.activation_checkpointing == "none"
+            apply_compile(part, whole=compile_whole)
     if dims.dp_wrapper == "fsdp":
         parts = [
             apply_fsdp(
@@ -401,6 +415,7 @@ def build_parallel_model(
             else None
         ),
     )
+    model.loss_in_model = compile_whole
     if dims.dp_wrapper == "ddp":
         (ddp,) = parts
         tokens = torch.zeros(
