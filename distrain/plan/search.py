@@ -17,6 +17,8 @@ from distrain.config import Config
 from distrain.errors import ConfigError
 from distrain.layout import validate
 from distrain.layout_facts import divisors
+from distrain.models.presets import model_args, num_params
+from distrain.parallel.onebit_zero import held_state_bytes
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
@@ -74,11 +76,22 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     are planned from the build they wrap: DDP (its C++ reducer checks parameter values across
     ranks) holds what the unwrapped model holds, its gradients being views into its buckets, so
     it is planned as one rank; ZeroRedundancyOptimizer (ZeRO-1) is ZeRO-0 with the optimizer
-    state split over the data-parallel ranks."""
+    state split over the data-parallel ranks. 1-bit Adam under ZeRO-1/2 (no tp, pp: a layout
+    rule) holds a rank's local gradients as one rank does until they are exchanged, and the
+    state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     if key not in cache:
-        if p.zero_stage <= 1 and p.tp == p.pp == 1 and world_size > 1:
+        if cfg.optim.name == "onebit_adam" and p.zero_stage in (1, 2) and world_size > 1:
+            single = dataclasses.replace(
+                cfg,
+                parallel=dataclasses.replace(p, zero_stage=0),
+                training=dataclasses.replace(t, global_batch_size=t.micro_batch_size),
+            )
+            base = memory_of(single, 1, cache)
+            held = held_state_bytes(num_params(model_args(cfg.model)), world_size)
+            cache[key] = dataclasses.replace(base, optimizer=held)
+        elif p.zero_stage <= 1 and p.tp == p.pp == 1 and world_size > 1:
             single = dataclasses.replace(
                 cfg, training=dataclasses.replace(t, global_batch_size=t.micro_batch_size)
             )
