@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch import Batches, Run
 from helpers import SMALL_RUN, losses, overrides, run_cli, start_train, train_cli
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -161,12 +162,18 @@ def test_onebit_adam_resumes_bit_exact_in_both_phases(zero_stage, tmp_path, chec
     # zero_stage 1: OneBitZeroAdam, whose moments and server errors are gathered from their
     # owners into each parameter's entries.
     onebit = {**ONEBIT_FIELDS, "parallel__zero_stage": zero_stage}
-    check_ok(train_cli(tmp_path / "ref", 2, **onebit))
-    reference = run_losses(tmp_path / "ref")
-    run = tmp_path / "run"
+    # The uninterrupted run and the one stopped in warm-up share a torchrun launch
+    # (tests/batch.py); the stop ends it, so it comes last.
+    batches = Batches(
+        {"ref": Run(2, onebit), "run": Run(2, dict(onebit, debug__fail_at_step=3))}, tmp_path
+    )
+    ref = batches.result("ref")
+    assert ref.error is None, ref.error
+    reference = run_losses(ref.run_dir)
     # In warm-up: the job stops at step 3 and is started again with --resume (from step 2).
-    stopped = train_cli(run, 2, **onebit, debug__fail_at_step=3)
-    assert stopped.returncode != 0 and "crashes at step 3" in stopped.stderr
+    stopped = batches.result("run")
+    assert stopped.error is not None and "crashes at step 3" in stopped.error, stopped.error
+    run = stopped.run_dir
     # Past the freeze step: rank 1 is SIGKILLed as step 8 begins and restarted from step 6's
     # checkpoint (after two compressed steps: non-zero error buffers).
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--resume"]
@@ -176,4 +183,4 @@ def test_onebit_adam_resumes_bit_exact_in_both_phases(zero_stage, tmp_path, chec
     check_ok(run_cli(*args, timeout=300))
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10]
     assert run_losses(run) == reference
-    assert_same_state(final_state(run), final_state(tmp_path / "ref"))
+    assert_same_state(final_state(run), final_state(ref.run_dir))
