@@ -2,15 +2,16 @@
 make (nearly) the uncompressed run's loss progress and report their bytes; 1-bit Adam equals
 Adam during warm-up and then sends ~32x fewer bytes; hierarchical all-reduce across two
 torchrun agents ("nodes") equals the flat all-reduce. Unit-level checks of the hooks are in
-test_compress.py. The 2-rank runs share one torchrun launch (tests/batch.py)."""
+test_compress.py. The 2-rank runs share a torchrun launch with the session's other 2-rank runs
+(tests/batch.py's pool)."""
 
 import copy
 from pathlib import Path
 
 import pytest
 import torch
-from batch import Batches, Run
-from helpers import cli_in_process, free_port, losses, overrides, start_train, train_cli
+from batch import Run, pool_name
+from helpers import cli_in_process, free_port, losses, overrides, start_train
 
 from distrain.config_io import load_config
 from distrain.models.presets import model_args, num_params
@@ -53,11 +54,10 @@ def _progress(rows: list[dict], reference: list[dict]) -> float:
 UNCOMPRESSED = "uncompressed"
 
 
-@pytest.fixture(scope="module")
-def batched(request, tmp_path_factory):
-    """The run dir of a 2-rank run of this file (named after its test case, or UNCOMPRESSED),
-    once it trained without error. The runs this session's tests need go in one torchrun launch
-    (tests/batch.py), started by the first test that asks for one of them."""
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """This module's 2-rank runs that the selected test cases `names` need (tests/batch.py's
+    pool): one per case, named after it (`case:role` for the flat run that the hierarchical one
+    is compared with), and UNCOMPRESSED."""
     runs = {
         f"test_compression_hook_makes_the_uncompressed_progress[{kind}]": Run(
             2, dict(FIELDS, comm__gradient_compression=kind, comm__powersgd_start_step=2)
@@ -74,15 +74,20 @@ def batched(request, tmp_path_factory):
                 parallel__zero_stage=zero_stage,
             ),
         )
-    names = {item.name for item in request.session.items}
-    runs = {name: run for name, run in runs.items() if name in names}
+    runs[f"{HIERARCHICAL}:flat"] = Run(4, HIERARCHICAL_FIELDS)
+    runs = {name: run for name, run in runs.items() if name.split(":")[0] in names}
     # Every test of these runs compares with the uncompressed one, as the plain count does.
     if runs or "test_plain_allreduce_is_counted_without_a_hook" in names:
         runs[UNCOMPRESSED] = Run(2, FIELDS)
-    batches = Batches(runs, tmp_path_factory.mktemp("batched"))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def batched(batch_pool):
+    """The run dir of a run of `batched_runs`, once it trained without error."""
 
     def run_dir(name: str) -> Path:
-        outcome = batches.result(name)
+        outcome = batch_pool.result(pool_name(__name__, name))
         assert outcome.error is None, outcome.error
         return outcome.run_dir
 
@@ -159,10 +164,15 @@ def test_onebit_adam_is_adam_then_sends_16x_less(
     assert _progress(rows, adam) >= least_progress
 
 
+HIERARCHICAL = "test_hierarchical_all_reduce_across_two_agents_equals_flat"
+# Equality: 12 steps do.
+HIERARCHICAL_FIELDS = dict(FIELDS, training__micro_batch_size=2, training__steps=12)
+
+
 @pytest.mark.slow
-def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_ok):
-    fields = dict(FIELDS, training__micro_batch_size=2, training__steps=12)  # equality: 12 do
-    check_ok(train_cli(tmp_path / "flat", 4, **fields))
+def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, batched):
+    fields = HIERARCHICAL_FIELDS
+    flat = batched(f"{HIERARCHICAL}:flat")
     run = tmp_path / "hier"
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
@@ -178,7 +188,7 @@ def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_o
     for agent in agents:
         _, stderr = agent.communicate(timeout=180)
         assert agent.returncode == 0, stderr[-3000:]
-    want = losses(read_metrics(tmp_path / "flat" / "metrics.jsonl"))
+    want = losses(read_metrics(flat / "metrics.jsonl"))
     got = losses(read_metrics(run / "metrics.jsonl"))
     # 1e-6: reduce-then-all-reduce adds the four ranks' fp32 gradients in another order.
     assert got.keys() == want.keys()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from batch import Batches, Run
-from helpers import SMALL_RUN, losses, overrides, run_cli, start_train, train_cli
+from batch import Batches, Run, pool_name
+from helpers import SMALL_RUN, losses, overrides, run_cli, start_train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.observe.metrics import read_metrics
@@ -110,12 +110,24 @@ def _kill_when_logged(agent, run_dir: Path, *, rank: int, after_step: int) -> No
     raise AssertionError(f"step {after_step} was never logged (agent exit {agent.poll()})")
 
 
+REFERENCE = "four_rank_reference"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The uninterrupted 4-rank run, where a selected test compares with it (tests/batch.py's
+    pool: it shares the session's 4-rank torchrun launch)."""
+    users = {
+        "test_four_ranks_sigkill_from_outside_resumes_bit_exact",
+        "test_four_ranks_injected_kill_resumes_bit_exact",
+    }
+    return {REFERENCE: Run(4, FIELDS)} if users & names else {}
+
+
 @pytest.fixture(scope="module")
-def four_rank_reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("ref4") / "run"
-    result = train_cli(run, 4, **FIELDS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return run
+def four_rank_reference(batch_pool) -> Path:
+    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
+    assert outcome.error is None, outcome.error
+    return outcome.run_dir
 
 
 @pytest.mark.slow
