@@ -117,7 +117,8 @@ def _outage_run(run_dir, url: str, gateway: Gateway, *, outage_s: float | None, 
         # Timed from the first refused connection, not from the cut: a save's retry may be
         # asleep in its backoff when the cut begins, and a restore before it wakes tests nothing.
         while gateway.refused == 0:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            alive = proc.poll() is None and time.monotonic() < deadline
+            assert alive, proc.communicate()[1][-3000:]
             time.sleep(0.05)
         time.sleep(outage_s)
         gateway.restore()
