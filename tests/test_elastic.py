@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from batch import Run, pool_name
 from helpers import (
     SMALL_RUN,
     cli_in_process,
@@ -47,13 +48,25 @@ def logged_steps(run_dir: Path, *, all_attempts: bool = False) -> list[int]:
     return [r["step"] for r in rows if "loss" in r]
 
 
+REFERENCE = "two_rank_reference"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The uninterrupted 2-rank run, where a selected test compares with it (tests/batch.py's
+    pool: it shares the session's 2-rank torchrun launch)."""
+    users = {
+        "test_killed_rank_is_restarted_and_resumes_bit_exact",
+        "test_two_agents_rendezvous_as_two_nodes",
+    }
+    return {REFERENCE: Run(2, FIELDS)} if users & names else {}
+
+
 @pytest.fixture(scope="module")
-def two_rank_reference(tmp_path_factory) -> dict[int, float]:
+def two_rank_reference(batch_pool) -> dict[int, float]:
     """An uninterrupted 2-rank standalone run, the reference of the 2-rank and 2-node tests."""
-    run = tmp_path_factory.mktemp("ref2") / "run"
-    result = train_cli(run, 2, **FIELDS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return run_losses(run)
+    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
+    assert outcome.error is None, outcome.error
+    return run_losses(outcome.run_dir)
 
 
 @pytest.mark.slow

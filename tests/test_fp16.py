@@ -1,11 +1,12 @@
 """fp16 loss scaling under sharded layouts: one rank's overflow makes every rank (dp, tp and pp)
-skip the same step and halve the same scale (distrain/parallel/scaler.py)."""
+skip the same step and halve the same scale (distrain/parallel/scaler.py). The 8-rank run shares
+the session's 8-rank torchrun launch (tests/batch.py's pool)."""
 
 import math
 import re
 
 import pytest
-from helpers import train_cli
+from batch import Run, pool_name
 
 from distrain.observe.metrics import read_metrics
 
@@ -31,10 +32,18 @@ SKIP = re.compile(
 )
 
 
+OVERFLOW = "test_one_rank_overflow_skips_the_step_on_every_rank"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    return {OVERFLOW: Run(8, FIELDS)} if OVERFLOW in names else {}
+
+
 @pytest.mark.slow
-def test_one_rank_overflow_skips_the_step_on_every_rank(tmp_path, check_ok):
-    run = tmp_path / "run"
-    check_ok(train_cli(run, 8, **FIELDS))
+def test_one_rank_overflow_skips_the_step_on_every_rank(batch_pool):
+    outcome = batch_pool.result(pool_name(__name__, OVERFLOW))
+    assert outcome.error is None, outcome.error
+    run = outcome.run_dir
     for rank in range(8):
         skips = SKIP.findall((run / "logs" / f"rank{rank}.log").read_text())
         assert skips == [("3", "65536", "32768")], (rank, skips)

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import losses, overrides, train_cli
+from batch import Run, pool_name
+from helpers import losses, overrides
 from netlab import lab_available, net_lab, parse_rate
 
 from distrain.observe.metrics import read_metrics
@@ -138,11 +139,21 @@ FIELDS = {
 }
 
 
+TWO_NODES = "test_two_node_run_over_the_lab_equals_loopback"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The loopback run, where the two-node test is selected (tests/batch.py's pool: it shares
+    the session's 2-rank torchrun launch; where the lab is missing it runs for nothing)."""
+    return {f"{TWO_NODES}:loopback": Run(2, FIELDS)} if TWO_NODES in names else {}
+
+
 @pytest.mark.slow
 @pytest.mark.requires("netlab")
-def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, check_ok):
+def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, batch_pool):
     _require_lab()
-    check_ok(train_cli(tmp_path / "loopback", 2, **FIELDS))
+    loopback = batch_pool.result(pool_name(__name__, f"{TWO_NODES}:loopback"))
+    assert loopback.error is None, loopback.error
     run = tmp_path / "lab"
     with net_lab(2, rate="1gbit") as lab:
         endpoint = f"{lab.hosts[0].addr}:{PORT}"
@@ -168,7 +179,7 @@ def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, check_ok):
         # The gradients crossed the shaped link: 6 all-reduces of 3.4 MB (tiny's fp32 gradients).
         sent = [lab.sent_bytes(i) for i in (0, 1)]
         assert min(sent) > FIELDS["training__steps"] * 3_000_000, sent
-    want = losses(read_metrics(tmp_path / "loopback" / "metrics.jsonl"))
+    want = losses(read_metrics(loopback.run_dir / "metrics.jsonl"))
     got = losses(read_metrics(run / "metrics.jsonl"))
     assert got.keys() == want.keys() and len(want) == FIELDS["training__steps"]
     for step in want:

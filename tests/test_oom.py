@@ -1,12 +1,12 @@
 """Out-of-memory recovery: an injected OOM on one rank makes every rank halve the micro-batch
 and retry the step; the global batch, and so the loss curve, is unchanged. The multi-process
-runs share one torchrun launch per world size (tests/batch.py)."""
+runs share the session's torchrun launch of their world size (tests/batch.py's pool)."""
 
 from pathlib import Path
 
 import pytest
 import torch
-from batch import Batches, Run, selected
+from batch import Run, pool_name
 from helpers import losses, train_in_process
 from test_parity import BASE as PARITY
 from test_parity import assert_parity
@@ -51,8 +51,8 @@ def test_injected_oom_on_one_rank_halves_micro_batch_everywhere(batched):
 
 
 @pytest.mark.slow
-def test_oom_at_micro_batch_one_is_a_clear_error(oom_batches):
-    outcome = oom_batches.result("test_oom_at_micro_batch_one_is_a_clear_error")
+def test_oom_at_micro_batch_one_is_a_clear_error(batch_pool):
+    outcome = batch_pool.result(pool_name(__name__, "test_oom_at_micro_batch_one_is_a_clear_error"))
     assert outcome.error is not None and outcome.log is not None
     assert "step 2 runs out of memory even with training.micro_batch_size = 1" in (
         outcome.log.read_text()
@@ -76,10 +76,10 @@ def reference(tmp_path_factory):
     return losses(train_in_process(run, **dict(PARITY, training__micro_batch_size=8)))
 
 
-@pytest.fixture(scope="module")
-def oom_batches(request, tmp_path_factory) -> Batches:
-    """Every multi-process run of this file: one torchrun launch per world size (tests/batch.py).
-    The run that fails on purpose comes last of its world size, so its launch ends after it."""
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """Every multi-process run of this file that the selected cases `names` need (tests/batch.py's
+    pool; the run that fails on purpose goes last of its world size, so its launch ends after
+    it)."""
     runs = {
         f"{ONE_RANK_OOM}:small": Run(2, dict(BASE, training__micro_batch_size=2)),
         f"{ONE_RANK_OOM}:oom": Run(
@@ -94,6 +94,7 @@ def oom_batches(request, tmp_path_factory) -> Batches:
                 training__micro_batch_size=1,
                 debug__oom_at_step=2,
             ),
+            fails=True,
         ),
     }
     for name, layout in SHARDED.items():
@@ -101,15 +102,15 @@ def oom_batches(request, tmp_path_factory) -> Batches:
         runs[f"test_injected_oom_under_sharded_layouts_keeps_the_loss_curve[{name}]"] = Run(
             4, dict(fields, debug__oom_rank=3)
         )
-    return Batches(selected(runs, request.session.items), tmp_path_factory.mktemp("batched"))
+    return {name: run for name, run in runs.items() if name.split(":")[0] in names}
 
 
 @pytest.fixture(scope="module")
-def batched(oom_batches):
+def batched(batch_pool):
     """The run dir of a run that trained without error."""
 
     def run_dir(name: str) -> Path:
-        outcome = oom_batches.result(name)
+        outcome = batch_pool.result(pool_name(__name__, name))
         assert outcome.error is None, outcome.error
         return outcome.run_dir
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from batch import Batches, Run
+from batch import Run, pool_name
 from helpers import cli_in_process, losses, overrides, run_cli, train_cli, train_in_process
 
 from distrain.observe.metrics import read_metrics
@@ -174,11 +174,8 @@ def assert_parity(
     assert worst <= rel_tol, f"relative loss difference {worst:.2e} > {rel_tol}: {got} vs {want}"
 
 
-@pytest.fixture(scope="module")
-def batched(request, tmp_path_factory):
-    """The run dir of this case's row, once it trained without error. The rows of every
-    matrix in this file that this session selected run in one torchrun launch per world size
-    (tests/batch.py), started by the first case that needs one of them."""
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The rows of every matrix in this file that this session selected (`names`), by case."""
     rows = {f"test_layout_matches_single_process[{layout.name}]": layout for layout in LAYOUTS}
     runs = {
         name: Run(layout.nproc, {**BASE, **layout.fields, **dict(layout.model)})
@@ -190,12 +187,17 @@ def batched(request, tmp_path_factory):
     for layout in EP_LAYOUTS:
         name = f"test_expert_parallel_matches_single_process[{layout.name}]"
         runs[name] = Run(layout.nproc, {**BASE, **EP_ROUTES[layout.route], **layout.fields})
-    selected = {item.name for item in request.session.items}
-    runs = {name: run for name, run in runs.items() if name in selected}
-    batches = Batches(runs, tmp_path_factory.mktemp("batched"))
+    return {name: run for name, run in runs.items() if name in names}
+
+
+@pytest.fixture(scope="module")
+def batched(batch_pool):
+    """The run dir of this case's row, once it trained without error. The rows run in the
+    session's torchrun launch of their world size (tests/batch.py's pool), started by the first
+    case of the session that needs one of its runs."""
 
     def run_dir(node: pytest.Item) -> Path:
-        outcome = batches.result(node.name)
+        outcome = batch_pool.result(pool_name(__name__, node.name))
         assert outcome.error is None, outcome.error
         return outcome.run_dir
 

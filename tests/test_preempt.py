@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch import Run, pool_name
 from helpers import SMALL_RUN, losses, overrides, start_train, train_cli, train_in_process
 
 from distrain.checkpoint import Checkpointer, committed, verify
@@ -107,13 +108,22 @@ def assert_preempted(run: Path, rc: int, err: str) -> int:
     return step
 
 
+REFERENCE = "reference"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The uninterrupted 2-rank run, where the resume test is selected (tests/batch.py's pool:
+    it shares the session's 2-rank torchrun launch)."""
+    user = "test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact"
+    return {REFERENCE: Run(2, FIELDS)} if user in names else {}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(batch_pool) -> dict[int, float]:
     """An uninterrupted 2-rank run's losses."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    result = train_cli(run, 2, **FIELDS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return losses(read_metrics(run / "metrics.jsonl"))
+    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
+    assert outcome.error is None, outcome.error
+    return losses(read_metrics(outcome.run_dir / "metrics.jsonl"))
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL_RUN, losses, overrides, run_cli, start_train, train_cli
+from batch import Batches, Run, pool_name
+from helpers import SMALL_RUN, losses, overrides, run_cli, start_train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.observe.metrics import read_metrics
@@ -109,12 +110,24 @@ def _kill_when_logged(agent, run_dir: Path, *, rank: int, after_step: int) -> No
     raise AssertionError(f"step {after_step} was never logged (agent exit {agent.poll()})")
 
 
+REFERENCE = "four_rank_reference"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The uninterrupted 4-rank run, where a selected test compares with it (tests/batch.py's
+    pool: it shares the session's 4-rank torchrun launch)."""
+    users = {
+        "test_four_ranks_sigkill_from_outside_resumes_bit_exact",
+        "test_four_ranks_injected_kill_resumes_bit_exact",
+    }
+    return {REFERENCE: Run(4, FIELDS)} if users & names else {}
+
+
 @pytest.fixture(scope="module")
-def four_rank_reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("ref4") / "run"
-    result = train_cli(run, 4, **FIELDS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return run
+def four_rank_reference(batch_pool) -> Path:
+    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
+    assert outcome.error is None, outcome.error
+    return outcome.run_dir
 
 
 @pytest.mark.slow
@@ -161,12 +174,18 @@ def test_onebit_adam_resumes_bit_exact_in_both_phases(zero_stage, tmp_path, chec
     # zero_stage 1: OneBitZeroAdam, whose moments and server errors are gathered from their
     # owners into each parameter's entries.
     onebit = {**ONEBIT_FIELDS, "parallel__zero_stage": zero_stage}
-    check_ok(train_cli(tmp_path / "ref", 2, **onebit))
-    reference = run_losses(tmp_path / "ref")
-    run = tmp_path / "run"
+    # The uninterrupted run and the one stopped in warm-up share a torchrun launch
+    # (tests/batch.py); the stop ends it, so it comes last.
+    batches = Batches(
+        {"ref": Run(2, onebit), "run": Run(2, dict(onebit, debug__fail_at_step=3))}, tmp_path
+    )
+    ref = batches.result("ref")
+    assert ref.error is None, ref.error
+    reference = run_losses(ref.run_dir)
     # In warm-up: the job stops at step 3 and is started again with --resume (from step 2).
-    stopped = train_cli(run, 2, **onebit, debug__fail_at_step=3)
-    assert stopped.returncode != 0 and "crashes at step 3" in stopped.stderr
+    stopped = batches.result("run")
+    assert stopped.error is not None and "crashes at step 3" in stopped.error, stopped.error
+    run = stopped.run_dir
     # Past the freeze step: rank 1 is SIGKILLed as step 8 begins and restarted from step 6's
     # checkpoint (after two compressed steps: non-zero error buffers).
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--resume"]
@@ -176,4 +195,4 @@ def test_onebit_adam_resumes_bit_exact_in_both_phases(zero_stage, tmp_path, chec
     check_ok(run_cli(*args, timeout=300))
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10]
     assert run_losses(run) == reference
-    assert_same_state(final_state(run), final_state(tmp_path / "ref"))
+    assert_same_state(final_state(run), final_state(ref.run_dir))

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import losses, train_cli, train_in_process
+from batch import Run, pool_name
+from helpers import losses, train_in_process
 
 from distrain.observe.metrics import read_metrics
 from distrain.parallel import ParallelModel
@@ -62,25 +63,27 @@ BASE = {
 }
 
 
+PP_ZERO3 = "test_pp_zero3_logging_every_third_step_matches_single_process"
+
+
+def batched_runs(names: set[str]) -> dict[str, Run]:
+    """The 4-rank run, where its test is selected (tests/batch.py's pool: it shares the
+    session's 4-rank torchrun launch)."""
+    fields = dict(BASE, parallel__pp=2, parallel__zero_stage=3, training__log_interval_steps=3)
+    return {PP_ZERO3: Run(4, fields)} if PP_ZERO3 in names else {}
+
+
 @pytest.mark.slow
-def test_pp_zero3_logging_every_third_step_matches_single_process(tmp_path, check_ok):
+def test_pp_zero3_logging_every_third_step_matches_single_process(tmp_path, batch_pool):
     """pp2 x dp2 ZeRO-3 (stages not resharded after forward), logging at steps 3 and 6 only:
     steps 1, 2, 4 and 5 broadcast no loss, and the logged losses (a world mean that includes
     the first stage's ranks) equal the 1-process run's."""
     reference = losses(
         train_in_process(tmp_path / "ref", **dict(BASE, training__micro_batch_size=8))
     )
-    check_ok(
-        train_cli(
-            tmp_path / "run",
-            4,
-            **BASE,
-            parallel__pp=2,
-            parallel__zero_stage=3,
-            training__log_interval_steps=3,
-        )
-    )
-    got = losses(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    outcome = batch_pool.result(pool_name(__name__, PP_ZERO3))
+    assert outcome.error is None, outcome.error
+    got = losses(read_metrics(outcome.run_dir / "metrics.jsonl"))
     assert got.keys() == {3, 6}
     # 1e-5 relative, as in test_parity.py: sharded reductions sum in another order (~1e-7).
     for step, loss in got.items():
