@@ -8,8 +8,9 @@ training set) and measures its peak memory:
 - on CUDA, torch.cuda.max_memory_allocated since the trial began; a real
   torch.OutOfMemoryError fails the candidate;
 - on CPU, where memory is not the device's limit, the live tensor bytes (plan/memory.py's
-  `LiveBytes`, the planner's counter) on top of the parameters, plus every gradient counted as
-  held throughout (true under accumulation; without it, at most the gradients' size too high).
+  `LiveBytes`, the planner's counter) on top of the parameters and the gradients.
+The gradients are held throughout, as under accumulation: the unrecorded first trial makes
+them, each trial's backward adds into them, and they are dropped after the search.
 Both add the optimizer state the first step will allocate and the trial does not: Adam's two
 moments, 2 x the bytes of the parameters this rank's optimizer updates. A candidate fails when
 its peak exceeds `training.memory_budget_gb` (CUDA default: the device's memory) or it runs out
@@ -184,17 +185,10 @@ class TrialStep:
             self._forward_backward(m)
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) + self.optimizer_bytes
-        with LiveBytes(self.param_bytes + self.optimizer_bytes) as live:
+        grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        with LiveBytes(self.param_bytes + self.optimizer_bytes + grads) as live:
             self._forward_backward(m)
-        # Gradients LiveBytes does not hold, counted as held all along (as under accumulation):
-        # storage made before the trial (DDP's buckets), and .grad tensors, which it stops
-        # counting once autograd drops their Python object though the storage lives on.
-        outside = sum(
-            local_bytes(p.grad)
-            for p in self.model.parameters()
-            if p.grad is not None and not live.counts(_local(p.grad))
-        )
-        return live.peak + outside
+        return live.peak
 
     def __call__(self, m: int) -> Trial:
         peak, failed, abandoned = 0, False, False
@@ -204,7 +198,6 @@ class TrialStep:
             abandoned = True  # agreed already, by every rank
         except torch.OutOfMemoryError:
             failed = True
-        self.model.zero_grad()
         oom.free_memory(self.device)
         out_of_memory = abandoned or oom.any_rank_failed(failed, self.device)
         over = oom.any_rank_failed(peak > self.budget, self.device)
@@ -216,10 +209,6 @@ class TrialStep:
 def _unscaled(loss: torch.Tensor) -> torch.Tensor:
     # No loss scaling: the trial's gradients are dropped, and fp16's scaler keeps its state.
     return loss
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:
@@ -265,11 +254,13 @@ def choose(
     rng = rng_state()
     sizes = candidates(t.global_batch_size, dp_size)
     try:
-        # Unrecorded: the first forward after DDP's settling iteration rebuilds its buckets (and
-        # CUDA sets up its libraries), once; the measured trials then see what steps see.
+        # Unrecorded: it makes the gradients the trials hold; the first forward after DDP's
+        # settling iteration rebuilds its buckets (and CUDA sets up its libraries), once; the
+        # measured trials then see what steps see.
         run_trial(sizes[0])
         trials = search(sizes, run_trial, budget)
     finally:
+        model.zero_grad()
         set_rng_state(rng)
         if model.moe_stats is not None:
             model.moe_stats.discard_step()

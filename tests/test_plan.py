@@ -77,6 +77,22 @@ def test_one_rank_memory_predicted_matches_measured(ac):
     assert measured.activations(16) > measured.activations(8) > 0
 
 
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_preset_activation_memory_predicted_matches_measured(preset, ac):
+    """The presets as they are (tiny: 0.85M parameters, small: 10.6M), seq 32; activations are
+    the peak above parameters and gradients, so gradients made in backward must be counted
+    (they once were not, and both sides read 0)."""
+    cfg = tiny_config(ac=ac)
+    cfg.model.preset = preset
+    cfg.model.dim = cfg.model.n_layers = cfg.model.n_heads = cfg.model.ffn_dim = None
+    predicted = estimate_memory(cfg, 1)
+    measured = measured_one_rank(cfg)
+    for mb in (1, 4):
+        assert predicted.activations(mb) == pytest.approx(measured.activations(mb), rel=0.10)
+    assert measured.activations(4) > measured.activations(1) > 0
+
+
 def test_onebit_adam_is_planned_like_its_real_step():
     """1-bit Adam keeps its step count in a tensor that its update reads on the host; the fake
     step must see its value (it once failed on a data-dependent fake tensor)."""

@@ -70,8 +70,10 @@ class MemoryEstimate:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive, and their peak, counting what ops create inside the mode
-    (each storage once, until the tensor that brought it is freed) on top of `baseline`. Works on
-    fake tensors."""
+    (each storage once, until the storage is freed) on top of `baseline`. Works on fake tensors.
+    The release is tied to the storage's Python object, which torch keeps as long as the storage
+    lives: a gradient that autograd holds in `.grad` after the tensor that brought it is gone
+    stays counted."""
 
     def __init__(self, baseline: int = 0):
         super().__init__()
@@ -85,10 +87,6 @@ class LiveBytes(TorchDispatchMode):
     @staticmethod
     def _key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
-
-    def counts(self, t: torch.Tensor) -> bool:
-        """Whether `t`'s storage was made inside the mode and is still counted as live."""
-        return self._key(t) in self._seen
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -110,7 +108,7 @@ class LiveBytes(TorchDispatchMode):
             nbytes = storage.nbytes()
             self.live += nbytes
             self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, key, nbytes)
+            weakref.finalize(storage, self._release, key, nbytes)
         return out
 
 
@@ -203,16 +201,19 @@ def measure_step(
     device: torch.device,
 ) -> MemoryEstimate:
     """Live-byte peaks of fwd/bwd at micro-batch 1 and 2, then of the optimizer step; on fake
-    tensors (the planner) or real ones (the tests' measurement), counted the same way. The
-    gradients at rest (DDP's buckets) are in the baseline of each pass."""
+    tensors (the planner) or real ones (the tests' measurement), counted the same way. A first
+    pass makes the gradients, which stay held in the baseline of each measured pass, as under
+    accumulation: counted from their creation instead, a small micro-batch's peak would fall
+    at the end of backward (the gradients, not the activations) and the slope would not be the
+    activations'."""
     params = sum(local_bytes(p) for p in model.parameters())
+    model.forward_backward([_tokens(1, seq_len, device)], lambda loss: loss)
+    grads = _grad_bytes(model)
     peaks = []
     for rows in (1, 2):
-        model.zero_grad()
-        with LiveBytes(params + _grad_bytes(model)) as live:
+        with LiveBytes(params + grads) as live:
             model.forward_backward([_tokens(rows, seq_len, device)], lambda loss: loss)
         peaks.append(live.peak)
-    grads = _grad_bytes(model)
     with LiveBytes(params + grads) as live:
         for optimizer in optimizers:
             optimizer.step()

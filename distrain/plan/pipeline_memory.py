@@ -100,16 +100,21 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             shard = dims.tp if p.sequence_parallel and dims.tp > 1 else 1
             received = torch.empty(per_chunk, rows, t.seq_len // shard, args.dim)
             # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
-            with LiveBytes(params) as live, tp_loss_context(dims.tp > 1):
+            # A first microbatch makes the gradients, which the schedule's steady state holds.
+            with tp_loss_context(dims.tp > 1):
                 for part, stage_id in zip(parts, stage_ids, strict=True):
                     first, last = stage_id == 0, stage_id == num_stages - 1
-                    _stage_steps(part, first, last, received, t.seq_len)
+                    _stage_steps(part, first, last, received[:1], t.seq_len)
             grads = sum(
                 local_bytes(x.grad)
                 for part in parts
                 for x in part.parameters()
                 if x.grad is not None
             )
+            with LiveBytes(params + grads) as live, tp_loss_context(dims.tp > 1):
+                for part, stage_id in zip(parts, stage_ids, strict=True):
+                    first, last = stage_id == 0, stage_id == num_stages - 1
+                    _stage_steps(part, first, last, received, t.seq_len)
             optimizers = [build_optimizer(part, cfg.optim) for part in parts]
             for optimizer in optimizers:
                 optimizer.step()
@@ -152,14 +157,13 @@ def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
 def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq_len: int) -> None:
     """One forward per microbatch in `received` (its activations, or token ids on the first
     stage), then their backwards, oldest first: the peak of 1F1B's steady state, every kept
-    microbatch saved and one backward running."""
+    microbatch saved and one backward running. As in torch's schedules, a stage's output (the
+    last stage's logits too, though the loss does not save them) is kept until its backward."""
     tokens = torch.zeros(received.shape[1], seq_len, dtype=torch.long)
     outputs = []
     for x in received:
         out = part(tokens if first else x.detach().requires_grad_())
-        if last:
-            out = cross_entropy(out, tokens)
-        outputs.append(out)
+        outputs.append((out, cross_entropy(out, tokens) if last else out))
     for i in range(len(outputs)):
-        out, outputs[i] = outputs[i], None
+        (_, out), outputs[i] = outputs[i], None
         out.backward(None if last else received[i])
