@@ -25,7 +25,7 @@ from distrain.parallel.onebit_zero import OneBitZeroAdam
 from distrain.plan.calibrate import calibrate
 from distrain.plan.command import DEFAULT_PEAK_FLOPS, cluster_of, parse, plan_command
 from distrain.plan.memory import estimate_memory, fake_world, measure_step
-from distrain.plan.search import memory_of
+from distrain.plan.search import memory_of, zero1_largest_share
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,13 +156,19 @@ def zero_theory(psi: int, stage: int, n: int) -> dict[str, float]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_model_states_follow_zero_paper(world_size):
     """Stage 2 holds full parameters between forward and backward only (FSDP2 reshards them
-    after backward), so at rest its parameters are sharded like stage 3."""
+    after backward), so at rest its parameters are sharded like stage 3. Stage 1's
+    ZeroRedundancyOptimizer splits whole tensors, so its fullest rank holds more than 1/n of the
+    state (the split is checked against real ranks in the benchmark-measurement test)."""
     cache: dict = {}
     for stage in (0, 1, 2, 3):
         cfg = tiny_config(stage=stage, world_size=world_size)
         mem = memory_of(cfg, world_size, cache)
         psi = num_params(model_args(cfg.model))
         want = zero_theory(psi, stage, world_size)
+        if stage == 1:
+            share = zero1_largest_share(cfg, world_size)
+            assert 1 / world_size < share < 1.3 / world_size
+            want["optimizer"] *= world_size * share
         if stage == 2:
             want["params"] = zero_theory(psi, 3, world_size)["params"]
         # 5%: AdamW's per-parameter `step` scalars (4 bytes each) sit on top of the moments.
@@ -171,8 +177,9 @@ def test_model_states_follow_zero_paper(world_size):
 
 
 @pytest.mark.slow
-def test_two_rank_model_states_match_benchmark_measurement(tmp_path):
-    """benchmarks/memory.py measures real ranks after a real Trainer step (one launch)."""
+def test_model_states_match_benchmark_measurement_at_2_and_4_ranks(tmp_path):
+    """benchmarks/memory.py measures real ranks after a real Trainer step (one launch per world
+    size), ZeRO 0/1/2/3 each."""
     out = tmp_path / "memory.json"
     subprocess.run(
         [
@@ -181,7 +188,7 @@ def test_two_rank_model_states_match_benchmark_measurement(tmp_path):
             "--preset",
             "tiny",
             "--world-sizes",
-            "2",
+            "2,4",
             "--micro-batch-size",
             "1",
             "--seq-len",
@@ -195,11 +202,14 @@ def test_two_rank_model_states_match_benchmark_measurement(tmp_path):
         capture_output=True,
     )
     rows = json.loads(out.read_text())["rows"]
-    cache: dict = {}
+    assert sorted((r["world_size"], r["zero_stage"]) for r in rows) == [
+        (n, stage) for n in (2, 4) for stage in (0, 1, 2, 3)
+    ]
     for row in rows:
-        cfg = tiny_config(stage=row["zero_stage"], world_size=2)
+        n = row["world_size"]
+        cfg = tiny_config(stage=row["zero_stage"], world_size=n)
         cfg.model.dim = cfg.model.n_layers = cfg.model.n_heads = cfg.model.ffn_dim = None
-        mem = memory_of(cfg, 2, cache)
+        mem = memory_of(cfg, n, {})
         for kind in ("params", "grads", "optimizer"):
             assert getattr(mem, kind) == pytest.approx(row[kind], rel=0.05), (row, kind)
 
