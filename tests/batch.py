@@ -85,6 +85,12 @@ class Batches:
             self._launch_all([n for n, r in self.runs.items() if r.nproc == nproc])
         return self.outcomes[name]
 
+    def trained(self, name: str) -> Path:
+        """The run dir of run `name`, asserting that it trained without error."""
+        outcome = self.result(name)
+        assert outcome.error is None, outcome.error
+        return outcome.run_dir
+
     def _argv(self, name: str) -> list[str]:
         argv = []
         for key, value in overrides(self.run_dir(name), **self.runs[name].fields):

@@ -64,9 +64,7 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
 @pytest.fixture(scope="module")
 def two_rank_reference(batch_pool) -> dict[int, float]:
     """An uninterrupted 2-rank standalone run, the reference of the 2-rank and 2-node tests."""
-    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
-    assert outcome.error is None, outcome.error
-    return run_losses(outcome.run_dir)
+    return run_losses(batch_pool.trained(pool_name(__name__, REFERENCE)))
 
 
 @pytest.mark.slow

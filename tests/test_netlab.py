@@ -152,8 +152,7 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
 @pytest.mark.requires("netlab")
 def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, batch_pool):
     _require_lab()
-    loopback = batch_pool.result(pool_name(__name__, f"{TWO_NODES}:loopback"))
-    assert loopback.error is None, loopback.error
+    loopback = batch_pool.trained(pool_name(__name__, f"{TWO_NODES}:loopback"))
     run = tmp_path / "lab"
     with net_lab(2, rate="1gbit") as lab:
         endpoint = f"{lab.hosts[0].addr}:{PORT}"
@@ -179,7 +178,7 @@ def test_two_node_run_over_the_lab_equals_loopback(tmp_path: Path, batch_pool):
         # The gradients crossed the shaped link: 6 all-reduces of 3.4 MB (tiny's fp32 gradients).
         sent = [lab.sent_bytes(i) for i in (0, 1)]
         assert min(sent) > FIELDS["training__steps"] * 3_000_000, sent
-    want = losses(read_metrics(loopback.run_dir / "metrics.jsonl"))
+    want = losses(read_metrics(loopback / "metrics.jsonl"))
     got = losses(read_metrics(run / "metrics.jsonl"))
     assert got.keys() == want.keys() and len(want) == FIELDS["training__steps"]
     for step in want:

@@ -110,9 +110,7 @@ def batched(batch_pool):
     """The run dir of a run that trained without error."""
 
     def run_dir(name: str) -> Path:
-        outcome = batch_pool.result(pool_name(__name__, name))
-        assert outcome.error is None, outcome.error
-        return outcome.run_dir
+        return batch_pool.trained(pool_name(__name__, name))
 
     return run_dir
 

@@ -125,9 +125,7 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
 
 @pytest.fixture(scope="module")
 def four_rank_reference(batch_pool) -> Path:
-    outcome = batch_pool.result(pool_name(__name__, REFERENCE))
-    assert outcome.error is None, outcome.error
-    return outcome.run_dir
+    return batch_pool.trained(pool_name(__name__, REFERENCE))
 
 
 @pytest.mark.slow

@@ -81,9 +81,9 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     are planned from the build they wrap: DDP (its C++ reducer checks parameter values across
     ranks) holds what the unwrapped model holds, its gradients being views into its buckets, so
     it is planned as one rank; ZeroRedundancyOptimizer (ZeRO-1) is ZeRO-0 with the optimizer
-    state of its fullest rank (`zero1_largest_share`). 1-bit Adam under ZeRO-1/2 (no tp, pp: a layout
-    rule) holds a rank's local gradients as one rank does until they are exchanged, and the
-    state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
+    state of its fullest rank (`zero1_largest_share`). 1-bit Adam under ZeRO-1/2 (no tp, pp: a
+    layout rule) holds a rank's local gradients as one rank does until they are exchanged, and
+    the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     if key not in cache:
