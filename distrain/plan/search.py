@@ -87,24 +87,20 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     if key not in cache:
-        if cfg.optim.name == "onebit_adam" and p.zero_stage in (1, 2) and world_size > 1:
+        onebit_zero = cfg.optim.name == "onebit_adam" and p.zero_stage in (1, 2)
+        if (p.zero_stage <= 1 or onebit_zero) and p.tp == p.pp == 1 and world_size > 1:
             single = dataclasses.replace(
                 cfg,
                 parallel=dataclasses.replace(p, zero_stage=0),
                 training=dataclasses.replace(t, global_batch_size=t.micro_batch_size),
             )
             base = memory_of(single, 1, cache)
-            held = held_state_bytes(num_params(model_args(cfg.model)), world_size)
-            cache[key] = dataclasses.replace(base, optimizer=held)
-        elif p.zero_stage <= 1 and p.tp == p.pp == 1 and world_size > 1:
-            single = dataclasses.replace(
-                cfg, training=dataclasses.replace(t, global_batch_size=t.micro_batch_size)
-            )
-            cache[key] = memory_of(single, 1, cache)
-            if p.zero_stage == 1:
-                whole = cache[key].optimizer
-                share = zero1_largest_share(cfg, world_size)
-                cache[key] = dataclasses.replace(cache[key], optimizer=math.ceil(whole * share))
+            optimizer = base.optimizer
+            if onebit_zero:
+                optimizer = held_state_bytes(num_params(model_args(cfg.model)), world_size)
+            elif p.zero_stage == 1:
+                optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))
+            cache[key] = dataclasses.replace(base, optimizer=optimizer)
         elif p.zero_stage == 1:
             zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
             base = memory_of(zero0, world_size, cache)
