@@ -43,7 +43,7 @@ from distrain.data.loader import DistributedBatchLoader
 from distrain.layout_facts import divisors
 from distrain.mesh import DistContext
 from distrain.parallel import ParallelModel
-from distrain.plan.memory import LiveBytes, local_bytes
+from distrain.plan.memory import LiveBytes, grad_bytes, local_bytes
 from distrain.rng import rng_state, set_rng_state
 
 GIB = 2**30
@@ -185,7 +185,7 @@ class TrialStep:
             self._forward_backward(m)
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) + self.optimizer_bytes
-        grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        grads = grad_bytes(self.model.parameters())
         with LiveBytes(self.param_bytes + self.optimizer_bytes + grads) as live:
             self._forward_backward(m)
         return live.peak

@@ -21,7 +21,7 @@ from distrain.parallel import build_parallel_model
 from distrain.parallel.compress import CommStats
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
-from distrain.plan.memory import LiveBytes, local_bytes, optimizer_state_bytes
+from distrain.plan.memory import LiveBytes, grad_bytes, local_bytes, optimizer_state_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates, memory_row
@@ -201,7 +201,7 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
             params = sum(local_bytes(p) for p in model.parameters())
             with LiveBytes(params) as live:
                 model.forward_backward(batches, lambda loss: loss, report_loss=False)
-            grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            grads = grad_bytes(model.parameters())
             for optimizer in optimizers:
                 optimizer.step()
             found[schedule] = {

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,8 +190,9 @@ def _fake_step(cfg, args, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimat
     return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
 
 
-def _grad_bytes(model: ParallelModel) -> int:
-    return sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+def grad_bytes(parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes of the gradients `parameters` hold on this rank (local shards of DTensors)."""
+    return sum(local_bytes(p.grad) for p in parameters if p.grad is not None)
 
 
 def measure_step(
@@ -208,7 +209,7 @@ def measure_step(
     activations'."""
     params = sum(local_bytes(p) for p in model.parameters())
     model.forward_backward([_tokens(1, seq_len, device)], lambda loss: loss)
-    grads = _grad_bytes(model)
+    grads = grad_bytes(model.parameters())
     peaks = []
     for rows in (1, 2):
         with LiveBytes(params + grads) as live:

@@ -32,7 +32,13 @@ from distrain.optim import build_optimizer
 from distrain.parallel import cross_entropy
 from distrain.parallel.layers import apply_activation_checkpointing
 from distrain.parallel.tensor import tp_loss_context
-from distrain.plan.memory import LiveBytes, fake_world, local_bytes, optimizer_state_bytes
+from distrain.plan.memory import (
+    LiveBytes,
+    fake_world,
+    grad_bytes,
+    local_bytes,
+    optimizer_state_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -99,22 +105,19 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             # Under sequence parallelism a stage boundary carries this rank's sequence shard.
             shard = dims.tp if p.sequence_parallel and dims.tp > 1 else 1
             received = torch.empty(per_chunk, rows, t.seq_len // shard, args.dim)
-            # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
+
+            def step_stages(microbatches: torch.Tensor) -> None:
+                # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
+                with tp_loss_context(dims.tp > 1):
+                    for part, stage_id in zip(parts, stage_ids, strict=True):
+                        first, last = stage_id == 0, stage_id == num_stages - 1
+                        _stage_steps(part, first, last, microbatches, t.seq_len)
+
             # A first microbatch makes the gradients, which the schedule's steady state holds.
-            with tp_loss_context(dims.tp > 1):
-                for part, stage_id in zip(parts, stage_ids, strict=True):
-                    first, last = stage_id == 0, stage_id == num_stages - 1
-                    _stage_steps(part, first, last, received[:1], t.seq_len)
-            grads = sum(
-                local_bytes(x.grad)
-                for part in parts
-                for x in part.parameters()
-                if x.grad is not None
-            )
-            with LiveBytes(params + grads) as live, tp_loss_context(dims.tp > 1):
-                for part, stage_id in zip(parts, stage_ids, strict=True):
-                    first, last = stage_id == 0, stage_id == num_stages - 1
-                    _stage_steps(part, first, last, received, t.seq_len)
+            step_stages(received[:1])
+            grads = grad_bytes(x for part in parts for x in part.parameters())
+            with LiveBytes(params + grads) as live:
+                step_stages(received)
             optimizers = [build_optimizer(part, cfg.optim) for part in parts]
             for optimizer in optimizers:
                 optimizer.step()
