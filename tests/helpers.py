@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distrain.config_io import load_config
 from distrain.observe.metrics import read_metrics
 
 if TYPE_CHECKING:
     import pytest
+
+    from distrain.config import Config
 
 # Small enough for CI's 2 cores, big enough that the loss moves: 4 MB of stdlib source.
 FAST = {
@@ -61,6 +65,27 @@ def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
     finally:
         torch.use_deterministic_algorithms(deterministic)
     return read_metrics(run_dir / "metrics.jsonl")
+
+
+@contextlib.contextmanager
+def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """`cfg` validated for one process inside a real 1-process gloo group (ended on exit):
+    (layout, DistContext, mesh, data-parallel mesh), what `build_parallel_model` takes."""
+    import torch
+    import torch.distributed as dist
+
+    from distrain.layout import validate
+    from distrain.mesh import DistContext
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layout = validate(cfg, 1)
+        ctx = DistContext(
+            rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
+        )
+        yield (layout, ctx, *layout.dims.build_mesh("cpu"))
+    finally:
+        dist.destroy_process_group()
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_rank_group
 
 from distrain.mesh import resolve_compile
 from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
@@ -90,12 +91,9 @@ def test_given_targets_the_model_returns_the_loss_it_would_be_scored_by():
 
 @pytest.mark.slow
 def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eagerly():
-    import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from distrain.config import Config
-    from distrain.layout import validate
-    from distrain.mesh import DistContext
     from distrain.parallel import build_parallel_model
     from distrain.parallel.compress import CommStats
 
@@ -103,13 +101,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
     cfg = Config()
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 1, 2, 64
     cfg.training.seq_len, cfg.training.micro_batch_size = 32, 2
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        layout = validate(cfg, 1)
-        ctx = DistContext(
-            rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
-        )
-        mesh, dp_mesh = layout.dims.build_mesh("cpu")
+    with one_rank_group(cfg) as (layout, ctx, mesh, dp_mesh):
         models = {}
         for compiled in (False, True):
             cfg.training.compile = compiled
@@ -129,5 +121,3 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
         # Evaluation (no_grad) ran the compiled model eagerly rather than compile again.
         assert counters["stats"]["unique_graphs"] == 1
         assert abs(evaluated[0].item() - evaluated[1].item()) <= 1e-6 * evaluated[1].item()
-    finally:
-        dist.destroy_process_group()

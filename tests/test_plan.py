@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import one_rank_group
 
 from distrain.config import Config
 from distrain.errors import ConfigError
-from distrain.layout import validate
-from distrain.mesh import DistContext
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args, num_params
 from distrain.optim import build_optimizer
@@ -44,21 +43,13 @@ def tiny_config(*, stage: int = 0, ac: str = "none", world_size: int = 1) -> Con
 
 def measured_one_rank(cfg: Config):
     """The same step on real tensors, in a real 1-process gloo group."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        layout = validate(cfg, 1)
-        ctx = DistContext(
-            rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
-        )
-        mesh, dp_mesh = layout.dims.build_mesh("cpu")
+    with one_rank_group(cfg) as (layout, ctx, mesh, dp_mesh):
         torch.manual_seed(0)
         model = build_parallel_model(
             layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats()
         )
         optimizers = [build_optimizer(part, cfg.optim) for part in model.parts]
         return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
