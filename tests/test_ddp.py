@@ -2,7 +2,8 @@
 before the first real step, so a restarted process reduces gradients exactly as the run it
 continues; and DDP's plain all-reduce counted without a hook, byte for byte as the hook counted.
 
-3 ranks because with 2 the order of an element's terms cannot matter (a + b = b + a).
+3 ranks because with 2 the order of an element's terms cannot matter (a + b = b + a). Also,
+in-process: DDP is built without torch 2.13's deprecation warning and without per-step buffer syncs.
 """
 
 import json
@@ -127,3 +128,20 @@ def test_settled_buckets_make_a_restarted_process_reduce_like_the_running_one(tm
     assert counted["bytes_sent"] == counted["fp32_equivalent_bytes"]
     assert counted["bytes_sent"] == pytest.approx(2 * (WORLD - 1) / WORLD * nbytes)
     assert result["grads_are_bucket_views"] == 1
+
+
+def test_ddp_is_built_without_a_deprecation_warning_and_without_per_step_buffer_syncs():
+    """Every DDP layout builds through apply_ddp: torch 2.13 warns on `broadcast_buffers` in each
+    rank's log; the buffers (equal on every rank) are not broadcast before each forward."""
+    import warnings
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = _wrapped(mesh, 0, settle=False)
+        assert [str(w.message) for w in caught if w.category is FutureWarning] == []
+        assert ddp.forward_sync_buffers is False
+    finally:
+        dist.destroy_process_group()

@@ -67,9 +67,11 @@ def apply_ddp(
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
-        # The only buffer (the rotary table) is computed from the config on every rank alike:
-        # broadcasting it before each forward would be a collective per step for nothing.
-        broadcast_buffers=False,
+        # Buffers (the rotary table, an MoE router's bias) are equal on every rank: broadcasting
+        # them before each forward would be a collective per step for nothing. (They are still
+        # broadcast once when DDP is built; `broadcast_buffers=False` would skip that too, but
+        # torch 2.13 deprecates it with a warning in every log.)
+        forward_sync_buffers=False,
     )
 
 
