@@ -1,7 +1,8 @@
 """The longest sequence one rank fits, without and with context parallelism, measured.
 
 For each context-parallel degree (default 1 and 2; one torchrun launch each, CPU/gloo, cp = the
-world size) and each sequence length (doubling), a real distrain `Trainer` (preset tiny,
+world size), each `parallel.cp_method` above cp 1 (default allgather and ring: a launch each) and
+each sequence length (doubling), a real distrain `Trainer` (preset tiny,
 micro-batch 1, `model.max_seq_len` = the sequence length) takes one training step to settle its
 buffers, then one more forward and backward is measured on every rank:
 
@@ -16,6 +17,7 @@ The table shows the largest value over ranks, and "fits" names the longest measu
 whose peak RSS stays within --budget-mib per rank.
 
     python3 benchmarks/context.py                       # cp 1 and 2, 2k..16k tokens
+    python3 benchmarks/context.py --cp 2 --methods ring --seq-lens 2048,4096
     python3 benchmarks/context.py --seq-lens 1024,2048 --budget-mib 512
 
 It prints a table and writes JSON to --out (default benchmarks/results/context.json).
@@ -49,13 +51,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda s: [int(n) for n in s.split(",")]  # noqa: E731
     parser.add_argument("--cp", type=ints, default=[1, 2], help="context-parallel degrees")
     parser.add_argument("--seq-lens", type=ints, default=[2048, 4096, 8192, 16384])
+    parser.add_argument(
+        "--methods", default="allgather,ring", help="parallel.cp_method values (cp > 1)"
+    )
+    parser.add_argument("--method", default="allgather", help=argparse.SUPPRESS)  # a launch's
     parser.add_argument("--budget-mib", type=float, default=1024, help="memory per rank")
     parser.add_argument("--out", default="benchmarks/results/context.json", help="JSON output")
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def make_config(seq_len: int, cp: int, run_dir: Path) -> Config:
+def make_config(seq_len: int, cp: int, method: str, run_dir: Path) -> Config:
     return bench_config(
         run_dir,
         device="cpu",
@@ -67,6 +73,7 @@ def make_config(seq_len: int, cp: int, run_dir: Path) -> Config:
         max_bytes=CORPUS_BYTES,
         model__max_seq_len=seq_len,
         parallel__cp=cp,
+        parallel__cp_method=method,
         training__eval_batches=1,
     )
 
@@ -107,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     with worker_session(run_dir) as (ctx, logger):
         for seq_len in args.seq_lens:
-            cfg = make_config(seq_len, ctx.world_size, run_dir / f"seq{seq_len}")
+            cfg = make_config(seq_len, ctx.world_size, args.method, run_dir / f"seq{seq_len}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
             trainer = Trainer(cfg, ctx, logger)
             try:
@@ -118,31 +125,47 @@ def worker(args: argparse.Namespace) -> None:
             gc.collect()
             per_rank: list[dict[str, float]] = [{} for _ in range(ctx.world_size)]
             dist.all_gather_object(per_rank, mine)
-            row = {"cp": ctx.world_size, "seq_len": seq_len, "per_rank": per_rank}
+            row = {
+                "cp": ctx.world_size,
+                "method": args.method,
+                "seq_len": seq_len,
+                "per_rank": per_rank,
+            }
             for key in ("peak_rss_mib", "activations_mib"):
                 row[key] = max(r[key] for r in per_rank)
             rows.append(row)
             if ctx.rank == 0:
                 print(json.dumps({k: v for k, v in row.items() if k != "per_rank"}), flush=True)
         if ctx.rank == 0:
-            (run_dir / f"cp{ctx.world_size}.json").write_text(json.dumps(rows))
+            (run_dir / f"cp{ctx.world_size}-{args.method}.json").write_text(json.dumps(rows))
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print("\ntiny preset, micro-batch 1, CPU/gloo; per rank, largest over ranks")
-    print("| cp | seq_len | tokens per rank | activations MiB | peak RSS MiB |")
-    print("|---|---|---|---|---|")
+    print("| cp | method | seq_len | tokens per rank | activations MiB | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['cp']} | {r['seq_len']} | {r['seq_len'] // r['cp']} "
-            f"| {r['activations_mib']:.1f} | {r['peak_rss_mib']:.0f} |"
+            f"| {r['cp']} | {r['method'] if r['cp'] > 1 else '-'} | {r['seq_len']} "
+            f"| {r['seq_len'] // r['cp']} | {r['activations_mib']:.1f} | {r['peak_rss_mib']:.0f} |"
         )
     fits = {}
-    for cp in args.cp:
-        ok = [r["seq_len"] for r in rows if r["cp"] == cp and r["peak_rss_mib"] <= args.budget_mib]
-        fits[cp] = max(ok) if ok else None
-        print(f"cp {cp}: longest measured sequence within {args.budget_mib:.0f} MiB: {fits[cp]}")
+    for cp, method in launches(args):
+        name = f"cp{cp}" + (f" {method}" if cp > 1 else "")
+        ok = [
+            r["seq_len"]
+            for r in rows
+            if (r["cp"], r["method"]) == (cp, method) and r["peak_rss_mib"] <= args.budget_mib
+        ]
+        fits[name] = max(ok) if ok else None
+        print(f"{name}: longest measured sequence within {args.budget_mib:.0f} MiB: {fits[name]}")
     write_json(args.out, {"budget_mib": args.budget_mib, "fits": fits, "rows": rows})
+
+
+def launches(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """(cp, method) of each launch: one for cp 1, one per method above it."""
+    methods = args.methods.split(",")
+    return [(cp, method) for cp in args.cp for method in (["allgather"] if cp == 1 else methods)]
 
 
 def main() -> None:
@@ -153,9 +176,9 @@ def main() -> None:
     run_dir = tempfile.mkdtemp(prefix="distrain-context-")
     try:
         rows = []
-        for cp in args.cp:
-            launch_ranks(__file__, cp, sys.argv[1:], run_dir=run_dir)
-            rows += json.loads((Path(run_dir) / f"cp{cp}.json").read_text())
+        for cp, method in launches(args):
+            launch_ranks(__file__, cp, [*sys.argv[1:], "--method", method], run_dir=run_dir)
+            rows += json.loads((Path(run_dir) / f"cp{cp}-{method}.json").read_text())
         report(args, rows)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

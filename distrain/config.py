@@ -303,9 +303,15 @@ class ParallelConfig:
     cp: int = doc(
         1,
         "Context-parallel degree: each sequence split over this many ranks (load-balanced "
-        "chunks; keys and values all-gathered in attention); composes with data and tensor "
-        "parallel.",
+        "chunks; keys and values all-gathered in attention, or passed around a ring: "
+        "cp_method); composes with data and tensor parallel.",
         AT_LEAST_1,
+    )
+    cp_method: Literal["allgather", "ring"] = doc(
+        "allgather",
+        "How attention sees the other cp ranks' keys and values: allgather (each layer "
+        "gathers the whole sequence's and keeps them for backward) or ring (passed from rank "
+        "to rank while computing; a layer keeps 1/cp of them).",
     )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
         "1f1b", "Pipeline schedule (torch.distributed.pipelining)."

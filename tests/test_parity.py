@@ -104,6 +104,12 @@ LAYOUTS = [
     Layout("cp2_bf16", 2, {"parallel__cp": 2}, BF16, BF16_REL_TOL),
     Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
+    Layout("cp2_ring", 2, {"parallel__cp": 2, "parallel__cp_method": "ring"}),
+    Layout(
+        "cp2_ring_dp2",
+        4,
+        {"parallel__cp": 2, "parallel__cp_method": "ring", "parallel__zero_stage": 3},
+    ),
 ]
 
 

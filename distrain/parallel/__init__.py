@@ -362,7 +362,7 @@ def build_parallel_model(
     compile_whole = False
     for part in parts:
         if dims.cp > 1:
-            apply_context_parallel(part, mesh["cp"])
+            apply_context_parallel(part, mesh["cp"], cfg.parallel.cp_method)
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
 

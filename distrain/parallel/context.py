@@ -11,7 +11,9 @@ cp group (and the data-parallel ranks) is the loss of the whole batch.
 Attention: every rank all-gathers the keys and values of its cp group (an autograd Function
 whose backward reduce-scatters their gradients back to the ranks that own them) and puts the
 chunks in sequence order: the all-gather variant of context parallelism (Llama 3 trains long
-context this way), simpler than passing keys and values around a ring, and exact. Each rank
+context this way; torch's own context parallelism defaults to it), exact. With
+`parallel.cp_method = "ring"` the keys and values are passed around the cp ranks instead
+(parallel/ring_attention.py, built on this module's block math). Each rank
 then computes causal attention for its own queries block by block, merging the blocks with a
 running log-sum-exp (the online softmax) and recomputing them in backward, so no
 [queries x keys] matrix or mask is ever held: what a layer keeps is linear in the sequence
@@ -65,23 +67,24 @@ def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
 BLOCK = 512
 
 
-Plan = list[tuple[tuple[int, int], list[tuple[int, int, bool]]]]
+Block = tuple[int, int, int, int, bool]
+"""(first query row, end, first key, end, masked) of one score block: rows and keys are offsets
+in the tensors a kernel holds; masked when some key lies after some query."""
 
 
-def _plan(rank: int, size: int, chunk: int, block: int) -> Plan:
-    """For each block of rank `rank`'s query rows (blocks never straddle its two chunks), the
-    key blocks it sees: every block up to its last position, masked only where a block
-    reaches past its first position. From integers alone: no device value is read."""
+def _plan(rank: int, size: int, chunk: int, block: int) -> list[Block]:
+    """The score blocks of rank `rank`'s query rows (blocks never straddle its two chunks)
+    against the whole sequence's keys: every key block up to a query block's last position,
+    masked only where it reaches past the block's first position. From integers alone: no
+    device value is read."""
     plan = []
     for slot, index in enumerate(chunk_order(rank, size)):
         for start in range(0, chunk, block):
             stop = min(start + block, chunk)
             first, last = index * chunk + start, index * chunk + stop - 1
-            keys = [
-                (ks, min(ks + block, last + 1), min(ks + block, last + 1) - 1 > first)
-                for ks in range(0, last + 1, block)
-            ]
-            plan.append(((slot * chunk + start, slot * chunk + stop), keys))
+            for ks in range(0, last + 1, block):
+                ke = min(ks + block, last + 1)
+                plan.append((slot * chunk + start, slot * chunk + stop, ks, ke, ke - 1 > first))
     return plan
 
 
@@ -101,6 +104,61 @@ def _scores(
     return scores
 
 
+def forward_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    plan: list[Block],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge the softmax of every block of `plan` into `out` and the running log-sum-exp `lse`
+    of each query row (both updated in place; the online softmax of flash attention)."""
+    scale = q.shape[-1] ** -0.5
+    for qs, qe, ks, ke, masked in plan:
+        scores = _scores(q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked)
+        merged = torch.logaddexp(lse[:, :, qs:qe], scores.logsumexp(-1))
+        probs = (scores - merged[..., None]).exp()
+        keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
+        out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
+        lse[:, :, qs:qe] = merged
+
+
+def backward_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    plan: list[Block],
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Add every block's share of the gradients of q, k and v to `grads` (in place), each
+    block's probabilities recomputed from the final log-sum-exp `lse`; `delta` is the row sum
+    of grad_out x out."""
+    dq, dk, dv = grads
+    scale = q.shape[-1] ** -0.5
+    for qs, qe, ks, ke, masked in plan:
+        go, qb, kb, vb = grad_out[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
+        scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], scale, masked)
+        probs = (scores - lse[:, :, qs:qe, None]).exp()
+        dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
+        dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
+        dq[:, :, qs:qe] += (dscores @ kb) * scale
+        dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * scale
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention math runs in: half-precision inputs are upcast, since the softmax
+    statistics need fp32's range."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _BlockwiseCausalAttention(torch.autograd.Function):
     """Exact causal attention of queries at global positions `q_pos` (increasing within each
     block) over the whole sequence's keys/values, one BLOCK x BLOCK score block at a time.
@@ -114,49 +172,27 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: Plan):
+    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: list[Block]):
         dtype = q.dtype
-        # Half-precision inputs are upcast: the softmax statistics need fp32's range.
-        work = torch.promote_types(dtype, torch.float32)
+        work = work_dtype(dtype)
         q, k, v = q.to(work), k.to(work), v.to(work)
-        scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=work)
         k_pos = torch.arange(k.shape[2], device=q.device)
-        for (qs, qe), key_blocks in plan:
-            for ks, ke, masked in key_blocks:
-                scores = _scores(
-                    q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked
-                )
-                block_lse = scores.logsumexp(-1)
-                merged = torch.logaddexp(lse[:, :, qs:qe], block_lse)
-                probs = (scores - merged[..., None]).exp()
-                keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
-                out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
-                lse[:, :, qs:qe] = merged
+        forward_blocks(q, k, v, q_pos, k_pos, plan, out, lse)
         ctx.save_for_backward(q, k, v, out, lse, q_pos)
-        ctx.plan, ctx.scale, ctx.dtype = plan, scale, dtype
+        ctx.plan, ctx.dtype = plan, dtype
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, q_pos = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         delta = (grad_out * out).sum(-1)
         k_pos = torch.arange(k.shape[2], device=q.device)
-        for (qs, qe), key_blocks in ctx.plan:
-            go, qb = grad_out[:, :, qs:qe], q[:, :, qs:qe]
-            for ks, ke, masked in key_blocks:
-                kb, vb = k[:, :, ks:ke], v[:, :, ks:ke]
-                scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], ctx.scale, masked)
-                probs = (scores - lse[:, :, qs:qe, None]).exp()
-                dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
-                dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
-                dq[:, :, qs:qe] += (dscores @ kb) * ctx.scale
-                dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * ctx.scale
-        dtype = ctx.dtype
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+        backward_blocks(q, k, v, q_pos, k_pos, ctx.plan, grad_out, lse, delta, grads)
+        return *(g.to(ctx.dtype) for g in grads), None, None
 
 
 def attend_local(
@@ -226,8 +262,12 @@ class SequenceSplit:
         return inputs[:, positions], targets[:, positions], positions
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`."""
-    attend = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
+    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`:
+    `method` (parallel.cp_method) "allgather", or "ring" (parallel/ring_attention.py)."""
+    from distrain.parallel.ring_attention import RingAttention  # it builds on this module
+
+    kernel = RingAttention if method == "ring" else ContextParallelAttention
+    attend = kernel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.blocks.values():
         block.attn.attend = attend
