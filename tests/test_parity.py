@@ -104,6 +104,16 @@ LAYOUTS = [
     Layout("cp2_bf16", 2, {"parallel__cp": 2}, BF16, BF16_REL_TOL),
     Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
+    # Each stage gets its columns' global positions from a hook (the schedule passes it only
+    # its input); FSDP2 averages over cp.
+    Layout("cp2_pp2", 4, {"parallel__cp": 2, "parallel__pp": 2}),
+    # ZeRO-1's state sharded over dp x cp (4 ranks) under DDP with the hierarchical hook (one
+    # node here: a reduce to its first rank, then a broadcast), both over dp x cp.
+    Layout(
+        "cp2_dp2_zero1_hierarchical",
+        4,
+        {"parallel__cp": 2, "parallel__zero_stage": 1, "comm__hierarchical": True},
+    ),
 ]
 
 

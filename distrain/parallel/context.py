@@ -226,8 +226,23 @@ class SequenceSplit:
         return inputs[:, positions], targets[:, positions], positions
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`."""
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, *, stage_seq_len: int | None = None
+) -> None:
+    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`.
+
+    stage_seq_len: `model` is a pipeline stage of sequences of this many tokens. The schedule
+    calls a stage with its input alone (tokens, or the previous stage's hidden states of this
+    rank's columns, which under sequence parallelism are a further tp shard of them), so a
+    forward pre-hook passes it the columns' global positions: the same for every microbatch."""
     attend = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.blocks.values():
         block.attn.attend = attend
+    if stage_seq_len is not None:
+        split = SequenceSplit(cp_mesh)
+
+        def pass_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            positions = split.positions(stage_seq_len, args[0].device)
+            return args, {**kwargs, "positions": positions}
+
+        model.register_forward_pre_hook(pass_positions, with_kwargs=True)
