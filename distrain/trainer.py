@@ -100,9 +100,7 @@ class Trainer:
         self.model = build_parallel_model(
             self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
         )
-        # ZeRO-1 shards the optimizer state over the ranks holding the same parameters: dp x cp
-        # under DDP; under FSDP2 (tp), which shards over cp itself, dp.
-        zero1_group = self.grad_group if self.dims.dp_wrapper == "ddp" else self.dp_group
+        zero1_group = self.dims.zero1_mesh(self.mesh, dp_mesh).get_group()
         self.optimizers = [
             build_optimizer(
                 part,
