@@ -76,9 +76,9 @@ class Facts:
         """The first setting context parallelism does not compose with yet, and what is missing
         for it ("" when none)."""
         conflicts = {
-            f"parallel.zero_stage = 1 under tp or pp (tp {self.p.tp}, pp {self.p.pp} here: "
-            "FSDP2 shards over cp and ZeRO-1 over dp, no parity run yet)": (
-                self.p.zero_stage == 1 and (self.p.tp > 1 or self.p.pp > 1)
+            f"parallel.zero_stage = 1 with parallel.tp = {self.p.tp} (FSDP2 shards over cp and "
+            "ZeRO-1 over dp, as under pp, but no parity run covers tp yet)": (
+                self.p.zero_stage == 1 and self.p.tp > 1
             ),
             f"an MoE model (model.moe.num_experts = {self.num_experts}; its balancing losses and "
             "load statistics are not reduced over the cp ranks)": self.num_experts > 0,

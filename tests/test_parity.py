@@ -105,8 +105,8 @@ LAYOUTS = [
     Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
     # Each stage gets its columns' global positions from a hook (the schedule passes it only
-    # its input); FSDP2 averages over cp.
-    Layout("cp2_pp2", 4, {"parallel__cp": 2, "parallel__pp": 2}),
+    # its input); FSDP2 shards over cp and ZeRO-1 (Zero1AdamW) over dp2.
+    Layout("cp2_pp2_zero1x2", 8, {"parallel__cp": 2, "parallel__pp": 2, "parallel__zero_stage": 1}),
     # ZeRO-1's state sharded over dp x cp (4 ranks) under DDP with the hierarchical hook (one
     # node here: a reduce to its first rank, then a broadcast), both over dp x cp.
     Layout(
