@@ -19,7 +19,11 @@ length (the whole sequence's keys and values, and 1/cp of everything else: queri
 norms, logits).
 
 Gradients: the data-parallel wrapper reduces them over dp x cp (mesh.py's gradient mesh), as
-every cp rank computed its own share of the loss.
+every cp rank computed its own share of the loss; so do the optimizers that communicate
+(ZeRO-1's state shards, 1-bit Adam's momentum exchange) and DDP's communication hooks.
+
+Pipeline stages: a schedule calls a stage with its input alone, so `apply_context_parallel`
+gives each stage a hook that passes the global positions of this rank's columns.
 
 torch 2.13's `torch.distributed.tensor.experimental.context_parallel` is not used: on CPU it
 raises "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
