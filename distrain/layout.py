@@ -184,8 +184,8 @@ RULES: tuple[Rule, ...] = (
         "cp_composes_with_dp_tp",
         "config",
         lambda f: f.p.cp > 1 and f.cp_conflict != "",
-        "parallel.cp = {f.p.cp} composes with data parallel (zero_stage 0, 2, 3) and tensor "
-        "parallel only, not with {f.cp_conflict}; set parallel.cp = 1 or drop that setting",
+        "parallel.cp = {f.p.cp} does not compose with {f.cp_conflict}; set parallel.cp = 1 "
+        "or drop that setting",
     ),
     Rule(
         "single_stage_schedule",

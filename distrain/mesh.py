@@ -268,6 +268,12 @@ class ParallelDims:
         parallelism (flattened by `build_mesh`)."""
         return dp_mesh if self.cp == 1 else mesh["dp_cp"]
 
+    def zero1_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh ZeRO-1 shards the optimizer state over: the ranks holding the same
+        parameters, which are the gradient mesh's under DDP (dp x cp under context parallelism)
+        and `dp_mesh` under FSDP2 (tp, pp), which shards over cp itself."""
+        return self.gradient_mesh(mesh, dp_mesh) if self.dp_wrapper == "ddp" else dp_mesh
+
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP); under context
         parallelism the cp axis joins the shard axis (dp_shard x cp, flattened by `build_mesh`),

@@ -7,8 +7,9 @@ leave the others waiting in a collective it never joins. So with recovery on, ev
 runs without gradient sync, the ranks then agree on one flag (a max all-reduce), and only a step
 that succeeded everywhere all-reduces its gradients.
 
-Under FSDP2, tp and pp the forward itself runs collectives (parameter all-gathers, tp
-reductions, stage-to-stage sends), so a rank cannot run on and report afterwards. There the
+Under FSDP2, tp, pp and cp the forward itself runs collectives (parameter all-gathers, tp
+reductions, stage-to-stage sends, cp's key/value all-gathers), so a rank cannot run on and report
+afterwards. There the
 ranks agree before every micro-batch (`agreed`; under pp before the schedule, which runs all
 micro-batches in one call) and once after the last, each micro-batch synchronizes its own
 gradients, and on any failure every rank abandons the step, drops its gradients and retries.

@@ -65,6 +65,8 @@ class Trainer:
             ctx.device.type, timeout_s=cfg.debug.collective_timeout_s
         )
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+        # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
+        self.grad_group = self.dims.gradient_mesh(self.mesh, dp_mesh).get_group()
         seed_everything(t.seed, deterministic=t.deterministic)
 
         train_set, self.val_set = build_datasets(
@@ -98,13 +100,14 @@ class Trainer:
         self.model = build_parallel_model(
             self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
         )
+        zero1_group = self.dims.zero1_mesh(self.mesh, dp_mesh).get_group()
         self.optimizers = [
             build_optimizer(
                 part,
                 cfg.optim,
-                zero1_group=self.dp_group if self.dims.zero_stage == 1 else None,
-                zero2_group=self.dp_group if self.dims.dp_wrapper == "optimizer" else None,
-                dp_group=self.dp_group,
+                zero1_group=zero1_group if self.dims.zero_stage == 1 else None,
+                zero2_group=self.grad_group if self.dims.dp_wrapper == "optimizer" else None,
+                dp_group=self.grad_group,
                 comm_stats=self.comm_stats,
             )
             for part in self.model.parts
@@ -289,8 +292,9 @@ class Trainer:
         """forward_backward that survives out-of-memory errors (see distrain/oom.py)."""
         step = self.step + 1
         pipelined = self.dims.pp > 1
-        # Collectives inside the forward (FSDP2, tp, pp): the ranks agree before each micro-batch.
-        agree = self.dims.dp_wrapper == "fsdp" or pipelined
+        # Collectives inside the forward (FSDP2, tp, pp, cp's key/value all-gather): the ranks
+        # agree before each micro-batch.
+        agree = self.dims.dp_wrapper == "fsdp" or pipelined or self.dims.cp > 1
         while True:
             hook = self.injected_oom.hook(step, 1 if pipelined else len(batches))
             if agree:
@@ -319,7 +323,7 @@ class Trainer:
                 except torch.OutOfMemoryError:
                     failed = True
                 if not oom.any_rank_failed(failed, self.ctx.device):
-                    self.model.all_reduce_gradients(self.dp_group, self.cfg.comm.bucket_cap_mb)
+                    self.model.all_reduce_gradients(self.grad_group, self.cfg.comm.bucket_cap_mb)
                     return loss
             self.model.zero_grad()
             oom.free_memory(self.ctx.device)

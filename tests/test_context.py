@@ -11,14 +11,19 @@ import torch.nn.functional as F
 from helpers import losses, train_cli, train_in_process
 from test_parity import BASE, assert_parity
 
+from distrain.config import Config
+from distrain.mesh import ParallelDims
 from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.presets import model_args
 from distrain.observe.metrics import read_metrics
+from distrain.optim import build_optimizer
 from distrain.parallel.context import (
     attend_local,
     chunk_order,
     gathered_to_sequence,
     local_positions,
 )
+from distrain.plan.memory import fake_world
 
 CPU = torch.device("cpu")
 
@@ -113,6 +118,33 @@ def test_model_given_global_positions_matches_the_whole_sequence(pos_emb):
         got = model(tokens[:, positions], positions=positions)
         # fp32, the same ops on the same values; only the attention's summation order differs.
         torch.testing.assert_close(got, full[:, positions], rtol=1e-5, atol=1e-6)
+
+
+def test_zero1_shards_the_optimizer_state_over_dp_x_cp():
+    """cp2 x dp2 under DDP: ZeRO-1's group is all 4 ranks (the gradients' dp x cp), so the 4
+    ranks own every parameter once between them (over dp alone they would own it twice);
+    under FSDP2 (tp), which shards over cp itself, the group is dp. Each rank as torch's fake
+    process group of 4 sees it (the collectives return at once)."""
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.zero_stage = 2, 1
+    total = sum(p.numel() for p in GPT(model_args(cfg.model)).parameters())
+    owned = 0
+    for rank in range(4):
+        with fake_world(4, rank):
+            dims = ParallelDims.from_config(cfg, 4)
+            mesh, dp_mesh = dims.build_mesh("cpu")
+            zero1 = dims.zero1_mesh(mesh, dp_mesh)
+            assert (dims.dp_wrapper, dp_mesh.size(), zero1.size()) == ("ddp", 2, 4)
+            optimizer = build_optimizer(
+                GPT(model_args(cfg.model)), cfg.optim, zero1_group=zero1.get_group()
+            )
+            owned += sum(p.numel() for g in optimizer.optim.param_groups for p in g["params"])
+    assert owned == total
+    cfg.parallel.tp = 2
+    with fake_world(4):
+        dims = ParallelDims.from_config(cfg, 4)
+        mesh, dp_mesh = dims.build_mesh("cpu")
+        assert dims.dp_wrapper == "fsdp" and dims.zero1_mesh(mesh, dp_mesh) is dp_mesh
 
 
 @pytest.mark.slow

@@ -59,14 +59,16 @@ def test_oom_at_micro_batch_one_is_a_clear_error(batch_pool):
     )
 
 
-# FSDP2 with tp, and pp with FSDP2: a rank's forward runs collectives, so the ranks agree
-# before each micro-batch (before the schedule under pp) and retry together (distrain/oom.py).
+# FSDP2 with tp, pp with FSDP2, and cp (DDP over dp x cp): a rank's forward runs collectives,
+# so the ranks agree before each micro-batch (before the schedule under pp) and retry together
+# (distrain/oom.py).
 # Each recovered run must still give the 1-process loss curve of test_parity (same batch, seed
 # and tolerance): kept gradients of the abandoned attempt, or a micro-batch counted twice, move
 # the loss by 1e-3 or more.
 SHARDED = {
     "zero3x2_tp2": {"parallel__zero_stage": 3, "parallel__tp": 2},
     "pp2_zero2x2": {"parallel__pp": 2, "parallel__zero_stage": 2},
+    "cp2_dp2": {"parallel__cp": 2},
 }
 
 

@@ -110,6 +110,16 @@ LAYOUTS = [
         4,
         {"parallel__cp": 2, "parallel__cp_method": "ring", "parallel__zero_stage": 3},
     ),
+    # Each stage gets its columns' global positions from a hook (the schedule passes it only
+    # its input); FSDP2 shards over cp and ZeRO-1 (Zero1AdamW) over dp2.
+    Layout("cp2_pp2_zero1x2", 8, {"parallel__cp": 2, "parallel__pp": 2, "parallel__zero_stage": 1}),
+    # ZeRO-1's state sharded over dp x cp (4 ranks) under DDP with the hierarchical hook (one
+    # node here: a reduce to its first rank, then a broadcast), both over dp x cp.
+    Layout(
+        "cp2_dp2_zero1_hierarchical",
+        4,
+        {"parallel__cp": 2, "parallel__zero_stage": 1, "comm__hierarchical": True},
+    ),
 ]
 
 

@@ -183,6 +183,7 @@ class ParallelModel:
                 before_micro_batch(0)
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             targets = torch.cat([b[1] for b in batches]).to(self.device)
+            inputs, targets = self._columns(inputs, targets)
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(inputs, targets, scale)
@@ -210,8 +211,20 @@ class ParallelModel:
                 scale(total / len(batches)).backward()
             loss_sum += _local(loss.detach())
         if sync and self.allreduce_payload is not None:
-            self._count_allreduce(*self.allreduce_payload)
+            # With sync_each (OOM recovery under cp) DDP all-reduced after every micro-batch.
+            for _ in range(len(batches) if sync_each else 1):
+                self._count_allreduce(*self.allreduce_payload)
         return loss_sum / len(batches)
+
+    def _columns(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's columns of a pipeline batch under context parallelism (the stages get
+        their positions from `apply_context_parallel`'s hook)."""
+        if self.sequence_split is None:
+            return inputs, targets
+        inputs, targets, _ = self.sequence_split.shard(inputs, targets)
+        return inputs, targets
 
     def _forward(
         self, inputs: torch.Tensor, targets: torch.Tensor
@@ -291,6 +304,7 @@ class ParallelModel:
         sure there is at least one)."""
         inputs = torch.cat([b[0] for b in batches]).to(self.device)
         targets = torch.cat([b[1] for b in batches]).to(self.device)
+        inputs, targets = self._columns(inputs, targets)
         size = self.train_batch_rows
         chunks = len(inputs) // size
         total = torch.zeros((), device=self.device)
@@ -362,7 +376,12 @@ def build_parallel_model(
     compile_whole = False
     for part in parts:
         if dims.cp > 1:
-            apply_context_parallel(part, mesh["cp"], cfg.parallel.cp_method)
+            apply_context_parallel(
+                part,
+                mesh["cp"],
+                cfg.parallel.cp_method,
+                stage_seq_len=cfg.training.seq_len if dims.pp > 1 else None,
+            )
         if dims.tp > 1:
             from distrain.parallel.tensor import apply_tensor_parallel
 

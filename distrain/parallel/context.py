@@ -21,7 +21,11 @@ length (the whole sequence's keys and values, and 1/cp of everything else: queri
 norms, logits).
 
 Gradients: the data-parallel wrapper reduces them over dp x cp (mesh.py's gradient mesh), as
-every cp rank computed its own share of the loss.
+every cp rank computed its own share of the loss; so do the optimizers that communicate
+(ZeRO-1's state shards, 1-bit Adam's momentum exchange) and DDP's communication hooks.
+
+Pipeline stages: a schedule calls a stage with its input alone, so `apply_context_parallel`
+gives each stage a hook that passes the global positions of this rank's columns.
 
 torch 2.13's `torch.distributed.tensor.experimental.context_parallel` is not used: on CPU it
 raises "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
@@ -262,12 +266,27 @@ class SequenceSplit:
         return inputs[:, positions], targets[:, positions], positions
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, method: str, *, stage_seq_len: int | None = None
+) -> None:
     """Give every attention module of `model` the context-parallel kernel over `cp_mesh`:
-    `method` (parallel.cp_method) "allgather", or "ring" (parallel/ring_attention.py)."""
+    `method` (parallel.cp_method) "allgather", or "ring" (parallel/ring_attention.py).
+
+    stage_seq_len: `model` is a pipeline stage of sequences of this many tokens. The schedule
+    calls a stage with its input alone (tokens, or the previous stage's hidden states of this
+    rank's columns, which under sequence parallelism are a further tp shard of them), so a
+    forward pre-hook passes it the columns' global positions: the same for every microbatch."""
     from distrain.parallel.ring_attention import RingAttention  # it builds on this module
 
     kernel = RingAttention if method == "ring" else ContextParallelAttention
     attend = kernel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.blocks.values():
         block.attn.attend = attend
+    if stage_seq_len is not None:
+        split = SequenceSplit(cp_mesh)
+
+        def pass_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            positions = split.positions(stage_seq_len, args[0].device)
+            return args, {**kwargs, "positions": positions}
+
+        model.register_forward_pre_hook(pass_positions, with_kwargs=True)
