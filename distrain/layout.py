@@ -125,20 +125,6 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery); it does not compose with FSDP2's zero_stage 3",
     ),
     Rule(
-        "moe_pipeline_one_stage",
-        "config",
-        lambda f: (
-            f.model.moe.enabled
-            and f.p.pp > 1
-            and (f.p.tp > 1 or f.p.pp_schedule not in _SINGLE_STAGE_SCHEDULES)
-        ),
-        # A stage's balancing losses join its backward through its output, one stage per
-        # rank (parallel/moe_pipeline.py); proven with gpipe and 1f1b, without tp.
-        "model.moe (num_experts {f.model.moe.num_experts}) in a pipeline (parallel.pp = "
-        "{f.p.pp}) runs with pp_schedule 'gpipe' or '1f1b' and tp = 1 only (schedule "
-        "{f.p.pp_schedule!r}, tp {f.p.tp} here)",
-    ),
-    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -238,19 +224,19 @@ RULES: tuple[Rule, ...] = (
         "ep_runs_on_fsdp",
         "config",
         lambda f: f.p.ep > 1 and f.ep_conflict != "",
-        "parallel.ep = {f.p.ep} wraps the model in FSDP2 (expert weights live on their own "
-        "mesh), but {f.ep_conflict} needs plain DDP; change that setting or set parallel.ep = 1",
+        "{f.ep_conflict} replaces DDP's gradient all-reduce through a DDP communication hook, "
+        "but parallel.ep = {f.p.ep} runs on FSDP2 (expert weights live on their own mesh), "
+        "which has no such hook; change that setting or set parallel.ep = 1",
     ),
     Rule(
-        "moe_tp_needs_ep",
+        "ep_zero1",
         "config",
-        lambda f: (
-            f.num_experts > 0 and f.p.tp > 1 and (f.p.ep == 1 or f.p.sequence_parallel)
-        ),
-        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} runs "
-        "its MoE layers replicated over tp, which is proven with parallel.ep > 1 and "
-        "parallel.sequence_parallel = false only (ep {f.p.ep}, sequence_parallel "
-        "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
+        lambda f: f.p.ep > 1 and f.p.zero_stage == 1,
+        # ZeRO-1's optimizer (parallel/zero1.py) broadcasts each owner's parameters to every
+        # data-parallel rank, which would overwrite the other ep ranks' experts.
+        "parallel.zero_stage = 1 shards the optimizer state by broadcasting whole parameters "
+        "over the data-parallel ranks, which hold different experts under parallel.ep = "
+        "{f.p.ep}; use parallel.zero_stage 0, 2 or 3 with ep, or set parallel.ep = 1",
     ),
     Rule(
         "auto_micro_batch_needs_budget",
@@ -339,6 +325,18 @@ RULES: tuple[Rule, ...] = (
         "parallel.dp_replicate ({f.p.dp_replicate}) x parallel.dp_shard ({f.p.dp_shard}) must "
         "equal the data-parallel size {f.dp} (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); "
         "set one of them to -1 (what is left over)",
+    ),
+    Rule(
+        "moe_tp_needs_dp",
+        "world",
+        lambda f: f.num_experts > 0 and f.p.tp > 1 and f.dp * f.p.cp == 1,
+        # MoE layers run replicated over tp with plain parameters (parallel/tensor.py); FSDP2
+        # turns them into DTensors like the rest, but without a data-parallel wrapper the
+        # optimizer would get a mix of plain and DTensor parameters.
+        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} "
+        "needs data parallelism (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp} = 1 here): "
+        "its MoE layers keep plain parameters, replicated over tp, which only FSDP2 turns into "
+        "DTensors like the others; run {f.tp_pp_twice} processes or set parallel.tp = 1",
     ),
     Rule(
         "ep_divides_dp",

@@ -54,6 +54,11 @@ class Facts:
         return self.world_size // self.cp_tp_pp
 
     @property
+    def tp_pp_twice(self) -> int:
+        """The smallest world size with two data-parallel ranks (cp included)."""
+        return 2 * self.cp_tp_pp
+
+    @property
     def cp_chunks(self) -> int:
         """Chunks context parallelism cuts a sequence into: two per cp rank."""
         return 2 * self.p.cp
@@ -145,12 +150,9 @@ class Facts:
 
     @property
     def ep_conflict(self) -> str:
-        """The first setting that needs plain DDP, which expert parallelism does not use
-        ("" when there is none)."""
+        """The first setting that is a DDP communication hook, which expert parallelism (on
+        FSDP2) has no place for ("" when there is none)."""
         conflicts = {
-            "parallel.zero_stage = 1": self.p.zero_stage == 1,
-            "training.precision = 'fp16'": self.t.precision == "fp16",
-            "training.oom_recovery": self.t.oom_recovery,
             f"comm.gradient_compression = {self.c.gradient_compression!r}": (
                 self.c.gradient_compression != "none"
             ),
