@@ -229,16 +229,6 @@ RULES: tuple[Rule, ...] = (
         "which has no such hook; change that setting or set parallel.ep = 1",
     ),
     Rule(
-        "ep_zero1",
-        "config",
-        lambda f: f.p.ep > 1 and f.p.zero_stage == 1,
-        # ZeRO-1's optimizer (parallel/zero1.py) broadcasts each owner's parameters to every
-        # data-parallel rank, which would overwrite the other ep ranks' experts.
-        "parallel.zero_stage = 1 shards the optimizer state by broadcasting whole parameters "
-        "over the data-parallel ranks, which hold different experts under parallel.ep = "
-        "{f.p.ep}; use parallel.zero_stage 0, 2 or 3 with ep, or set parallel.ep = 1",
-    ),
-    Rule(
         "auto_micro_batch_needs_budget",
         "config",
         lambda f: (

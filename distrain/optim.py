@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config import OptimConfig
 from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
+from distrain.parallel.experts import expert_modules
 from distrain.parallel.onebit_adam import OneBitAdam
 from distrain.parallel.onebit_zero import OneBitZeroAdam
 from distrain.parallel.zero1 import Zero1AdamW
@@ -93,7 +94,9 @@ def build_optimizer(
     if zero1_group is None:
         return torch.optim.AdamW(groups, **options)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-        return Zero1AdamW(groups, group=zero1_group, **options)
+        # Expert weights (ep) differ between the data-parallel ranks: each updates its own.
+        experts = [p for m in expert_modules(model) for p in m.parameters()]
+        return Zero1AdamW(groups, group=zero1_group, own_params=experts, **options)
     from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when used
 
     zero = ZeroRedundancyOptimizer(

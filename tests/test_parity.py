@@ -386,6 +386,14 @@ EP_LAYOUTS = [
             "debug__check_replicas": True,
         },
     ),
+    # ZeRO-1: the dense weights replicated with their optimizer state split over the 4
+    # data-parallel ranks; each rank steps its own experts (split over ep2, FSDP over 2).
+    ExpertLayout(
+        "ep2_zero1x4_top1_capacity",
+        4,
+        "top1_capacity",
+        {"parallel__ep": 2, "parallel__zero_stage": 1, "debug__check_replicas": True},
+    ),
     ExpertLayout(
         "pp2_ep2_top2_dropless",
         4,
