@@ -435,12 +435,15 @@ def test_expert_parallel_matches_single_process(layout, ep_reference, batched, r
 
 @pytest.mark.slow
 def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
-    """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
-    weights resharded, and the stitched curve is the 1-process curve; the ep4 checkpoint then
-    loads in `distrain generate` (one process)."""
+    """ep2 with ZeRO-1 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's
+    checkpoint, the expert weights and their optimizer state resharded, and the stitched curve
+    is the 1-process curve; the ep4 checkpoint then loads in `distrain generate` (one
+    process)."""
     run = tmp_path / "run"
     fields = dict(BASE, **EP_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
-    first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
+    first = train_cli(
+        run, 2, **fields, parallel__ep=2, parallel__zero_stage=1, debug__fail_at_step=3
+    )
     assert first.returncode != 0
     second = train_cli(run, 2, **fields, debug__fail_at_step=5)
     assert second.returncode != 0
