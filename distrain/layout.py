@@ -317,18 +317,6 @@ RULES: tuple[Rule, ...] = (
         "set one of them to -1 (what is left over)",
     ),
     Rule(
-        "moe_tp_needs_dp",
-        "world",
-        lambda f: f.num_experts > 0 and f.p.tp > 1 and f.dp * f.p.cp == 1,
-        # MoE layers run replicated over tp with plain parameters (parallel/tensor.py); FSDP2
-        # turns them into DTensors like the rest, but without a data-parallel wrapper the
-        # optimizer would get a mix of plain and DTensor parameters.
-        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} "
-        "needs data parallelism (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp} = 1 here): "
-        "its MoE layers keep plain parameters, replicated over tp, which only FSDP2 turns into "
-        "DTensors like the others; run {f.tp_pp_twice} processes or set parallel.tp = 1",
-    ),
-    Rule(
         "ep_divides_dp",
         "world",
         lambda f: f.p.ep > 1 and f.dp % f.p.ep != 0,

@@ -54,11 +54,6 @@ class Facts:
         return self.world_size // self.cp_tp_pp
 
     @property
-    def tp_pp_twice(self) -> int:
-        """The smallest world size with two data-parallel ranks (cp included)."""
-        return 2 * self.cp_tp_pp
-
-    @property
     def cp_chunks(self) -> int:
         """Chunks context parallelism cuts a sequence into: two per cp rank."""
         return 2 * self.p.cp

@@ -140,6 +140,9 @@ MOE_LAYOUTS = [
     # MoE layers replicated over tp (no ep); under SP each gathers the sequence, so capacity
     # and the balancing losses count the micro-batch's every token as on one process.
     ("top2_capacity_aux", Layout("tp2_sp_dp2", 4, {"parallel__tp": 2})),
+    # tp alone: no data-parallel wrapper turns the MoE layers' plain parameters into DTensors,
+    # so the optimizer steps them in groups of their own (optim.by_tensor_kind).
+    ("top2_capacity_aux", Layout("tp2_sp", 2, {"parallel__tp": 2})),
     # Two stages per rank, each joining its own balancing term to its own backward; zero
     # bubble splits that backward into its input and weight halves.
     (
