@@ -125,20 +125,6 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery); it does not compose with FSDP2's zero_stage 3",
     ),
     Rule(
-        "moe_pipeline_one_stage",
-        "config",
-        lambda f: (
-            f.model.moe.enabled
-            and f.p.pp > 1
-            and (f.p.tp > 1 or f.p.pp_schedule not in _SINGLE_STAGE_SCHEDULES)
-        ),
-        # A stage's balancing losses join its backward through its output, one stage per
-        # rank (parallel/moe_pipeline.py); proven with gpipe and 1f1b, without tp.
-        "model.moe (num_experts {f.model.moe.num_experts}) in a pipeline (parallel.pp = "
-        "{f.p.pp}) runs with pp_schedule 'gpipe' or '1f1b' and tp = 1 only (schedule "
-        "{f.p.pp_schedule!r}, tp {f.p.tp} here)",
-    ),
-    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -238,19 +224,9 @@ RULES: tuple[Rule, ...] = (
         "ep_runs_on_fsdp",
         "config",
         lambda f: f.p.ep > 1 and f.ep_conflict != "",
-        "parallel.ep = {f.p.ep} wraps the model in FSDP2 (expert weights live on their own "
-        "mesh), but {f.ep_conflict} needs plain DDP; change that setting or set parallel.ep = 1",
-    ),
-    Rule(
-        "moe_tp_needs_ep",
-        "config",
-        lambda f: (
-            f.num_experts > 0 and f.p.tp > 1 and (f.p.ep == 1 or f.p.sequence_parallel)
-        ),
-        "an MoE model (model.moe.num_experts = {f.num_experts}) with parallel.tp = {f.p.tp} runs "
-        "its MoE layers replicated over tp, which is proven with parallel.ep > 1 and "
-        "parallel.sequence_parallel = false only (ep {f.p.ep}, sequence_parallel "
-        "{f.p.sequence_parallel} here); set both, or parallel.tp = 1",
+        "{f.ep_conflict} replaces DDP's gradient all-reduce through a DDP communication hook, "
+        "but parallel.ep = {f.p.ep} runs on FSDP2 (expert weights live on their own mesh), "
+        "which has no such hook; change that setting or set parallel.ep = 1",
     ),
     Rule(
         "auto_micro_batch_needs_budget",

@@ -142,12 +142,9 @@ class Facts:
 
     @property
     def ep_conflict(self) -> str:
-        """The first setting that needs plain DDP, which expert parallelism does not use
-        ("" when there is none)."""
+        """The first setting that is a DDP communication hook, which expert parallelism (on
+        FSDP2) has no place for ("" when there is none)."""
         conflicts = {
-            "parallel.zero_stage = 1": self.p.zero_stage == 1,
-            "training.precision = 'fp16'": self.t.precision == "fp16",
-            "training.oom_recovery": self.t.oom_recovery,
             f"comm.gradient_compression = {self.c.gradient_compression!r}": (
                 self.c.gradient_compression != "none"
             ),

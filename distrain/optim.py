@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config import OptimConfig
 from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
+from distrain.parallel.experts import expert_modules
 from distrain.parallel.onebit_adam import OneBitAdam
 from distrain.parallel.onebit_zero import OneBitZeroAdam
 from distrain.parallel.zero1 import Zero1AdamW
@@ -57,6 +58,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def by_tensor_kind(groups: list[dict]) -> list[dict]:
+    """`groups` with each one that mixes DTensor and plain parameters split in two (same
+    options): a foreach kernel takes one kind per call. Only an MoE model under tp without a
+    data-parallel wrapper mixes them (its MoE layers, replicated over tp, keep plain
+    parameters; FSDP2 would turn them into DTensors)."""
+    split = []
+    for group in groups:
+        dtensors = [p for p in group["params"] if isinstance(p, DTensor)]
+        plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+        if dtensors and plain:
+            split += [{**group, "params": dtensors}, {**group, "params": plain}]
+        else:
+            split.append(group)
+    return split
+
+
 def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,
@@ -87,13 +104,16 @@ def build_optimizer(
             stats=comm_stats,
             **extra,
         )
+    groups = by_tensor_kind(groups)
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.
     options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
     options = adamw_kernel(groups, options)
     if zero1_group is None:
         return torch.optim.AdamW(groups, **options)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-        return Zero1AdamW(groups, group=zero1_group, **options)
+        # Expert weights (ep) differ between the data-parallel ranks: each updates its own.
+        experts = [p for m in expert_modules(model) for p in m.parameters()]
+        return Zero1AdamW(groups, group=zero1_group, own_params=experts, **options)
     from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only when used
 
     zero = ZeroRedundancyOptimizer(

@@ -35,7 +35,21 @@ SKIP = re.compile(
 )
 
 
-OVERFLOW = "test_one_rank_overflow_skips_the_step_on_every_rank"
+# Expert parallelism: each rank holds other experts (ep2, a DTensor on the expert mesh, not
+# the dense FSDP2 mesh) and its half of the routed rows came over an fp16 all-to-all; the NaN
+# on rank 1 must still make rank 0 skip.
+EP_FIELDS = dict(
+    FIELDS,
+    parallel__pp=1,
+    parallel__tp=1,
+    parallel__zero_stage=3,
+    parallel__ep=2,
+    model__moe__num_experts=4,
+    model__moe__every=2,
+    debug__nan_rank=1,
+)
+
+LAYOUTS = {"pp2_zero2_tp2": Run(8, FIELDS), "ep2_zero3": Run(2, EP_FIELDS)}
 
 
 CP_OVERFLOW = "test_cp_fp16_matches_one_process_and_skips_an_overflow_together"
@@ -53,16 +67,18 @@ CP_FP16 = dict(
 
 def batched_runs(names: set[str]) -> dict[str, Run]:
     runs = {
-        OVERFLOW: Run(8, FIELDS),
-        CP_OVERFLOW: Run(2, dict(CP_FP16, parallel__cp=2, debug__nan_rank=1)),
+        f"test_one_rank_overflow_skips_the_step_on_every_rank[{layout}]": run
+        for layout, run in LAYOUTS.items()
     }
+    runs[CP_OVERFLOW] = Run(2, dict(CP_FP16, parallel__cp=2, debug__nan_rank=1))
     return {name: run for name, run in runs.items() if name in names}
 
 
 @pytest.mark.slow
-def test_one_rank_overflow_skips_the_step_on_every_rank(batch_pool):
-    run = batch_pool.trained(pool_name(__name__, OVERFLOW))
-    for rank in range(8):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_rank_overflow_skips_the_step_on_every_rank(layout, batch_pool, request):
+    run = batch_pool.trained(pool_name(__name__, request.node.name))
+    for rank in range(LAYOUTS[layout].nproc):
         skips = SKIP.findall((run / "logs" / f"rank{rank}.log").read_text())
         assert skips == [("3", "65536", "32768")], (rank, skips)
     rows = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "loss" in r}

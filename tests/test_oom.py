@@ -9,7 +9,7 @@ import torch
 from batch import Run, pool_name
 from helpers import losses, train_in_process
 from test_parity import BASE as PARITY
-from test_parity import assert_parity
+from test_parity import EP_ROUTES, assert_parity
 
 from distrain.observe.metrics import read_metrics
 from distrain.oom import split
@@ -72,6 +72,15 @@ SHARDED = {
 }
 
 
+# Expert parallelism: every forward's all-to-alls pair up the ranks, so they agree before
+# each micro-batch as under FSDP2 (ep runs on it), and a retry must not keep an expert's
+# gradient of the abandoned attempt. Dropless top-2 without a balancing term, so that the
+# 1-process curve does not depend on the micro-batch size the retry halves (capacity and the
+# balancing losses are counted per micro-batch).
+EP_MODEL = dict(EP_ROUTES["top2_dropless"], model__moe__balance="none")
+EP_OOM = "test_injected_oom_under_expert_parallel_keeps_the_loss_curve"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
@@ -104,6 +113,17 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
         runs[f"test_injected_oom_under_sharded_layouts_keeps_the_loss_curve[{name}]"] = Run(
             4, dict(fields, debug__oom_rank=3)
         )
+    runs[EP_OOM] = Run(
+        2,
+        dict(
+            PARITY,
+            **EP_MODEL,
+            parallel__ep=2,
+            training__oom_recovery=True,
+            debug__oom_at_step=3,
+            debug__oom_rank=1,
+        ),
+    )
     return {name: run for name, run in runs.items() if name.split(":")[0] in names}
 
 
@@ -129,3 +149,16 @@ def test_injected_oom_under_sharded_layouts_keeps_the_loss_curve(
     rows = read_metrics(run / "metrics.jsonl")
     assert {"step": 3, "oom_retry_micro_batch_size": 1} in rows
     assert_parity(losses(rows), reference)
+
+
+@pytest.mark.slow
+def test_injected_oom_under_expert_parallel_keeps_the_loss_curve(batched, tmp_path):
+    run = batched(EP_OOM)
+    for rank in range(2):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "step 3 ran out of memory on some rank: retrying with micro-batch 1" in log, rank
+    rows = read_metrics(run / "metrics.jsonl")
+    assert {"step": 3, "oom_retry_micro_batch_size": 1} in rows
+    assert all(row["comm_bytes"] > 0 for row in rows if "loss" in row)  # rows were exchanged
+    want = losses(train_in_process(tmp_path / "ref", **PARITY, **EP_MODEL))
+    assert_parity(losses(rows), want)

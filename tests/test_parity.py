@@ -126,11 +126,19 @@ LAYOUTS = [
 # Mixture-of-experts rows, each against the 1-process run of the same MoE model with the same
 # micro-batch (capacity and the balancing losses are counted per micro-batch, so the reference
 # must route the same groups of tokens). The bias row also proves the load all-reduce: a rank
-# updating its bias from its own load alone would route differently by step 2.
+# updating its bias from its own load alone would route differently by step 2. The balancing
+# terms move the 4-layer model's curve by 1.5e-3 relative (aux and z loss coefficients 0 vs
+# these), so a layout that lost them fails the 1e-5 bound.
 MOE_MODELS = {
     "top2_capacity_aux": {
         "model__preset": "moe-tiny",
         "model__n_layers": 2,
+        "model__moe__capacity_factor": 1.0,
+        "model__moe__z_loss_coef": 1e-3,
+    },
+    # Four MoE blocks: four pipeline stages (pp2 x 2 stages per rank) of one each.
+    "top2_capacity_aux_4_layers": {
+        "model__preset": "moe-tiny",
         "model__moe__capacity_factor": 1.0,
         "model__moe__z_loss_coef": 1e-3,
     },
@@ -145,6 +153,41 @@ MOE_LAYOUTS = [
     ("top2_capacity_aux", Layout("dp2", 2, {"debug__check_replicas": True})),
     ("top2_capacity_aux", Layout("zero3x2", 2, {"parallel__zero_stage": 3})),
     ("top1_capacity_bias", Layout("dp2", 2, {})),
+    # MoE layers replicated over tp (no ep); under SP each gathers the sequence, so capacity
+    # and the balancing losses count the micro-batch's every token as on one process.
+    ("top2_capacity_aux", Layout("tp2_sp_dp2", 4, {"parallel__tp": 2})),
+    # tp alone: no data-parallel wrapper turns the MoE layers' plain parameters into DTensors,
+    # so the optimizer steps them in groups of their own (optim.by_tensor_kind).
+    ("top2_capacity_aux", Layout("tp2_sp", 2, {"parallel__tp": 2})),
+    # Two stages per rank, each joining its own balancing term to its own backward; zero
+    # bubble splits that backward into its input and weight halves.
+    (
+        "top2_capacity_aux_4_layers",
+        Layout(
+            "pp2_zero_bubble",
+            2,
+            {
+                "parallel__pp": 2,
+                "parallel__pp_schedule": "zero_bubble",
+                "parallel__pp_stages_per_rank": 2,
+            },
+        ),
+    ),
+    # Everything at once: interleaved stages, tp with SP, experts split over ep2.
+    (
+        "top2_capacity_aux_4_layers",
+        Layout(
+            "pp2_interleaved_tp2_sp_ep2",
+            8,
+            {
+                "parallel__pp": 2,
+                "parallel__tp": 2,
+                "parallel__ep": 2,
+                "parallel__pp_schedule": "interleaved_1f1b",
+                "parallel__pp_stages_per_rank": 2,
+            },
+        ),
+    ),
 ]
 
 
@@ -362,6 +405,14 @@ EP_LAYOUTS = [
             "debug__check_replicas": True,
         },
     ),
+    # ZeRO-1: the dense weights replicated with their optimizer state split over the 4
+    # data-parallel ranks; each rank steps its own experts (split over ep2, FSDP over 2).
+    ExpertLayout(
+        "ep2_zero1x4_top1_capacity",
+        4,
+        "top1_capacity",
+        {"parallel__ep": 2, "parallel__zero_stage": 1, "debug__check_replicas": True},
+    ),
     ExpertLayout(
         "pp2_ep2_top2_dropless",
         4,
@@ -403,12 +454,15 @@ def test_expert_parallel_matches_single_process(layout, ep_reference, batched, r
 
 @pytest.mark.slow
 def test_resume_across_expert_parallel_degrees(ep_reference, tmp_path):
-    """ep2 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's checkpoint, the expert
-    weights resharded, and the stitched curve is the 1-process curve; the ep4 checkpoint then
-    loads in `distrain generate` (one process)."""
+    """ep2 with ZeRO-1 -> ep1 (plain DDP) -> ep4: each attempt resumes the last one's
+    checkpoint, the expert weights and their optimizer state resharded, and the stitched curve
+    is the 1-process curve; the ep4 checkpoint then loads in `distrain generate` (one
+    process)."""
     run = tmp_path / "run"
     fields = dict(BASE, **EP_ROUTES["top1_capacity"], checkpoint__interval_steps=2)
-    first = train_cli(run, 2, **fields, parallel__ep=2, debug__fail_at_step=3)
+    first = train_cli(
+        run, 2, **fields, parallel__ep=2, parallel__zero_stage=1, debug__fail_at_step=3
+    )
     assert first.returncode != 0
     second = train_cli(run, 2, **fields, debug__fail_at_step=5)
     assert second.returncode != 0

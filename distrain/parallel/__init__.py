@@ -454,10 +454,11 @@ def build_parallel_model(
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats
     if args.moe.enabled:
-        model.moe_stats = MoEStats(parts, dp_group=dp_mesh.get_group(), device=device)
+        model.moe_stats = MoEStats(
+            parts, dp_group=dp_mesh.get_group(), device=device, args=args.moe
+        )
         if dims.pp > 1:
             from distrain.parallel.moe_pipeline import join_balancing_losses
 
-            (stage,) = parts
-            join_balancing_losses(stage, model.moe_stats)
+            join_balancing_losses(parts, model.moe_stats)
     return model

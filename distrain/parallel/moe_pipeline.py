@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distrain.models.moe import moe_layers
 from distrain.parallel.moe_stats import MoEStats
 
 
@@ -25,21 +26,27 @@ class _JoinBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
         ctx.term_shape = term.shape
-        return output.view_as(output)
+        # Not a view (view_as): a zero-bubble schedule detaches the stage output in place
+        # after its input backward, which autograd refuses for a view.
+        return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grad, torch.ones(ctx.term_shape, device=grad.device)
 
 
-def join_balancing_losses(stage: nn.Module, stats: MoEStats) -> None:
-    """Hook `stage` (this rank's one stage; layout.py allows one per rank with MoE) so that
-    each training forward records its MoE statistics and its balancing term joins the
-    backward. Evaluation (no grad) records nothing."""
+def join_balancing_losses(stages: list[nn.Module], stats: MoEStats) -> None:
+    """Hook each of this rank's `stages` that holds MoE layers so that each of its training
+    forwards records the statistics of its own layers and their balancing term joins the
+    backward of that stage's micro-batch (several stages per rank run their micro-batches
+    interleaved, so each hands on only what it computed). Evaluation (no grad) records
+    nothing."""
 
-    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    def hook(module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return output
-        return _JoinBackward.apply(output, stats.after_forward())
+        return _JoinBackward.apply(output, stats.after_forward(module))
 
-    stage.register_forward_hook(hook)
+    for stage in stages:
+        if moe_layers(stage):
+            stage.register_forward_hook(hook)

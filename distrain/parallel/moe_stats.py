@@ -13,18 +13,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain.models.moe import moe_layers
+from distrain.models.moe import MoE, MoEArgs, moe_layers
 
 
 class MoEStats:
     """Collects the MoE layers' per-forward statistics of one rank's model parts."""
 
     def __init__(
-        self, parts: list[nn.Module], *, dp_group: dist.ProcessGroup, device: torch.device
+        self,
+        parts: list[nn.Module],
+        *,
+        dp_group: dist.ProcessGroup,
+        device: torch.device,
+        args: MoEArgs | None = None,
     ):
         self.layers = [layer for part in parts for layer in moe_layers(part)]
         self.dp_group = dp_group
-        self.args = self.layers[0].args
+        # `args`: the model's, for a rank whose pipeline stages hold no MoE layer.
+        self.args = args if args is not None else self.layers[0].args
+        self.device = device
+        self._rows: dict[int, torch.Tensor] = {}
+        """Per model part (a pipeline stage): the rows of its layers in `self.layers`."""
         shape = (len(self.layers), self.args.num_experts)
         self.step_load = torch.zeros(shape, dtype=torch.float64, device=device)
         """Token copies routed to each (layer, expert) in this step, on this rank."""
@@ -38,19 +47,32 @@ class MoEStats:
     def global_load_each_step(self) -> bool:
         return self.args.balance == "bias"
 
-    def after_forward(self) -> torch.Tensor:
+    def after_forward(self, part: nn.Module | None = None) -> torch.Tensor:
         """The balancing loss term of the forward call just made (added to its training loss),
-        and that call's statistics into this step's totals."""
-        loss = sum(layer.balancing_loss() for layer in self.layers)
-        self.step_load += torch.stack([layer.tokens_per_expert for layer in self.layers])
-        aux = torch.stack([layer.aux_loss.detach() for layer in self.layers]).mean()
-        z_loss = torch.stack([layer.z_loss.detach() for layer in self.layers]).mean()
-        dropped = torch.stack([layer.dropped for layer in self.layers]).sum()
-        routed = sum(layer.tokens_per_expert.sum() for layer in self.layers)
+        and that call's statistics into this step's totals. `part`: the model part that ran
+        (one of several pipeline stages on this rank, each run on its own); None: all."""
+        layers = self.layers if part is None else moe_layers(part)
+        loss = sum(layer.balancing_loss() for layer in layers)
+        load = torch.stack([layer.tokens_per_expert for layer in layers])
+        if part is None:
+            self.step_load += load
+        else:
+            self.step_load.index_add_(0, self._rows_of(part, layers), load.to(torch.float64))
+        aux = torch.stack([layer.aux_loss.detach() for layer in layers]).mean()
+        z_loss = torch.stack([layer.z_loss.detach() for layer in layers]).mean()
+        dropped = torch.stack([layer.dropped for layer in layers]).sum()
+        routed = sum(layer.tokens_per_expert.sum() for layer in layers)
         self.window_sums += torch.stack(
             [aux, z_loss, torch.ones_like(aux), dropped.to(aux.dtype), routed.to(aux.dtype)]
         ).double()
         return loss
+
+    def _rows_of(self, part: nn.Module, layers: list[MoE]) -> torch.Tensor:
+        if id(part) not in self._rows:
+            index = {id(layer): i for i, layer in enumerate(self.layers)}
+            rows = [index[id(layer)] for layer in layers]
+            self._rows[id(part)] = torch.tensor(rows, device=self.device)
+        return self._rows[id(part)]
 
     def discard_step(self) -> None:
         """Forget the forward calls made before the first step (the automatic micro-batch
@@ -81,6 +103,9 @@ class MoEStats:
             parts.append(self.window_load.flatten())
         flat = torch.cat(parts)
         _all_reduce(flat, self.dp_group)
+        if not self.layers:  # a pipeline rank whose stages hold no MoE layer
+            self.window_sums.zero_()
+            return {}
         sums = flat[:5]
         load = flat[5:].view_as(self.window_load) if len(parts) > 1 else self.window_load
         mean = load.mean(dim=-1, keepdim=True).clamp(min=1)

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -178,8 +179,21 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         plan = _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
         if not hasattr(block, "mlp"):
             # An MoE block: its router and experts run replicated over tp, on the full
-            # sequence (layout.py's moe_tp_needs_ep), so only the norm and attention split.
+            # sequence, so only the norm and attention split. Under SP the layer gathers the
+            # sequence on entry and keeps this rank's chunk of its output: routing, capacity and
+            # the balancing losses then see every token of the micro-batch, as without tp, and
+            # every tp rank computes the same expert gradients (the backward all-gathers the
+            # chunks' output gradients).
             plan = {k: v for k, v in plan.items() if k != "mlp" and not k.startswith("mlp.")}
+            if sequence_parallel:
+                plan["moe"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
+                )
         parallelize_module(block, tp_mesh, plan)
     if model.norm is not None:
         norm_style = SequenceParallel(use_local_output=True) if sequence_parallel else _Replicated()

@@ -17,7 +17,7 @@ for both (optim.py): each rank its own share, under the parameters' names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -49,13 +49,25 @@ class Zero1AdamW(torch.optim.Optimizer):
     Gradients must be averaged over `group` before `step` (FSDP2 does, in backward)."""
 
     def __init__(
-        self, param_groups: list[dict[str, Any]], *, group: dist.ProcessGroup, **options: Any
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        group: dist.ProcessGroup,
+        own_params: Collection[nn.Parameter] = (),
+        **options: Any,
     ):
+        """`own_params`: parameters whose local tensor differs between the ranks of `group`
+        (expert weights split over ep): every rank updates its own and broadcasts none, their
+        state being split already (over ep, and by FSDP2 over the rest)."""
         super().__init__(param_groups, options)
         self.group = group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self._params = [p for g in self.param_groups for p in g["params"]]
+        own = {id(p) for p in own_params}
+        self._params = [p for g in self.param_groups for p in g["params"] if id(p) not in own]
         self._owner = owners(self._params, size)
+        self._own = [p for g in self.param_groups for p in g["params"] if id(p) in own]
+        self._params += self._own
+        self._owner += [rank] * len(self._own)
         self._owner_global = [dist.get_global_rank(group, r) for r in range(size)]
         owned = {id(p) for p, r in zip(self._params, self._owner, strict=True) if r == rank}
         # The groups this rank owns parameters of (torch's state-dict code cannot take an empty
@@ -87,7 +99,8 @@ class Zero1AdamW(torch.optim.Optimizer):
         """Each owner sends its updated local tensors to the group, one flat buffer per
         (owner, dtype): `size` broadcasts a step rather than one per parameter."""
         buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        for param, owner in zip(self._params, self._owner, strict=True):
+        shared = len(self._params) - len(self._own)
+        for param, owner in zip(self._params[:shared], self._owner[:shared], strict=True):
             local = _local(param)
             buckets.setdefault((owner, local.dtype), []).append(local)
         for (owner, _dtype), tensors in buckets.items():
