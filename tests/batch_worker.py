@@ -12,6 +12,7 @@ after it in a new batch.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -52,6 +53,11 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
 
 
 def main(spec_path: str) -> int:
+    # Torch and distrain, imported, live as long as this process: out of the cyclic GC's sight,
+    # the full collections of many runs (run_training's teardown does one per run) scan only
+    # what each run made (6 runs of 2 ranks, loaded machine: the GC's CPU 2.15 -> 0.11 s a
+    # rank).
+    gc.freeze()
     spec = json.loads(Path(spec_path).read_text())
     store, rank, world_size = next(dist.rendezvous("env://"))
     status = Path(spec["status_dir"]) / f"rank{rank}.jsonl"

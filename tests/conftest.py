@@ -3,6 +3,7 @@ that skips where a capability is missing; where `DISTRAIN_REQUIRE` (comma-separa
 .ci/run) names that capability, this machine is declared to have it, so such a skip is reported
 as a failure with its reason."""
 
+import gc
 import os
 import subprocess
 
@@ -36,6 +37,16 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{REQUIRE_ENV} names it ({', '.join(CAPABILITIES)})",
     )
     required()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection imported (torch, the test modules and what they import: ~400,000
+    objects) out of the cyclic GC's sight: it lives for the whole session, and every full
+    collection during the tests would scan it again (five in-process test files, loaded
+    machine: the GC's CPU in this process 8.9 -> 3.5 s of 44 -> 38 s). Collected first, so
+    that no garbage is frozen with it."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)

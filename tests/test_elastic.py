@@ -49,16 +49,21 @@ def logged_steps(run_dir: Path, *, all_attempts: bool = False) -> list[int]:
 
 
 REFERENCE = "two_rank_reference"
+HALF = "test_resume_on_half_the_ranks_continues_the_run"
 
 
 def batched_runs(names: set[str]) -> dict[str, Run]:
-    """The uninterrupted 2-rank run, where a selected test compares with it (tests/batch.py's
-    pool: it shares the session's 2-rank torchrun launch)."""
+    """The uninterrupted 2-rank run, where a selected test compares with it, and the 4-rank run
+    that crashes at step 4, to be resumed on 2 ranks (tests/batch.py's pool: they share the
+    session's 2- and 4-rank torchrun launches; the crash ends its launch, so it comes last)."""
     users = {
         "test_killed_rank_is_restarted_and_resumes_bit_exact",
         "test_two_agents_rendezvous_as_two_nodes",
     }
-    return {REFERENCE: Run(2, FIELDS)} if users & names else {}
+    runs = {REFERENCE: Run(2, FIELDS)} if users & names else {}
+    if HALF in names:
+        runs[HALF] = Run(4, dict(FIELDS, debug__fail_at_step=4), fails=True)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +97,13 @@ def test_killed_rank_is_restarted_and_resumes_bit_exact(tmp_path, two_rank_refer
 
 
 @pytest.mark.slow
-def test_resume_on_half_the_ranks_continues_the_run(tmp_path, check_ok):
+def test_resume_on_half_the_ranks_continues_the_run(tmp_path, check_ok, batch_pool):
     # The uninterrupted run's curve, from one process (in this one): every layout reproduces it
     # to 1e-5 (tests/test_parity.py), so a fourth launch of 4 ranks would prove nothing more.
     reference = losses(train_in_process(tmp_path / "ref", **FIELDS))
-    run = tmp_path / "run"
-    crashed = train_cli(run, 4, **FIELDS, debug__fail_at_step=4)
-    assert crashed.returncode != 0, crashed.stderr[-4000:]
-    assert "crashes at step 4" in crashed.stderr, crashed.stderr[-4000:]
+    crashed = batch_pool.result(pool_name(__name__, HALF))
+    assert crashed.error is not None and "crashes at step 4" in crashed.error, crashed.error
+    run = crashed.run_dir
 
     check_ok(train_cli(run, 2, **FIELDS))
     assert logged_steps(run, all_attempts=True) == [1, 2, 3, 3, 4, 5, 6]  # resumed from step 2

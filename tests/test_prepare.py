@@ -25,7 +25,9 @@ from distrain.errors import ConfigError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 BPE_VOCAB = 512
-PADDED_VOCAB = 576  # the model's vocabulary may be larger than the tokenizer's (GPT-2: 50304)
+PADDED_VOCAB = 1024  # the model's vocabulary may be larger than the tokenizer's (GPT-2: 50304)
+# Sampled ids per generation: enough that a padding id slips through when unmasked (see below).
+NEW_TOKENS = 16
 EOS = "<|endoftext|>"
 
 
@@ -231,20 +233,24 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
     )
     loss = losses(rows)
     assert sorted(loss) == [1, 2, 3, 4]
-    # A fresh model predicts about uniformly over its 576 ids; training lowers the loss.
+    # A fresh model predicts about uniformly over its 1024 ids; training lowers the loss.
     assert abs(loss[1] - math.log(PADDED_VOCAB)) < 0.5 and loss[4] < loss[1]
 
     tok = load_tokenizer(spec)
     prompt = "def loads(s"
-    text = generate_text(tmp_path / "run", prompt, max_new_tokens=40, temperature=1.0, top_k=None,
-                         seed=5)  # fmt: skip
+    text = generate_text(tmp_path / "run", prompt, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                         top_k=None, seed=5)  # fmt: skip
     model, _ = load_model(tmp_path / "run", torch.device("cpu"))
-    ids = sample(model, tok.encode(prompt), max_new_tokens=40, temperature=1.0, top_k=None,
+    ids = sample(model, tok.encode(prompt), max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=None,
                  generator=torch.Generator().manual_seed(5), num_tokens=tok.vocab_size)  # fmt: skip
     assert text == prompt + tok.decode(ids)
-    # Only ids the tokenizer has: 40 draws from ~576 near-uniform ids would pick one of the 64
-    # padding ids with probability 1 - (512/576)^40 = 99%.
-    assert len(ids) == 40 and max(ids) < BPE_VOCAB
+    # Only ids the tokenizer has. Half of the 1024 ids are padding, which 4 steps leave near
+    # uniform: the same draws without num_tokens do pick one (16 would all miss with
+    # probability ~0.5^16), so the bound below has teeth.
+    assert len(ids) == NEW_TOKENS and max(ids) < BPE_VOCAB
+    unmasked = sample(model, tok.encode(prompt), max_new_tokens=NEW_TOKENS, temperature=1.0,
+                      top_k=None, generator=torch.Generator().manual_seed(5))  # fmt: skip
+    assert max(unmasked) >= BPE_VOCAB
 
     from transformers import AutoTokenizer
 

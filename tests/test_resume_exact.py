@@ -1,11 +1,12 @@
 """Resume equals the uninterrupted run bit for bit (fp32, CPU), where a+b+c order matters:
 
-- 4 ranks, a worker killed with SIGKILL from outside (and by debug injection), restarted by
-  torchrun's agent: every step's loss after the restart, and every weight and optimizer value at
-  the end, == the uninterrupted 4-rank run's. DDP's buckets are settled before the first step
-  (distrain/parallel/data.py), so the restarted processes reduce in the same order as the
-  processes they replace. (Losses alone are too coarse: the few gradient elements one ulp apart
-  when the order differs rarely move a loss by an ulp within a few steps; the weights show it.)
+- 4 ranks, a worker killed with SIGKILL from outside and, in the restarted job, another by
+  debug injection, each restarted by torchrun's agent: every step's loss after the restarts,
+  and every weight and optimizer value at the end, == the uninterrupted 4-rank run's. DDP's
+  buckets are settled before the first step (distrain/parallel/data.py), so the restarted
+  processes reduce in the same order as the processes they replace. (Losses alone are too
+  coarse: the few gradient elements one ulp apart when the order differs rarely move a loss by
+  an ulp within a few steps; the weights show it.)
 - 1-bit Adam on 2 ranks, resumed once in its warm-up (a crash, then `--resume`) and once past its
   freeze step (a SIGKILL restarted by the agent): its phase, moments and error buffers come back
   from the checkpoint, so every loss == the uninterrupted run's.
@@ -128,32 +129,67 @@ def four_rank_reference(batch_pool) -> Path:
     return batch_pool.trained(pool_name(__name__, REFERENCE))
 
 
+def steps_by_attempt(run_dir: Path) -> list[tuple[int, list[int]]]:
+    """Per attempt: the step it resumed from (0 for the first) and the training steps it
+    logged."""
+    attempts: dict[int, tuple[int, list[int]]] = {}
+    for row in read_metrics(run_dir / "metrics.jsonl", all_attempts=True):
+        start = row.get("resumed_from", 0)
+        _, steps = attempts.setdefault(row.get("attempt", 0), (start, []))
+        if "loss" in row:
+            steps.append(row["step"])
+    return [attempts[k] for k in sorted(attempts)]
+
+
+# Rank 3 kills itself as step 8 begins, in the job's second attempt only.
+INJECTED = {
+    "debug__fail_at_step": 8,
+    "debug__fail_rank": 3,
+    "debug__fail_mode": "kill",
+    "debug__fail_attempt": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def restarted_twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """One 4-rank job that torchrun's agent restarts twice: rank 2's worker SIGKILLed from
+    outside once step 3 is logged (attempt 0), then rank 3 killed by debug injection as step 8
+    begins (attempt 1); attempt 2 finishes. (run dir, exit code, stderr), for both tests below:
+    one launch of 4 ranks with its restarts instead of two."""
+    run = tmp_path_factory.mktemp("restarts") / "run"
+    agent = start_train(run, "--nproc", "4", "--max-restarts", "2", **FIELDS, **INJECTED)
+    try:
+        _kill_when_logged(agent, run, rank=2, after_step=3)
+        _, stderr = agent.communicate(timeout=300)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    return run, agent.returncode, stderr
+
+
 @pytest.mark.slow
-def test_four_ranks_sigkill_from_outside_resumes_bit_exact(tmp_path, four_rank_reference):
-    run = tmp_path / "run"
-    agent = start_train(run, "--nproc", "4", "--max-restarts", "1", **FIELDS)
-    _kill_when_logged(agent, run, rank=2, after_step=3)
-    _, stderr = agent.communicate(timeout=300)
-    assert agent.returncode == 0, stderr[-4000:]
+def test_four_ranks_sigkill_from_outside_resumes_bit_exact(restarted_twice, four_rank_reference):
+    run, code, stderr = restarted_twice
+    assert code == 0, stderr[-4000:]
     # The second attempt resumed from a checkpoint and re-ran the steps after it.
     assert "resumed from checkpoint step-" in (run / "logs" / "rank2.log").read_text()
-    steps = logged_steps(run)
-    assert len(steps) > len(set(steps)) and steps[-1] == STEPS, steps
+    (_, first), (resumed, _) = steps_by_attempt(run)[:2]
+    assert first[-1] >= 3 and 0 < resumed < first[-1], steps_by_attempt(run)
+    assert logged_steps(run)[-1] == STEPS
     assert run_losses(run) == run_losses(four_rank_reference)
     assert_same_state(final_state(run), final_state(four_rank_reference))
 
 
 @pytest.mark.slow
-def test_four_ranks_injected_kill_resumes_bit_exact(tmp_path, four_rank_reference):
-    run = tmp_path / "run"
-    args = ["train", "--nproc", "4", "--max-restarts", "1"]
-    faults = {"debug__fail_at_step": 6, "debug__fail_rank": 3, "debug__fail_mode": "kill"}
-    for key, value in overrides(run, **FIELDS, **faults):
-        args += [f"--{key}", value]
-    result = run_cli(*args, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "rank 3 crashes at step 6 (kill)" in (run / "logs" / "rank3.log").read_text()
-    assert logged_steps(run) == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]  # step 4's checkpoint
+def test_four_ranks_injected_kill_resumes_bit_exact(restarted_twice, four_rank_reference):
+    run, code, stderr = restarted_twice
+    assert code == 0, stderr[-4000:]
+    assert "rank 3 crashes at step 8 (kill)" in (run / "logs" / "rank3.log").read_text()
+    # The injected kill ended attempt 1 as step 8 began; attempt 2 resumed from step 6's
+    # checkpoint.
+    attempts = steps_by_attempt(run)
+    assert len(attempts) == 3 and attempts[1][1][-1] == 7, attempts
+    assert attempts[2] == (6, [7, 8, 9, 10]), attempts
     assert run_losses(run) == run_losses(four_rank_reference)
     assert_same_state(final_state(run), final_state(four_rank_reference))
 
