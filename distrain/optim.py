@@ -82,7 +82,9 @@ def build_optimizer(
         extra = {"shard_gradients": True} if zero2_group is not None else {}
         if sharded is None:
             unwrapped = not isinstance(model, (DistributedDataParallel, FSDPModule))
-            extra = {"units": _onebit_units(model), "averages_gradients": unwrapped}
+            # Under DDP one unit in parameter-group order, as before units existed.
+            units = _onebit_units(model) if unwrapped else None
+            extra = {"units": units, "averages_gradients": unwrapped}
         onebit = OneBitAdam if sharded is None else OneBitZeroAdam
         return onebit(
             groups,

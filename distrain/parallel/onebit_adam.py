@@ -295,8 +295,9 @@ class OneBitAdam(torch.optim.Optimizer):
         for unit_index, unit in enumerate(self.units):
             n = sum(_local(p).numel() for p in unit)
             if self.worker_error is None:
+                # Two tensors: a checkpoint load writes into these in place.
                 device = _local(unit[0]).device
-                worker = server = torch.zeros(n, device=device)
+                worker, server = torch.zeros(n, device=device), torch.zeros(n, device=device)
             else:
                 worker = self.worker_error[unit_index][:n]
                 server = self._gathered_server_error(unit_index)[:n]
