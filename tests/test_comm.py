@@ -388,3 +388,34 @@ def test_onebit_adam_on_dtensors_resumes_bit_exact(resume_at):
             assert torch.equal(got.to_local(), want.to_local())
     finally:
         dist.destroy_process_group()
+
+
+def test_onebit_adam_loads_in_place_as_dcp_does():
+    """DCP loads a checkpoint into the tensors of the fresh optimizer's own state dict, in place:
+    past the freeze step the restored run continues exactly (one process), so no two entries
+    of that state dict may share a tensor (the server and worker error placeholders once did)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    initial = copy.deepcopy(model.state_dict())
+    running = _onebit(model)
+    _steps(model, running, range(5))
+    saved = {
+        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in optimizer_state_dict(model, running).items()
+    }
+    weights = copy.deepcopy(model.state_dict())
+    _steps(model, running, range(5, 8))
+
+    restarted = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    restarted.load_state_dict(initial)
+    optimizer = _onebit(restarted)
+    target = optimizer_state_dict(restarted, optimizer)
+    assert target.keys() == saved.keys()
+    for key, value in target.items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(saved[key])
+    load_optimizer_state_dict(restarted, optimizer, target)
+    restarted.load_state_dict(weights)
+    _steps(restarted, optimizer, range(5, 8))
+    for got, want in zip(restarted.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
