@@ -263,7 +263,9 @@ class OneBitConfig:
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
     name: Literal["adamw", "onebit_adam"] = doc(
-        "adamw", "Optimizer: adamw, or onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2)."
+        "adamw",
+        "Optimizer: adamw, or onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2; under "
+        "tp/pp ZeRO 0).",
     )
     lr: float = doc(2e-3, "Peak learning rate.", POSITIVE)
     min_lr_ratio: float = doc(

@@ -59,7 +59,8 @@ class DebugConfig:
     )
     check_replicas: bool = doc(
         False,
-        "After every logged step, check that parameters agree across data-parallel replicas; a "
+        "After every logged step, check that parameters agree across data-parallel replicas "
+        "(and across tp ranks for tp-replicated ones, across stages for a tied embedding); a "
         "mismatch names the tensor and the ranks.",
     )
     collective_timeout_s: float = doc(

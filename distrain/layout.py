@@ -110,19 +110,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "onebit_adam_plain_data_parallel",
         "config",
-        lambda f: (
-            f.cfg.optim.name == "onebit_adam"
-            and (
-                f.p.zero_stage == 3
-                or f.p.tp > 1
-                or f.p.pp > 1
-                or f.c.gradient_compression != "none"
-                or f.t.oom_recovery
-            )
-        ),
-        "optim.name = 'onebit_adam' communicates the momentum itself: it needs plain data "
-        "parallel (zero_stage 0, 1 or 2, no tp/pp, comm.gradient_compression = 'none', no "
-        "training.oom_recovery); it does not compose with FSDP2's zero_stage 3",
+        lambda f: f.onebit_conflict != "",
+        "optim.name = 'onebit_adam' communicates the momentum itself; it does not compose with "
+        "{f.onebit_conflict}. It runs with parallel.zero_stage 0, 1 or 2 without tp/pp, or "
+        "zero_stage 0 with tp/pp, comm.gradient_compression = 'none' and training.oom_recovery "
+        "off",
     ),
     Rule(
         "tp_splits_model",

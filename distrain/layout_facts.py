@@ -86,6 +86,26 @@ class Facts:
         return next((name for name, on in conflicts.items() if on), "")
 
     @property
+    def onebit_conflict(self) -> str:
+        """The first setting 1-bit Adam does not compose with, and why ("" when none)."""
+        if self.cfg.optim.name != "onebit_adam":
+            return ""
+        z = self.p.zero_stage
+        conflicts = {
+            "parallel.zero_stage = 3 (FSDP2 reduce-scatters fp32 gradients itself inside "
+            "backward)": z == 3,
+            f"parallel.zero_stage = {z} under tp {self.p.tp} / pp {self.p.pp} (its owner chunks "
+            "would mix tp-replicated and sharded values; not supported yet)": (
+                z in (1, 2) and self.tp_pp > 1
+            ),
+            f"comm.gradient_compression = {self.c.gradient_compression!r} (a DDP hook on "
+            "gradients that 1-bit Adam does not send)": self.c.gradient_compression != "none",
+            "training.oom_recovery (its retry all-reduces the gradients, which 1-bit Adam sends "
+            "compressed past warm-up or averages itself; not supported yet)": self.t.oom_recovery,
+        }
+        return next((name for name, on in conflicts.items() if on), "")
+
+    @property
     def dp_divisors(self) -> str:
         return ", ".join(str(d) for d in divisors(self.dp))
 

@@ -187,6 +187,9 @@ class ParallelDims:
     cp: int = 1
     optimizer_shards_gradients: bool = False
     """1-bit Adam under ZeRO-2: the optimizer reduce-scatters the gradients itself."""
+    optimizer_averages_gradients: bool = False
+    """1-bit Adam (zero_stage 0) under tp or pp: the optimizer all-reduces the local gradients
+    itself in warm-up, as it exchanges the momentum after it."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
@@ -196,6 +199,9 @@ class ParallelDims:
         dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
         shards_gradients = cfg.optim.name == "onebit_adam" and p.zero_stage == 2
+        averages_gradients = (
+            cfg.optim.name == "onebit_adam" and p.zero_stage == 0 and (p.tp > 1 or p.pp > 1)
+        )
         if p.zero_stage <= 1 or shards_gradients:  # the parameters are whole on every dp rank
             replicate, shard = dp, 1
         elif shard == -1:
@@ -213,6 +219,7 @@ class ParallelDims:
             ep=p.ep,
             cp=p.cp,
             optimizer_shards_gradients=shards_gradients,
+            optimizer_averages_gradients=averages_gradients,
         )
 
     @property
@@ -228,14 +235,20 @@ class ParallelDims:
         of a data-parallel rank count as replicas here: each computes its share of the gradient,
         which the wrapper averages over dp x cp. "optimizer": no wrapper, the optimizer averages
         (1-bit Adam under ZeRO-2, whose owner chunks replace both DDP's full-size buckets and
-        FSDP2's parameter sharding; decided here with the other wrapper choices)."""
+        FSDP2's parameter sharding; and 1-bit Adam under tp/pp, whose DTensor shards and stages
+        it averages as local tensors; decided here with the other wrapper choices)."""
         if self.dp_size * self.cp == 1:
             return "none"
-        if self.optimizer_shards_gradients:
+        if self.optimizer_shards_gradients or self.optimizer_averages_gradients:
             return "optimizer"
         if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
             return "fsdp"
         return "ddp"
+
+    @property
+    def optimizer_reduce_scatters(self) -> bool:
+        """1-bit Adam under ZeRO-2 with data parallelism: the optimizer reduce-scatters."""
+        return self.dp_wrapper == "optimizer" and self.optimizer_shards_gradients
 
     def describe(self) -> str:
         return (

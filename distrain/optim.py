@@ -17,13 +17,17 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config import OptimConfig
+from distrain.mesh import ParallelDims
 from distrain.models.gpt import GPT, tied_name
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import expert_modules
-from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.parallel.onebit_adam import OneBitAdam, onebit_units
 from distrain.parallel.onebit_zero import OneBitZeroAdam
 from distrain.parallel.zero1 import Zero1AdamW
 from distrain.torch_compat import is_zero_redundancy_optimizer
@@ -74,6 +78,33 @@ def by_tensor_kind(groups: list[dict]) -> list[dict]:
     return split
 
 
+def build_optimizers(
+    parts: list[nn.Module],
+    cfg: OptimConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    comm_stats: CommStats | None = None,
+) -> list[torch.optim.Optimizer]:
+    """`build_optimizer` for each model part, on the groups the layout `dims` decides:
+    gradients averaged over dp (dp x cp under context parallelism), ZeRO-1's state split over
+    `ParallelDims.zero1_mesh`, 1-bit Adam's gradients reduce-scattered over the averaging
+    group when it shards them (ZeRO-2)."""
+    grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
+    zero1_group = dims.zero1_mesh(mesh, dp_mesh).get_group() if dims.zero_stage == 1 else None
+    return [
+        build_optimizer(
+            part,
+            cfg,
+            zero1_group=zero1_group,
+            zero2_group=grad_group if dims.optimizer_reduce_scatters else None,
+            dp_group=grad_group,
+            comm_stats=comm_stats,
+        )
+        for part in parts
+    ]
+
+
 def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,
@@ -88,11 +119,18 @@ def build_optimizer(
     plain tensors (DDP), by `Zero1AdamW` for DTensor parameters (tp, and FSDP2's replication
     under tp/pp), which torch's cannot broadcast. Or 1-bit Adam, which averages its momentum
     over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too; with
-    `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well)."""
+    `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well). On a
+    model without DDP (tp/pp, `ParallelDims.dp_wrapper` "optimizer"; or one replica) 1-bit
+    Adam averages the warm-up's gradients too (`AveragesGradients`)."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "onebit_adam":
         sharded = zero2_group if zero2_group is not None else zero1_group
         extra = {"shard_gradients": True} if zero2_group is not None else {}
+        if sharded is None:
+            unwrapped = not isinstance(model, (DistributedDataParallel, FSDPModule))
+            # Under DDP one unit in parameter-group order, as before units existed.
+            units = _onebit_units(model) if unwrapped else None
+            extra = {"units": units, "averages_gradients": unwrapped}
         onebit = OneBitAdam if sharded is None else OneBitZeroAdam
         return onebit(
             groups,
@@ -125,6 +163,19 @@ def build_optimizer(
     )
     zero.add_param_group(groups[1])
     return zero
+
+
+def _onebit_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """1-bit Adam's compression units for `model` (`onebit_units`): a pipeline stage's copy of
+    an embedding tied across stages apart (the other copy is on another stage)."""
+    stage_cut = isinstance(model, GPT) and (model.tok_emb is None or model.output is None)
+
+    def tied(name: str) -> bool:
+        cut_tie = stage_cut and model.args.tie_embeddings
+        return cut_tie and tied_name(name, model.args) == "tok_emb.weight"
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return onebit_units(named, tied)
 
 
 FUSED_DEVICES = ("cpu", "cuda")

@@ -34,15 +34,16 @@ from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
 from distrain.observe.stragglers import ComputeTimer, straggler_metrics
 from distrain.optim import (
-    build_optimizer,
+    build_optimizers,
     lr_at,
     set_lr,
 )
 from distrain.parallel import build_parallel_model
 from distrain.parallel.compress import CommStats
-from distrain.parallel.data import KeepsGradientsLocal, ShardsGradients
+from distrain.parallel.data import KeepsGradientsLocal, ShardsGradients, average_in_optimizers
 from distrain.parallel.grad_norm import clip_grad_norm
-from distrain.parallel.sanity import check_replicas
+from distrain.parallel.onebit_zero import named_gradients
+from distrain.parallel.sanity import check_all_replicas
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.rng import seed_everything
@@ -100,18 +101,9 @@ class Trainer:
         self.model = build_parallel_model(
             self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
         )
-        zero1_group = self.dims.zero1_mesh(self.mesh, dp_mesh).get_group()
-        self.optimizers = [
-            build_optimizer(
-                part,
-                cfg.optim,
-                zero1_group=zero1_group if self.dims.zero_stage == 1 else None,
-                zero2_group=self.grad_group if self.dims.dp_wrapper == "optimizer" else None,
-                dp_group=self.grad_group,
-                comm_stats=self.comm_stats,
-            )
-            for part in self.model.parts
-        ]
+        self.optimizers = build_optimizers(
+            self.model.parts, cfg.optim, self.dims, self.mesh, dp_mesh, self.comm_stats
+        )
         self.auto_batch = (
             autobatch.choose(self.model, self.optimizers, train_set, self.loader, cfg, ctx, logger)
             if auto_batch
@@ -240,6 +232,7 @@ class Trainer:
         maybe_inject_nan(self.cfg.debug, self.step + 1, self.ctx.rank, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
+        average_in_optimizers(self.optimizers)  # 1-bit Adam under tp/pp: its warm-up average
         max_norm, owner = self.cfg.optim.max_grad_norm or math.inf, self.optimizers[0]
         if isinstance(owner, ShardsGradients) and owner.shards_gradients:  # 1-bit ZeRO-2, no pp
             grad_norm = owner.reduce_and_clip(max_norm)
@@ -254,7 +247,7 @@ class Trainer:
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,
             step=self.step + 1,
-            named_params=((n, p) for part in self.model.parts for n, p in part.named_parameters()),
+            named_params=named_gradients(self.model.parts, owner),
             agreed=not local,
         )
         if update:
@@ -438,7 +431,7 @@ class Trainer:
                     row.update(loss_scale=self.scaler.get_scale(), fp16_skipped=self.fp16_skipped)
                 self.metrics.log(row)
                 if self.cfg.debug.check_replicas:
-                    check_replicas(self.model.parts, self.mesh["dp_replicate"].get_group())
+                    check_all_replicas(self.model, self.mesh)
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             # Agreed by every rank for this step (see preempt.py); the last step just finishes.
             stopping = not finished and self.stop.stop_now()

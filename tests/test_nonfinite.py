@@ -143,3 +143,41 @@ def test_compute_timer_counts_data_and_forward_only():
         "straggler_ratio": 1.0,
         "compute_s_max": 0.3,
     }
+
+
+def test_onebit_zero2_stop_names_the_parameter_its_averaged_gradient_holds():
+    """ZeRO-2 1-bit Adam frees the local gradients once it reduce-scattered them in warm-up: the
+    guard then reads the chunk of the averaged gradient each rank owns (`named_gradients`, what
+    the trainer passes), so the stop names the parameter there, as in other layouts."""
+    import torch
+
+    from distrain.observe.health import NonFiniteGuard
+    from distrain.optim import param_groups
+    from distrain.parallel.onebit_zero import OneBitZeroAdam, named_gradients
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    optimizer = OneBitZeroAdam(
+        param_groups(model, 0.1),
+        lr=1e-2,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+        freeze_step=3,
+        group=None,
+        shard_gradients=True,
+    )
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[1].weight.grad[2, 5] = math.nan
+    norm = optimizer.reduce_and_clip(1.0)
+    assert all(p.grad is None for p in model.parameters())
+    guard = NonFiniteGuard("stop", max_in_a_row=3, rank=0, world_size=1)
+    with pytest.raises(NonFiniteError) as info:
+        guard.step_ok(norm, step=2, named_params=named_gradients([model], optimizer), agreed=True)
+    assert "non-finite gradient at step 2" in str(info.value)
+    assert "first on rank 0 in parameter 1.weight" in str(info.value)
+    # Outside that window (no chunk held) the parameters themselves are read.
+    optimizer.zero_grad()
+    assert [n for n, _ in named_gradients([model], optimizer)] == [
+        n for n, _ in model.named_parameters()
+    ]
+    assert all(isinstance(p, torch.nn.Parameter) for _, p in named_gradients([model], optimizer))

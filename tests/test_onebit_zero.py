@@ -237,3 +237,31 @@ def _zero2_worker(rank: int, store: Path) -> None:
 @pytest.mark.slow
 def test_onebit_zero2_reduce_scatters_clips_and_keeps_a_chunk_of_the_gradient(tmp_path: Path):
     mp.spawn(_zero2_worker, args=(tmp_path / "store",), nprocs=2)
+
+
+def test_state_is_named_once_and_loads_into_a_fresh_optimizer():
+    """The per-parameter state torch's flattened state dicts need is named at construction, not
+    again at every step (one process): the same entries before and after steps; a state dict
+    saved before any step (no zero-gradient step run by torch's helper: the step count stays 0)
+    and one saved past the freeze step load into fresh optimizers."""
+    model = _model()
+    opt = _optimizer(model)
+    named = {id(p): (opt.state[p], dict(opt.state[p])) for p in model.parameters()}
+    assert all(set(entries) == {"step", "exp_avg", "exp_avg_sq", "worker_error", "server_error"}
+               for _, entries in named.values())  # fmt: skip
+    before = optimizer_state_dict(model, opt)
+    assert opt.steps_taken == 0
+    _run(model, opt, range(FREEZE + 2), rank=0)
+    for p in model.parameters():
+        state, entries = named[id(p)]
+        assert opt.state[p] is state
+        assert all(state[key] is value for key, value in entries.items())
+    after = optimizer_state_dict(model, opt)
+    for saved, steps in ((before, 0), (after, FREEZE + 2)):
+        fresh = _model()
+        loaded = _optimizer(fresh)
+        load_optimizer_state_dict(fresh, loaded, saved)
+        assert loaded.steps_taken == steps
+    # The values, not the padding (past warm-up it decodes to +-scale, and is never read).
+    assert torch.equal(loaded.exp_avg[: opt.valid], opt.exp_avg[: opt.valid])
+    assert torch.equal(loaded.worker_error[: opt.numel], opt.worker_error[: opt.numel])

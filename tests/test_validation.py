@@ -51,7 +51,21 @@ CASES = [
     ("one_comm_hook", {"comm.gradient_compression": "bf16", "comm.hierarchical": "true"}, 2,
      ["DDP takes one communication hook"]),
     ("onebit_adam_plain_data_parallel", {"optim.name": "onebit_adam", "parallel.zero_stage": "3"},
-     2, ["it does not compose with FSDP2's zero_stage 3"]),
+     2, ["does not compose with parallel.zero_stage = 3 (FSDP2 reduce-scatters fp32 gradients "
+         "itself inside backward)", "or zero_stage 0 with tp/pp"]),
+    ("onebit_adam_plain_data_parallel",
+     {"optim.name": "onebit_adam", "parallel.zero_stage": "1", "parallel.tp": "2"}, 4,
+     ["parallel.zero_stage = 1 under tp 2 / pp 1 (its owner chunks would mix tp-replicated and "
+      "sharded values; not supported yet)"]),
+    ("onebit_adam_plain_data_parallel",
+     {"optim.name": "onebit_adam", "parallel.zero_stage": "2", "parallel.pp": "2"}, 4,
+     ["parallel.zero_stage = 2 under tp 1 / pp 2"]),
+    ("onebit_adam_plain_data_parallel",
+     {"optim.name": "onebit_adam", "training.oom_recovery": "true"}, 2,
+     ["does not compose with training.oom_recovery (its retry all-reduces the gradients"]),
+    ("onebit_adam_plain_data_parallel",
+     {"optim.name": "onebit_adam", "comm.gradient_compression": "fp16"}, 2,
+     ["comm.gradient_compression = 'fp16' (a DDP hook"]),
     ("tp_splits_model", {"parallel.tp": "2", "model.vocab_size": "255"}, 2,
      ["model.vocab_size (255) must be divisible by parallel.tp (2); choose parallel.tp in {1}"]),
     ("tp_splits_model",
@@ -228,6 +242,9 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
           "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_stages_per_rank": "2"}, 8),
         ({"model.moe.num_experts": "4", "parallel.tp": "2", "parallel.ep": "2"}, 8),
         ({"parallel.ep": "2", "model.moe.num_experts": "4", "training.oom_recovery": "true"}, 2),
+        ({"optim.name": "onebit_adam", "parallel.tp": "2"}, 4),
+        ({"optim.name": "onebit_adam", "parallel.pp": "2"}, 4),
+        ({"optim.name": "onebit_adam", "parallel.tp": "2", "parallel.pp": "2"}, 8),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)
@@ -256,6 +273,19 @@ def test_onebit_adam_under_zero2_runs_unwrapped():
     # The parameters are whole on every dp rank: debug.check_replicas compares them all.
     assert (onebit.dims.dp_replicate, onebit.dims.dp_shard) == (2, 1)
     assert validate(_config({"parallel.zero_stage": "2"}), 2).dims.dp_wrapper == "fsdp"
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_onebit_adam_under_tp_or_pp_runs_unwrapped(axis):
+    """1-bit Adam under tp or pp averages the local gradients itself (no FSDP2 replicate
+    wrapper, which AdamW gets there); only for the optimizer, ZeRO-2's reduce-scatter is not
+    on."""
+    fields = {"optim.name": "onebit_adam", f"parallel.{axis}": "2"}
+    dims = validate(_config(fields), 4).dims
+    assert dims.dp_wrapper == "optimizer" and dims.optimizer_averages_gradients
+    assert not dims.optimizer_reduce_scatters
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 1)
+    assert validate(_config({f"parallel.{axis}": "2"}), 4).dims.dp_wrapper == "fsdp"
 
 
 def test_every_tested_layout_passes_the_table():

@@ -51,6 +51,27 @@ class ShardsGradients(Protocol):
     def reduce_and_clip(self, max_norm: float) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class AveragesGradients(Protocol):
+    """An optimizer that averages the local gradients over the data-parallel ranks itself in
+    warm-up (1-bit Adam under tp/pp, with no wrapper: `ParallelDims.dp_wrapper` "optimizer"):
+    the trainer calls `average_gradients()` before clipping in every step
+    (`average_in_optimizers`). Its gradients count as synchronized (the global norm clips
+    them), so it does not keep them local (`KeepsGradientsLocal`) past warm-up either."""
+
+    averages_gradients: bool
+
+    def average_gradients(self) -> None: ...
+
+
+def average_in_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Let each optimizer that averages the gradients itself (`AveragesGradients`) do so; the
+    trainer calls it after backward, before clipping, every step."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, AveragesGradients) and optimizer.averages_gradients:
+            optimizer.average_gradients()
+
+
 def apply_ddp(
     model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float, device: torch.device
 ) -> DistributedDataParallel:

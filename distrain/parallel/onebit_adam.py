@@ -19,17 +19,64 @@ next to the moments. The server errors (rank r's covers chunk r of the flat mome
 gathered into one value per parameter, the same on every rank and valid under any number of
 ranks; the worker errors are each rank's own, saved as `worker_error.rank<r>`, so they resume on
 the same number of data-parallel ranks.
+
+Under tensor and pipeline parallelism (`averages_gradients`: no DDP/FSDP2 wrapper) each rank
+holds local shards of DTensor parameters, or its stages' parameters, and its data-parallel group
+is the dp ranks with the same tp and pp coordinates. The optimizer then averages the local
+gradients itself in warm-up (an fp32 all-reduce per unit) and works on local tensors throughout.
+Values that several groups hold alike must take the same step in each: a parameter replicated
+over tp, and the two copies of an embedding tied across the first and last stage. Compression is
+not elementwise (one scale per chunk), so the parameters are cut into `units` (`onebit_units`),
+each compressed on its own, and a unit holds either only such shared values, the same on each of
+their holders, or none: the holders then compress identical inputs into identical steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import CommStats, pack_signs, unpack_signs, wire_bytes
 
 _ERROR_KEYS = ("worker_error", "server_error")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of `t` (a DTensor's local shard: in-place ops on it change `t`)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(values: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """`values` (this rank's, flat) in `p`'s shape and kind: a DTensor laid out as `p` is."""
+    if isinstance(p, DTensor):
+        local = values.view_as(p.to_local())
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return values.view_as(p)
+
+
+def onebit_units(
+    named: list[tuple[str, nn.Parameter]], tied: Callable[[str], bool]
+) -> list[list[nn.Parameter]]:
+    """The compression units of `named` (parameter order kept within each): the parameters
+    whose name `tied` marks (an embedding tied across pipeline stages: each stage holding a copy
+    has this unit alone), the DTensor parameters replicated over their mesh (the same on every
+    tp rank), and the rest. Without tp and pp, one unit."""
+    tied_unit = [p for name, p in named if tied(name)]
+    replicated = [
+        p
+        for name, p in named
+        if not tied(name)
+        and isinstance(p, DTensor)
+        and all(placement.is_replicate() for placement in p.placements)
+    ]
+    taken = {id(p) for p in tied_unit + replicated}
+    rest = [p for _, p in named if id(p) not in taken]
+    return [unit for unit in (tied_unit, replicated, rest) if unit]
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -43,20 +90,38 @@ class OneBitAdam(torch.optim.Optimizer):
         freeze_step: int,
         group: dist.ProcessGroup | None,
         stats: CommStats | None = None,
+        units: list[list[nn.Parameter]] | None = None,
+        averages_gradients: bool = False,
     ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.freeze_step, self.group, self.stats = freeze_step, group, stats
         distributed = dist.is_initialized()
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        # Flat over `_flat_params()`, zero-padded to `world` chunks; the padding carries no error.
-        self.worker_error: torch.Tensor | None = None  # this rank's, the whole padded length
-        self.server_error: torch.Tensor | None = None  # this rank's chunk
+        self.averages_gradients = averages_gradients
+        """No wrapper (tp, pp): the optimizer averages the warm-up's gradients itself
+        (`AveragesGradients`)."""
+        self.units = units if units is not None else [self._flat_params()]
+        """Parameters compressed together (`onebit_units`); a partition of the parameters."""
+        assert sorted(id(p) for u in self.units for p in u) == sorted(
+            id(p) for p in self._flat_params()
+        ), "units must partition the parameters"
+        # Per unit, flat over its local values, zero-padded to `world` chunks; the padding
+        # carries no error.
+        self.worker_error: list[torch.Tensor] | None = None  # this rank's, the padded length
+        self.server_error: list[torch.Tensor] | None = None  # this rank's chunk
         self.steps_taken = 0  # a cache of state["step"], restored by load_state_dict
 
     def keeps_gradients_local(self) -> bool:
-        """Whether the next step is past warm-up: the trainer then keeps gradients local (no DDP
-        all-reduce), since the momentum is what gets communicated (`KeepsGradientsLocal`)."""
+        """Whether the next step is past warm-up under DDP: the trainer then keeps gradients
+        local (no DDP all-reduce), since the momentum is what gets communicated
+        (`KeepsGradientsLocal`). Without a wrapper (`averages_gradients`) there is no all-reduce
+        to skip, and the norm that clips a replica's gradient stays global: the root mean
+        square of the replicas' norms, since a replica spans its tp and pp ranks."""
+        return self._compressed() and not self.averages_gradients
+
+    def _compressed(self) -> bool:
+        """The next step is past warm-up: the momentum crosses the network, compressed."""
         return self.steps_taken >= self.freeze_step
 
     def _flat_params(self) -> list[torch.nn.Parameter]:
@@ -67,9 +132,41 @@ class OneBitAdam(torch.optim.Optimizer):
         return -(-n // (8 * self.world)) * 8
 
     @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Warm-up without a wrapper: bring each DTensor gradient to its parameter's layout and
+        average the local gradients over the data-parallel group, one fp32 all-reduce per unit
+        (counted), as DDP would have. Past warm-up the gradients stay local."""
+        self._align_gradients()
+        if self.world == 1 or self._compressed():
+            return
+        for unit in self.units:
+            grads = [_local(p.grad) for p in unit if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            mark = comm_clock.start(flat.device)
+            dist.all_reduce(flat, group=self.group)
+            mark.stop()
+            self._count(wire_bytes("all_reduce", flat.nbytes, self.world), flat.numel(), mark)
+            flat /= self.world
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _align_gradients(self) -> None:
+        """DTensor gradients in their parameter's placements (under tp some arrive Replicate or
+        Partial), so that local gradient and local parameter hold the same values."""
+        for p in self._flat_params():
+            grad = p.grad
+            if isinstance(grad, DTensor) and grad.placements != p.placements:
+                p.grad = grad.redistribute(placements=p.placements)
+
+    @torch.no_grad()
     def step(self, closure: None = None) -> None:
-        compressed = self.keeps_gradients_local()
+        compressed = self._compressed()
         self.steps_taken += 1
+        self._align_gradients()
         pairs = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if compressed and len(pairs) != len(self._flat_params()):
             raise RuntimeError(
@@ -89,11 +186,12 @@ class OneBitAdam(torch.optim.Optimizer):
                 state.update({key: {} for key in _ERROR_KEYS})
             beta1, beta2 = group["betas"]
             state["step"] += 1
-            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            grad, exp_avg = _local(p.grad), _local(state["exp_avg"])
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             if not compressed:
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                _local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         if compressed:
-            self._average_momentum([self.state[p]["exp_avg"] for p, _ in pairs])
+            self._average_momentum()
         for p, group in pairs:
             self._update(p, group)
 
@@ -104,33 +202,42 @@ class OneBitAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         step = float(state["step"])
         v_steps = min(step, float(self.freeze_step)) if self.freeze_step else step
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        denom = (state["exp_avg_sq"] / (1 - beta2**v_steps)).sqrt_().add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+        param = _local(p)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        denom = (_local(state["exp_avg_sq"]) / (1 - beta2**v_steps)).sqrt_().add_(group["eps"])
+        param.addcdiv_(_local(state["exp_avg"]), denom, value=-group["lr"] / (1 - beta1**step))
 
-    def _average_momentum(self, momenta: list[torch.Tensor]) -> None:
-        flat = torch.cat([m.flatten() for m in momenta]).float()
-        averaged = self._compressed_allreduce(flat)
-        offset = 0
-        for m in momenta:
-            m.copy_(averaged[offset : offset + m.numel()].view_as(m))
-            offset += m.numel()
+    def _average_momentum(self) -> None:
+        if self.worker_error is None:
+            self.worker_error, self.server_error = [], []
+            for unit in self.units:
+                n = sum(_local(p).numel() for p in unit)
+                device = _local(unit[0]).device
+                self.worker_error.append(torch.zeros(self._chunk(n) * self.world, device=device))
+                self.server_error.append(torch.zeros(self._chunk(n), device=device))
+        for index, unit in enumerate(self.units):
+            momenta = [_local(self.state[p]["exp_avg"]) for p in unit]
+            flat = torch.cat([m.flatten() for m in momenta]).float()
+            averaged = self._compressed_allreduce(flat, index)
+            offset = 0
+            for m in momenta:
+                m.copy_(averaged[offset : offset + m.numel()].view_as(m))
+                offset += m.numel()
 
-    def _compressed_allreduce(self, flat: torch.Tensor) -> torch.Tensor:
+    def _compressed_allreduce(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
         n, world = flat.numel(), self.world
         chunk = self._chunk(n)
-        if self.worker_error is None:
-            self.worker_error = torch.zeros(chunk * world, device=flat.device)
-            self.server_error = torch.zeros(chunk, device=flat.device)
+        assert self.worker_error is not None and self.server_error is not None
         # Worker side: compress momentum + worker error; keep what compression dropped. Scales
         # and errors cover the n real elements only, so the padding (which depends on the
         # number of ranks) holds no state.
-        corrected = self.worker_error.clone()
+        corrected = self.worker_error[unit].clone()
         corrected[:n] += flat
         scale = corrected.norm() / n**0.5
         signs, _ = pack_signs(corrected)
-        self.worker_error = corrected - scale * unpack_signs(signs, corrected.numel())
-        self.worker_error[n:] = 0
+        worker_error = corrected - scale * unpack_signs(signs, corrected.numel())
+        worker_error[n:] = 0
+        self.worker_error[unit] = worker_error
         if world == 1:
             received, scales = signs.view(1, -1), scale.view(1)
         else:
@@ -146,12 +253,13 @@ class OneBitAdam(torch.optim.Optimizer):
         # Server side: average this rank's chunk over workers, add the server error, compress.
         valid = min(max(n - self.rank * chunk, 0), chunk)
         mine = torch.stack([scales[r] * unpack_signs(received[r], chunk) for r in range(world)])
-        server = mine.mean(0) + self.server_error
+        server = mine.mean(0) + self.server_error[unit]
         server[valid:] = 0
         server_scale = server.norm() / max(valid, 1) ** 0.5
         server_signs, _ = pack_signs(server)
-        self.server_error = server - server_scale * unpack_signs(server_signs, chunk)
-        self.server_error[valid:] = 0
+        server_error = server - server_scale * unpack_signs(server_signs, chunk)
+        server_error[valid:] = 0
+        self.server_error[unit] = server_error
         if world == 1:
             all_signs, all_scales = server_signs.view(1, -1), server_scale.view(1)
         else:
@@ -179,60 +287,73 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's optimizer state plus, per parameter, `server_error` (the gathered server
-        errors, the same on every rank) and `worker_error.rank<r>` (this rank's). Collective
-        over the data-parallel group once the error buffers exist (past warm-up)."""
+        errors, the same on every rank of the group) and `worker_error.rank<r>` (this rank's),
+        laid out as the parameter (DTensors under tp). Collective over the data-parallel group
+        once the error buffers exist (past warm-up)."""
         sd = super().state_dict()
-        params = self._flat_params()
-        n = sum(p.numel() for p in params)
-        device = params[0].device
-        if self.worker_error is None:
-            worker = torch.zeros(n, device=device)
-            server = torch.zeros(n, device=device)
-        else:
-            worker = self.worker_error[:n]
-            server = self._gathered_server_error()[:n]
-        offset = 0
-        for index, p in enumerate(params):
-            span = slice(offset, offset + p.numel())
-            # A new dict: torch's state_dict shares the live per-parameter state dicts.
-            sd["state"][index] = {
-                **sd["state"].get(index, {}),
-                "server_error": server[span].view_as(p),
-                "worker_error": {f"rank{self.rank}": worker[span].view_as(p)},
-            }
-            offset += p.numel()
+        index_of = {id(p): i for i, p in enumerate(self._flat_params())}
+        for unit_index, unit in enumerate(self.units):
+            n = sum(_local(p).numel() for p in unit)
+            if self.worker_error is None:
+                # Two tensors: a checkpoint load writes into these in place.
+                device = _local(unit[0]).device
+                worker, server = torch.zeros(n, device=device), torch.zeros(n, device=device)
+            else:
+                worker = self.worker_error[unit_index][:n]
+                server = self._gathered_server_error(unit_index)[:n]
+            offset = 0
+            for p in unit:
+                index, size = index_of[id(p)], _local(p).numel()
+                span = slice(offset, offset + size)
+                # A new dict: torch's state_dict shares the live per-parameter state dicts.
+                sd["state"][index] = {
+                    **sd["state"].get(index, {}),
+                    "server_error": _like(server[span], p),
+                    "worker_error": {f"rank{self.rank}": _like(worker[span], p)},
+                }
+                offset += size
         return sd
 
-    def _gathered_server_error(self) -> torch.Tensor:
+    def _gathered_server_error(self, unit: int) -> torch.Tensor:
+        assert self.server_error is not None
+        mine = self.server_error[unit]
         if self.world == 1:
-            return self.server_error
-        full = torch.empty(self.server_error.numel() * self.world, device=self.server_error.device)
-        dist.all_gather_into_tensor(full, self.server_error, group=self.group)
+            return mine
+        full = torch.empty(mine.numel() * self.world, device=mine.device)
+        dist.all_gather_into_tensor(full, mine, group=self.group)
         return full
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the moments, the step count (and so the phase) and the error buffers."""
         super().load_state_dict(state_dict)
-        params = self._flat_params()
-        worker, server = [], []
-        for p in params:
+        worker, server = {}, {}
+        for p in self._flat_params():
             state = self.state[p]
             saved = {key: state.pop(key, {}) for key in _ERROR_KEYS}
             state.update({key: {} for key in _ERROR_KEYS})
             own = saved["worker_error"].get(f"rank{self.rank}") if saved["worker_error"] else None
-            worker.append(own if own is not None else torch.zeros_like(p))
+            worker[id(p)] = _local(own) if own is not None else torch.zeros_like(_local(p))
             server_part = saved["server_error"]
-            server.append(server_part if isinstance(server_part, torch.Tensor) else worker[-1] * 0)
-        steps = [int(self.state[p]["step"]) for p in params if "step" in self.state[p]]
+            server[id(p)] = (
+                _local(server_part)
+                if isinstance(server_part, torch.Tensor)
+                else torch.zeros_like(_local(p))
+            )
+        steps = [int(self.state[p]["step"]) for p in self._flat_params() if "step" in self.state[p]]
         self.steps_taken = max(steps, default=0)
-        if not self.keeps_gradients_local():
+        if not self._compressed():
             self.worker_error = self.server_error = None
             return
-        n = sum(p.numel() for p in params)
-        chunk = self._chunk(n)
-        device = params[0].device
-        self.worker_error = torch.zeros(chunk * self.world, device=device)
-        self.worker_error[:n] = torch.cat([w.flatten().float() for w in worker])
-        server_full = torch.zeros(chunk * self.world, device=device)
-        server_full[:n] = torch.cat([s.flatten().float() for s in server])
-        self.server_error = server_full[self.rank * chunk : (self.rank + 1) * chunk].clone()
+        self.worker_error, self.server_error = [], []
+        for unit in self.units:
+            n = sum(_local(p).numel() for p in unit)
+            chunk = self._chunk(n)
+            device = _local(unit[0]).device
+            worker_full = torch.zeros(chunk * self.world, device=device)
+            worker_full[:n] = torch.cat([worker[id(p)].flatten().float() for p in unit])
+            server_full = torch.zeros(chunk * self.world, device=device)
+            server_full[:n] = torch.cat([server[id(p)].flatten().float() for p in unit])
+            self.worker_error.append(worker_full)
+            self.server_error.append(
+                server_full[self.rank * chunk : (self.rank + 1) * chunk].clone()
+            )

@@ -39,9 +39,13 @@ tensor of the step is read on the host.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import (
@@ -57,6 +61,7 @@ from distrain.parallel.grad_norm import clip_coefficient, clip_grad_norm
 _ERROR_KEYS = ("worker_error", "server_error")
 _MISSING_GRADIENT = "1-bit Adam under ZeRO updates every parameter; a parameter got no gradient"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+Named = tuple[str, Any]
 
 
 def held_state_bytes(numel: int, world: int) -> int:
@@ -106,6 +111,8 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         self.frozen_denom: torch.Tensor | None = None
         """Past warm-up: Adam's denominator for every value (`_gather_frozen_denominator`)."""
         self._weight_decay: torch.Tensor | None = None
+        for p in self._params:
+            self._name_state(p)
 
     def keeps_gradients_local(self) -> bool:
         """Past warm-up the trainer leaves the gradients local: they cross the network here,
@@ -115,7 +122,10 @@ class OneBitZeroAdam(torch.optim.Optimizer):
     def _name_state(self, p: torch.nn.Parameter) -> None:
         """The per-parameter state torch's flattened state dicts look for: the step, and the
         names (only: the values live flat, filled by `state_dict`) of what a checkpoint holds,
-        since torch loads just the names a parameter's state already has."""
+        since torch loads just the names a parameter's state already has. Named once, at
+        construction and after a load; the step here is not kept current (`state_dict` writes
+        `steps_taken`). A state present from the start also spares torch's state-dict helpers
+        the zero-gradient step they run on an optimizer without state."""
         self.state[p]["step"] = torch.tensor(float(self.steps_taken))
         self.state[p].update({key: {} for key in (*_MOMENTS, *_ERROR_KEYS)})
 
@@ -183,8 +193,6 @@ class OneBitZeroAdam(torch.optim.Optimizer):
             raise RuntimeError(_MISSING_GRADIENT)
         compressed = self.keeps_gradients_local()
         self.steps_taken += 1
-        for p in self._params:
-            self._name_state(p)
         beta1, beta2 = self.param_groups[0]["betas"]
         eps, lr = self.param_groups[0]["eps"], self.param_groups[0]["lr"]
         step = self.steps_taken
@@ -295,6 +303,19 @@ class OneBitZeroAdam(torch.optim.Optimizer):
                 wire, fp32_values=fp32_values, group_size=self.world, mark=mark
             )
 
+    def owned_gradients(self) -> dict[int, torch.Tensor]:
+        """ZeRO-2 between `reduce_and_clip` and the step: by id of each parameter that this
+        rank's chunk covers, the part of its averaged gradient held here (a view)."""
+        if self._owned is None:
+            return {}
+        found, offset = {}, 0
+        for p in self._params:
+            low, high = max(offset, self.start), min(offset + p.numel(), self.start + self.chunk)
+            if low < high:
+                found[id(p)] = self._owned[low - self.start : high - self.start]
+            offset += p.numel()
+        return found
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._owned = None  # a skipped step (non-finite norm) leaves its chunk here
         for p in self._params:
@@ -345,3 +366,14 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         for key in (*_MOMENTS, "server_error"):
             setattr(self, key, self._mine(self._padded(saved[key])).clone())
         self.worker_error = self._padded(saved["worker_error"])
+
+
+def named_gradients(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> Iterator[Named]:
+    """(name, parameter) of every parameter of `parts`, for the non-finite guard (read lazily,
+    when it stops). Under ZeRO-2 1-bit Adam in warm-up, whose local gradients `reduce_and_clip`
+    freed, (name, holder) whose `.grad` is this rank's part of that parameter's averaged
+    gradient (None where it holds none): a NaN shows on the rank that owns its chunk."""
+    owned = optimizer.owned_gradients() if isinstance(optimizer, OneBitZeroAdam) else {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            yield (name, SimpleNamespace(grad=owned.get(id(p)))) if owned else (name, p)

@@ -4,12 +4,18 @@ dp_replicate axis only, where every rank holds the same local tensors. Expert we
 expert parallelism (DTensors on a mesh with an `ep` axis) are split over data-parallel ranks
 rather than replicated there, so they are left out.
 
+`check_shared_copies` covers the values held alike outside the dp_replicate axis: parameters
+replicated over tp (the same on every tp rank) and the two copies of an embedding tied across the
+first and last pipeline stage.
+
 Each rank reduces every local parameter to two float64 fingerprints (a plain sum and a
 position-weighted sum) and the ranks all-gather them: one small collective, exact for identical
 tensors (same ops on the same bits), and a differing tensor names itself and the ranks.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +24,11 @@ from torch.distributed.tensor import DTensor
 
 from distrain.errors import DistrainError
 from distrain.models.gpt import canonical_name
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from distrain.parallel import ParallelModel
 
 
 class ReplicaMismatchError(DistrainError):
@@ -64,3 +75,50 @@ def check_replicas(parts: list[nn.Module], replicate_group: dist.ProcessGroup) -
     )
     if found:
         raise ReplicaMismatchError(f"{len(found)} parameter(s) out of sync; first: {found[0]}")
+
+
+def check_all_replicas(model: ParallelModel, mesh: DeviceMesh) -> None:
+    """`check_replicas` over the dp_replicate axis, then `check_shared_copies`. Collective."""
+    check_replicas(model.parts, mesh["dp_replicate"].get_group())
+    tied = model.tied
+    check_shared_copies(
+        model.parts,
+        mesh["tp"].get_group(),
+        tied.copy if tied is not None else None,
+        tied.group if tied is not None else None,
+    )
+
+
+def check_shared_copies(
+    parts: list[nn.Module],
+    tp_group: dist.ProcessGroup,
+    tied_copy: nn.Parameter | None,
+    tied_group: dist.ProcessGroup | None,
+) -> None:
+    """The parameters replicated over tp agree across `tp_group` (every tp rank of a stage holds
+    the same ones), and this rank's copy of a tied embedding agrees with the other stage's
+    (`tied_group`: the first and last pipeline rank). Collective over both groups."""
+    if dist.get_world_size(tp_group) > 1:
+        named = [
+            (canonical_name(name), param.to_local())
+            for part in parts
+            for name, param in part.named_parameters()
+            if isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements)
+        ]
+        _compare(named, tp_group, "tensor-parallel ranks")
+    if tied_copy is not None and tied_group is not None:
+        local = tied_copy.to_local() if isinstance(tied_copy, DTensor) else tied_copy
+        _compare([("tok_emb.weight (tied)", local)], tied_group, "pipeline stages")
+
+
+def _compare(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str) -> None:
+    if not named:
+        return
+    local_prints = torch.stack([fingerprints(t) for _, t in named])
+    gathered = [torch.empty_like(local_prints) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local_prints, group=group)
+    names = [name for name, _ in named]
+    found = mismatches(names, torch.stack(gathered).cpu(), dist.get_process_group_ranks(group))
+    if found:
+        first = found[0].replace("data-parallel replicas", what)
+        raise ReplicaMismatchError(f"{len(found)} parameter(s) out of sync; first: {first}")
