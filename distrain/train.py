@@ -4,6 +4,7 @@ Without a torchrun environment it trains in this one process."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -101,6 +102,9 @@ def _drop_frames(error: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # What the imports made lives as long as the worker: kept out of the collector's full
+    # passes, which would otherwise walk torch's hundreds of thousands of objects each time.
+    gc.freeze()
     try:
         _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
         run_training(cfg)
