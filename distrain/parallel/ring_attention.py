@@ -21,6 +21,8 @@ point-to-point sends to one neighbour that can run behind the compute.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -92,6 +94,30 @@ class Ring:
         for work in works:
             work.wait()
 
+    def visits(
+        self, kv: torch.Tensor, work: torch.dtype, chunk: int, block: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Block]]]:
+        """For each of the cp steps: the keys and values held (`kv` [2, B, H, 2c, D] of this
+        rank first, then of rank - 1, ...), in the `work` dtype, their global positions, and the
+        score blocks of this rank's queries against them. The next rank's keys and values are
+        on their way while the caller computes with the ones yielded."""
+        seq_len = 2 * chunk * self.size
+        for step in range(self.size):
+            source = (self.rank - step) % self.size
+            passing = step < self.size - 1
+            if passing:
+                incoming, works = self.start(kv)
+            held = kv.to(work)
+            yield (
+                held[0],
+                held[1],
+                local_positions(seq_len, source, self.size, kv.device),
+                ring_plan(self.rank, source, self.size, chunk, block),
+            )
+            if passing:
+                self.wait(works)
+                kv = incoming
+
 
 class _RingCausalAttention(torch.autograd.Function):
     """Exact causal attention of this cp rank's queries [B, H, 2c, D] over the whole sequence,
@@ -100,31 +126,14 @@ class _RingCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, block: int):
         dtype, work = q.dtype, work_dtype(q.dtype)
-        seq_len, chunk = q.shape[2] * ring.size, q.shape[2] // 2
-        q_pos = local_positions(seq_len, ring.rank, ring.size, q.device)
+        chunk = q.shape[2] // 2
+        q_pos = local_positions(2 * chunk * ring.size, ring.rank, ring.size, q.device)
         qw = q.to(work)
         out = torch.zeros_like(qw)
         lse = torch.full(qw.shape[:-1], float("-inf"), device=q.device, dtype=work)
         # Keys and values travel in the input dtype (a bf16 run sends half the bytes).
-        kv = torch.stack([k, v])
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            if step < ring.size - 1:
-                incoming, works = ring.start(kv)
-            held = kv.to(work)
-            forward_blocks(
-                qw,
-                held[0],
-                held[1],
-                q_pos,
-                local_positions(seq_len, source, ring.size, q.device),
-                ring_plan(ring.rank, source, ring.size, chunk, block),
-                out,
-                lse,
-            )
-            if step < ring.size - 1:
-                ring.wait(works)
-                kv = incoming
+        for k_held, v_held, k_pos, plan in ring.visits(torch.stack([k, v]), work, chunk, block):
+            forward_blocks(qw, k_held, v_held, q_pos, k_pos, plan, out, lse)
         ctx.save_for_backward(q, k, v, out, lse, q_pos)
         ctx.ring, ctx.block = ring, block
         return out.to(dtype)
@@ -133,32 +142,17 @@ class _RingCausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, q_pos = ctx.saved_tensors
         ring, block = ctx.ring, ctx.block
-        dtype, work = q.dtype, out.dtype
-        seq_len, chunk = q.shape[2] * ring.size, q.shape[2] // 2
+        dtype, work, chunk = q.dtype, out.dtype, q.shape[2] // 2
         qw, grad_out = q.to(work), grad_out.to(work)
         delta = (grad_out * out).sum(-1)
         dq = torch.zeros_like(qw)
-        kv = torch.stack([k, v])
         arriving = None
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            if step < ring.size - 1:
-                incoming, works = ring.start(kv)
-            held = kv.to(work)
+        for k_held, v_held, k_pos, plan in ring.visits(torch.stack([k, v]), work, chunk, block):
             # This rank's share of the held block's gradient, computed while the share of the
             # ranks before it is still on its way here.
-            dkv = torch.zeros(kv.shape, dtype=work, device=kv.device)
+            dkv = torch.zeros((2, *k_held.shape), dtype=work, device=k_held.device)
             backward_blocks(
-                qw,
-                held[0],
-                held[1],
-                q_pos,
-                local_positions(seq_len, source, ring.size, q.device),
-                ring_plan(ring.rank, source, ring.size, chunk, block),
-                grad_out,
-                lse,
-                delta,
-                (dq, dkv[0], dkv[1]),
+                qw, k_held, v_held, q_pos, k_pos, plan, grad_out, lse, delta, (dq, dkv[0], dkv[1])
             )
             if arriving is not None:
                 ring.wait(arriving[1])
@@ -166,9 +160,6 @@ class _RingCausalAttention(torch.autograd.Function):
             # The gradient follows its block to the next rank; the last step's hop takes it
             # back to the block's owner.
             arriving = ring.start(dkv, tag=GRAD_TAG)
-            if step < ring.size - 1:
-                ring.wait(works)
-                kv = incoming
         ring.wait(arriving[1])
         dkv = arriving[0]
         return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
