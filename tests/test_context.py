@@ -54,28 +54,34 @@ def test_gathered_chunks_are_put_back_in_sequence_order(size):
     assert torch.equal(gathered_to_sequence(gathered, size), x)
 
 
+def full_attention_reference(size: int):
+    """q, k, v [2, 4, 16 size, 8] (float64), the unsplit causal attention's output, output
+    weights, and the gradients of (output x weights).sum() with respect to q, k and v."""
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 16 * size, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv"
+    )
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    return (q.detach(), k.detach(), v.detach()), out.detach(), weights, grads
+
+
 @pytest.mark.parametrize(
     ("size", "block"),
     [(2, 512), (2, 3), (4, 4)],
     ids=["one_block", "blocks_straddling_chunks", "blocks_within_chunks"],
 )
 def test_each_rank_attention_equals_its_rows_of_full_causal_attention(size, block):
-    torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(2, 4, 16 * size, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv"
-    )
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    weights = torch.randn_like(reference)
-    want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
-
-    q_shards = [s.detach().requires_grad_() for s in _shards(q.detach(), size)]
-    k_seq, v_seq = (t.detach().requires_grad_() for t in (k, v))
+    (q, k, v), reference, weights, want = full_attention_reference(size)
+    q_shards = [s.requires_grad_() for s in _shards(q, size)]
+    k_seq, v_seq = (t.clone().requires_grad_() for t in (k, v))
     total = 0
     for rank, q_local in enumerate(q_shards):
         out = attend_local(q_local, k_seq, v_seq, rank, size, block=block)
         rows = local_positions(q.shape[2], rank, size, CPU)
         # float64: only the summation order differs from the unsplit kernel.
-        torch.testing.assert_close(out, reference[:, :, rows].detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out, reference[:, :, rows], rtol=1e-12, atol=1e-12)
         total = total + (out * weights[:, :, rows]).sum()
     total.backward()
     q_grad = torch.zeros_like(q)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+from test_context import full_attention_reference
 
 from distrain.parallel.context import backward_blocks, forward_blocks, local_positions
 from distrain.parallel.ring_attention import RingAttention, ring_plan
@@ -25,26 +25,13 @@ def _shard(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return x[:, :, local_positions(x.shape[2], rank, size, CPU)]
 
 
-def _reference(size: int):
-    """q, k, v [2, 4, 16 size, 8] (float64), the unsplit output, output weights, and the
-    gradients of (output x weights).sum() with respect to q, k and v."""
-    torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(2, 4, 16 * size, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv"
-    )
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    weights = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    return (q.detach(), k.detach(), v.detach()), out.detach(), weights, grads
-
-
 @pytest.mark.parametrize(
     ("size", "block"),
     [(2, 512), (2, 3), (4, 4)],
     ids=["one_block", "blocks_within_chunks", "four_ranks"],
 )
 def test_ring_steps_equal_full_causal_attention(size, block):
-    (q, k, v), reference, weights, want = _reference(size)
+    (q, k, v), reference, weights, want = full_attention_reference(size)
     seq, chunk = q.shape[2], q.shape[2] // (2 * size)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -108,7 +95,7 @@ def _ring_worker(rank: int, size: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        (q, k, v), reference, weights, want = _reference(size)
+        (q, k, v), reference, weights, want = full_attention_reference(size)
         rows = local_positions(q.shape[2], rank, size, CPU)
         attend = RingAttention(dist.group.WORLD, rank, size, block=5)
         for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
