@@ -38,6 +38,7 @@ def _pipeline_model(runner: _Runner) -> ParallelModel:
     model.runner, model.device = runner, torch.device("cpu")
     model.dims, model.autocast = SimpleNamespace(tp=1), contextlib.nullcontext()
     model.tied = None  # no tied embedding across stages
+    model.sequence_split = None  # no context parallelism
     return model
 
 
