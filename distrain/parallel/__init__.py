@@ -36,6 +36,7 @@ from distrain.parallel.data import (
     settle_bucket_layout,
 )
 from distrain.parallel.layers import apply_activation_checkpointing, apply_compile
+from distrain.parallel.local import copy_from_flat
 from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
@@ -274,10 +275,7 @@ class ParallelModel:
                 dist.all_reduce(flat, group=dp_group)
                 self._count_allreduce(flat.numel(), flat.nbytes)
                 flat /= size
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                copy_from_flat(flat, bucket)
                 bucket = []
 
     def zero_grad(self) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from distrain.parallel.local import local_tensor
+
 
 def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
     """Sum of squares of this rank's share of `grad`, divided by how many ranks hold that share.
@@ -66,7 +68,7 @@ def clip_grad_norm(
     if max_norm != math.inf:
         coef = clip_coefficient(total, max_norm)
         for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local = local_tensor(grad)
             local.mul_(coef.to(local.dtype))
     return total
 

@@ -42,13 +42,9 @@ from torch.distributed.tensor import DTensor
 
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import CommStats, pack_signs, unpack_signs, wire_bytes
+from distrain.parallel.local import copy_from_flat, local_tensor
 
 _ERROR_KEYS = ("worker_error", "server_error")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's values of `t` (a DTensor's local shard: in-place ops on it change `t`)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like(values: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
@@ -140,7 +136,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if self.world == 1 or self._compressed():
             return
         for unit in self.units:
-            grads = [_local(p.grad) for p in unit if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in unit if p.grad is not None]
             if not grads:
                 continue
             flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -149,10 +145,7 @@ class OneBitAdam(torch.optim.Optimizer):
             mark.stop()
             self._count(wire_bytes("all_reduce", flat.nbytes, self.world), flat.numel(), mark)
             flat /= self.world
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            copy_from_flat(flat, grads)
 
     def _align_gradients(self) -> None:
         """DTensor gradients in their parameter's placements (under tp some arrive Replicate or
@@ -186,10 +179,10 @@ class OneBitAdam(torch.optim.Optimizer):
                 state.update({key: {} for key in _ERROR_KEYS})
             beta1, beta2 = group["betas"]
             state["step"] += 1
-            grad, exp_avg = _local(p.grad), _local(state["exp_avg"])
+            grad, exp_avg = local_tensor(p.grad), local_tensor(state["exp_avg"])
             exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             if not compressed:
-                _local(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                local_tensor(state["exp_avg_sq"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         if compressed:
             self._average_momentum()
         for p, group in pairs:
@@ -202,27 +195,27 @@ class OneBitAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         step = float(state["step"])
         v_steps = min(step, float(self.freeze_step)) if self.freeze_step else step
-        param = _local(p)
+        param = local_tensor(p)
         param.mul_(1 - group["lr"] * group["weight_decay"])
-        denom = (_local(state["exp_avg_sq"]) / (1 - beta2**v_steps)).sqrt_().add_(group["eps"])
-        param.addcdiv_(_local(state["exp_avg"]), denom, value=-group["lr"] / (1 - beta1**step))
+        denom = (
+            (local_tensor(state["exp_avg_sq"]) / (1 - beta2**v_steps)).sqrt_().add_(group["eps"])
+        )
+        param.addcdiv_(
+            local_tensor(state["exp_avg"]), denom, value=-group["lr"] / (1 - beta1**step)
+        )
 
     def _average_momentum(self) -> None:
         if self.worker_error is None:
             self.worker_error, self.server_error = [], []
             for unit in self.units:
-                n = sum(_local(p).numel() for p in unit)
-                device = _local(unit[0]).device
+                n = sum(local_tensor(p).numel() for p in unit)
+                device = local_tensor(unit[0]).device
                 self.worker_error.append(torch.zeros(self._chunk(n) * self.world, device=device))
                 self.server_error.append(torch.zeros(self._chunk(n), device=device))
         for index, unit in enumerate(self.units):
-            momenta = [_local(self.state[p]["exp_avg"]) for p in unit]
+            momenta = [local_tensor(self.state[p]["exp_avg"]) for p in unit]
             flat = torch.cat([m.flatten() for m in momenta]).float()
-            averaged = self._compressed_allreduce(flat, index)
-            offset = 0
-            for m in momenta:
-                m.copy_(averaged[offset : offset + m.numel()].view_as(m))
-                offset += m.numel()
+            copy_from_flat(self._compressed_allreduce(flat, index), momenta)
 
     def _compressed_allreduce(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
         n, world = flat.numel(), self.world
@@ -293,17 +286,17 @@ class OneBitAdam(torch.optim.Optimizer):
         sd = super().state_dict()
         index_of = {id(p): i for i, p in enumerate(self._flat_params())}
         for unit_index, unit in enumerate(self.units):
-            n = sum(_local(p).numel() for p in unit)
+            n = sum(local_tensor(p).numel() for p in unit)
             if self.worker_error is None:
                 # Two tensors: a checkpoint load writes into these in place.
-                device = _local(unit[0]).device
+                device = local_tensor(unit[0]).device
                 worker, server = torch.zeros(n, device=device), torch.zeros(n, device=device)
             else:
                 worker = self.worker_error[unit_index][:n]
                 server = self._gathered_server_error(unit_index)[:n]
             offset = 0
             for p in unit:
-                index, size = index_of[id(p)], _local(p).numel()
+                index, size = index_of[id(p)], local_tensor(p).numel()
                 span = slice(offset, offset + size)
                 # A new dict: torch's state_dict shares the live per-parameter state dicts.
                 sd["state"][index] = {
@@ -332,12 +325,14 @@ class OneBitAdam(torch.optim.Optimizer):
             saved = {key: state.pop(key, {}) for key in _ERROR_KEYS}
             state.update({key: {} for key in _ERROR_KEYS})
             own = saved["worker_error"].get(f"rank{self.rank}") if saved["worker_error"] else None
-            worker[id(p)] = _local(own) if own is not None else torch.zeros_like(_local(p))
+            worker[id(p)] = (
+                local_tensor(own) if own is not None else torch.zeros_like(local_tensor(p))
+            )
             server_part = saved["server_error"]
             server[id(p)] = (
-                _local(server_part)
+                local_tensor(server_part)
                 if isinstance(server_part, torch.Tensor)
-                else torch.zeros_like(_local(p))
+                else torch.zeros_like(local_tensor(p))
             )
         steps = [int(self.state[p]["step"]) for p in self._flat_params() if "step" in self.state[p]]
         self.steps_taken = max(steps, default=0)
@@ -346,9 +341,9 @@ class OneBitAdam(torch.optim.Optimizer):
             return
         self.worker_error, self.server_error = [], []
         for unit in self.units:
-            n = sum(_local(p).numel() for p in unit)
+            n = sum(local_tensor(p).numel() for p in unit)
             chunk = self._chunk(n)
-            device = _local(unit[0]).device
+            device = local_tensor(unit[0]).device
             worker_full = torch.zeros(chunk * self.world, device=device)
             worker_full[:n] = torch.cat([worker[id(p)].flatten().float() for p in unit])
             server_full = torch.zeros(chunk * self.world, device=device)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from distrain.errors import DistrainError
 from distrain.models.gpt import canonical_name
+from distrain.parallel.local import local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,9 +65,8 @@ def check_replicas(parts: list[nn.Module], replicate_group: dist.ProcessGroup) -
         for name, param in part.named_parameters():
             if isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()):
                 continue
-            local = param.to_local() if isinstance(param, DTensor) else param
             names.append(canonical_name(name))
-            prints.append(fingerprints(local))
+            prints.append(fingerprints(local_tensor(param)))
     local_prints = torch.stack(prints)
     gathered = [torch.empty_like(local_prints) for _ in range(size)]
     dist.all_gather(gathered, local_prints, group=replicate_group)
@@ -107,8 +107,9 @@ def check_shared_copies(
         ]
         _compare(named, tp_group, "tensor-parallel ranks")
     if tied_copy is not None and tied_group is not None:
-        local = tied_copy.to_local() if isinstance(tied_copy, DTensor) else tied_copy
-        _compare([("tok_emb.weight (tied)", local)], tied_group, "pipeline stages")
+        _compare(
+            [("tok_emb.weight (tied)", local_tensor(tied_copy))], tied_group, "pipeline stages"
+        )
 
 
 def _compare(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str) -> None:

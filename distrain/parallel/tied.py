@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distrain.models.gpt import GPT
+from distrain.parallel.local import local_tensor
 
 
 class TiedEmbedding:
@@ -61,5 +62,5 @@ class TiedEmbedding:
             # sequence parallel) while the head's is vocab-sharded like both weights: bring
             # both to the weight's layout so that the two ranks add the same slices.
             grad = grad.redistribute(placements=param.placements)
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+        dist.all_reduce(local_tensor(grad), group=self.group)
         param.grad = grad

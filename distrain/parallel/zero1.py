@@ -23,11 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
+from distrain.parallel.local import copy_from_flat, local_tensor
 
 
 def owners(params: list[nn.Parameter], size: int) -> list[int]:
@@ -36,11 +33,11 @@ def owners(params: list[nn.Parameter], size: int) -> list[int]:
     function of the shapes, so every rank of the group computes the same answer."""
     loads = [0] * size
     owner = [0] * len(params)
-    order = sorted(range(len(params)), key=lambda i: (-_local(params[i]).numel(), i))
+    order = sorted(range(len(params)), key=lambda i: (-local_tensor(params[i]).numel(), i))
     for i in order:
         rank = min(range(size), key=lambda r: (loads[r], r))
         owner[i] = rank
-        loads[rank] += _local(params[i]).numel()
+        loads[rank] += local_tensor(params[i]).numel()
     return owner
 
 
@@ -101,17 +98,13 @@ class Zero1AdamW(torch.optim.Optimizer):
         buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         shared = len(self._params) - len(self._own)
         for param, owner in zip(self._params[:shared], self._owner[:shared], strict=True):
-            local = _local(param)
+            local = local_tensor(param)
             buckets.setdefault((owner, local.dtype), []).append(local)
         for (owner, _dtype), tensors in buckets.items():
             flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.broadcast(flat, src=self._owner_global[owner], group=self.group)
-            if dist.get_rank(self.group) == owner:
-                continue
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            if dist.get_rank(self.group) != owner:
+                copy_from_flat(flat, tensors)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:

@@ -42,6 +42,7 @@ from distrain.models.gpt import GPT
 from distrain.optim import build_optimizer
 from distrain.parallel import ParallelModel, build_parallel_model
 from distrain.parallel.compress import CommStats
+from distrain.parallel.local import local_tensor
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = local_tensor(t)
     return local.numel() * local.element_size()
 
 
