@@ -8,11 +8,11 @@ runs without gradient sync, the ranks then agree on one flag (a max all-reduce),
 that succeeded everywhere all-reduces its gradients.
 
 Under FSDP2, tp, pp and cp the forward itself runs collectives (parameter all-gathers, tp
-reductions, stage-to-stage sends, cp's key/value all-gathers), so a rank cannot run on and report
-afterwards. There the
-ranks agree before every micro-batch (`agreed`; under pp before the schedule, which runs all
-micro-batches in one call) and once after the last, each micro-batch synchronizes its own
-gradients, and on any failure every rank abandons the step, drops its gradients and retries.
+reductions, stage-to-stage sends, cp's key/value exchanges), so a rank cannot run on and report
+afterwards. There the ranks agree before every micro-batch (`agreed`; under pp before the
+schedule, which runs all micro-batches in one call) and once after the last, each micro-batch
+synchronizes its own gradients, and on any failure every rank abandons the step, drops its
+gradients and retries.
 An OOM raised inside a micro-batch is recovered when every rank raises it at the same point
 (ranks run the same shapes, so memory runs out alike) or at an agreement point; one that
 strikes a single rank inside a micro-batch leaves the others waiting in a collective it never
