@@ -102,9 +102,6 @@ def _drop_frames(error: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # What the imports made lives as long as the worker: kept out of the collector's full
-    # passes, which would otherwise walk torch's hundreds of thousands of objects each time.
-    gc.freeze()
     try:
         _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
         run_training(cfg)
@@ -115,4 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # What the imports made lives as long as the worker: kept out of the collector's full
+    # passes, which would otherwise walk torch's hundreds of thousands of objects each time.
+    # Here, once per process, not in main(): a process running several trainings in turn (the
+    # tests' pooled worker) would otherwise freeze each one's leftovers for good.
+    gc.freeze()
     sys.exit(main())
