@@ -11,6 +11,12 @@ waiting (a missing file, no permission, a full disk) are raised at once, unchang
 
 DCP writes through `HashingWriter`s: each file's size and SHA-256 are computed from the bytes as
 they go out, so no rank reads back what it wrote to describe it in the manifest.
+
+Durability: a local file is fsynced before it counts as written, and a rename is made durable by
+fsyncing its folder. An object is durable once its PUT (or multipart upload) completes, so
+object-store writes are never synced: DCP would fall back to a node-wide os.sync() per file.
+`remove` on S3 also aborts the multipart uploads still open under the path, which a save killed
+mid-upload leaves behind, unlisted and billed.
 """
 
 from __future__ import annotations
@@ -153,12 +159,19 @@ class Storage:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path) or ".")
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
     def remove(self, path: str) -> None:
+        """`path` and everything under it, and on S3 the multipart uploads open under it."""
+
         def rm() -> None:
+            if _is_s3(self.fs):
+                # Before the existence check: a save killed before any object completed leaves
+                # only open uploads, and they make nothing exist.
+                _abort_uploads(self.fs, path)
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
 
@@ -215,6 +228,36 @@ class Storage:
 
     def reader_path(self, path: str) -> str:
         return path if self.local else self.url_of(path)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the entries of folder `path` durable: a crash may undo a rename until then."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_s3(fs: Any) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return "s3" in protocols
+
+
+def _abort_uploads(fs: Any, path: str) -> None:
+    """Abort every multipart upload open at `path` or under it (s3fs's own helper lists the whole
+    bucket, unpaginated)."""
+    bucket, key, _ = fs.split_path(path)
+    under = f"{key.rstrip('/')}/" if key else ""
+    markers: dict[str, str] = {}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
+        for upload in page.get("Uploads", []):
+            if upload["Key"] == key or upload["Key"].startswith(under):
+                fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
+        if not page.get("IsTruncated"):
+            return
+        markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
 
 class _HashingStream:
@@ -323,5 +366,7 @@ class HashingFileSystemWriter(HashingWriter, FileSystemWriter):
 
 class HashingFsspecWriter(HashingWriter, FsspecWriter):
     def __init__(self, path: str):
-        super().__init__(path)
+        # No sync_files: object-store streams have no fileno, so DCP would os.sync() the whole
+        # node per file, for objects that are durable once their upload completes.
+        super().__init__(path, sync_files=False)
         self._start_hashing()

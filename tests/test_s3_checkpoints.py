@@ -1,10 +1,12 @@
 """Checkpoints on an object store: a 2-rank run saves, lists, prunes and resumes through
 `s3://` URLs on a real S3-compatible server (tests/s3.py), and continues bit for bit; a save
-reads nothing back; a run survives a short outage of the store and stops cleanly, in one line
-naming the URL, on a long one."""
+reads nothing back and never calls os.sync; the multipart uploads a killed save left are aborted
+when its folder is removed; a run survives a short outage of the store and stops cleanly, in one
+line naming the URL, on a long one."""
 
 import hashlib
 import logging
+import os
 import re
 import time
 
@@ -97,6 +99,72 @@ def test_s3_save_hashes_while_writing_and_reads_nothing_back(
     for name, info in files.items():
         data = storage.fs.cat_file(storage.path("step-00000001", name))
         assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_s3_save_never_syncs_the_node(s3: S3Server, monkeypatch):  # noqa: F811
+    # s3fs streams have no fileno, so DCP's sync_files falls back to os.sync(): every file of
+    # every rank would flush the whole node's page cache, for objects that are durable anyway.
+    syncs: list[int] = []
+    monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
+    storage = Storage(s3.url("no-sync"))
+    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt.save(1, {"w": torch.randn(200, 50), "step": torch.tensor(1)}, permanent=False)
+    assert ckpt.newest_committed == 1
+    assert len(syncs) == 0
+
+
+def _open_uploads(storage: Storage, prefix: str) -> list[str]:
+    """Keys of the multipart uploads still open under `prefix` (a key prefix in the bucket)."""
+    bucket, _, _ = storage.fs.split_path(storage.root)
+    page = storage.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    return sorted(u["Key"] for u in page.get("Uploads", []))
+
+
+def _killed_upload(storage: Storage, path: str) -> None:
+    """What a save killed mid-upload leaves: a multipart upload at `path` with one part sent."""
+    bucket, key, _ = storage.fs.split_path(path)
+    upload = storage.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    storage.fs.call_s3(
+        "upload_part",
+        Bucket=bucket,
+        Key=key,
+        UploadId=upload["UploadId"],
+        PartNumber=1,
+        Body=b"\0" * 1024,
+    )
+
+
+def test_removing_a_prefix_aborts_the_uploads_open_under_it(s3: S3Server):  # noqa: F811
+    storage = Storage(s3.url("uploads"))
+    _killed_upload(storage, storage.path("step-1", "__0_0.distcp"))
+    _killed_upload(storage, storage.path("step-1", "sub", "__1_0.distcp"))
+    _killed_upload(storage, storage.path("step-10", "__0_0.distcp"))  # a sibling, same prefix
+    storage.remove(storage.path("step-1"))
+    assert _open_uploads(storage, "uploads/") == ["uploads/step-10/__0_0.distcp"]
+    storage.remove(storage.path("step-10", "__0_0.distcp"))  # a single file's upload, too
+    assert _open_uploads(storage, "uploads/") == []
+
+
+def test_next_save_of_a_step_aborts_a_killed_saves_uploads(s3: S3Server):  # noqa: F811
+    storage = Storage(s3.url("killed-then-saved"))
+    # Nothing but an open upload: the step folder does not even list.
+    _killed_upload(storage, storage.path("step-00000003", "__0_0.distcp"))
+    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt.save(3, {"w": torch.randn(20, 5)}, permanent=False)
+    assert ckpt.newest_committed == 3
+    assert _open_uploads(storage, "killed-then-saved/") == []
+
+
+def test_pruning_a_torn_save_aborts_its_uploads(s3: S3Server):  # noqa: F811
+    storage = Storage(s3.url("torn-pruned"))
+    # Rank 1 finished its file, rank 0 was killed mid-upload: a torn save of step 1.
+    storage.fs.pipe_file(storage.path("step-00000001", "__1_0.distcp"), b"rank 1")
+    _killed_upload(storage, storage.path("step-00000001", "__0_0.distcp"))
+    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt.save(2, {"w": torch.randn(20, 5)}, permanent=False)
+    assert ckpt.newest_committed == 2
+    assert _open_uploads(storage, "torn-pruned/") == []
+    assert not storage.exists(storage.path("step-00000001", "__1_0.distcp"))
 
 
 OUTAGE_FIELDS = dict(FIELDS, training__steps=10, checkpoint__interval_steps=1)

@@ -1,9 +1,11 @@
 """Storage's retry policy: transient errors are retried with backoff until a deadline, then
 reported in one line naming the URL; permanent ones are raised at once; and non-essential calls
-(retention) never stop a save."""
+(retention) never stop a save. Local durability: every file is fsynced, an atomic write also
+fsyncs its folder after the rename, and a save never calls the node-wide os.sync()."""
 
 import errno
 import logging
+import os
 import time
 
 import pytest
@@ -104,3 +106,49 @@ def test_an_unwritable_checkpoint_location_is_one_line_before_the_first_step(tmp
     assert "\n" not in message
     Storage(str(tmp_path / "ok")).check_writable()
     assert list((tmp_path / "ok").iterdir()) == []  # the probe is gone
+
+
+def _fsync_recorder(monkeypatch) -> list[tuple[str, str]]:
+    """Patch os.fsync and os.replace to log ("fsync", path of the fd) and ("replace", target)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        real_replace(src, dst)
+        events.append(("replace", os.fspath(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_atomic_write_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    events = _fsync_recorder(monkeypatch)
+    target = tmp_path / "MANIFEST.json"
+    Storage(str(tmp_path)).write_text_atomic(str(target), "{}")
+    assert target.read_text() == "{}"
+    replaced = events.index(("replace", str(target)))
+    assert events[replaced - 1][0] == "fsync"  # the file's data, before it gets its name
+    assert ("fsync", str(tmp_path)) in events[replaced + 1 :]  # the name itself
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_local_save_fsyncs_each_file_and_never_syncs_the_node(tmp_path, monkeypatch):
+    events = _fsync_recorder(monkeypatch)
+    syncs: list[int] = []
+    monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
+    ckpt = Checkpointer(
+        Storage(str(tmp_path)), layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
+    ckpt.save(1, {"w": torch.ones(4)}, permanent=False)
+    step = tmp_path / "step-00000001"
+    fsynced = {path for kind, path in events if kind == "fsync"}
+    shards = {str(p) for p in step.glob("*.distcp")}
+    assert shards and shards <= fsynced
+    assert str(step / ".metadata.tmp") in fsynced  # renamed to .metadata after its fsync
+    assert len(syncs) == 0
