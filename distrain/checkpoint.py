@@ -8,10 +8,15 @@ Protocol (the same for a local folder and an object store):
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
    step, kind, world size, layout, versions) last and atomically. Only then does the checkpoint
    exist for resume, and only then does retention delete older temporary checkpoints.
+Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
+checkpoints, and claims its checkpoint location (OWNER.json) so that a second run sent there by
+mistake is refused before its first step rather than deleting the first one's files.
 A save that fails on any rank fails on all: its directory is removed and the cause reported in
 one line; too many failures in a row stop the run. Resume takes the newest checkpoint whose
 manifest verifies (every rank hashing a share of its files); a torn, truncated or corrupted one
-is reported and skipped. Loading (checkpoint_load.py) never unpickles arbitrary objects.
+is reported and skipped. A manifest and a `.metadata` are data from storage: names must stay
+inside the checkpoint folder, and the metadata is decoded without running code
+(checkpoint_metadata.py); one that fails either check is skipped with its reason.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import posixpath
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -33,15 +40,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import distrain
-from distrain.checkpoint_load import load, root_cause
+from distrain.checkpoint_load import load, read_metadata, root_cause
+from distrain.checkpoint_metadata import plain_file_name
 from distrain.config import Config
-from distrain.errors import CheckpointError
+from distrain.errors import CheckpointError, ConfigError
 from distrain.mesh import checkpoint_group
 from distrain.save_attempt import Attempt, disk_full, mb_text
 from distrain.storage import HashingWriter, Storage, StorageError, one_line
 
 MANIFEST = "MANIFEST.json"
+UNREADABLE: dict[str, Any] = {"unreadable": True}
+"""The manifest of an Entry whose MANIFEST.json is not a readable JSON object."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 STEP_PREFIX = "step-"
+OWNER = "OWNER.json"
+"""At the root of a checkpoint location: the run that writes there."""
 DCP_METADATA = ".metadata"
 
 
@@ -51,6 +64,23 @@ def checkpoint_storage(cfg: Config) -> Storage:
         cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
         retry_s=cfg.checkpoint.storage_retry_s,
     )
+
+
+def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) -> None:
+    """Point `cfg` (a run folder's config.toml) at where a reading command (generate, export)
+    takes the run's checkpoints from: `checkpoint_dir` when given, else the run's own location,
+    which must lie inside the run folder. A run folder is data that anyone may have written: a
+    checkpoint.dir elsewhere (another folder, a bucket) is read only when the user names it."""
+    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    if checkpoint_dir is not None:
+        cfg.checkpoint.dir = checkpoint_dir
+        return
+    named = cfg.checkpoint.dir
+    if named and ("://" in named or not Path(named).resolve().is_relative_to(run_dir.resolve())):
+        raise ConfigError(
+            f"{run_dir / 'config.toml'} keeps checkpoints at {named[:200]!r}, outside the run "
+            f"folder; pass --checkpoint-dir {named[:200]!r} to read them there"
+        )
 
 
 def step_name(step: int) -> str:
@@ -99,8 +129,8 @@ def scan(storage: Storage) -> tuple[list[Entry], list[str]]:
         try:
             manifest = json.loads(storage.read_text(f"{path}/{MANIFEST}"))
         except (OSError, ValueError):  # not StorageError: an unreachable store is no verdict
-            manifest = {"unreadable": True}
-        found.append(Entry(step, path, manifest))
+            manifest = None
+        found.append(Entry(step, path, manifest if isinstance(manifest, dict) else UNREADABLE))
     return sorted(found, key=lambda e: e.step), torn
 
 
@@ -109,21 +139,71 @@ def committed(storage: Storage) -> list[Entry]:
     return scan(storage)[0]
 
 
+def manifest_problem(entry: Entry) -> str | None:
+    """Why `entry`'s manifest cannot be trusted to describe its folder, or None. A manifest is
+    data from storage: its names must stay inside the folder and its entries be well formed."""
+    manifest = entry.manifest
+    if manifest is UNREADABLE:
+        return "manifest unreadable"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "manifest lists no files"
+    for name, info in files.items():
+        if not plain_file_name(name):
+            return f"manifest names {str(name)[:80]!r}, which is not a file in the checkpoint"
+        if not (
+            isinstance(info, dict)
+            and type(info.get("size")) is int
+            and info["size"] >= 0
+            and isinstance(info.get("sha256"), str)
+            and _SHA256.fullmatch(info["sha256"])
+        ):
+            return f"manifest entry {name!r} is malformed (needs a size and a SHA-256)"
+    if DCP_METADATA not in files:
+        return f"manifest lists no {DCP_METADATA}"
+    if manifest.get("step") != entry.step:
+        return f"manifest says step {str(manifest.get('step'))[:20]}, its folder {entry.step}"
+    return None
+
+
 def verify(storage: Storage, entry: Entry, names: list[str] | None = None) -> str | None:
     """None if the files `names` (default: all the manifest lists) are there with their size and
-    checksum, else why not."""
-    files = entry.manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return "manifest unreadable or lists no files"
+    checksum, else why not. The `.metadata` among them is also decoded (it may not ask for
+    anything a checkpoint may not contain) and must point only at files the manifest lists,
+    within their sizes. Raises StorageError only when the storage cannot be read."""
+    problem = manifest_problem(entry)
+    if problem is not None:
+        return problem
+    files = entry.manifest["files"]
     for name in sorted(files) if names is None else names:
-        info = files[name]
+        size = files[name]["size"]
         path = f"{entry.path}/{name}"
         if not storage.exists(path):
             return f"{name} is missing"
-        if storage.size(path) != info["size"]:
-            return f"{name} has {storage.size(path)} bytes, manifest says {info['size']}"
-        if storage.sha256(path) != info["sha256"]:
+        if storage.size(path) != size:
+            return f"{name} has {storage.size(path)} bytes, manifest says {size}"
+        if storage.sha256(path, max_bytes=size) != files[name]["sha256"]:
             return f"{name} fails its SHA-256 checksum"
+        if name == DCP_METADATA:
+            try:
+                problem = _metadata_problem(read_metadata(storage, path), files)
+            except StorageError:
+                raise
+            except CheckpointError as e:
+                return str(e)
+            if problem is not None:
+                return f"{name}: {problem}"
+    return None
+
+
+def _metadata_problem(metadata: Any, files: dict[str, Any]) -> str | None:
+    """Whether the decoded metadata reads only files of the manifest, within their sizes."""
+    for info in (metadata.storage_data or {}).values():
+        listed = files.get(info.relative_path)
+        if listed is None:
+            return f"points at {info.relative_path!r}, which the manifest does not list"
+        if info.offset + info.length > listed["size"]:
+            return f"reads past the end of {info.relative_path}"
     return None
 
 
@@ -160,16 +240,23 @@ class Checkpointer:
         self,
         storage: Storage,
         *,
+        run_id: str,
         layout: str,
         async_mode: bool,
         keep_temporary: int,
         logger: logging.Logger,
+        resume_from: str = "",
         max_failed_saves: int = 3,
         collective_timeout_s: float = 7200.0,
         on_failure: Callable[[int, str], None] | None = None,
     ):
         self.storage, self.layout, self.async_mode = storage, layout, async_mode
+        if keep_temporary < 1:
+            raise ValueError("keep_temporary must be >= 1: the newest checkpoint is always kept")
+        self.run_id, self.resume_from = run_id, resume_from
         self.keep_temporary, self.log = keep_temporary, logger
+        self.damaged: set[int] = set()
+        """Steps of this storage that restore_latest found damaged: never counted by retention."""
         self.max_failed_saves, self.on_failure = max_failed_saves, on_failure
         self.rank, self.world_size = _rank(), _world()
         self.group = checkpoint_group(collective_timeout_s)
@@ -212,6 +299,7 @@ class Checkpointer:
         prepared: tuple[str | None, int | None] = (None, None)
         if self.rank == 0:
             try:
+                self._check_owner()
                 self.storage.remove(path)  # a torn save of this step from an earlier attempt
                 self.storage.makedirs(path)
                 prepared = (None, self.storage.free_bytes())
@@ -338,11 +426,13 @@ class Checkpointer:
         if step not in self.uncommitted:
             return  # committed already by commit_ready
         path, kind, permanent = self.uncommitted[step]
+        self._check_owner()
         files: dict[str, Any] = {}
         for r in range(self.world_size):
             files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
         manifest = {
             "step": step,
+            "run_id": self.run_id,
             "kind": kind,
             "permanent": permanent,
             "world_size": self.world_size,
@@ -373,11 +463,12 @@ class Checkpointer:
                 self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
 
     def prune(self) -> None:
-        """Keep the newest `keep_temporary` temporary checkpoints and every permanent one; drop
-        torn saves older than the newest committed checkpoint. Only ever after a commit, and
-        never fatal: a storage error leaves the files for the next prune and logs a warning. A
-        preempt checkpoint is what the next start resumes from: kept while it is the newest,
-        counted as temporary once a later one is committed."""
+        """Keep the newest `keep_temporary` temporary checkpoints, the one just committed and
+        every permanent one; drop torn saves older than the newest committed checkpoint. Only
+        this run's checkpoints that can still be resumed count (`_counts_for_retention`). Only
+        ever after a commit, and never fatal: a storage error leaves the files for the next
+        prune and logs a warning. A preempt checkpoint is what the next start resumes from:
+        kept while it is the newest, counted as temporary once a later one is committed."""
         try:
             self._prune()
         except Exception as e:
@@ -386,24 +477,83 @@ class Checkpointer:
             )
 
     def _prune(self) -> None:
-        entries = committed(self.storage)
+        found = committed(self.storage)
+        entries = [e for e in found if self._counts_for_retention(e)]
         temporary = [
             e for e in entries if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
         ]
-        for entry in temporary[: max(0, len(temporary) - self.keep_temporary)]:
-            self.storage.remove(entry.path)
-            self.log.info("retention: removed temporary checkpoint step %d", entry.step)
-        newest = entries[-1].step if entries else -1
-        kept = {e.step for e in entries}
+        kept = {e.step for e in temporary[-self.keep_temporary :]} | {self.newest_committed}
+        for entry in temporary:
+            if entry.step not in kept:
+                remove_checkpoint(self.storage, entry.path)
+                self.log.info("retention: removed temporary checkpoint step %d", entry.step)
+        newest_step = max((e.step for e in entries), default=-1)
+        committed_steps = {e.step for e in found}
         for name in self.storage.listdir():
             step = _step_of(name)
             if (
                 step is not None
-                and step < newest
-                and step not in kept
+                and step < newest_step
+                and step not in committed_steps
                 and step not in self.uncommitted
             ):
                 self.storage.remove(self.storage.path(name))
+
+    def _counts_for_retention(self, entry: Entry) -> bool:
+        """Only this run's checkpoints that can still be resumed count towards (and are
+        removed by) retention: a damaged one never pushes a good one out."""
+        if entry.manifest.get("run_id") != self.run_id or entry.step in self.damaged:
+            return False
+        if manifest_problem(entry) is not None:
+            return False
+        present = set(self.storage.listdir(entry.path))
+        return set(entry.manifest["files"]) <= present
+
+    def claim_location(self) -> None:
+        """Collective, after resuming and before the first step (a start that fails before it
+        leaves the location as it was): this run's checkpoints may go to its location only if
+        no other run's do. The first run to start there records itself in OWNER.json; any
+        other is refused in one line (two runs in one location delete each other's files)."""
+        error = None
+        if self.rank == 0:
+            try:
+                if self._owner() is None:
+                    owner = {"run_id": self.run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    self.storage.write_text_atomic(self.storage.path(OWNER), json.dumps(owner))
+                self._check_owner()
+            except CheckpointError as e:
+                error = str(e)
+            except Exception as e:
+                error = f"cannot claim {self.storage.url}: {one_line(e)}"
+        error = self._broadcast(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _owner(self) -> dict[str, Any] | None:
+        path = self.storage.path(OWNER)
+        if not self.storage.exists(path):
+            return None
+        try:
+            owner = json.loads(self.storage.read_text(path))
+        except ValueError:
+            owner = None
+        if not isinstance(owner, dict) or not isinstance(owner.get("run_id"), str):
+            raise CheckpointError(
+                f"checkpoint location {self.storage.url} has an unreadable {OWNER}; "
+                "choose another checkpoint.dir"
+            )
+        return owner
+
+    def _check_owner(self) -> None:
+        """Raise unless this run owns the checkpoint location (or nobody has claimed it)."""
+        owner = self._owner()
+        if owner is not None and owner["run_id"] != self.run_id:
+            raise CheckpointError(
+                f"checkpoint.dir {self.storage.url} belongs to another run (run id "
+                f"{owner['run_id'][:40]}, since {str(owner.get('since'))[:40]}); give this run "
+                "its own checkpoint.dir, or set checkpoint.resume_from to start from one of "
+                "that run's checkpoints"
+            )
 
     def wait(self) -> None:
         """Collective: finish the async save in flight (if any) and settle it (commit, or count
@@ -424,16 +574,22 @@ class Checkpointer:
         Rank 0 lists the candidates; every rank verifies a share of each one's files."""
         found: tuple[list[Entry], list[str], str | None] = ([], [], None)
         if self.rank == 0:
+            unlisted = (
+                f"cannot list checkpoints under {self.storage.url}: %s; resuming is impossible "
+                "until the storage answers"
+            )
             try:
+                self._check_owner()
                 found = (*scan(self.storage), None)
+            except StorageError as e:
+                found = ([], [], unlisted % e)
+            except CheckpointError as e:  # another run's location
+                found = ([], [], str(e))
             except Exception as e:
-                found = ([], [], str(e) if isinstance(e, StorageError) else one_line(e))
+                found = ([], [], unlisted % one_line(e))
         entries, torn, error = self._broadcast(found)
         if error is not None:
-            raise CheckpointError(
-                f"cannot list checkpoints under {self.storage.url}: {error}; resuming is "
-                "impossible until the storage answers"
-            )
+            raise CheckpointError(error)
         for name in torn:
             self.log.warning(
                 "checkpoint %s is incomplete (no %s: its save never finished, or the manifest "
@@ -442,37 +598,86 @@ class Checkpointer:
                 MANIFEST,
             )
         for entry in reversed(entries):
-            problem = self._verify_shared(entry)
-            if problem is not None:
+            if entry.manifest is not UNREADABLE and entry.manifest.get("run_id") != self.run_id:
                 self.log.warning(
-                    "checkpoint %s is damaged (%s); skipping it for the previous one",
+                    "checkpoint %s belongs to another run (run id %s); ignoring it (set "
+                    "checkpoint.resume_from to start from it)",
                     self.storage.url_of(entry.path),
-                    problem,
+                    str(entry.manifest.get("run_id"))[:40],
                 )
                 continue
-            load(self.storage, entry.path, state, process_group=self.group)
-            self.newest_committed = entry.step
-            return entry.step
+            if self._restored(self.storage, entry, state):
+                return entry.step
+            self.damaged.add(entry.step)
+        if self.resume_from:
+            return self._restore_from(self.resume_from, state)
         return None
 
-    def _verify_shared(self, entry: Entry) -> str | None:
+    def _restored(self, storage: Storage, entry: Entry, state: dict[str, Any]) -> bool:
+        """Collective: load `entry` into `state` if it verifies; else say why and return False."""
+        problem = self._verify_shared(storage, entry)
+        if problem is not None:
+            self.log.warning(
+                "checkpoint %s is damaged (%s); skipping it for the previous one",
+                storage.url_of(entry.path),
+                problem,
+            )
+            return False
+        load(storage, entry.path, state, process_group=self.group)
+        if storage is self.storage:
+            self.newest_committed = entry.step
+        return True
+
+    def _restore_from(self, location: str, state: dict[str, Any]) -> int:
+        """Collective: start from another run's checkpoint folder (checkpoint.resume_from)."""
+        parent, name = posixpath.split(location.rstrip("/"))
+        step = _step_of(name)
+        if step is None:
+            raise CheckpointError(
+                f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
+                f"{STEP_PREFIX}NNNNNNNN"
+            )
+        storage = Storage(parent, retry_s=self.storage.retry_s)
+        found: tuple[list[Entry], str | None] = ([], None)
+        if self.rank == 0:
+            try:
+                found = ([e for e in scan(storage)[0] if e.step == step], None)
+            except Exception as e:
+                found = ([], str(e) if isinstance(e, StorageError) else one_line(e))
+        entries, error = self._broadcast(found)
+        if error is not None or not entries or not self._restored(storage, entries[0], state):
+            raise CheckpointError(
+                f"checkpoint.resume_from = {location!r} is not a complete, intact checkpoint"
+                + (f" ({error})" if error else "")
+            )
+        self.log.warning(
+            "starting from checkpoint %s of run %s (checkpoint.resume_from), step %d",
+            storage.url_of(entries[0].path),
+            str(entries[0].manifest.get("run_id"))[:40],
+            step,
+        )
+        return step
+
+    def _verify_shared(self, storage: Storage, entry: Entry) -> str | None:
         """Every rank checks every world_size-th file of `entry`; the first problem found (by
         rank) is everyone's verdict. A storage that cannot be read stops the resume instead:
         falling back to an older checkpoint for that would lose work for no reason."""
-        files = entry.manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            return "manifest unreadable or lists no files"
-        share = sorted(files)[self.rank :: self.world_size]
+        problem = manifest_problem(entry)
+        if problem is not None:
+            return problem
+        share = sorted(entry.manifest["files"])[self.rank :: self.world_size]
         verdict: tuple[str | None, str | None] = (None, None)
         try:
-            verdict = (verify(self.storage, entry, share), None)
-        except Exception as e:
-            verdict = (None, str(e) if isinstance(e, StorageError) else one_line(e))
+            verdict = (verify(storage, entry, share), None)
+        except StorageError as e:
+            verdict = (None, str(e))
+        except Exception as e:  # what the checkpoint holds, not the storage, is at fault
+            verdict = (one_line(e), None)
         verdicts = self._all_gather(verdict)
         fatal = [v[1] for v in verdicts if v[1] is not None]
         if fatal:
             raise CheckpointError(
-                f"cannot verify checkpoint {self.storage.url_of(entry.path)}: {fatal[0]}"
+                f"cannot verify checkpoint {storage.url_of(entry.path)}: {fatal[0]}"
             )
         return next((v[0] for v in verdicts if v[0] is not None), None)
 
@@ -486,6 +691,13 @@ def corrupt_one_shard(storage: Storage, step: int) -> str:
     data[0] ^= 0xFF
     storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
     return f"{path}/{shard}"
+
+
+def remove_checkpoint(storage: Storage, path: str) -> None:
+    """Manifest first: a removal cut short leaves a torn save (ignored and later pruned), never
+    a committed checkpoint with files missing."""
+    storage.remove(f"{path}/{MANIFEST}")
+    storage.remove(path)
 
 
 def write_manifest(storage: Storage, path: str, manifest: dict[str, Any]) -> None:

@@ -1,11 +1,10 @@
-"""Loading a checkpoint safely: DCP's metadata goes through an allow-list unpickler and byte
-entries through `torch.load(weights_only=True)`, so a checkpoint can never run code; a failed
-load is one line naming the checkpoint and the first rank's cause."""
+"""Loading a checkpoint safely: DCP's metadata is decoded by checkpoint_metadata.py's restricted
+unpickler and byte entries by `torch.load(weights_only=True)`, so a checkpoint can never run code;
+a failed load is one line naming the checkpoint and the first rank's cause."""
 
 from __future__ import annotations
 
 import io
-import pickle
 from typing import Any
 
 import torch
@@ -15,59 +14,41 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from distrain.checkpoint_metadata import MAX_METADATA_BYTES, decode_metadata
 from distrain.errors import CheckpointError
 from distrain.storage import Storage
 from distrain.torch_compat import dcp_metadata_path, set_nested_element
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: its own dataclasses, torch dtypes/sizes and plain containers."""
+def read_metadata(storage: Storage, meta_path: str) -> Metadata:
+    """The DCP metadata at `meta_path` (a path of `storage`), decoded without running code."""
 
-    _builtins = {
-        "dict",
-        "list",
-        "tuple",
-        "set",
-        "frozenset",
-        "slice",
-        "int",
-        "float",
-        "str",
-        "bytes",
-    }
-    _extras = {
-        ("collections", "OrderedDict"),
-        ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided & co.
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-    }
+    def read() -> bytes:
+        with storage.fs.open(meta_path, "rb") as stream:
+            return stream.read(MAX_METADATA_BYTES + 1)
 
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (
-                module == "torch"
-                and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
-            )
-            or (module == "builtins" and name in self._builtins)
-            or (module, name) in self._extras
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not allowed"
-            )
-        return super().find_class(module, name)
+    data = storage.call(f"reading {storage.url_of(meta_path)}", read)
+    return _decode(data, storage.url_of(meta_path))
+
+
+def _decode(data: bytes, where: str) -> Metadata:
+    """checkpoint_metadata.decode_metadata, its refusal or damage one line naming the file."""
+    try:
+        return decode_metadata(data)
+    except CheckpointError as e:
+        raise type(e)(f"checkpoint metadata {where}: {e}") from None
 
 
 def _safe_reader(storage: Storage, path: str) -> Any:
-    """A DCP reader for `path` whose metadata is read through the allow-list unpickler."""
+    """A DCP reader for `path` whose metadata is decoded by checkpoint_metadata.py."""
     base = storage.dcp_reader_class()
 
     class SafeReader(base):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             meta_path = dcp_metadata_path(self, kwargs.get("rank"))
             with self.fs.create_stream(meta_path, "rb") as stream:
-                metadata = _AllowListUnpickler(io.BytesIO(stream.read())).load()
+                data = stream.read(MAX_METADATA_BYTES + 1)
+            metadata = _decode(data, storage.url_of(str(meta_path)))
             if getattr(metadata, "storage_meta", None) is not None:
                 metadata.storage_meta.load_id = self.load_id
             return metadata

@@ -73,6 +73,12 @@ def _srun_task_per_process(ns: argparse.Namespace, cfg: Config) -> bool:
     return True
 
 
+CHECKPOINT_DIR_HELP = (
+    "Where the run's checkpoints are, when not in the run folder (a path or URL): a run "
+    "folder's own config.toml is not followed outside it."
+)
+
+
 def cmd_generate(argv: list[str]) -> None:
     from distrain.generate import generate_text
 
@@ -83,6 +89,7 @@ def cmd_generate(argv: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy.")
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
     ns = parser.parse_args(argv)
     text = generate_text(
         Path(ns.run_dir),
@@ -91,6 +98,7 @@ def cmd_generate(argv: list[str]) -> None:
         temperature=ns.temperature,
         top_k=ns.top_k or None,
         seed=ns.seed,
+        checkpoint_dir=ns.checkpoint_dir,
     )
     print(text)
 
@@ -217,15 +225,23 @@ def cmd_export(argv: list[str]) -> None:
     parser.add_argument(
         "--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="Largest safetensors shard."
     )
+    parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
     ns = parser.parse_args(argv)
     if ns.shard_mb <= 0:
         parser.error(f"--shard-mb must be > 0, got {ns.shard_mb}")
     if ns.format == "hf":
         out = export_hf(
-            Path(ns.run_dir), Path(ns.out), step=ns.step, dtype=ns.dtype, shard_mb=ns.shard_mb
+            Path(ns.run_dir),
+            Path(ns.out),
+            step=ns.step,
+            dtype=ns.dtype,
+            shard_mb=ns.shard_mb,
+            checkpoint_dir=ns.checkpoint_dir,
         )
     else:
-        out = export_program(Path(ns.run_dir), Path(ns.out), step=ns.step)
+        out = export_program(
+            Path(ns.run_dir), Path(ns.out), step=ns.step, checkpoint_dir=ns.checkpoint_dir
+        )
     print(out)
 
 

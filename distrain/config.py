@@ -380,7 +380,15 @@ class CheckpointConfig:
         60.0, "Minutes between temporary checkpoints (0 = off).", AT_LEAST_0
     )
     keep_temporary: int = doc(
-        2, "Newest temporary checkpoints kept; older ones are deleted.", AT_LEAST_0
+        2,
+        "Newest temporary checkpoints kept; older ones are deleted (only this run's intact "
+        "ones count, and the newest is never deleted).",
+        AT_LEAST_1,
+    )
+    resume_from: str = doc(
+        "",
+        "A checkpoint folder of another run (<dir>/step-NNNNNNNN, a path or URL) to start "
+        "from when this run has no checkpoint of its own; training continues at its step.",
     )
     permanent_every_steps: int = doc(
         0, "Steps between permanent checkpoints (0 = off).", AT_LEAST_0

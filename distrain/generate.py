@@ -10,27 +10,36 @@ from pathlib import Path
 
 import torch
 
-from distrain.checkpoint import Checkpointer, checkpoint_storage
+from distrain.checkpoint import Checkpointer, checkpoint_storage, read_checkpoints_of
 from distrain.config_io import load_config
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
+from distrain.rundir import run_id
 
 
-def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, int]:
-    """The run's model at its newest complete checkpoint, and that checkpoint's step."""
+def load_model(
+    run_dir: Path, device: torch.device, *, checkpoint_dir: str | None = None
+) -> tuple[GPT, int]:
+    """The run's model at its newest complete checkpoint, and that checkpoint's step
+    (`checkpoint_dir`: where the checkpoints are, when not in the run folder)."""
     if not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: no such run directory")
     config_path = run_dir / "config.toml"
     if not config_path.is_file():
         raise ConfigError(f"--run-dir {run_dir}: no config.toml, so not a distrain run directory")
     cfg = load_config(str(config_path))
-    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     storage = checkpoint_storage(cfg)
     checkpointer = Checkpointer(
-        storage, layout="", async_mode=False, keep_temporary=0, logger=logging.getLogger(LOGGER)
+        storage,
+        run_id=run_id(run_dir, create=False),
+        layout="",
+        async_mode=False,
+        keep_temporary=1,
+        logger=logging.getLogger(LOGGER),
     )
     with torch.device("meta"):
         model = GPT(model_args(cfg.model))
@@ -98,10 +107,11 @@ def generate_text(
     temperature: float,
     top_k: int | None,
     seed: int,
+    checkpoint_dir: str | None = None,
 ) -> str:
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, _ = load_model(run_dir, device)
+    model, _ = load_model(run_dir, device, checkpoint_dir=checkpoint_dir)
     tokenizer = load_tokenizer(load_config(str(run_dir / "config.toml")).data.tokenizer)
     if model.args.vocab_size < tokenizer.vocab_size:
         raise ConfigError(

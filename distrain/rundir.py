@@ -8,6 +8,9 @@ count (2 means the link was made). A lock is stale, and is taken over, when its 
 (or recycled) pid on this host, or an earlier attempt of this same elastic job; a holder on
 another host cannot be checked from here, so the error names it and the file to delete.
 
+`run_id` is the run's identity (`<run_dir>/run_id`), which its checkpoints record so that a
+checkpoint location shared by mistake never mixes two runs.
+
 `StartFootprint` notes which run-dir entries exist before a start so that a start that fails
 (e.g. `--resume` without a checkpoint) removes only what it created.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -212,7 +216,12 @@ class StartFootprint:
         run_dir = Path(run_dir)
         mine = [run_dir / "logs" / f"rank{rank}.log", run_dir / "heartbeat" / f"rank{rank}.json"]
         if rank == 0:
-            mine += [run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / "tb"]
+            mine += [
+                run_dir / "config.toml",
+                run_dir / "metrics.jsonl",
+                run_dir / "tb",
+                run_dir / RUN_ID_NAME,
+            ]
         self._new = [p for p in mine if not p.exists()]
         # Directories shared by the ranks (the default checkpoint dir, which rank 0 probes before
         # the first step, among them): removed only when empty, by whichever rank is last.
@@ -229,3 +238,35 @@ class StartFootprint:
         for directory in self._new_dirs:
             with contextlib.suppress(OSError):
                 directory.rmdir()
+
+
+RUN_ID_NAME = "run_id"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def run_id(run_dir: Path, *, create: bool = True) -> str | None:
+    """The run's identity, which every checkpoint manifest it commits records: made at the run's
+    first start as `<run_dir>/run_id` and read back by every later start in that run dir (a
+    resume, an elastic or Slurm restart). Safe for every rank to call at once: the first link
+    wins and all read the same id. Without `create` (commands that only read a run folder), a
+    run dir without one (made before run ids existed) has None."""
+    path = Path(run_dir) / RUN_ID_NAME
+    if not path.exists() and not create:
+        return None
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        private = path.with_name(f".{RUN_ID_NAME}.{uuid.uuid4().hex}")
+        private.write_text(uuid.uuid4().hex + "\n")
+        try:
+            os.link(private, path)
+        except FileExistsError:
+            pass  # another rank or start made it first
+        finally:
+            private.unlink()
+    text = path.read_text().strip()
+    if not _RUN_ID.fullmatch(text):
+        raise DistrainError(
+            f"run dir {run_dir}: {RUN_ID_NAME} holds {text[:40]!r}, not a run id (32 hex digits); "
+            f"restore it, or delete it to make this a new run"
+        )
+    return text

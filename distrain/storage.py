@@ -200,12 +200,17 @@ class Storage:
     def size(self, path: str) -> int:
         return int(self.call(f"sizing {self.url_of(path)}", self.fs.size, path))
 
-    def sha256(self, path: str) -> str:
+    def sha256(self, path: str, *, max_bytes: int) -> str:
+        """The SHA-256 of the file's first `max_bytes` + 1 bytes: a file that is longer than
+        expected (or never ends, like a device) fails its checksum instead of being read on."""
+
         def digest() -> str:
             h = hashlib.sha256()
+            left = max_bytes + 1
             with self.fs.open(path, "rb") as f:
-                while chunk := f.read(1 << 22):
+                while left > 0 and (chunk := f.read(min(1 << 22, left))):
                     h.update(chunk)
+                    left -= len(chunk)
             return h.hexdigest()
 
         return self.call(f"reading {self.url_of(path)}", digest)

@@ -47,6 +47,7 @@ from distrain.parallel.sanity import check_all_replicas
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.rng import seed_everything
+from distrain.rundir import run_id
 from distrain.train_state import ModelState, OptimizerState, RNGState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -127,6 +128,8 @@ class Trainer:
         self.injected_oom = oom.InjectedOOM(cfg.debug, ctx.rank)
         self.checkpointer = Checkpointer(
             checkpoint_storage(cfg),
+            run_id=run_id(self.run_dir),
+            resume_from=cfg.checkpoint.resume_from,
             layout=self.dims.describe(),
             async_mode=cfg.checkpoint.async_mode == "async",
             keep_temporary=cfg.checkpoint.keep_temporary,
@@ -378,6 +381,7 @@ class Trainer:
         if self.ctx.rank == 0:
             self.checkpointer.storage.check_writable()
         self.maybe_resume()
+        self.checkpointer.claim_location()
         if self.step >= t.steps:
             self.log.info(
                 "run already finished at step %d (training.steps = %d)", self.step, t.steps

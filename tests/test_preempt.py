@@ -209,7 +209,8 @@ def test_second_sigint_during_the_save_aborts_and_keeps_earlier_checkpoints(tmp_
     entries = committed(storage)
     assert before and [e.step for e in entries] == before
     assert all(verify(storage, e) is None for e in entries)
-    torn = {int(n.removeprefix("step-")) for n in storage.listdir()} - set(before)
+    torn = {int(n.removeprefix("step-")) for n in storage.listdir() if n.startswith("step-")}
+    torn -= set(before)
     assert len(torn) == 1 and min(torn) > max(before), (torn, before)
 
 
@@ -315,18 +316,22 @@ def test_retention_keeps_the_newest_preempt_checkpoint(tmp_path):
 
     storage = Storage(str(tmp_path))
     ckpt = Checkpointer(
-        storage, layout="", async_mode=False, keep_temporary=0, logger=logging.getLogger("t")
+        storage,
+        run_id="test",
+        layout="",
+        async_mode=False,
+        keep_temporary=1,
+        logger=logging.getLogger("t"),
     )
-    _commit(storage, 2, "temporary", 1.0)
-    _commit(storage, 3, "preempt", 2.0)
-    ckpt.prune()
-    # keep_temporary = 0 drops every temporary one, but the preempt one is what resumes next.
-    assert [(e.step, e.kind) for e in committed(storage)] == [(3, "preempt")]
-    _commit(storage, 5, "temporary", 3.0)
-    _commit(storage, 6, "permanent", 4.0)
-    ckpt.prune()
+    ckpt.save(2, {"x": torch.zeros(2)}, permanent=False)
+    ckpt.save(3, {"x": torch.zeros(2)}, permanent=False, preempt=True)
+    # The preempt one is what resumes next: not counted among the temporary ones while newest.
+    assert [(e.step, e.kind) for e in committed(storage)] == [(2, "temporary"), (3, "preempt")]
+    ckpt.save(5, {"x": torch.zeros(2)}, permanent=False)
     # Superseded, it counts as temporary.
-    assert [e.step for e in committed(storage)] == [6]
+    assert [e.step for e in committed(storage)] == [5]
+    ckpt.save(6, {"x": torch.zeros(2)}, permanent=True)
+    assert [e.step for e in committed(storage)] == [5, 6]
 
 
 def test_a_preempt_save_at_a_permanent_step_is_kept_like_a_permanent_one(tmp_path):
@@ -334,7 +339,12 @@ def test_a_preempt_save_at_a_permanent_step_is_kept_like_a_permanent_one(tmp_pat
 
     storage = Storage(str(tmp_path))
     ckpt = Checkpointer(
-        storage, layout="", async_mode=False, keep_temporary=1, logger=logging.getLogger("t")
+        storage,
+        run_id="test",
+        layout="",
+        async_mode=False,
+        keep_temporary=1,
+        logger=logging.getLogger("t"),
     )
     ckpt.save(3, {"x": torch.zeros(2)}, permanent=True, preempt=True)
     ckpt.save(5, {"x": torch.ones(2)}, permanent=False)

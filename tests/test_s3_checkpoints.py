@@ -75,7 +75,9 @@ def test_s3_save_hashes_while_writing_and_reads_nothing_back(
 
     url = s3.url("nothing-read-back")
     storage = Storage(url)
-    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
     opened: list[tuple[str, str]] = []
     real_open = s3fs.S3FileSystem._open
 
@@ -107,7 +109,9 @@ def test_s3_save_never_syncs_the_node(s3: S3Server, monkeypatch):  # noqa: F811
     syncs: list[int] = []
     monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
     storage = Storage(s3.url("no-sync"))
-    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
     ckpt.save(1, {"w": torch.randn(200, 50), "step": torch.tensor(1)}, permanent=False)
     assert ckpt.newest_committed == 1
     assert len(syncs) == 0
@@ -149,7 +153,9 @@ def test_next_save_of_a_step_aborts_a_killed_saves_uploads(s3: S3Server):  # noq
     storage = Storage(s3.url("killed-then-saved"))
     # Nothing but an open upload: the step folder does not even list.
     _killed_upload(storage, storage.path("step-00000003", "__0_0.distcp"))
-    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
     ckpt.save(3, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 3
     assert _open_uploads(storage, "killed-then-saved/") == []
@@ -160,7 +166,9 @@ def test_pruning_a_torn_save_aborts_its_uploads(s3: S3Server):  # noqa: F811
     # Rank 1 finished its file, rank 0 was killed mid-upload: a torn save of step 1.
     storage.fs.pipe_file(storage.path("step-00000001", "__1_0.distcp"), b"rank 1")
     _killed_upload(storage, storage.path("step-00000001", "__0_0.distcp"))
-    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
     ckpt.save(2, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 2
     assert _open_uploads(storage, "torn-pruned/") == []

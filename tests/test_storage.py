@@ -70,7 +70,9 @@ def test_permanent_errors_are_not_retried(tmp_path, error):
 
 def test_retention_failure_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
     storage = Storage(str(tmp_path))
-    ckpt = Checkpointer(storage, layout="test", async_mode=False, keep_temporary=1, logger=LOG)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
     state = {"w": torch.ones(4)}
     ckpt.save(1, state, permanent=False)
 
@@ -143,7 +145,12 @@ def test_local_save_fsyncs_each_file_and_never_syncs_the_node(tmp_path, monkeypa
     syncs: list[int] = []
     monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
     ckpt = Checkpointer(
-        Storage(str(tmp_path)), layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        Storage(str(tmp_path)),
+        run_id="test",
+        layout="test",
+        async_mode=False,
+        keep_temporary=1,
+        logger=LOG,
     )
     ckpt.save(1, {"w": torch.ones(4)}, permanent=False)
     step = tmp_path / "step-00000001"

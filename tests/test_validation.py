@@ -358,7 +358,7 @@ def test_workers_run_the_table_again(tmp_path):
         ("comm.powersgd_start_step", "1",
          "it must be >= 2 (DDP rebuilds its buckets after step 1)"),
         ("comm.bucket_cap_mb", "0", "it must be > 0"),
-        ("checkpoint.keep_temporary", "-1", "it must be >= 0"),
+        ("checkpoint.keep_temporary", "0", "it must be >= 1"),
         ("checkpoint.interval_minutes", "inf", "it must be >= 0"),
         ("debug.fail_rank", "-2", "debug.fail_rank = -2 is out of range: it must be -1 or >= 0"),
         ("training.memory_budget_gb", "0",

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from distrain.checkpoint import Entry, checkpoint_storage, committed, verify
+from distrain.checkpoint import Entry, checkpoint_storage, committed, read_checkpoints_of, verify
 from distrain.checkpoint_load import _safe_reader, load
 from distrain.config import Config
 from distrain.config_io import load_config
@@ -34,6 +34,7 @@ from distrain.interop.hf import INDEX_FILE, HfTensor, hf_config, hf_tensors
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
+from distrain.rundir import run_id
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -51,18 +52,19 @@ TOKENIZER_FILES = (
 )
 
 
-def _run_config(run_dir: Path) -> Config:
+def _run_config(run_dir: Path, checkpoint_dir: str | None) -> Config:
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"RUN_DIR {run_dir}: no config.toml, so not a distrain run directory")
     cfg = load_config(str(run_dir / "config.toml"))
-    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     return cfg
 
 
 def _checkpoint(cfg: Config, step: int | None) -> Entry:
     """The newest committed checkpoint (or the one of `step`), verified against its manifest."""
     storage = checkpoint_storage(cfg)
-    entries = committed(storage)
+    own = run_id(Path(cfg.run.dir), create=False)
+    entries = [e for e in committed(storage) if e.manifest.get("run_id") == own]
     if step is not None:
         entries = [e for e in entries if e.step == step]
     if not entries:
@@ -156,9 +158,10 @@ def export_hf(
     step: int | None = None,
     dtype: str = "fp32",
     shard_mb: float = DEFAULT_SHARD_MB,
+    checkpoint_dir: str | None = None,
 ) -> Path:
     """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
-    cfg = _run_config(run_dir)
+    cfg = _run_config(run_dir, checkpoint_dir)
     args = model_args(cfg.model)
     specs = hf_tensors(args)
     entry = _checkpoint(cfg, step)
@@ -239,9 +242,11 @@ def _copy_tokenizer(cfg: Config, out_dir: Path) -> None:
         )
 
 
-def load_run_model(run_dir: Path, *, step: int | None = None) -> tuple[GPT, int]:
+def load_run_model(
+    run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
+) -> tuple[GPT, int]:
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
-    cfg = _run_config(run_dir)
+    cfg = _run_config(run_dir, checkpoint_dir)
     entry = _checkpoint(cfg, step)
     with torch.device("meta"):
         model = GPT(model_args(cfg.model))
@@ -253,10 +258,12 @@ def load_run_model(run_dir: Path, *, step: int | None = None) -> tuple[GPT, int]
     return model.eval(), entry.step
 
 
-def export_program(run_dir: Path, out_file: Path, *, step: int | None = None) -> Path:
+def export_program(
+    run_dir: Path, out_file: Path, *, step: int | None = None, checkpoint_dir: str | None = None
+) -> Path:
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
-    model, _ = load_run_model(run_dir, step=step)
+    model, _ = load_run_model(run_dir, step=step, checkpoint_dir=checkpoint_dir)
     seq = min(model.args.max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)
     dims = {
