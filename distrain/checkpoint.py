@@ -45,6 +45,7 @@ from distrain.checkpoint_metadata import plain_file_name
 from distrain.config import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.mesh import checkpoint_group
+from distrain.observe import heartbeat
 from distrain.save_attempt import Attempt, disk_full, mb_text
 from distrain.storage import HashingWriter, Storage, StorageError, one_line
 
@@ -59,10 +60,12 @@ DCP_METADATA = ".metadata"
 
 
 def checkpoint_storage(cfg: Config) -> Storage:
-    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default."""
+    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default.
+    The bytes it moves are progress for the hang watchdog."""
     return Storage(
         cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
         retry_s=cfg.checkpoint.storage_retry_s,
+        on_progress=heartbeat.moved,
     )
 
 

@@ -75,7 +75,8 @@ class DebugConfig:
         "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
         "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
         "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
-        "longest step, evaluation or checkpoint.",
+        "longest step or evaluation; checkpoint reads and writes count as progress while bytes "
+        "move, so it must exceed only the longest stall of the checkpoint storage.",
         AT_LEAST_0,
     )
     hang_at_step: int = doc(

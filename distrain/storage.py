@@ -17,6 +17,11 @@ fsyncing its folder. An object is durable once its PUT (or multipart upload) com
 object-store writes are never synced: DCP would fall back to a node-wide os.sync() per file.
 `remove` on S3 also aborts the multipart uploads still open under the path, which a save killed
 mid-upload leaves behind, unlisted and billed.
+
+Every byte a checkpoint reads or writes (DCP's shards both ways, checksum verification, small
+files) is reported to the storage's `on_progress`, at least every `CHUNK_BYTES`: the hang
+watchdog counts it as progress, so a save or resume slower than its timeout is not a hang, while
+a storage that stops moving bytes still is.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ from distrain.errors import CheckpointError
 from distrain.torch_compat import FsspecReader, FsspecWriter
 
 T = TypeVar("T")
+Progress = Callable[[int], None]
+"""Told the number of bytes each time some were read or written."""
+
+CHUNK_BYTES = 1 << 20
+"""The most bytes one read or write passes on at a time, so that progress is reported while a
+single large tensor or shard moves (at 10 MB/s, every 0.1 s)."""
 
 # Errors no amount of waiting fixes: retrying them only delays the report.
 _PERMANENT_TYPES = (
@@ -88,12 +99,17 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:300]}"
 
 
+def _unwatched(nbytes: int) -> None:
+    """The progress report of a storage no one watches."""
+
+
 class Storage:
     """A root folder on some filesystem, with the few operations checkpoints need, each retried
-    for up to `retry_s` seconds while its error may pass."""
+    for up to `retry_s` seconds while its error may pass; `on_progress` hears of the bytes they
+    move."""
 
-    def __init__(self, url: str, *, retry_s: float = 0.0):
-        self.url, self.retry_s = url, retry_s
+    def __init__(self, url: str, *, retry_s: float = 0.0, on_progress: Progress = _unwatched):
+        self.url, self.retry_s, self.on_progress = url, retry_s, on_progress
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.local = isinstance(self.fs, LocalFileSystem)
 
@@ -144,14 +160,21 @@ class Storage:
             with self.fs.open(path, "r") as f:
                 return f.read()
 
-        return self.call(f"reading {self.url_of(path)}", read)
+        text = self.call(f"reading {self.url_of(path)}", read)
+        self.on_progress(len(text))
+        return text
 
     def write_text_atomic(self, path: str, text: str) -> None:
         """Readers see the old state or the whole new file, never a part of it. Object stores
         publish an object whole on PUT; a local file is written aside, synced, then renamed."""
-        if not self.local:
+        if self.local:
+            self._write_local_atomic(path, text)
+        else:
             self.call(f"writing {self.url_of(path)}", self.fs.pipe_file, path, text.encode())
-            return
+        self.on_progress(len(text))
+
+    @staticmethod
+    def _write_local_atomic(path: str, text: str) -> None:
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:
             with open(tmp, "w") as f:
@@ -208,9 +231,10 @@ class Storage:
             h = hashlib.sha256()
             left = max_bytes + 1
             with self.fs.open(path, "rb") as f:
-                while left > 0 and (chunk := f.read(min(1 << 22, left))):
+                while left > 0 and (chunk := f.read(min(CHUNK_BYTES, left))):
                     h.update(chunk)
                     left -= len(chunk)
+                    self.on_progress(len(chunk))
             return h.hexdigest()
 
         return self.call(f"reading {self.url_of(path)}", digest)
@@ -226,10 +250,11 @@ class Storage:
 
     def dcp_writer(self, path: str) -> HashingWriter:
         cls = HashingFileSystemWriter if self.local else HashingFsspecWriter
-        return cls(path if self.local else self.url_of(path))
+        return cls(path if self.local else self.url_of(path), self.on_progress)
 
     def dcp_reader_class(self) -> type[FileSystemReader]:
-        return FileSystemReader if self.local else FsspecReader
+        """DCP's reader for this storage, telling `on_progress` of the bytes it reads."""
+        return _progress_reader(FileSystemReader if self.local else FsspecReader, self.on_progress)
 
     def reader_path(self, path: str) -> str:
         return path if self.local else self.url_of(path)
@@ -265,25 +290,97 @@ def _abort_uploads(fs: Any, path: str) -> None:
         markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
 
-class _HashingStream:
-    """A write stream that feeds every byte it passes on to a SHA-256 and a byte count, and
-    notes the first OSError of a write (torch.save turns it into a vaguer error)."""
+def _progress_reader(base: type[FileSystemReader], on_progress: Progress) -> type[FileSystemReader]:
+    """`base` (a DCP reader class) reading through a filesystem that reports progress."""
 
-    def __init__(self, raw: Any, on_error: Callable[[OSError], None]):
-        self.raw, self.on_error = raw, on_error
+    class ProgressReader(base):  # type: ignore[valid-type,misc]
+        def __init__(self, path: str, *args: Any, **kwargs: Any):
+            super().__init__(path, *args, **kwargs)
+            self.fs = _ProgressFileSystem(self.fs, on_progress)
+
+    return ProgressReader
+
+
+class _ProgressFileSystem:
+    """DCP's filesystem object with `create_stream` reporting the bytes read from it."""
+
+    def __init__(self, inner: Any, on_progress: Progress):
+        self.inner, self.on_progress = inner, on_progress
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self.inner.create_stream(path, mode) as stream:
+            yield _ProgressReadStream(stream, self.on_progress)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _ProgressReadStream:
+    """A read stream that reports what it reads, at most `CHUNK_BYTES` at a time: torch.load
+    reads a tensor with one `readinto`, which on slow storage may take longer than the hang
+    timeout for a single large tensor."""
+
+    def __init__(self, raw: Any, on_progress: Progress):
+        self.raw, self.on_progress = raw, on_progress
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and (got := self.raw.readinto(view[done : done + CHUNK_BYTES])):
+            self.on_progress(got)
+            done += got
+        return done
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:  # to the end: only DCP's metadata, a small file
+            data = self.raw.read()
+            self.on_progress(len(data))
+            return data
+        parts = []
+        while size > 0 and (part := self.raw.read(min(size, CHUNK_BYTES))):
+            self.on_progress(len(part))
+            parts.append(part)
+            size -= len(part)
+        return b"".join(parts)
+
+    def __getattr__(self, name: str) -> Any:  # seek, tell, seekable, close, ...
+        return getattr(self.raw, name)
+
+
+class _HashingStream:
+    """A write stream that feeds every byte it passes on to a SHA-256, a byte count and
+    `on_progress` (at most `CHUNK_BYTES` at a time), and notes the first OSError of a write
+    (torch.save turns it into a vaguer error)."""
+
+    def __init__(self, raw: Any, on_error: Callable[[OSError], None], on_progress: Progress):
+        self.raw, self.on_error, self.on_progress = raw, on_error, on_progress
         self.digest, self.size = hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:
+        # torch.save writes a tensor's storage in one call: passed on whole, a multi-GB tensor
+        # on slow storage would report no progress until it is all written.
         view = memoryview(data).cast("B")
+        taken = 0
+        while taken < len(view):
+            chunk = view[taken : taken + CHUNK_BYTES]
+            wrote = self._write_chunk(chunk)
+            taken += wrote
+            if wrote < len(chunk):
+                break  # the raw stream took part of it: the caller writes the rest
+        return taken
+
+    def _write_chunk(self, chunk: memoryview) -> int:
         try:
-            written = self.raw.write(view)
+            written = self.raw.write(chunk)
         except OSError as e:
             self.on_error(e)
             raise
         # A raw stream may take part of the buffer; hash exactly what it took.
-        taken = len(view) if written is None else written
-        self.digest.update(view[:taken])
+        taken = len(chunk) if written is None else written
+        self.digest.update(chunk[:taken])
         self.size += taken
+        self.on_progress(taken)
         return taken
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
@@ -305,7 +402,7 @@ class _HashingFileSystem:
             return
         try:
             with self.inner.create_stream(path, mode) as raw:
-                stream = _HashingStream(raw, self.writer.note_error)
+                stream = _HashingStream(raw, self.writer.note_error, self.writer.on_progress)
                 yield stream
         except OSError as e:  # also from the final flush when the file closes
             self.writer.note_error(e)
@@ -324,11 +421,12 @@ class HashingWriter:
     """Mixin for DCP's file writers: `written` maps each file this rank wrote (by name) to its
     size and SHA-256, computed while writing; `planned_bytes` is what this rank set out to write;
     `write_error` is the first OSError a write raised (torch.save may re-raise it as something
-    less telling, such as "unexpected pos")."""
+    less telling, such as "unexpected pos"); `on_progress` hears of every byte written."""
 
     fs: Any
 
-    def _start_hashing(self) -> None:
+    def _start_hashing(self, on_progress: Progress) -> None:
+        self.on_progress = on_progress
         self._lock = threading.Lock()
         self.written: dict[str, dict[str, Any]] = {}
         self.planned_bytes = 0
@@ -364,14 +462,14 @@ def _item_bytes(item: Any) -> int:
 
 
 class HashingFileSystemWriter(HashingWriter, FileSystemWriter):
-    def __init__(self, path: str):
+    def __init__(self, path: str, on_progress: Progress):
         super().__init__(path)
-        self._start_hashing()
+        self._start_hashing(on_progress)
 
 
 class HashingFsspecWriter(HashingWriter, FsspecWriter):
-    def __init__(self, path: str):
+    def __init__(self, path: str, on_progress: Progress):
         # No sync_files: object-store streams have no fileno, so DCP would os.sync() the whole
         # node per file, for objects that are durable once their upload completes.
         super().__init__(path, sync_files=False)
-        self._start_hashing()
+        self._start_hashing(on_progress)

@@ -1,7 +1,9 @@
 """Hang detection: a worker stopped from outside (SIGSTOP) and a rank stuck in backward
 (debug.hang_at_step) are named by rank, step and phase; the others' stacks are dumped; the job
-exits non-zero and, with --max-restarts, resumes and finishes. Also the triage's wording and the
-collective timeout reaching every process group."""
+exits non-zero and, with --max-restarts, resumes and finishes. A save and a resume on storage so
+slow that each takes longer than the hang timeout finish (the bytes they move are progress),
+while a storage that stops moving bytes mid-save or mid-verification is still a hang. Also the
+triage's wording and the collective timeout reaching every process group."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,11 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from helpers import cli_in_process, start_train, train_cli
 
+from distrain.checkpoint_load import load
 from distrain.observe.heartbeat import read_heartbeats
 from distrain.observe.metrics import read_metrics
-from distrain.observe.watchdog import HANG_EXIT_CODE, rank_list, triage
+from distrain.observe.watchdog import HANG_EXIT_CODE, others_quiet_s, rank_list, triage
+from distrain.storage import CHUNK_BYTES, Storage
 
 HANG_S = 10
 # Detection takes hang_timeout_s after the waiting ranks block (within a step of the stop), plus
@@ -105,6 +112,44 @@ def test_triage_blames_only_the_stopped_rank_when_one_stopped():
         "hang: rank 3 stopped responding in checkpoint of step 4 (no heartbeat for 12 s); "
         "rank 0 wait in gather #47 (group g); ranks 1-2 wait in scatter #48 (group g)"
     )
+
+
+def test_a_rank_waiting_on_one_that_moves_is_not_stalled_longer_than_it():
+    """A rank done with its share of a checkpoint waits in a collective on the ranks still
+    writing (or verifying) theirs: it stalled only as long as they did. A rank that stopped
+    dates its last progress by its last heartbeat; one done or acting on a hang does not count."""
+    now = 1000.0
+    beats = {
+        0: _beat(0, time_=now, hang=False, stalled_s=50.0),  # this rank: waits
+        1: _beat(1, time_=now - 40, hang=False, stalled_s=25.0),  # SIGSTOPped 40 s ago
+        2: _beat(2, time_=now, hang=False, stalled_s=0.0, phase="done"),
+        3: _beat(3, time_=now, hang=True, stalled_s=0.0),
+        4: _beat(4, time_=now - 3, hang=False, stalled_s=5.0),  # moved 8 s ago
+    }
+    assert others_quiet_s(beats, rank=0, now=now) == 8.0
+    del beats[4]
+    assert others_quiet_s(beats, rank=0, now=now) == 65.0
+    assert others_quiet_s({0: beats[0]}, rank=0, now=now) == float("inf")
+
+
+def test_a_large_tensor_reports_progress_per_chunk_both_ways(tmp_path):
+    """torch.save writes a tensor in one call and torch.load reads it in one: a multi-GB tensor
+    on slow storage must still report progress while it moves, chunk by chunk."""
+    moved: list[int] = []
+    storage = Storage(str(tmp_path), on_progress=moved.append)
+    path = storage.path("ckpt")
+    state = {"w": torch.randn(3 * CHUNK_BYTES // 4 + 5)}  # 3 chunks and a bit
+    writer = storage.dcp_writer(path)
+    dcp.save(state, storage_writer=writer)
+    assert sum(moved) == sum(f["size"] for f in writer.written.values())
+    assert max(moved) == CHUNK_BYTES and moved.count(CHUNK_BYTES) == 3, moved
+    for what in ("sha256", "load"):
+        moved.clear()
+        if what == "sha256":
+            storage.sha256(f"{path}/__0_0.distcp")
+        else:
+            load(storage, path, {"w": torch.zeros_like(state["w"])})
+        assert max(moved) == CHUNK_BYTES and moved.count(CHUNK_BYTES) == 3, (what, moved)
 
 
 def test_collective_timeout_reaches_every_group(tmp_path):
@@ -226,3 +271,104 @@ def test_diagnose_names_the_hung_rank(hung_in_backward, capsys):
     assert result.returncode == 0, result.stderr
     assert "rank 1 stopped in backward of step 3" in result.stdout
     assert "in sleep_forever" in result.stdout
+
+
+# --- slow and stalled checkpoint storage (tests/slow_storage.py) ----------------------------------
+
+SLOW_HANG_S = 3
+# The tiny default model's checkpoint is ~11 MB: ~4.4 s to write at this pace, twice that to
+# resume (verification reads every byte, then the load does); one 1 MiB chunk takes 0.4 s.
+SLOW_BYTES_PER_S = 2.5e6
+SLOW_FIELDS = {
+    "training__global_batch_size": 2,
+    "training__micro_batch_size": 2,
+    "training__seq_len": 64,
+    "checkpoint__interval_steps": 2,
+    "checkpoint__at_end": False,
+    "debug__hang_timeout_s": SLOW_HANG_S,
+}
+
+
+def _train_on_slow_storage(
+    run: Path, checkpoints: Path, *, stall: str | None = None, **fields: object
+) -> subprocess.CompletedProcess:
+    """Train 1 rank in a process of its own (a hang ends it with os._exit) whose checkpoints go
+    to `checkpoints` at SLOW_BYTES_PER_S, or stall forever reading or writing a shard."""
+    fields = {**SLOW_FIELDS, "checkpoint__dir": f"slowfile://{checkpoints}", **fields}
+    args = [sys.executable, str(Path(__file__).with_name("slow_storage.py")), str(run)]
+    args += [json.dumps(fields), "--bytes-per-s", str(SLOW_BYTES_PER_S)]
+    if stall is not None:
+        args += ["--stall", stall]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
+
+
+def _log(run: Path) -> str:
+    return (run / "logs" / "rank0.log").read_text()
+
+
+def _checkpoint_bytes(checkpoints: Path) -> int:
+    manifest = json.loads(next(checkpoints.glob("step-*/MANIFEST.json")).read_text())
+    return sum(f["size"] for f in manifest["files"].values())
+
+
+@pytest.fixture(scope="module")
+def slow_saved(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """A 2-step run whose checkpoint at step 2 is written at SLOW_BYTES_PER_S."""
+    root = tmp_path_factory.mktemp("slow")
+    run, checkpoints = root / "run", root / "checkpoints"
+    return run, checkpoints, _train_on_slow_storage(run, checkpoints, training__steps=2)
+
+
+@pytest.mark.slow
+def test_a_save_slower_than_the_hang_timeout_completes(slow_saved):
+    run, checkpoints, result = slow_saved
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not (run / "hangs.jsonl").exists()
+    # Its pace alone keeps the save past the timeout, and it was.
+    assert _checkpoint_bytes(checkpoints) / SLOW_BYTES_PER_S > SLOW_HANG_S
+    written = float(re.search(r"checkpoint step 2 \(\w+\) written in ([\d.]+)s", _log(run))[1])
+    assert written > SLOW_HANG_S, written
+    assert read_heartbeats(run)[0]["phase"] == "done"  # the watchdog watched to the end
+
+
+@pytest.mark.slow
+def test_a_resume_slower_than_the_hang_timeout_completes(slow_saved, tmp_path):
+    _, checkpoints, saved = slow_saved
+    assert saved.returncode == 0, saved.stderr[-4000:]
+    run = tmp_path / "run"
+    start = time.monotonic()
+    result = _train_on_slow_storage(run, checkpoints, training__steps=3)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not (run / "hangs.jsonl").exists()
+    assert "resumed from checkpoint step-00000002" in _log(run)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [3]
+    # Verification and the load each read every byte at the slow pace.
+    assert 2 * _checkpoint_bytes(checkpoints) / SLOW_BYTES_PER_S > 2 * SLOW_HANG_S
+    assert time.monotonic() - start > 2 * SLOW_HANG_S
+
+
+def _assert_caught_stalled(run: Path, result: subprocess.CompletedProcess, step: int) -> None:
+    assert result.returncode == HANG_EXIT_CODE, result.stderr[-4000:]
+    (hang,) = read_hangs(run)
+    assert hang["stuck"] == [] and hang["waiting"] == [0], hang
+    assert read_heartbeats(run)[0]["phase"] == "checkpoint"
+    assert read_heartbeats(run)[0]["step"] == step
+    assert "in stall_forever" in (run / "logs" / "rank0.stacks").read_text()
+
+
+@pytest.mark.slow
+def test_a_save_whose_storage_stops_moving_bytes_is_a_hang(tmp_path):
+    run = tmp_path / "run"
+    result = _train_on_slow_storage(run, tmp_path / "checkpoints", stall="write", training__steps=2)
+    _assert_caught_stalled(run, result, step=2)
+
+
+@pytest.mark.slow
+def test_a_verification_whose_storage_stops_moving_bytes_is_a_hang(slow_saved, tmp_path):
+    _, checkpoints, saved = slow_saved
+    assert saved.returncode == 0, saved.stderr[-4000:]
+    run = tmp_path / "run"
+    result = _train_on_slow_storage(run, checkpoints, stall="read", training__steps=3)
+    _assert_caught_stalled(run, result, step=0)
+    assert "in sha256" in (run / "logs" / "rank0.stacks").read_text()

@@ -8,7 +8,9 @@ dir, rather than keys in the rendezvous store, survives the job for post-mortems
 needs a shared run dir (as resuming from <run_dir>/checkpoints does).
 
 There is one heartbeat per process, held in a module variable, because phases are marked deep in
-the model runner where the trainer's objects are not at hand.
+the model runner where the trainer's objects are not at hand. Checkpoint storage reports the
+bytes it moves through `moved`: a long save or resume verification stays in one phase, and the
+watchdog counts those bytes as progress too.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def attempt_number() -> int:
 
 
 class Heartbeat:
-    """This rank's step, phase and a counter of phase changes (its progress)."""
+    """This rank's step, phase, a counter of phase changes and the bytes checkpoint storage
+    moved (together, its progress)."""
 
     def __init__(self, run_dir: Path, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -54,6 +57,7 @@ class Heartbeat:
         self.step = 0
         self.phase = "setup"
         self.progress = 0
+        self.bytes_moved = 0
 
     def mark(self, phase: str, step: int | None = None) -> None:
         """Enter `phase` (of `step`, when given). Plain attribute writes: no I/O, no sync."""
@@ -61,6 +65,11 @@ class Heartbeat:
         if step is not None:
             self.step = step
         self.progress += 1
+
+    def moved(self, nbytes: int) -> None:
+        """Note `nbytes` read from or written to checkpoint storage. No lock: threads (DCP's
+        writers, an async save) may lose each other's additions, but any change is progress."""
+        self.bytes_moved += nbytes
 
     def write(self, **extra: Any) -> None:
         record = {
@@ -111,6 +120,12 @@ def mark(phase: str, step: int | None = None) -> None:
         _active.mark(phase, step)
     for listener in _listeners:
         listener.on_phase(phase)
+
+
+def moved(nbytes: int) -> None:
+    """Note `nbytes` moved to or from checkpoint storage in the active heartbeat, if any."""
+    if _active is not None:
+        _active.moved(nbytes)
 
 
 def read_heartbeats(run_dir: Path, *, attempt: int | None = None) -> dict[int, dict[str, Any]]:

@@ -2,16 +2,18 @@
 diagnosis instead of waiting out the collective timeout (gloo's default is 30 minutes, and
 torchrun watches only for exits, so a stopped or stuck rank otherwise hangs the job silently).
 
-Every tick the thread writes this rank's heartbeat. When the rank's progress (phase changes) has
-not moved for `timeout_s`, or another rank announced a hang (<run_dir>/heartbeat/hang.json, one
-stat per tick), the rank dumps its Python stacks (all threads) to logs/rank<N>.stacks and its
-flight record to flight/rank<N>.json, marks its heartbeat, waits briefly for the others to do
-the same, and triages: ranks whose heartbeat went stale stopped responding (SIGSTOP, a dead
-host); ranks that issued fewer collectives on a group than the others are stuck before that
-collective; the rest wait in it. One line says so, and the process leaves with
-`HANG_EXIT_CODE` through os._exit — the main thread is blocked in a collective and would never
-see an exception — so torchrun's agent restarts the job from the last checkpoint when
---max-restarts allows.
+Every tick the thread writes this rank's heartbeat. When the rank's progress (phase changes, and
+bytes moved by checkpoint storage, so that a long save or verification is not a hang but a
+stalled storage is) has not moved for `timeout_s` nor any other rank's (a rank done with its
+share of a save waits on those still writing theirs), or another rank announced a hang
+(<run_dir>/heartbeat/hang.json, one stat per tick), the rank dumps its Python stacks (all
+threads) to logs/rank<N>.stacks and its flight record to flight/rank<N>.json, marks its
+heartbeat, waits briefly for the others to do the same, and triages: ranks whose heartbeat went
+stale stopped responding (SIGSTOP, a dead host); ranks that issued fewer collectives on a group
+than the others are stuck before that collective; the rest wait in it. One line says so, and the
+process leaves with `HANG_EXIT_CODE` through os._exit — the main thread is blocked in a
+collective and would never see an exception — so torchrun's agent restarts the job from the last
+checkpoint when --max-restarts allows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -116,6 +119,20 @@ def triage(
     return {"stuck": stuck, "unresponsive": unresponsive, "waiting": waiting, "message": message}
 
 
+def others_quiet_s(beats: dict[int, dict[str, Any]], *, rank: int, now: float) -> float:
+    """Seconds since a rank other than `rank` last made progress, by their heartbeats (inf: no
+    such rank). A heartbeat no longer written still dates its rank's last progress; a rank that
+    is done or acting on a hang is not counted."""
+    return min(
+        (
+            now - (b["time"] - b.get("stalled_s", 0.0))
+            for r, b in beats.items()
+            if r != rank and not b.get("hang") and b.get("phase") != "done"
+        ),
+        default=math.inf,
+    )
+
+
 def _stopped(pid: int) -> bool:
     """Whether `pid` (on this host) is stopped by a signal (state T in /proc)."""
     try:
@@ -185,13 +202,26 @@ class Watchdog:
             note.get("attempt") == self.heartbeat.attempt and note.get("time", 0) >= PROCESS_START
         )
 
+    def _progress(self) -> tuple[int, int]:
+        return self.heartbeat.progress, self.heartbeat.bytes_moved
+
+    def _others_quiet_s(self) -> float:
+        beats = read_heartbeats(self.run_dir, attempt=self.heartbeat.attempt)
+        return others_quiet_s(beats, rank=self.heartbeat.rank, now=time.time())
+
     def _loop(self) -> None:
-        last, since = self.heartbeat.progress, time.monotonic()
+        last, since = self._progress(), time.monotonic()
         while not self._stop.wait(self.tick_s):
             now = time.monotonic()
-            if self.heartbeat.progress != last:
-                last, since = self.heartbeat.progress, now
+            if self._progress() != last:
+                last, since = self._progress(), now
             stalled = now - since
+            if stalled >= self.timeout_s:
+                # A rank done with its share of a save or verification waits in a collective on
+                # those still moving bytes: it stalled no longer than they did. The heartbeats
+                # are read once this rank stalled that long, then not before they could have.
+                since = max(since, now - self._others_quiet_s())
+                stalled = now - since
             self.heartbeat.write(stalled_s=stalled)
             if stalled >= self.timeout_s or self._announced():
                 try:
