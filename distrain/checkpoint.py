@@ -310,7 +310,9 @@ class Checkpointer:
                 prepared = (str(e) if isinstance(e, StorageError) else one_line(e), None)
         prep_error, free_bytes = self._broadcast(prepared)
         if prep_error is not None:
-            self._settle(step, path, kind, Attempt(error=prep_error), free_bytes)
+            # Nothing of this save was written: the folder, if any, is not this save's to remove
+            # (another run's, when the location is not this run's).
+            self._failed(step, None, f"checkpoint {step_name(step)} not saved: {prep_error}")
             return
         writer = self.storage.dcp_writer(path)
         start = time.perf_counter()
@@ -404,10 +406,11 @@ class Checkpointer:
             cause = failed[0].error if failed else f"commit failed ({commit_error})"
         self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")
 
-    def _failed(self, step: int, path: str, message: str) -> None:
-        """A failed save on every rank: remove its files, report it, stop after too many."""
+    def _failed(self, step: int, path: str | None, message: str) -> None:
+        """A failed save on every rank: remove its files (at `path`, if it wrote any), report
+        it, stop after too many."""
         self.uncommitted.pop(step, None)
-        if self.rank == 0:
+        if self.rank == 0 and path is not None:
             try:
                 self.storage.remove(path)
             except Exception as e:

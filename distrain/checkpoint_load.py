@@ -44,11 +44,18 @@ def _safe_reader(storage: Storage, path: str) -> Any:
     base = storage.dcp_reader_class()
 
     class SafeReader(base):
+        refused: CheckpointError | None = None
+        """Why the metadata was refused: DCP folds it into a longer message of its own."""
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             meta_path = dcp_metadata_path(self, kwargs.get("rank"))
             with self.fs.create_stream(meta_path, "rb") as stream:
                 data = stream.read(MAX_METADATA_BYTES + 1)
-            metadata = _decode(data, storage.url_of(str(meta_path)))
+            try:
+                metadata = _decode(data, storage.url_of(str(meta_path)))
+            except CheckpointError as e:
+                self.refused = e
+                raise
             if getattr(metadata, "storage_meta", None) is not None:
                 metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -78,16 +85,19 @@ def load(
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load the checkpoint at `path` into `state` in place (resharding to the current layout)."""
+    reader = _safe_reader(storage, path)
     try:
         dcp.load(
             state,
-            storage_reader=_safe_reader(storage, path),
+            storage_reader=reader,
             planner=SafeLoadPlanner(allow_partial_load=partial),
             process_group=process_group,
         )
     # DCP wraps per-rank failures in CheckpointException (a BaseException); the cause is what the
     # user needs.
     except (Exception, CheckpointException) as e:
+        if reader.refused is not None:
+            raise CheckpointError(str(reader.refused)) from e
         raise CheckpointError(
             f"checkpoint {storage.url_of(path)} is corrupt or unreadable ({root_cause(e)}); "
             "delete it or resume from an earlier one"

@@ -107,9 +107,8 @@ def _unknown_opcode(self: _MetadataUnpickler) -> None:
 
 
 def _name_of(obj: Any) -> str:
-    if isinstance(obj, type):
-        return f"{obj.__module__}.{obj.__qualname__}"
-    return type(obj).__name__
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python VM: each opcode can be replaced
