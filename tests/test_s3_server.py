@@ -88,5 +88,6 @@ def test_safe_reader_refuses_metadata_that_runs_code(s3: S3Server) -> None:  # n
     dcp.save({"w": torch.ones(2)}, storage_writer=storage.dcp_writer(path))
     fs, root = fsspec.url_to_fs(s3.url("evil"))
     fs.pipe_file(f"{root}/step-1/.metadata", pickle.dumps(_RunsCode()))
-    with pytest.raises(CheckpointError, match=r"step-1/.metadata: refers to posix.getpid, which a checkpoint may not contain"):
+    refusal = r"step-1/.metadata: refers to posix.getpid, which a checkpoint may not contain"
+    with pytest.raises(CheckpointError, match=refusal):
         load(storage, path, {"w": torch.zeros(2)})
