@@ -17,13 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_in_process
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from distrain import checkpoint
 from distrain.checkpoint import Checkpointer, committed
 from distrain.checkpoint_load import load
 from distrain.checkpoint_metadata import ALLOWED, decode_metadata
-from distrain.errors import CheckpointError
+from distrain.errors import CheckpointError, ConfigError
+from distrain.generate import load_model
+from distrain.interop.export import load_run_model
 from distrain.storage import Storage
 
 LOG = logging.getLogger("distrain_test.checkpoint_security")
@@ -347,3 +350,58 @@ def test_another_runs_checkpoint_is_not_resumed_unless_named(tmp_path, caplog):
         assert mine.restore_latest(target) == 3
     assert float(target["model"]["w"][0, 0]) == 3.0
     assert "of run run-a (checkpoint.resume_from), step 3" in caplog.text
+
+
+# --- the same through training: two runs, one checkpoint.dir, different seeds --------------------
+
+TINY = {
+    "training__steps": 2,
+    "training__global_batch_size": 4,
+    "training__micro_batch_size": 4,
+    "training__seq_len": 32,
+    "data__max_bytes": 300_000,
+    "checkpoint__interval_steps": 1,
+    "checkpoint__at_end": False,
+}
+
+
+def test_two_runs_one_checkpoint_dir(tmp_path):
+    shared = tmp_path / "shared"
+    first = train_in_process(tmp_path / "a", **TINY, training__seed=1, checkpoint__dir=shared)
+    before = {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError) as refused:
+        train_in_process(tmp_path / "b", **TINY, training__seed=2, checkpoint__dir=shared)
+    assert "\n" not in str(refused.value)
+    assert f"checkpoint.dir {shared} belongs to another run" in str(refused.value)
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()  # refused before the first step
+    assert {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()} == before
+
+    # Named explicitly, another run's checkpoint is a starting point, said so in the log.
+    rows = train_in_process(
+        tmp_path / "c",
+        **dict(TINY, training__steps=3),
+        training__seed=2,
+        checkpoint__resume_from=shared / "step-00000002",
+    )
+    assert [r["step"] for r in rows if "loss" in r] == [3]
+    log = (tmp_path / "c" / "logs" / "rank0.log").read_text()
+    assert f"starting from checkpoint {shared / 'step-00000002'} of run " in log
+    manifest = tmp_path / "c" / "checkpoints" / "step-00000003" / "MANIFEST.json"
+    own = json.loads(manifest.read_text())
+    assert own["run_id"] == (tmp_path / "c" / "run_id").read_text().strip()
+    assert own["run_id"] != (tmp_path / "a" / "run_id").read_text().strip()
+    assert [r["step"] for r in first if "loss" in r] == [1, 2]
+
+
+def test_generate_and_export_read_checkpoints_outside_the_run_folder_only_when_named(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    run = tmp_path / "run"
+    train_in_process(run, **TINY, checkpoint__dir=elsewhere)
+    for read in (
+        lambda **kw: load_model(run, torch.device("cpu"), **kw),
+        lambda **kw: load_run_model(run, **kw),
+    ):
+        with pytest.raises(ConfigError, match="outside the run folder; pass --checkpoint-dir"):
+            read()
+        _, step = read(checkpoint_dir=str(elsewhere))
+        assert step == 2
