@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -136,6 +137,26 @@ def test_import_refusals_are_one_line(tmp_path, hf_dirs):
     model = GPT(args)
     with pytest.raises(ConfigError, match="has no tensor 'model.layers.2.input_layernorm.weight'"):
         init_weights(model, args, 0, source=pretrained_source(f"hf:{hf_dirs['llama']}", args))
+
+
+@pytest.mark.parametrize(
+    ("index", "refusal"),
+    [
+        ({"weight_map": {"lm_head.weight": "../../outside.safetensors"}}, "not a file in"),
+        ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "not a file in"),
+        ({"weight_map": ["x"]}, "is not a safetensors index"),
+        ({"no": "map"}, "is not a safetensors index"),
+    ],
+    ids=["dotdot", "absolute", "list", "missing"],
+)
+def test_a_hostile_safetensors_index_is_refused(tmp_path, hf_dirs, index, refusal):
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dirs["llama"], folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    args = model_args(ModelConfig(init_from=f"hf:{folder}"))
+    with pytest.raises(ConfigError, match=refusal) as refused:
+        init_weights(GPT(args), args, 0, source=pretrained_source(f"hf:{folder}", args))
+    assert "\n" not in str(refused.value)
 
 
 # Published configurations (values from the models' config.json files), built locally.

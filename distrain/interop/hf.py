@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from distrain.checkpoint_metadata import plain_file_name
 from distrain.errors import ConfigError
 from distrain.models.gpt import ModelArgs
 
@@ -313,8 +314,20 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: str(file) for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(
+                f"model.init_from: {index} is not a safetensors index ({type(e).__name__})"
+            ) from e
+        # A folder is data: its index may only name files inside it.
+        outside = sorted({f for f in files.values() if not plain_file_name(f)})
+        if outside:
+            raise ConfigError(
+                f"model.init_from: {index} names {outside[0][:100]!r}, not a file in {path}"
+            )
+        return {name: path / file for name, file in files.items()}
     single = path / SINGLE_FILE
     if not single.is_file():
         raise ConfigError(
