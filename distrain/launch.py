@@ -11,9 +11,11 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +181,8 @@ def worker_threads(nproc: int) -> tuple[int, str]:
 
 
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
-    """Environment the workers inherit from this process (torchrun's agent copies it)."""
+    """Environment the workers inherit from this process (torchrun's agent copies it), set only
+    while the agent runs (`_environ`)."""
     threads, why = worker_threads(plan.nproc)
     print(f"[distrain] {threads} CPU thread(s) per worker ({why})", file=sys.stderr)
     # `python -m distrain.train` would put the working directory first on sys.path, so a folder
@@ -201,13 +204,30 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """`updates` in this process's environment for the agent to copy into the workers', then the
+    earlier values back: a torchrun started later from this process must not hand its workers
+    our LAUNCHER_PID_ENV (a worker whose parent is not that pid SIGKILLs itself)."""
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage) -> None:
     """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node.
 
     A stop signal to this process (SIGTERM, SIGUSR1, SIGINT) is forwarded to the workers by
     torchrun's agent, which waits up to the grace period for them; the outcome is then read from
     `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
-    os.environ.update(worker_env(plan))
+    env = worker_env(plan)
     started = time.time()
     # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
     # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
@@ -216,9 +236,10 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
     if not plan.elastic or plan.node_rank is not None:
         if plan.node_rank in (None, 0):
             lock = RunDirLock(Path(run_dir)).acquire()
-        os.environ[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
+        env[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
     try:
-        run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
+        with _environ(env):
+            run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except SignalException as e:
         raise launcher_outcome(checkpoints, since=started, signum=e.sigval) from None
     except ChildFailedError as e:
@@ -238,6 +259,5 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
             f"worker(s) failed{attempts}: {failed}; see the error above{where}"
         ) from None
     finally:
-        os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
         if lock is not None:
             lock.release()

@@ -4,6 +4,7 @@ process groups (mesh.teardown)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -18,13 +19,16 @@ from pathlib import Path
 import pytest
 from helpers import losses, overrides, run_cli, start_train, train_in_process
 
+import distrain.launch
 from distrain.errors import CheckpointError, ConfigError
 from distrain.fault_injection import InjectedFailure
-from distrain.launch import worker_threads
+from distrain.launch import launch, make_plan, worker_threads
+from distrain.lifeline import LAUNCHER_PID_ENV
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
-from distrain.rundir import LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
+from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
+from distrain.storage import Storage
 
 TINY = {
     "training__steps": 4,
@@ -333,6 +337,36 @@ def test_parent_watch_kills_an_orphan(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_launch_sets_the_workers_environment_only_while_the_agent_runs(
+    tmp_path, monkeypatch, fails
+):
+    """A torchrun started later from this process (a second training in one script, a notebook)
+    must not pass DISTRAIN_LAUNCHER_PID to its workers: they would SIGKILL themselves."""
+    seen = {}
+
+    def agent(_args) -> None:  # torchrun's agent, which copies os.environ into the workers'
+        seen.update(os.environ)
+        if fails:
+            raise RuntimeError("the agent failed")
+
+    monkeypatch.setattr(distrain.launch, "run", agent)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    before = dict(os.environ)
+    plan = make_plan(
+        1, nnodes=None, node_rank=None, rdzv_endpoint=None, rdzv_id=None, max_restarts=0
+    )
+    with contextlib.suppress(RuntimeError):
+        launch(plan, [], run_dir=str(tmp_path / "run"), checkpoints=Storage(str(tmp_path)))
+    assert seen[LAUNCHER_PID_ENV] == str(os.getpid())
+    assert seen[HELD_BY_LAUNCHER_ENV] == str(tmp_path / "run" / LOCK_NAME)
+    assert seen["PYTHONSAFEPATH"] == "1"
+    assert LAUNCHER_PID_ENV not in os.environ
+    assert dict(os.environ) == before  # OMP_NUM_THREADS=3 and PYTHONPATH as they were
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
 def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):
