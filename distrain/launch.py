@@ -15,8 +15,9 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -31,7 +32,6 @@ from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
 from distrain.storage import Storage
 
 WORKER_MODULE = "distrain.train"
-DEFAULT_RDZV_ID = "distrain"
 # torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
 # is paid at every restart). 1 s still lets agents that start together join one round.
 LAST_CALL_TIMEOUT_S = 1
@@ -45,6 +45,13 @@ SHUTDOWN_MARGIN_S = 5
 def under_torchrun() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets the env contract)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def new_rdzv_id() -> str:
+    """A rendezvous id of this launch's own. It becomes the workers' torchelastic run id, which
+    the run-dir lock takes for "an earlier attempt of this job": an id shared by unrelated
+    launches would let one run take over another's live run dir."""
+    return f"distrain-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +69,7 @@ class LaunchPlan:
     node_rank: int | None = None
     """Node 0 hosts the rendezvous store; None lets torchrun decide from the endpoint's host."""
     rdzv_endpoint: str | None = None
-    rdzv_id: str = DEFAULT_RDZV_ID
+    rdzv_id: str = field(default_factory=new_rdzv_id)
     grace_s: int = 120
     """How long a stop signal lets the workers run before the agent kills them."""
 
@@ -123,6 +130,11 @@ def make_plan(
         )
     if rdzv_id == "":
         raise ConfigError("--rdzv-id must not be empty")
+    if rdzv_id is None and max_nodes > 1:
+        raise ConfigError(
+            f"--nnodes {nnodes} lets other nodes join: give every node the same --rdzv-id "
+            "(without it, each launch has an id of its own)"
+        )
     return LaunchPlan(
         nproc=nproc,
         min_nodes=min_nodes,
@@ -131,7 +143,7 @@ def make_plan(
         elastic=any(v is not None for v in (nnodes, node_rank, rdzv_endpoint, rdzv_id)),
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id or DEFAULT_RDZV_ID,
+        rdzv_id=rdzv_id or new_rdzv_id(),
         grace_s=grace_s,
     )
 
