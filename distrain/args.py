@@ -50,7 +50,8 @@ def train_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--rdzv-id",
         metavar="ID",
-        help="Rendezvous (job) id, the same on every node (default: 'distrain').",
+        help="Rendezvous (job) id, the same on every node; needed when MAX > 1 (default: an id "
+        "unique to this launch).",
     )
     parser.add_argument(
         "--max-restarts",

@@ -11,10 +11,13 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -29,7 +32,6 @@ from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
 from distrain.storage import Storage
 
 WORKER_MODULE = "distrain.train"
-DEFAULT_RDZV_ID = "distrain"
 # torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
 # is paid at every restart). 1 s still lets agents that start together join one round.
 LAST_CALL_TIMEOUT_S = 1
@@ -43,6 +45,13 @@ SHUTDOWN_MARGIN_S = 5
 def under_torchrun() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets the env contract)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def new_rdzv_id() -> str:
+    """A rendezvous id of this launch's own. It becomes the workers' torchelastic run id, which
+    the run-dir lock takes for "an earlier attempt of this job": an id shared by unrelated
+    launches would let one run take over another's live run dir."""
+    return f"distrain-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +69,7 @@ class LaunchPlan:
     node_rank: int | None = None
     """Node 0 hosts the rendezvous store; None lets torchrun decide from the endpoint's host."""
     rdzv_endpoint: str | None = None
-    rdzv_id: str = DEFAULT_RDZV_ID
+    rdzv_id: str = field(default_factory=new_rdzv_id)
     grace_s: int = 120
     """How long a stop signal lets the workers run before the agent kills them."""
 
@@ -121,6 +130,11 @@ def make_plan(
         )
     if rdzv_id == "":
         raise ConfigError("--rdzv-id must not be empty")
+    if rdzv_id is None and max_nodes > 1:
+        raise ConfigError(
+            f"--nnodes {nnodes} lets other nodes join: give every node the same --rdzv-id "
+            "(without it, each launch has an id of its own)"
+        )
     return LaunchPlan(
         nproc=nproc,
         min_nodes=min_nodes,
@@ -129,7 +143,7 @@ def make_plan(
         elastic=any(v is not None for v in (nnodes, node_rank, rdzv_endpoint, rdzv_id)),
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id or DEFAULT_RDZV_ID,
+        rdzv_id=rdzv_id or new_rdzv_id(),
         grace_s=grace_s,
     )
 
@@ -179,7 +193,8 @@ def worker_threads(nproc: int) -> tuple[int, str]:
 
 
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
-    """Environment the workers inherit from this process (torchrun's agent copies it)."""
+    """Environment the workers inherit from this process (torchrun's agent copies it), set only
+    while the agent runs (`_environ`)."""
     threads, why = worker_threads(plan.nproc)
     print(f"[distrain] {threads} CPU thread(s) per worker ({why})", file=sys.stderr)
     # `python -m distrain.train` would put the working directory first on sys.path, so a folder
@@ -201,13 +216,30 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """`updates` in this process's environment for the agent to copy into the workers', then the
+    earlier values back: a torchrun started later from this process must not hand its workers
+    our LAUNCHER_PID_ENV (a worker whose parent is not that pid SIGKILLs itself)."""
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoints: Storage) -> None:
     """Run `python -m distrain.train worker_argv` on `plan.nproc` processes of this node.
 
     A stop signal to this process (SIGTERM, SIGUSR1, SIGINT) is forwarded to the workers by
     torchrun's agent, which waits up to the grace period for them; the outcome is then read from
     `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
-    os.environ.update(worker_env(plan))
+    env = worker_env(plan)
     started = time.time()
     # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
     # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
@@ -216,9 +248,10 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
     if not plan.elastic or plan.node_rank is not None:
         if plan.node_rank in (None, 0):
             lock = RunDirLock(Path(run_dir)).acquire()
-        os.environ[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
+        env[HELD_BY_LAUNCHER_ENV] = str(Path(run_dir) / LOCK_NAME)
     try:
-        run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
+        with _environ(env):
+            run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except SignalException as e:
         raise launcher_outcome(checkpoints, since=started, signum=e.sigval) from None
     except ChildFailedError as e:
@@ -238,6 +271,5 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
             f"worker(s) failed{attempts}: {failed}; see the error above{where}"
         ) from None
     finally:
-        os.environ.pop(HELD_BY_LAUNCHER_ENV, None)
         if lock is not None:
             lock.release()

@@ -1,12 +1,16 @@
 """One run per run directory, and a failed start leaves the directory as it found it.
 
 `RunDirLock` is a lock file, `<run_dir>/run.lock`, holding the holder's host, pid, process start
-time and torchelastic job id. It is created with `link(2)` of a fully written private file:
+time, where that pid means something (the kernel's boot id and the pid namespace), torchelastic
+job id and Slurm job and start. It is created with `link(2)` of a fully written private file:
 `link` is atomic on NFS (unlike `O_EXCL`, which NFSv2 and some servers do not honour), and a
 reader never sees a half-written lock. A lost NFS reply is resolved by the private file's link
 count (2 means the link was made). A lock is stale, and is taken over, when its holder is a dead
-(or recycled) pid on this host, or an earlier attempt of this same elastic job; a holder on
-another host cannot be checked from here, so the error names it and the file to delete.
+(or recycled) pid in this boot and pid namespace of this host, an earlier attempt of this same
+elastic job (whose id `distrain train` makes unique per launch unless --rdzv-id names it), or an
+earlier start of this same Slurm job (requeued, maybe onto another first node). A holder on
+another host, or on a host of the same name in another boot or pid namespace (containers with
+host networking), cannot be checked from here, so the error names it and the file to delete.
 
 `run_id` is the run's identity (`<run_dir>/run_id`), which its checkpoints record so that a
 checkpoint location shared by mistake never mixes two runs.
@@ -61,6 +65,27 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_space() -> tuple[str, int]:
+    """(boot id, pid namespace inode) of this process: a pid names one process only within
+    both. ("", 0) where Linux's /proc does not tell."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = 0
+    return boot_id, pid_ns
+
+
+def slurm_start() -> tuple[str, int]:
+    """(SLURM_JOB_ID, SLURM_RESTART_COUNT) of this process; ("", 0) outside Slurm. A requeued
+    job keeps its id and counts one more start."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    return os.environ.get("SLURM_JOB_ID", ""), int(restarts) if restarts.isdigit() else 0
+
+
 @dataclass(frozen=True)
 class LockHolder:
     host: str
@@ -68,16 +93,28 @@ class LockHolder:
     start_ticks: int | None
     job: str
     since: str
+    # Defaults: a lock written before these fields, whose pid space is unknown (so its pid is
+    # not checked) and which no Slurm job owns.
+    boot_id: str = ""
+    pid_ns: int = 0
+    slurm_job: str = ""
+    slurm_start: int = 0
 
     @classmethod
     def me(cls) -> LockHolder:
         pid = os.getpid()
+        boot_id, pid_ns = pid_space()
+        slurm_job, start = slurm_start()
         return cls(
             host=socket.gethostname(),
             pid=pid,
             start_ticks=process_start_ticks(pid),
             job=_elastic_job(),
             since=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            boot_id=boot_id,
+            pid_ns=pid_ns,
+            slurm_job=slurm_job,
+            slurm_start=start,
         )
 
     def stale(self) -> bool:
@@ -86,12 +123,29 @@ class LockHolder:
             # An earlier attempt of this job: the rendezvous runs one attempt at a time, and
             # after a node failure its rank 0 may be elsewhere.
             return True
-        if self.host != socket.gethostname():
+        if self._earlier_slurm_start():
+            return True
+        if not self.checkable():
             return False
         if not pid_alive(self.pid):
             return True
         ticks = process_start_ticks(self.pid)
         return ticks is not None and self.start_ticks is not None and ticks != self.start_ticks
+
+    def checkable(self) -> bool:
+        """Whether this holder's pid can be looked up from here: same host, boot, namespace."""
+        return (self.host, (self.boot_id, self.pid_ns)) == (socket.gethostname(), pid_space())
+
+    def _earlier_slurm_start(self) -> bool:
+        """A start of this Slurm job before ours: Slurm ended it before requeueing the job (a
+        second step of our own start has the same count, and is alive)."""
+        job, start = slurm_start()
+        return bool(self.slurm_job) and self.slurm_job == job and self.slurm_start < start
+
+    def where(self) -> str:
+        if self.host != socket.gethostname():
+            return "on another host"
+        return "on this host" if self.checkable() else "in another pid namespace or boot"
 
     def describe(self) -> str:
         return f"host {self.host} pid {self.pid} (since {self.since})"
@@ -149,12 +203,11 @@ class RunDirLock:
         self.release()
 
     def _busy_message(self, holder: LockHolder) -> str:
-        where = "on this host" if holder.host == socket.gethostname() else "on another host"
         message = (
-            f"run dir {self.run_dir} is in use by another run: {holder.describe()} {where}; "
-            "wait for it to finish or choose another --run-dir"
+            f"run dir {self.run_dir} is in use by another run: {holder.describe()} "
+            f"{holder.where()}; wait for it to finish or choose another --run-dir"
         )
-        if holder.host != socket.gethostname():
+        if not holder.checkable():
             message += f" (if no run is left there, delete {self.path})"
         return message
 

@@ -8,6 +8,11 @@ so a job given MIN-MAX nodes runs on whatever it got. Slurm sends the batch shel
 it to srun, which forwards it to the launchers, which stop the run with a preempt checkpoint
 (exit 75, see preempt.py). On exit 75 a `--requeue` job puts itself back in the queue
 (`scontrol requeue`) and its next start resumes from the same run dir.
+
+User strings (the run dir, the train options) enter the script as single-quoted bash words, on
+one line (`bash_word`), never inside double quotes or comments, so nothing in them is run or
+starts a line; --partition, --account and --time, which stand in #SBATCH lines, are refused
+when they hold control characters.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ SCRIPT_LAUNCH_OPTIONS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-i
 # MASTER_PORT of a job that runs one task per process, when the user sets none: the same on every
 # task of a step and different between steps of a job (a step's port is free again once it ends).
 SRUN_PORT_BASE, SRUN_PORT_SPAN = 20000, 20000
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +91,12 @@ def parse_time_s(text: str) -> int:
 
 def check_job(job: SlurmJob) -> None:
     """Every error is one line naming the option."""
+    for name, value in (("partition", job.partition), ("account", job.account), ("time", job.time)):
+        if value is not None and CONTROL_CHARACTER.search(value):
+            # A newline would end the #SBATCH line and start a script line of its own.
+            raise ConfigError(
+                f"--{name}: control characters (newline, tab...) are not allowed, got {value!r}"
+            )
     if job.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be >= 0, got {job.gpus_per_node}")
     if job.time is not None and parse_time_s(job.time) <= job.grace_s:
@@ -101,6 +113,21 @@ def check_job(job: SlurmJob) -> None:
             f"{', '.join(given)}: `distrain slurm` sets these from the allocation; drop them "
             "from the train options (use --nodes for the node count)"
         )
+
+
+def bash_word(text: str) -> str:
+    """`text` as one bash word on one line: shlex's quoting, or $'...' (ANSI-C quoting) when it
+    holds control characters, whose newlines would otherwise stand in the script as lines of
+    their own (and read as #SBATCH directives by a line-oriented reader)."""
+    if not CONTROL_CHARACTER.search(text):
+        return shlex.quote(text)
+    return "$'" + "".join(_ansi_c_char(c) for c in text) + "'"
+
+
+def _ansi_c_char(char: str) -> str:
+    if char in "\\'":
+        return "\\" + char
+    return f"\\x{ord(char):02x}" if CONTROL_CHARACTER.match(char) else char
 
 
 def sbatch_script(job: SlurmJob) -> str:
@@ -128,18 +155,21 @@ def sbatch_script(job: SlurmJob) -> str:
     if job.gpus_per_node and not any(a.split("=", 1)[0] == "--nproc" for a in job.train_argv):
         train += ["--nproc", str(job.gpus_per_node)]
     train += [*job.train_argv, "--run-dir", str(job.run_dir)]
-    run_dir = shlex.quote(str(job.run_dir))
+    run_dir = bash_word(str(job.run_dir))
+    # The run dir reaches bash only as the one quoted word assigned to $run_dir; the lines
+    # below expand the variable (never re-read as code) and %q prints a command to paste back.
     after_preempt = (
         '    echo "distrain: preempted with a checkpoint; requeueing job $SLURM_JOB_ID"\n'
         '    scontrol requeue "$SLURM_JOB_ID"\n'
         if job.requeue
-        else f'    echo "distrain: preempted with a checkpoint; resume with: sbatch '
-        f'{shlex.quote(str(job.run_dir / SCRIPT_NAME))}"\n'
+        else "    printf 'distrain: preempted with a checkpoint; resume with: sbatch %q\\n' "
+        f'"$run_dir/{SCRIPT_NAME}"\n'
     )
-    python = shlex.quote(job.python)
+    python = bash_word(job.python)
     return (
         "#!/bin/bash\n"
-        f"# Written by `distrain slurm` (run dir {job.run_dir}); submit again with sbatch.\n"
+        # No user string in a comment: a newline in it would start a line of its own.
+        "# Written by `distrain slurm` for the run dir set below; submit again with sbatch.\n"
         + "".join(f"#SBATCH {shlex.quote(d)}\n" for d in directives)
         + "set -u\n"
         f"run_dir={run_dir}\n"
@@ -156,7 +186,7 @@ def sbatch_script(job: SlurmJob) -> str:
         "# One launcher per node; each adds its node rank (node 0 hosts the store).\n"
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
         '    bash -c \'exec "$@" --node-rank "$SLURM_NODEID"\' distrain \\\n'
-        f"    {shlex.join(train)} \\\n"
+        f"    {' '.join(bash_word(word) for word in train)} \\\n"
         '    --nnodes "$SLURM_JOB_NUM_NODES" --rdzv-endpoint "$head_addr:$port" \\\n'
         '    --rdzv-id "slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" &\n'
         "srun_pid=$!\n"

@@ -152,8 +152,13 @@ def test_two_agents_rendezvous_as_two_nodes(tmp_path, two_rank_reference, monkey
         ),
         # A fixed world size of 2 nodes x 3 = 6 ranks is validated before anything starts.
         (
-            ["--nnodes", "2", "--nproc", "3", "--rdzv-endpoint", "127.0.0.1:1"],
+            ["--nnodes", "2", "--nproc", "3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j"],
             "x data-parallel size (6, from world size 6)",
+        ),
+        # Without an id each launch has its own, and no other node could join.
+        (
+            ["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1"],
+            "--nnodes 1:2 lets other nodes join: give every node the same --rdzv-id",
         ),
     ],
 )

@@ -8,6 +8,7 @@ triage's wording and the collective timeout reaching every process group."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -24,9 +25,10 @@ import torch.distributed.checkpoint as dcp
 from helpers import cli_in_process, start_train, train_cli
 
 from distrain.checkpoint_load import load
-from distrain.observe.heartbeat import read_heartbeats
+from distrain.observe import watchdog
+from distrain.observe.heartbeat import Heartbeat, read_heartbeats
 from distrain.observe.metrics import read_metrics
-from distrain.observe.watchdog import HANG_EXIT_CODE, others_quiet_s, rank_list, triage
+from distrain.observe.watchdog import HANG_EXIT_CODE, Watchdog, others_quiet_s, rank_list, triage
 from distrain.storage import CHUNK_BYTES, Storage
 
 HANG_S = 10
@@ -372,3 +374,78 @@ def test_a_verification_whose_storage_stops_moving_bytes_is_a_hang(slow_saved, t
     result = _train_on_slow_storage(run, checkpoints, stall="read", training__steps=3)
     _assert_caught_stalled(run, result, step=0)
     assert "in sha256" in (run / "logs" / "rank0.stacks").read_text()
+
+
+# ------------------------------------------------------ the watchdog's file operations (fake clock)
+
+
+class _Ticks:
+    """Stands in for the watchdog's stop event and clock: each wait is one tick of a fake
+    clock, during which the rank makes progress (as a training step does); stops after
+    `seconds`. `at` maps a fake time to something to do then."""
+
+    def __init__(self, heartbeat: Heartbeat, seconds: float, at: dict | None = None):
+        self.now, self.end, self.heartbeat, self.at = 1000.0, 1000.0 + seconds, heartbeat, at or {}
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, tick_s: float) -> bool:
+        for when in [w for w in self.at if self.now < w <= self.now + tick_s]:
+            self.at.pop(when)()
+        self.now += tick_s
+        self.heartbeat.mark("forward")
+        return self.now > self.end
+
+
+def _fake_watchdog(tmp_path: Path, monkeypatch, timeout_s: float, ticks: dict):
+    """A watchdog on a fake clock, its heartbeat writes and hang.json polls timed."""
+    hb = Heartbeat(tmp_path, 0, 2)
+    dog = Watchdog(
+        hb, run_dir=tmp_path, timeout_s=timeout_s, logger=logging.getLogger("t"), nccl=False
+    )
+    clock = _Ticks(hb, **ticks)
+    monkeypatch.setattr(dog, "_stop", clock)
+    monkeypatch.setattr(watchdog.time, "monotonic", clock.monotonic)
+    writes, polls = [], []
+    write, announced = hb.write, dog._announced
+    monkeypatch.setattr(hb, "write", lambda **kw: (writes.append(clock.now), write(**kw)))
+    monkeypatch.setattr(dog, "_announced", lambda: (polls.append(clock.now), announced())[1])
+    return dog, clock, writes, polls
+
+
+def test_watchdog_file_operations_are_bounded(tmp_path, monkeypatch):
+    """An hour of 1-s ticks at the default timeout: the heartbeat is rewritten every 30 s, not
+    every tick (a create and a rename each), and hang.json read every 10 s (an open each): 3
+    metadata operations per second per rank before, 2/30 + 1/10 = 0.17 now."""
+    hour = 3600
+    dog, _, writes, polls = _fake_watchdog(tmp_path, monkeypatch, 600.0, {"seconds": hour})
+    dog._loop()
+    assert dog.tick_s == 1.0
+    assert hour / 30 - 1 <= len(writes) <= hour / 30 + 1
+    assert hour / 10 - 1 <= len(polls) <= hour / 10 + 1
+    # Still fresh for the others' triage: never older than a fifth of the staleness bound.
+    gaps = [b - a for a, b in zip(writes, writes[1:], strict=False)]
+    assert max(gaps) <= dog.write_every_s + dog.tick_s and dog.write_every_s <= dog.stale_s / 5
+
+
+def test_watchdog_sees_an_announced_hang_within_the_poll_interval(tmp_path, monkeypatch):
+    announced_at = 1100.5
+
+    def announce() -> None:
+        note = {"attempt": 0, "rank": 1, "time": time.time()}
+        (tmp_path / "heartbeat" / "hang.json").write_text(json.dumps(note))
+
+    ticks = {"seconds": 600, "at": {announced_at: announce}}
+    dog, clock, _, _ = _fake_watchdog(tmp_path, monkeypatch, 600.0, ticks)
+    seen = []
+    monkeypatch.setattr(dog, "_on_hang", lambda stalled: seen.append(clock.now))
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(watchdog.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as ended:
+        dog._loop()
+    assert ended.value.code == HANG_EXIT_CODE
+    assert announced_at < seen[0] <= announced_at + dog.poll_every_s + dog.tick_s

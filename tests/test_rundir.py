@@ -4,6 +4,7 @@ process groups (mesh.teardown)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -13,18 +14,22 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from helpers import losses, overrides, run_cli, start_train, train_in_process
 
+import distrain.launch
 from distrain.errors import CheckpointError, ConfigError
 from distrain.fault_injection import InjectedFailure
-from distrain.launch import worker_threads
+from distrain.launch import launch, make_plan, torchrun_argv, worker_threads
+from distrain.lifeline import LAUNCHER_PID_ENV
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
-from distrain.rundir import LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
+from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
+from distrain.storage import Storage
 
 TINY = {
     "training__steps": 4,
@@ -40,9 +45,9 @@ TWO_RANKS = dict(TINY, training__micro_batch_size=2)
 
 
 def _write_holder(run_dir: Path, **fields: object) -> None:
-    holder = dict(
-        host=socket.gethostname(), pid=os.getpid(), start_ticks=None, job="", since="then"
-    )
+    """A lock of this process (its host, boot and pid namespace), changed by `fields`."""
+    holder = asdict(LockHolder.me())
+    holder.update(start_ticks=None, job="", since="then")
     holder.update(fields)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / LOCK_NAME).write_text(json.dumps(holder))
@@ -94,6 +99,83 @@ def test_lock_of_an_earlier_attempt_of_this_elastic_job_is_taken_over(tmp_path, 
     _write_holder(tmp_path, host="node-7", pid=1234, job="")
     with pytest.raises(RunDirBusy):
         RunDirLock(tmp_path).acquire()
+
+
+def test_unrelated_runs_with_default_rendezvous_ids_do_not_take_each_others_lock(
+    tmp_path, monkeypatch
+):
+    """Elastic launches without --rdzv-id: each run's rank 0 takes the lock, named by its
+    torchelastic run id (the rendezvous id). A shared default made the second run's rank 0
+    take the first, live run's lock for its own earlier attempt's."""
+    plans = [
+        make_plan(
+            1,
+            nnodes=None,
+            node_rank=None,
+            rdzv_endpoint="localhost:1",
+            rdzv_id=None,
+            max_restarts=0,
+        )
+        for _ in range(2)
+    ]
+    assert plans[0].rdzv_id != plans[1].rdzv_id
+    assert f"--rdzv-id={plans[1].rdzv_id}" in torchrun_argv(plans[1], [])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", plans[0].rdzv_id)
+    with RunDirLock(tmp_path / "run"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", plans[1].rdzv_id)
+        with pytest.raises(RunDirBusy, match="is in use by another run"):
+            RunDirLock(tmp_path / "run").acquire()
+        # A later attempt of the first run (its id, given by the agent) is the same job.
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", plans[0].rdzv_id)
+        with RunDirLock(tmp_path / "run"):
+            pass
+    # The nodes of one job share an id: several nodes need it given.
+    two = dict(nnodes="2", node_rank=None, rdzv_endpoint="node0:29400", max_restarts=0)
+    assert make_plan(1, **two, rdzv_id="job-7").rdzv_id == "job-7"
+    with pytest.raises(
+        ConfigError, match="^--nnodes 2 lets other nodes join: give every node the same --rdzv-id"
+    ):
+        make_plan(1, **two, rdzv_id=None)
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path, monkeypatch):
+    """A hard-killed Slurm job leaves node 0's launcher lock behind; its requeued start (same
+    SLURM_JOB_ID, the next SLURM_RESTART_COUNT) may land on another first node."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    _write_holder(tmp_path, host="node-7", pid=1234, slurm_job="4242", slurm_start=0)
+    with RunDirLock(tmp_path):
+        mine = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert (mine["host"], mine["slurm_job"], mine["slurm_start"]) == (
+            socket.gethostname(),
+            "4242",
+            1,
+        )
+    # Another job's lock, or one of this same start (a second srun step), is a live run's.
+    for other in ({"slurm_job": "4243", "slurm_start": 0}, {"slurm_job": "4242", "slurm_start": 1}):
+        _write_holder(tmp_path, host="node-7", pid=1234, **other)
+        with pytest.raises(RunDirBusy, match="host node-7 pid 1234"):
+            RunDirLock(tmp_path).acquire()
+
+
+def test_a_holder_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path):
+    """Containers with host networking share the host name, not pids: a pid that is not alive
+    here may be a live run there. So may a pid of another boot of a host of the same name."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = LockHolder.me()
+    for other in ({"pid_ns": me.pid_ns + 1}, {"boot_id": "another-boot"}):
+        _write_holder(tmp_path, pid=dead.pid, **other)
+        with pytest.raises(RunDirBusy) as busy:
+            RunDirLock(tmp_path).acquire()
+        assert f"pid {dead.pid}" in str(busy.value)
+        assert "in another pid namespace or boot" in str(busy.value)
+        assert f"delete {tmp_path / LOCK_NAME}" in str(busy.value)
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == dead.pid  # untouched
+    # In this pid namespace and boot the pid decides, as before.
+    _write_holder(tmp_path, pid=dead.pid)
+    with RunDirLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
 def test_distrain_train_refuses_a_run_dir_in_use(tmp_path):
@@ -333,6 +415,36 @@ def test_parent_watch_kills_an_orphan(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_launch_sets_the_workers_environment_only_while_the_agent_runs(
+    tmp_path, monkeypatch, fails
+):
+    """A torchrun started later from this process (a second training in one script, a notebook)
+    must not pass DISTRAIN_LAUNCHER_PID to its workers: they would SIGKILL themselves."""
+    seen = {}
+
+    def agent(_args) -> None:  # torchrun's agent, which copies os.environ into the workers'
+        seen.update(os.environ)
+        if fails:
+            raise RuntimeError("the agent failed")
+
+    monkeypatch.setattr(distrain.launch, "run", agent)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    before = dict(os.environ)
+    plan = make_plan(
+        1, nnodes=None, node_rank=None, rdzv_endpoint=None, rdzv_id=None, max_restarts=0
+    )
+    with contextlib.suppress(RuntimeError):
+        launch(plan, [], run_dir=str(tmp_path / "run"), checkpoints=Storage(str(tmp_path)))
+    assert seen[LAUNCHER_PID_ENV] == str(os.getpid())
+    assert seen[HELD_BY_LAUNCHER_ENV] == str(tmp_path / "run" / LOCK_NAME)
+    assert seen["PYTHONSAFEPATH"] == "1"
+    assert LAUNCHER_PID_ENV not in os.environ
+    assert dict(os.environ) == before  # OMP_NUM_THREADS=3 and PYTHONPATH as they were
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
 def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):

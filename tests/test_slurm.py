@@ -261,7 +261,7 @@ def test_script_for_a_cpu_job_without_requeue():
     assert "#SBATCH --nodes=1" in script.splitlines()
     assert "gres" not in script and "--nproc" not in script
     assert "#SBATCH --no-requeue" in script and "scontrol requeue" not in script
-    assert "resume with: sbatch /runs/x/slurm.sbatch" in script
+    assert '"$run_dir/slurm.sbatch"' in script  # printed as a command (run under bash below)
 
 
 @pytest.mark.parametrize(
@@ -336,3 +336,112 @@ def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
     bad = cli_in_process(capsys, "slurm", "--nodes", "3-1", "--dry-run")
     assert bad.returncode == 1
     assert bad.stderr.strip() == "distrain: error: --nodes 3-1: need 1 <= MIN <= MAX"
+
+
+# --- the script under bash, with hostile strings (no Slurm: stubs on PATH) ------------------
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+
+
+def _run_script(tmp_path: Path, script: str, srun_exit: int) -> subprocess.CompletedProcess:
+    """The whole batch script under bash, with srun and scontrol stubbed: srun records its
+    arguments (one per line, NUL-separated) and exits `srun_exit`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    _stub(bin_dir, "srun", f'printf "%s\\0" "$@" > {tmp_path}/srun.args\nexit {srun_exit}')
+    _stub(bin_dir, "scontrol", f'printf "%s\\0" "$@" > {tmp_path}/scontrol.args\necho node0')
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "node0",
+    }
+    return subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+HOSTILE = [
+    "with space and 'quotes' and \"double\"",
+    "$(touch {marker})",
+    "`touch {marker}`",
+    "x\ntouch {marker}\n",
+    "x\n#SBATCH --uid=0\\$'\\\\'\x01",
+    "'; touch {marker}; '",
+    '"$(touch {marker})"',
+]
+
+
+@pytest.mark.parametrize("requeue", [False, True])
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_run_dir_runs_nothing_and_stays_one_argument(tmp_path, hostile, requeue):
+    marker = tmp_path / "MARKER"
+    run_dir = tmp_path / hostile.format(marker=marker)
+    script = sbatch_script(
+        job(min_nodes=1, max_nodes=1, run_dir=run_dir, requeue=requeue, python=sys.executable)
+    )
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    # Every script line that bash reads as a command, outside the directives, is one we wrote.
+    result = _run_script(tmp_path, script, srun_exit=EXIT_PREEMPTED)
+    assert not marker.exists(), result.stdout + result.stderr
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+    srun_args = (tmp_path / "srun.args").read_text().split("\0")
+    assert srun_args[srun_args.index("--run-dir") + 1] == str(run_dir)
+    assert f"distrain: run dir {run_dir}: per-rank logs" in result.stdout
+    if requeue:
+        assert (tmp_path / "scontrol.args").read_text().split("\0")[:2] == ["requeue", "77"]
+    else:
+        # The resume command, as printed, is one bash word naming the script.
+        (line,) = [s for s in result.stdout.splitlines() if "resume with: " in s]
+        command = subprocess.run(
+            ["bash", "-c", f'printf "%s\\0" {line.split("resume with: ", 1)[1]}'],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert command.split("\0") == ["sbatch", str(run_dir / "slurm.sbatch"), ""]
+    assert result.stderr == ""
+
+
+def test_hostile_run_dir_cannot_leave_the_header_comment():
+    script = sbatch_script(job(run_dir=Path("/runs/x\n#SBATCH --uid=0\necho hi")))
+    lines = script.splitlines()
+    assert "#SBATCH --uid=0" not in lines and "echo hi" not in lines
+    # No user string adds a line anywhere: newlines are written as $'\n' escapes.
+    assert len(lines) == len(sbatch_script(job()).splitlines())
+    # sbatch reads directives up to the first command: only ours come before it.
+    header = lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))]
+    assert [line.split()[1].split("=")[0] for line in header[1:] if "SBATCH" in line] == [
+        "--job-name",
+        "--nodes",
+        "--ntasks-per-node",
+        "--signal",
+        "--no-requeue",
+        "--open-mode",
+        "--output",
+    ]
+
+
+@pytest.mark.parametrize("option", ["partition", "account", "time"])
+@pytest.mark.parametrize("bad", ["gpu\ntouch MARKER #", "gpu\r", "g\x1bpu", "gpu\t"])
+def test_control_characters_in_slurm_options_are_refused(option, bad):
+    value = bad.replace("gpu", "9:00") if option == "time" else bad
+    with pytest.raises(ConfigError, match=rf"^--{option}: .*control character") as refused:
+        sbatch_script(job(**{option: value}))
+    assert "\n" not in str(refused.value)
+
+
+def test_partition_and_account_with_quotes_stay_one_directive(tmp_path):
+    marker = tmp_path / "MARKER"
+    script = sbatch_script(
+        job(partition=f"a b'$(touch {marker})", account="`touch x`", python=sys.executable)
+    )
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    lines = script.splitlines()
+    assert f"#SBATCH '--partition=a b'\"'\"'$(touch {marker})'" in lines
+    assert "#SBATCH '--account=`touch x`'" in lines
+    _run_script(tmp_path, script, srun_exit=0)
+    assert not marker.exists()

@@ -477,7 +477,7 @@ def test_run_dir_that_is_a_file(tmp_path, capsys, no_launch):
 
 
 def test_elastic_world_size_launches_after_the_rules_it_can_check(tmp_path, capsys, no_launch):
-    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400"]
+    elastic = ["--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400", "--rdzv-id", "job"]
     fields = {"parallel.dp_replicate": "4"}  # fits a 4-rank attempt: the workers decide
     assert _main(capsys, *_train_args(tmp_path / "a", **fields), *elastic)[0] == 0
     assert no_launch == [None]

@@ -2,10 +2,11 @@
 
 The training loop (and the model runner, for forward/backward) mark phases through `mark`; the
 watchdog thread writes the state to <run_dir>/heartbeat/rank<N>.json (atomically replaced, so a
-reader never sees half a file) a few times per second. Other ranks' watchdogs read the files when
-a hang is suspected, and `distrain diagnose` reads them after the run. A file per rank in the run
-dir, rather than keys in the rendezvous store, survives the job for post-mortems; across nodes it
-needs a shared run dir (as resuming from <run_dir>/checkpoints does).
+reader never sees half a file) every watchdog.HEARTBEAT_EVERY_S (30 s; more often under a short
+hang timeout), to spare a shared file system. Other ranks' watchdogs read the files when a hang
+is suspected. A file per rank in the run dir, rather than keys in the rendezvous store, survives
+the job for post-mortems; across nodes it needs a shared run dir (as resuming from
+<run_dir>/checkpoints does).
 
 There is one heartbeat per process, held in a module variable, because phases are marked deep in
 the model runner where the trainer's objects are not at hand. Checkpoint storage reports the
