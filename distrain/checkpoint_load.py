@@ -5,6 +5,7 @@ a failed load is one line naming the checkpoint and the first rank's cause."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from distrain.checkpoint_metadata import MAX_METADATA_BYTES, decode_metadata
 from distrain.errors import CheckpointError
-from distrain.storage import Storage
+from distrain.storage import CHUNK_BYTES, Storage
 from distrain.torch_compat import dcp_metadata_path, set_nested_element
 
 
@@ -25,10 +26,21 @@ def read_metadata(storage: Storage, meta_path: str) -> Metadata:
 
     def read() -> bytes:
         with storage.fs.open(meta_path, "rb") as stream:
-            return stream.read(MAX_METADATA_BYTES + 1)
+            return _read_bounded(stream, storage.on_progress)
 
     data = storage.call(f"reading {storage.url_of(meta_path)}", read)
     return _decode(data, storage.url_of(meta_path))
+
+
+def _read_bounded(stream: Any, on_chunk: Callable[[int], None]) -> bytes:
+    """A metadata file's bytes, read a chunk at a time (each one progress), and at most one byte
+    past MAX_METADATA_BYTES: enough for decode_metadata to refuse a larger one."""
+    parts, total = [], 0
+    while total <= MAX_METADATA_BYTES and (chunk := stream.read(CHUNK_BYTES)):
+        parts.append(chunk)
+        total += len(chunk)
+        on_chunk(len(chunk))
+    return b"".join(parts)
 
 
 def _decode(data: bytes, where: str) -> Metadata:
@@ -49,8 +61,8 @@ def _safe_reader(storage: Storage, path: str) -> Any:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             meta_path = dcp_metadata_path(self, kwargs.get("rank"))
-            with self.fs.create_stream(meta_path, "rb") as stream:
-                data = stream.read(MAX_METADATA_BYTES + 1)
+            with self.fs.create_stream(meta_path, "rb") as stream:  # reports its own progress
+                data = _read_bounded(stream, lambda _nbytes: None)
             try:
                 metadata = _decode(data, storage.url_of(str(meta_path)))
             except CheckpointError as e:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def test_a_large_tensor_reports_progress_per_chunk_both_ways(tmp_path):
     for what in ("sha256", "load"):
         moved.clear()
         if what == "sha256":
-            storage.sha256(f"{path}/__0_0.distcp")
+            storage.sha256(f"{path}/__0_0.distcp", max_bytes=writer.written["__0_0.distcp"]["size"])
         else:
             load(storage, path, {"w": torch.zeros_like(state["w"])})
         assert max(moved) == CHUNK_BYTES and moved.count(CHUNK_BYTES) == 3, (what, moved)
@@ -305,6 +306,14 @@ def _train_on_slow_storage(
     return subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
 
 
+def _same_run(saved_run: Path, run: Path) -> Path:
+    """A fresh run dir of the run that wrote `saved_run`'s checkpoints (its run id), as when
+    the run resumes on another machine: only its own checkpoints are resumed."""
+    run.mkdir()
+    shutil.copy(saved_run / "run_id", run / "run_id")
+    return run
+
+
 def _log(run: Path) -> str:
     return (run / "logs" / "rank0.log").read_text()
 
@@ -336,9 +345,9 @@ def test_a_save_slower_than_the_hang_timeout_completes(slow_saved):
 
 @pytest.mark.slow
 def test_a_resume_slower_than_the_hang_timeout_completes(slow_saved, tmp_path):
-    _, checkpoints, saved = slow_saved
+    saved_run, checkpoints, saved = slow_saved
     assert saved.returncode == 0, saved.stderr[-4000:]
-    run = tmp_path / "run"
+    run = _same_run(saved_run, tmp_path / "run")
     start = time.monotonic()
     result = _train_on_slow_storage(run, checkpoints, training__steps=3)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -368,9 +377,9 @@ def test_a_save_whose_storage_stops_moving_bytes_is_a_hang(tmp_path):
 
 @pytest.mark.slow
 def test_a_verification_whose_storage_stops_moving_bytes_is_a_hang(slow_saved, tmp_path):
-    _, checkpoints, saved = slow_saved
+    saved_run, checkpoints, saved = slow_saved
     assert saved.returncode == 0, saved.stderr[-4000:]
-    run = tmp_path / "run"
+    run = _same_run(saved_run, tmp_path / "run")
     result = _train_on_slow_storage(run, checkpoints, stall="read", training__steps=3)
     _assert_caught_stalled(run, result, step=0)
     assert "in sha256" in (run / "logs" / "rank0.stacks").read_text()
