@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 from harness import is_worker, launch_self, worker_session, write_json
 
-from distrain.checkpoint import committed
-from distrain.config import Config, validate
-from distrain.mesh import DistContext
-from distrain.optim import lr_at
-from distrain.trainer import Trainer
+from distrain.checkpoint.checkpointer import committed
+from distrain.config.schema import Config, validate
+from distrain.optim.builder import lr_at
+from distrain.parallel.mesh import DistContext
+from distrain.train.loop import Trainer
 
 NUM_RANKS = 2
 MODES = ("none", "async")

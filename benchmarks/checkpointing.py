@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from distrain.config import ModelConfig
+from distrain.config.schema import ModelConfig
 from distrain.models.gpt import GPT, init_weights
 from distrain.models.presets import model_args
-from distrain.parallel.layers import apply_activation_checkpointing
+from distrain.parallel.wrappers import apply_activation_checkpointing
 
 MODES = ("none", "full", "selective", "selective_op")
 

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
 
-from distrain.config import Config
-from distrain.optim import lr_at
-from distrain.trainer import Trainer
+from distrain.config.schema import Config
+from distrain.optim.builder import lr_at
+from distrain.train.loop import Trainer
 
 CORPUS_BYTES = 2_000_000
 MIB = 2**20

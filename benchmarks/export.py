@@ -26,12 +26,12 @@ from pathlib import Path
 
 from harness import write_json
 
-from distrain.config_io import load_config
+from distrain.config.io import load_config
 from distrain.models.presets import PRESETS, num_params
 
 
 def train_one_step(run_dir: Path, preset: str) -> None:
-    from distrain.train import run_training
+    from distrain.train.worker import run_training
 
     fields = {
         "run.dir": str(run_dir),

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.run import get_args_parser, run
 
-from distrain.config import Config, validate
-from distrain.mesh import DistContext, init_distributed, teardown
+from distrain.config.schema import Config, validate
 from distrain.observe.logs import close_logging, setup_logging
-from distrain.optim import lr_at
-from distrain.trainer import Trainer
+from distrain.optim.builder import lr_at
+from distrain.parallel.mesh import DistContext, init_distributed, teardown
+from distrain.train.loop import Trainer
 
 
 def is_worker() -> bool:

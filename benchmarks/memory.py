@@ -43,10 +43,10 @@ from harness import bench_config, is_worker, launch_ranks, worker_session, write
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from distrain.config import Config
+from distrain.config.schema import Config
 from distrain.models.presets import num_params
-from distrain.optim import lr_at
-from distrain.trainer import Trainer
+from distrain.optim.builder import lr_at
+from distrain.train.loop import Trainer
 
 STAGES = (0, 1, 2, 3)
 # The corpus only supplies token windows; a 2 MB prefix of the default one is plenty.

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from harness import is_worker, launch_self, measure_steps, synchronize, worker_session, write_json
 
-from distrain.config import Config, validate
-from distrain.mesh import DistContext
+from distrain.config.schema import Config, validate
 from distrain.models.presets import flops_per_token, num_params
-from distrain.trainer import Trainer
+from distrain.parallel.mesh import DistContext
+from distrain.train.loop import Trainer
 
 # Dense bf16 peak FLOP/s per GPU, matched in order against torch.cuda.get_device_name().
 GPU_PEAK_FLOPS = (

@@ -34,10 +34,10 @@ from harness import (
     write_json,
 )
 
-from distrain.config import Config
-from distrain.mesh import DistContext
+from distrain.config.schema import Config
 from distrain.models.presets import active_params, flops_per_token, num_params
-from distrain.trainer import Trainer
+from distrain.parallel.mesh import DistContext
+from distrain.train.loop import Trainer
 
 CORPUS_BYTES = 8_000_000
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness import write_json
 
-from distrain.config_io import load_config
+from distrain.config.io import load_config
 from distrain.models.presets import model_args
 
 EP = 2

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from harness import bench_config, is_worker, launch_self, worker_session, write_json
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.config import Config
+from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, TokenDataset
-from distrain.mesh import DistContext
 from distrain.models.gpt import GPT, init_weights
-from distrain.optim import lr_at
-from distrain.trainer import Trainer
+from distrain.optim.builder import lr_at
+from distrain.parallel.mesh import DistContext
+from distrain.train.loop import Trainer
 
 NUM_RANKS = 2
 PRESET = "tiny"

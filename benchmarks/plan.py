@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from distrain.config import Config
-from distrain.layout import validate
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
 from distrain.models.presets import flops_per_token
 from distrain.plan.memory import estimate_memory
 from distrain.plan.timing import Candidate, Cluster, step_time

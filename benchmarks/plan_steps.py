@@ -40,8 +40,8 @@ from typing import Any
 import torch.distributed as dist
 from harness import is_worker, launch_self, measure_steps, worker_session, write_json
 
-from distrain.config import Config
-from distrain.config import validate as validate_config
+from distrain.config.schema import Config
+from distrain.config.schema import validate as validate_config
 from distrain.plan.memory import local_bytes, optimizer_state_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 
@@ -74,7 +74,7 @@ def layout_config(parallel: dict[str, Any], *, steps: int = 1, run_dir: str = ""
 
 
 def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
-    from distrain.trainer import Trainer
+    from distrain.train.loop import Trainer
 
     cfg = layout_config(par, steps=1000, run_dir=str(run_dir))
     validate_config(cfg)
@@ -195,8 +195,9 @@ def side(out: Path, steps: int) -> None:
 
 def _cpu_seconds() -> float:
     """CPU seconds of this process and its finished children."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
     )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 

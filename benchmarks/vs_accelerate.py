@@ -54,14 +54,14 @@ import torch
 import torch.distributed as dist
 from harness import is_worker, launch_ranks, worker_session, write_json
 
-from distrain.config import Config, validate
+from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
-from distrain.mesh import DistContext, cpu_has_native_bf16
 from distrain.models.gpt import GPT, init_weights
 from distrain.models.presets import model_args
-from distrain.optim import lr_at, param_groups, set_lr
-from distrain.parallel import cross_entropy
-from distrain.trainer import Trainer
+from distrain.optim.builder import lr_at, param_groups, set_lr
+from distrain.parallel.mesh import DistContext, cpu_has_native_bf16
+from distrain.parallel.model import cross_entropy
+from distrain.train.loop import Trainer
 
 CORPUS_BYTES = 4_000_000
 BASELINE = "accelerate fp32 2x1"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from distrain.args import LAUNCH_OPTIONS, int_option, parse_train_args, strip_launch_options
-from distrain.config import Config
+from distrain.config.args import LAUNCH_OPTIONS, int_option, parse_train_args, strip_launch_options
+from distrain.config.schema import Config
 from distrain.errors import DistrainError
 
 
@@ -22,13 +22,13 @@ def default_nproc(cfg: Config) -> int:
 
 
 def cmd_train(argv: list[str]) -> None:
-    from distrain.checkpoint import checkpoint_storage
-    from distrain.launch import launch, make_plan, under_torchrun
-    from distrain.layout import validate
-    from distrain.preflight import preflight
+    from distrain.checkpoint.checkpointer import checkpoint_storage
+    from distrain.launch.preflight import preflight
+    from distrain.launch.torchrun import launch, make_plan, under_torchrun
+    from distrain.layout.rules import validate
 
     if under_torchrun():
-        from distrain.train import run_training
+        from distrain.train.worker import run_training
 
         _, cfg = parse_train_args(argv, worker=True)
         run_training(cfg)
@@ -63,8 +63,8 @@ def _srun_task_per_process(ns: argparse.Namespace, cfg: Config) -> bool:
     SLURM_* into torch.distributed's variables, then train as a worker. False elsewhere."""
     import os
 
-    from distrain.slurm import srun_task_env, under_srun
-    from distrain.train import run_training
+    from distrain.launch.slurm import srun_task_env, under_srun
+    from distrain.train.worker import run_training
 
     if not under_srun() or any(getattr(ns, dest) is not None for dest in LAUNCH_OPTIONS.values()):
         return False
@@ -80,7 +80,7 @@ CHECKPOINT_DIR_HELP = (
 
 
 def cmd_generate(argv: list[str]) -> None:
-    from distrain.generate import generate_text
+    from distrain.inference.generate import generate_text
 
     parser = argparse.ArgumentParser(prog="distrain generate", description="Sample from a run.")
     parser.add_argument("--run-dir", required=True, help="Run directory with a checkpoint.")
@@ -165,7 +165,7 @@ def cmd_presets(argv: list[str]) -> None:
 
 
 def cmd_slurm(argv: list[str]) -> None:
-    from distrain.slurm import slurm_command
+    from distrain.launch.slurm import slurm_command
 
     slurm_command(argv)
 

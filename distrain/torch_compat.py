@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 # Imported on first use (`from distrain.torch_compat import FsspecReader` works): DCP's fsspec
-# module pulls in fsspec and DCP, seconds of import that mesh.py's users should not pay.
+# module pulls in fsspec and DCP, seconds of import that parallel/mesh.py's users should not pay.
 _LAZY = {
     "FsspecReader": "torch.distributed.checkpoint._fsspec_filesystem",
     "FsspecWriter": "torch.distributed.checkpoint._fsspec_filesystem",

@@ -26,11 +26,11 @@ from types import ModuleType
 
 from helpers import overrides
 
-from distrain.args import parse_train_args
+from distrain.config.args import parse_train_args
 from distrain.errors import DistrainError
-from distrain.launch import worker_threads
-from distrain.layout import validate
-from distrain.preflight import preflight
+from distrain.launch.preflight import preflight
+from distrain.launch.torchrun import worker_threads
+from distrain.layout.rules import validate
 
 WORKER = Path(__file__).with_name("batch_worker.py")
 # What `run_cli` allows one run, per run of a launch.

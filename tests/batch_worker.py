@@ -3,7 +3,8 @@ process group of its own, and writes every run's outcome on this rank as a JSON 
 
 `python batch_worker.py SPEC.json`: SPEC holds `runs` (each a `name` and the `argv` that
 `python -m distrain.train` would get) and `status_dir`. A run goes through distrain's own worker
-entry (`distrain.train.main`: argument parsing, validation, run_training and its teardown); only
+entry (`distrain.train.worker.main`: argument parsing, validation, run_training and its
+teardown); only
 the process group is made here, on a prefix of torchrun's store named after the run, so that
 each run's rendezvous keys are its own. The first failure ends the process (torchrun then stops
 the other ranks, which may wait in a collective of the failed run): the launcher starts the runs
@@ -22,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distrain.args import parse_train_args
-from distrain.mesh import collective_timeout, pick_device
-from distrain.train import main as train_main
+from distrain.config.args import parse_train_args
+from distrain.parallel.mesh import collective_timeout, pick_device
+from distrain.train.worker import main as train_main
 
 
 def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size: int) -> None:
@@ -47,7 +48,7 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
     finally:
         torch.use_deterministic_algorithms(deterministic)
     if code != 0:
-        raise RuntimeError(f"distrain.train exited with {code} (its error is on stderr)")
+        raise RuntimeError(f"distrain.train.worker exited with {code} (its error is on stderr)")
     if dist.is_initialized():
         raise RuntimeError("run_training left its process group behind")
 

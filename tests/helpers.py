@@ -11,13 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distrain.config_io import load_config
+from distrain.config.io import load_config
 from distrain.observe.metrics import read_metrics
 
 if TYPE_CHECKING:
     import pytest
 
-    from distrain.config import Config
+    from distrain.config.schema import Config
 
 # Small enough for CI's 2 cores, big enough that the loss moves: 4 MB of stdlib source.
 FAST = {
@@ -55,7 +55,7 @@ def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
     """Train on 1 rank in this process; returns the run's metrics rows."""
     import torch
 
-    from distrain.train import run_training
+    from distrain.train.worker import run_training
 
     # training.deterministic turns torch's process-wide deterministic mode on: the tests run
     # after this one in this process get the mode they would have had without it.
@@ -74,8 +74,8 @@ def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
     import torch
     import torch.distributed as dist
 
-    from distrain.layout import validate
-    from distrain.mesh import DistContext
+    from distrain.layout.rules import validate
+    from distrain.parallel.mesh import DistContext
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers import losses, train_cli, train_in_process
 
-from distrain.autobatch import MicroBatchDoesNotFit, Trial, candidates, first_probe, search
 from distrain.observe.metrics import read_metrics
+from distrain.train.autobatch import MicroBatchDoesNotFit, Trial, candidates, first_probe, search
 
 GIB = 2**30
 # Tiny and deterministic: dim 64, 2 layers, 32 tokens, 16 sequences per step, 3 steps.

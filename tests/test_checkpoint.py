@@ -18,12 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import train_in_process
 
-from distrain import checkpoint
-from distrain.checkpoint import Checkpointer, committed
-from distrain.config import OptimConfig
+from distrain.checkpoint import checkpointer as checkpoint
+from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.storage import Storage
+from distrain.config.schema import OptimConfig
 from distrain.observe.metrics import read_metrics
-from distrain.optim import build_optimizer, optimizer_state_dict
-from distrain.storage import Storage
+from distrain.optim.builder import build_optimizer, optimizer_state_dict
 
 # Not under "distrain": setup_logging turns that logger's propagation off, hiding it from caplog.
 LOG = logging.getLogger("distrain_test.checkpoint")
@@ -455,10 +455,15 @@ def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
     weight, so a checkpoint moves between pipeline and other layouts."""
     from distrain.models.gpt import GPT, ModelArgs
     from distrain.parallel.pipeline import split_model
-    from distrain.train_state import OptimizerState
+    from distrain.train.state import OptimizerState
 
     args = ModelArgs(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=16,
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        ffn_dim=64,
+        max_seq_len=16,
         tie_embeddings=True,
     )
     torch.manual_seed(0)

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from distrain.checkpoint import Checkpointer
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.storage import Storage
 from distrain.errors import CheckpointError
-from distrain.storage import Storage
 
 LOG = logging.getLogger("distrain_test.checkpoint_fuzz")
 MUTATIONS = 300

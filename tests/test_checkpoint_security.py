@@ -20,14 +20,14 @@ import torch
 from helpers import train_in_process
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from distrain import checkpoint
-from distrain.checkpoint import Checkpointer, committed
-from distrain.checkpoint_load import load
-from distrain.checkpoint_metadata import ALLOWED, decode_metadata
+from distrain.checkpoint import checkpointer as checkpoint
+from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.load import load
+from distrain.checkpoint.metadata import ALLOWED, decode_metadata
+from distrain.checkpoint.storage import Storage
 from distrain.errors import CheckpointError, ConfigError
-from distrain.generate import load_model
+from distrain.inference.generate import load_model
 from distrain.interop.export import load_run_model
-from distrain.storage import Storage
 
 LOG = logging.getLogger("distrain_test.checkpoint_security")
 FS = "torch.distributed.checkpoint.filesystem"
@@ -39,7 +39,11 @@ def _state(value: float) -> dict:
 
 def _checkpointer(root: Path, *, keep: int = 2, run_id: str = "run-a") -> Checkpointer:
     return Checkpointer(
-        Storage(str(root)), run_id=run_id, layout="test", async_mode=False, keep_temporary=keep,
+        Storage(str(root)),
+        run_id=run_id,
+        layout="test",
+        async_mode=False,
+        keep_temporary=keep,
         logger=LOG,
     )
 

@@ -13,11 +13,11 @@ import torch
 from batch import Run, pool_name
 from helpers import cli_in_process, free_port, losses, overrides, start_train
 
-from distrain.config_io import load_config
+from distrain.config.io import load_config
 from distrain.models.presets import model_args, num_params
 from distrain.observe.metrics import read_metrics
-from distrain.optim import load_optimizer_state_dict, optimizer_state_dict, param_groups
-from distrain.parallel.onebit_adam import OneBitAdam
+from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict, param_groups
+from distrain.optim.onebit_adam import OneBitAdam
 
 # Long enough for the lossy methods' lag to show: at 12 steps 1-bit had made 0.93-0.96 of the
 # uncompressed run's progress, at 30-40 steps it settles (see HOOKS).
@@ -408,7 +408,7 @@ def test_onebit_adam_on_dtensors_resumes_bit_exact(resume_at):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from distrain.parallel.onebit_adam import onebit_units
+    from distrain.optim.onebit_adam import onebit_units
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -1,5 +1,5 @@
-"""training.compile: "auto" decided per device (mesh.py) and the compile cache that outlives a run
-(parallel/layers.py). That a compiled run trains like an eager one is a parity row
+"""training.compile: "auto" decided per device (parallel/mesh.py) and the compile cache that
+outlives a run (parallel/layers.py). That a compiled run trains like an eager one is a parity row
 (tests/test_parity.py)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import one_rank_group
 
-from distrain.mesh import resolve_compile
 from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
-from distrain.parallel.layers import apply_compile, use_persistent_compile_cache
+from distrain.parallel.mesh import resolve_compile
+from distrain.parallel.wrappers import apply_compile, use_persistent_compile_cache
 
 
 def test_explicit_compile_is_kept_and_auto_compiles_on_cuda_only():
@@ -93,9 +93,9 @@ def test_given_targets_the_model_returns_the_loss_it_would_be_scored_by():
 def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eagerly():
     from torch._dynamo.utils import counters
 
-    from distrain.config import Config
-    from distrain.parallel import build_parallel_model
+    from distrain.config.schema import Config
     from distrain.parallel.compress import CommStats
+    from distrain.parallel.model import build_parallel_model
 
     torch._dynamo.reset()
     cfg = Config()

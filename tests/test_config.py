@@ -4,8 +4,8 @@ import tomllib
 
 import pytest
 
-from distrain.config import ConfigError
-from distrain.config_io import help_text, load_config, parse_overrides, write_toml
+from distrain.config.io import help_text, load_config, parse_overrides, write_toml
+from distrain.config.schema import ConfigError
 
 
 def test_defaults_validate():

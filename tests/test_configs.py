@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from distrain.config_io import load_config
-from distrain.layout import validate
+from distrain.config.io import load_config
+from distrain.layout.rules import validate
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

@@ -11,18 +11,18 @@ import torch.nn.functional as F
 from helpers import losses, train_cli, train_in_process
 from test_parity import BASE, assert_parity
 
-from distrain.config import Config
-from distrain.mesh import ParallelDims
+from distrain.config.schema import Config
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.models.presets import model_args
 from distrain.observe.metrics import read_metrics
-from distrain.optim import build_optimizer
+from distrain.optim.builder import build_optimizer
 from distrain.parallel.context import (
     attend_local,
     chunk_order,
     gathered_to_sequence,
     local_positions,
 )
+from distrain.parallel.mesh import ParallelDims
 from distrain.plan.memory import fake_world
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from distrain.config import DataConfig
+from distrain.config.schema import DataConfig
 from distrain.data import (
     ByteTokenizer,
     DataError,

@@ -1,5 +1,5 @@
-"""DDP as distrain builds it (distrain/parallel/data.py), 3 ranks in one spawn: buckets settled
-before the first real step, so a restarted process reduces gradients exactly as the run it
+"""DDP as distrain builds it (distrain/parallel/data_parallel.py), 3 ranks in one spawn: buckets
+settled before the first real step, so a restarted process reduces gradients exactly as the run it
 continues; and DDP's plain all-reduce counted without a hook, byte for byte as the hook counted.
 
 3 ranks because with 2 the order of an element's terms cannot matter (a + b = b + a). Also,
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats, build_comm_hook
-from distrain.parallel.data import allreduce_payload, apply_ddp, settle_bucket_layout
+from distrain.parallel.data_parallel import allreduce_payload, apply_ddp, settle_bucket_layout
 
 WORLD = 3
 ARGS = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=128, max_seq_len=32)

@@ -10,9 +10,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from distrain.config import OptimConfig
+from distrain.config.schema import OptimConfig
 from distrain.models.gpt import GPT, ModelArgs, init_weights
-from distrain.optim import build_optimizer, param_groups
+from distrain.optim.builder import build_optimizer, param_groups
 
 
 def test_plain_parameters_get_fused_adamw_equal_to_foreach_within_1e_6():

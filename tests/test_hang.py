@@ -25,12 +25,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import cli_in_process, start_train, train_cli
 
-from distrain.checkpoint_load import load
+from distrain.checkpoint.load import load
+from distrain.checkpoint.storage import CHUNK_BYTES, Storage
 from distrain.observe import watchdog
 from distrain.observe.heartbeat import Heartbeat, read_heartbeats
 from distrain.observe.metrics import read_metrics
 from distrain.observe.watchdog import HANG_EXIT_CODE, Watchdog, others_quiet_s, rank_list, triage
-from distrain.storage import CHUNK_BYTES, Storage
 
 HANG_S = 10
 # Detection takes hang_timeout_s after the waiting ranks block (within a step of the stop), plus
@@ -157,8 +157,8 @@ def test_a_large_tensor_reports_progress_per_chunk_both_ways(tmp_path):
 
 def test_collective_timeout_reaches_every_group(tmp_path):
     """debug.collective_timeout_s on the world group and every group of the mesh."""
-    from distrain.config import Config
-    from distrain.mesh import ParallelDims, init_distributed
+    from distrain.config.schema import Config
+    from distrain.parallel.mesh import ParallelDims, init_distributed
 
     assert not dist.is_initialized()
     init_distributed("cpu", timeout_s=7)

@@ -25,7 +25,7 @@ from helpers import losses, train_in_process
 from test_parity import assert_parity
 
 from distrain.cli import main
-from distrain.config import ConfigError, ModelConfig
+from distrain.config.schema import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
 from distrain.interop.hf import hf_config, pretrained_source
 from distrain.models import GPT, PRESETS, init_weights, model_args, num_params

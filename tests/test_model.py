@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from distrain.config import ConfigError, ModelConfig
+from distrain.config.schema import ConfigError, ModelConfig
 from distrain.models import GPT, PRESETS, ModelArgs, init_weights, model_args, num_params
 from distrain.models.gpt import full_init_value
 

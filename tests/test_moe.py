@@ -197,7 +197,7 @@ def test_balancing_evens_expert_load(balance_runs):
 
 
 def test_bias_is_checkpointed_and_generate_loads_it(balance_runs):
-    from distrain.generate import generate_text, load_model
+    from distrain.inference.generate import generate_text, load_model
 
     model, _ = load_model(balance_runs["bias_dir"], torch.device("cpu"))
     biases = [block.moe.expert_bias for block in model.blocks.values()]

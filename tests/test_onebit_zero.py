@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from distrain.optim import load_optimizer_state_dict, optimizer_state_dict
+from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
+from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
-from distrain.parallel.onebit_zero import OneBitZeroAdam
 
 SHAPES = [(64, 32), (32,), (32, 32), (16, 32), (8,)]
 FREEZE = 3

@@ -12,7 +12,7 @@ from test_parity import BASE as PARITY
 from test_parity import EP_ROUTES, assert_parity
 
 from distrain.observe.metrics import read_metrics
-from distrain.oom import split
+from distrain.train.oom import split
 
 BASE = {
     "training__steps": 6,
@@ -61,7 +61,7 @@ def test_oom_at_micro_batch_one_is_a_clear_error(batch_pool):
 
 # FSDP2 with tp, pp with FSDP2, and cp (DDP over dp x cp): a rank's forward runs collectives,
 # so the ranks agree before each micro-batch (before the schedule under pp) and retry together
-# (distrain/oom.py).
+# (distrain/train/oom.py).
 # Each recovered run must still give the 1-process loss curve of test_parity (same batch, seed
 # and tolerance): kept gradients of the abandoned attempt, or a micro-batch counted twice, move
 # the loss by 1e-3 or more.

@@ -63,7 +63,7 @@ def test_stage_layer_ranges_are_contiguous_and_spare_the_ends(n_layers, num_stag
 
 
 def test_more_stages_than_layers_is_refused():
-    # The user-facing refusal is layout.py's (tests/test_validation.py); this guards callers.
+    # The user-facing refusal is layout/rules.py's (tests/test_validation.py); this guards callers.
     with pytest.raises(ValueError, match="3 layers cannot fill 4 stages"):
         stage_layer_ranges(3, 4)
 

@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 from helpers import one_rank_group
 
-from distrain.config import Config
+from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args, num_params
-from distrain.optim import build_optimizer
-from distrain.parallel import build_parallel_model
+from distrain.optim.builder import build_optimizer
+from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
-from distrain.parallel.onebit_zero import OneBitZeroAdam
+from distrain.parallel.model import build_parallel_model
 from distrain.plan.calibrate import calibrate
 from distrain.plan.command import DEFAULT_PEAK_FLOPS, cluster_of, parse, plan_command
 from distrain.plan.memory import estimate_memory, fake_world, measure_step

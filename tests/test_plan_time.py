@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distrain.config import Config
-from distrain.layout import validate
-from distrain.mesh import DistContext
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
 from distrain.models.presets import model_args, num_params
-from distrain.optim import build_optimizer
-from distrain.parallel import build_parallel_model
+from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
+from distrain.parallel.mesh import DistContext
+from distrain.parallel.model import build_parallel_model
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
 from distrain.plan.memory import LiveBytes, grad_bytes, local_bytes, optimizer_state_bytes

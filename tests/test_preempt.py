@@ -20,12 +20,11 @@ import torch
 from batch import Run, pool_name
 from helpers import SMALL_RUN, losses, overrides, start_train, train_cli, train_in_process
 
-from distrain.checkpoint import Checkpointer, committed, verify
-from distrain.config_io import load_config
+from distrain.checkpoint.checkpointer import Checkpointer, committed, verify
+from distrain.checkpoint.storage import Storage
+from distrain.config.io import load_config
 from distrain.errors import ConfigError
-from distrain.launch import make_plan, torchrun_argv
-from distrain.observe.metrics import read_metrics
-from distrain.preempt import (
+from distrain.launch.preempt import (
     DUPLICATE_WINDOW_S,
     EXIT_PREEMPTED,
     Preempted,
@@ -33,7 +32,8 @@ from distrain.preempt import (
     StopSignals,
     launcher_outcome,
 )
-from distrain.storage import Storage
+from distrain.launch.torchrun import make_plan, torchrun_argv
+from distrain.observe.metrics import read_metrics
 
 STEPS = 20
 # Enough steps after the signal that a loaded CI machine still stops mid-run (a step takes

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from distrain.config import DataConfig
+from distrain.config.schema import DataConfig
 from distrain.data import DataError, DistributedBatchLoader, build_datasets, read_corpus
 from distrain.data import prepare as prepare_module
 from distrain.data.prepare import prepare
@@ -174,8 +174,8 @@ def test_prepare_refuses_bad_options(bpe, tmp_path) -> None:
 
 
 def test_data_prepared_with_another_tokenizer_is_refused(bpe, tmp_path) -> None:
-    from distrain.config_io import load_config
-    from distrain.preflight import preflight
+    from distrain.config.io import load_config
+    from distrain.launch.preflight import preflight
 
     out = tmp_path / "d.bin"
     prepare([str(STDLIB / "json" / "tool.py")], out=str(out), tokenizer=f"hf:{bpe}")
@@ -198,7 +198,7 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
     resumable."""
     from helpers import losses, train_in_process
 
-    from distrain.generate import generate_text, load_model, sample
+    from distrain.inference.generate import generate_text, load_model, sample
 
     spec = f"hf:{bpe}"
     out = tmp_path / "stdlib-json.bin"

@@ -3,7 +3,7 @@
 - 4 ranks, a worker killed with SIGKILL from outside and, in the restarted job, another by
   debug injection, each restarted by torchrun's agent: every step's loss after the restarts,
   and every weight and optimizer value at the end, == the uninterrupted 4-rank run's. DDP's
-  buckets are settled before the first step (distrain/parallel/data.py), so the restarted
+  buckets are settled before the first step (distrain/parallel/data_parallel.py), so the restarted
   processes reduce in the same order as the processes they replace. (Losses alone are too
   coarse: the few gradient elements one ulp apart when the order differs rarely move a loss by
   an ulp within a few steps; the weights show it.)

@@ -20,16 +20,22 @@ from pathlib import Path
 import pytest
 from helpers import losses, overrides, run_cli, start_train, train_in_process
 
-import distrain.launch
+import distrain.launch.torchrun
+from distrain.checkpoint.storage import Storage
 from distrain.errors import CheckpointError, ConfigError
-from distrain.fault_injection import InjectedFailure
-from distrain.launch import launch, make_plan, torchrun_argv, worker_threads
-from distrain.lifeline import LAUNCHER_PID_ENV
+from distrain.launch.lifeline import LAUNCHER_PID_ENV
+from distrain.launch.rundir import (
+    HELD_BY_LAUNCHER_ENV,
+    LOCK_NAME,
+    LockHolder,
+    RunDirBusy,
+    RunDirLock,
+)
+from distrain.launch.torchrun import launch, make_plan, torchrun_argv, worker_threads
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
-from distrain.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, LockHolder, RunDirBusy, RunDirLock
-from distrain.storage import Storage
+from distrain.train.faults import InjectedFailure
 
 TINY = {
     "training__steps": 4,
@@ -372,7 +378,7 @@ def test_workers_die_when_the_launcher_is_killed(tmp_path):
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
-        workers = [p for p in _children(launcher.pid) if "distrain.train" in _cmdline(p)]
+        workers = [p for p in _children(launcher.pid) if "distrain.train.worker" in _cmdline(p)]
         assert len(workers) == 2
         os.kill(launcher.pid, signal.SIGKILL)  # from outside, as a user or a scheduler would
         launcher.wait()
@@ -400,7 +406,7 @@ def test_parent_watch_kills_an_orphan(tmp_path):
     code = (
         "import os, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', "
-        "'import os, time; from distrain.lifeline import watch_parent; "
+        "'import os, time; from distrain.launch.lifeline import watch_parent; "
         "watch_parent(os.getppid(), 0.1); time.sleep(60)'])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -430,7 +436,7 @@ def test_launch_sets_the_workers_environment_only_while_the_agent_runs(
         if fails:
             raise RuntimeError("the agent failed")
 
-    monkeypatch.setattr(distrain.launch, "run", agent)
+    monkeypatch.setattr(distrain.launch.torchrun, "run", agent)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
     before = dict(os.environ)
@@ -477,7 +483,7 @@ def test_teardown_ends_groups_that_a_reference_cycle_still_holds():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from distrain.mesh import teardown
+    from distrain.parallel.mesh import teardown
 
     before = _gloo_threads()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

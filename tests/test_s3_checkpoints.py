@@ -23,9 +23,9 @@ from s3 import (  # noqa: F401  (s3: the module-scoped fixture)
     through_gateway,
 )
 
-from distrain.checkpoint import Checkpointer, committed
+from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.storage import Storage
 from distrain.observe.metrics import read_metrics
-from distrain.storage import Storage
 
 LOG = logging.getLogger("distrain_test.s3_checkpoints")
 pytestmark = pytest.mark.requires("s3")

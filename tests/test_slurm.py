@@ -15,11 +15,11 @@ import pytest
 from helpers import SMALL_RUN, cli_in_process, losses, overrides
 from slurm import multiple_slurmd_supported, slurm, slurm_cluster, slurm_unavailable  # noqa: F401
 
-from distrain.checkpoint import committed
+from distrain.checkpoint.checkpointer import committed
+from distrain.checkpoint.storage import Storage
 from distrain.errors import ConfigError
-from distrain.observe.metrics import read_metrics
-from distrain.preempt import EXIT_PREEMPTED
-from distrain.slurm import (
+from distrain.launch.preempt import EXIT_PREEMPTED
+from distrain.launch.slurm import (
     SlurmJob,
     first_host,
     parse_nodes,
@@ -27,7 +27,7 @@ from distrain.slurm import (
     sbatch_script,
     srun_task_env,
 )
-from distrain.storage import Storage
+from distrain.observe.metrics import read_metrics
 
 # A test that skips for want of Slurm fails instead where DISTRAIN_REQUIRE names slurm (CI).
 pytestmark = pytest.mark.requires("slurm")

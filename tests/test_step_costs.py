@@ -14,7 +14,7 @@ from batch import Run, pool_name
 from helpers import losses, train_in_process
 
 from distrain.observe.metrics import read_metrics
-from distrain.parallel import ParallelModel
+from distrain.parallel.model import ParallelModel
 
 
 class _Runner:

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from distrain.checkpoint import Checkpointer, committed
+from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.storage import Storage, StorageError
 from distrain.errors import CheckpointError
-from distrain.storage import Storage, StorageError
 
 LOG = logging.getLogger("distrain_test.storage")
 

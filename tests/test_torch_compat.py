@@ -91,7 +91,7 @@ def test_is_zero_redundancy_optimizer(one_rank):
 def test_nothing_imports_the_zero_module_or_dcp_fsspec_early():
     """The adapter keeps its slow imports for first use (a fresh interpreter)."""
     code = (
-        "import sys, distrain.torch_compat, distrain.mesh\n"
+        "import sys, distrain.torch_compat, distrain.parallel.mesh\n"
         "print(sorted(m for m in ('torch.distributed.optim.zero_redundancy_optimizer',"
         " 'torch.distributed.checkpoint._fsspec_filesystem') if m in sys.modules))"
     )

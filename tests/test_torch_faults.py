@@ -1,4 +1,5 @@
-"""What torch 2.13 itself gets wrong, behind the layout rules (distrain/layout.py) that refuse it.
+"""What torch 2.13 itself gets wrong, behind the layout rules (distrain/layout/rules.py) that
+refuse it.
 
 Each test runs plain torch, no distrain code, and passes while torch is still wrong: when a torch
 upgrade fixes the fault, the test fails and names the rule to lift.
@@ -37,5 +38,5 @@ def test_ddp_on_gloo_still_crashes_under_detail_debug(tmp_path: Path):
     )
     assert result.returncode != 0 and "SIGSEGV" in result.stderr, (
         "torch no longer crashes DDP on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL: lift the "
-        "layout rule ddp_detail_debug_on_gloo (distrain/layout.py)\n" + result.stderr[-3000:]
+        "layout rule ddp_detail_debug_on_gloo (distrain/layout/rules.py)\n" + result.stderr[-3000:]
     )

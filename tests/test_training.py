@@ -11,10 +11,10 @@ import pytest
 from batch import Batches, Run
 from helpers import cli_in_process, losses, run_cli, train_cli, train_in_process
 
-from distrain import checkpoint
-from distrain.fault_injection import InjectedFailure
+from distrain.checkpoint import checkpointer as checkpoint
+from distrain.checkpoint.storage import Storage
 from distrain.observe.metrics import read_metrics
-from distrain.storage import Storage
+from distrain.train.faults import InjectedFailure
 
 STEPS = 6
 # Global batch 8 x 64 tokens: small enough for 2 cores, the same math on any number of ranks.

@@ -1,6 +1,6 @@
 """Bad input is refused in one line, before any worker starts: the layout rule table
-(distrain/layout.py), the numeric ranges of the schema, the launcher's preflight of paths, and the
-command line's own arguments."""
+(distrain/layout/rules.py), the numeric ranges of the schema, the launcher's preflight of paths,
+and the command line's own arguments."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import FAST, overrides, run_cli, train_in_process
 
-import distrain.launch
+import distrain.launch.torchrun
 from distrain import cli
-from distrain.config import Config, ConfigError, numeric_fields
-from distrain.config_io import help_text, load_config, parse_overrides
-from distrain.layout import RULES, LayoutError, validate
+from distrain.config.io import help_text, load_config, parse_overrides
+from distrain.config.schema import Config, ConfigError, numeric_fields
+from distrain.layout.rules import RULES, LayoutError, validate
 
 # A 300-token BPE (tokenizers' trainer on json/decoder.py of the stdlib), for the tokenizer rules.
 BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
@@ -216,8 +216,15 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"parallel.tp": "2", "model.preset": "llama-tiny"}, 2),
         ({"parallel.cp": "4", "training.seq_len": "104"}, 4),
         ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "16"}, 8),
-        ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "12",
-          "parallel.sequence_parallel": "false"}, 8),
+        (
+            {
+                "parallel.cp": "2",
+                "parallel.tp": "4",
+                "training.seq_len": "12",
+                "parallel.sequence_parallel": "false",
+            },
+            8,
+        ),
         ({"parallel.cp": "2", "parallel.zero_stage": "3"}, 4),
         ({"parallel.cp": "2", "parallel.zero_stage": "1"}, 4),
         ({"parallel.cp": "2", "parallel.pp": "2"}, 4),
@@ -228,18 +235,41 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"parallel.cp": "2", "comm.hierarchical": "true"}, 2),
         ({"parallel.cp": "2", "optim.name": "onebit_adam", "parallel.zero_stage": "1"}, 2),
         ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2"}, 2),
-        ({"training.micro_batch_size": "auto", "training.memory_budget_gb": "2",
-          "parallel.zero_stage": "3", "training.global_batch_size": "10"}, 2),
+        (
+            {
+                "training.micro_batch_size": "auto",
+                "training.memory_budget_gb": "2",
+                "parallel.zero_stage": "3",
+                "training.global_batch_size": "10",
+            },
+            2,
+        ),
         ({"optim.name": "onebit_adam", "parallel.zero_stage": "1"}, 2),
         ({"optim.name": "onebit_adam", "parallel.zero_stage": "2"}, 2),
         ({"parallel.ep": "2", "model.moe.num_experts": "4", "training.precision": "fp16"}, 2),
         ({"model.moe.num_experts": "4", "parallel.tp": "2"}, 2),
         ({"model.moe.num_experts": "4", "parallel.tp": "2"}, 4),
         ({"parallel.ep": "2", "model.moe.num_experts": "4", "parallel.zero_stage": "1"}, 2),
-        ({"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
-          "parallel.pp_stages_per_rank": "2"}, 2),
-        ({"model.preset": "moe-tiny", "parallel.pp": "2", "parallel.tp": "2", "parallel.ep": "2",
-          "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_stages_per_rank": "2"}, 8),
+        (
+            {
+                "model.preset": "moe-tiny",
+                "parallel.pp": "2",
+                "parallel.pp_schedule": "zero_bubble",
+                "parallel.pp_stages_per_rank": "2",
+            },
+            2,
+        ),
+        (
+            {
+                "model.preset": "moe-tiny",
+                "parallel.pp": "2",
+                "parallel.tp": "2",
+                "parallel.ep": "2",
+                "parallel.pp_schedule": "interleaved_1f1b",
+                "parallel.pp_stages_per_rank": "2",
+            },
+            8,
+        ),
         ({"model.moe.num_experts": "4", "parallel.tp": "2", "parallel.ep": "2"}, 8),
         ({"parallel.ep": "2", "model.moe.num_experts": "4", "training.oom_recovery": "true"}, 2),
         ({"optim.name": "onebit_adam", "parallel.tp": "2"}, 4),
@@ -417,7 +447,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
     """Record, instead of starting, the workers a `distrain train` would launch."""
     launched: list[int | None] = []
     monkeypatch.setattr(
-        distrain.launch,
+        distrain.launch.torchrun,
         "launch",
         lambda plan, argv, run_dir, checkpoints: launched.append(plan.world_size),
     )
@@ -603,9 +633,10 @@ def test_read_only_folders_are_refused_before_launch(tmp_path):
 
 
 def test_worker_entry_does_not_import_the_cli():
-    """cli.py imports train.py (to run a worker); train.py and args.py must not import cli.py."""
+    """cli.py imports the worker entry (to run a worker); the worker, the argument parser, the
+    layout rules and the preflight must not import cli.py."""
     root = Path(__file__).parent.parent / "distrain"
-    for module in ("train.py", "args.py", "layout.py", "preflight.py"):
+    for module in ("train/worker.py", "config/args.py", "layout/rules.py", "launch/preflight.py"):
         tree = ast.parse((root / module).read_text())
         imported = {
             node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from distrain.optim import load_optimizer_state_dict, optimizer_state_dict
-from distrain.parallel.zero1 import Zero1AdamW, owners
+from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
+from distrain.optim.zero1 import Zero1AdamW, owners
 
 SHAPES = [(64, 32), (32,), (32, 32), (16, 32), (8,)]
 OPTIONS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "foreach": True}

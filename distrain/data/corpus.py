@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distrain.config import DataConfig
+from distrain.config.schema import DataConfig
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import DistrainError

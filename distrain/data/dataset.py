@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from distrain.config import DataConfig
+from distrain.config.schema import DataConfig
 from distrain.data.corpus import DataError, read_corpus
 
 Ranges = list[tuple[int, int]]

@@ -24,23 +24,29 @@ from typing import Any, BinaryIO
 
 import torch
 
-from distrain.checkpoint import Entry, checkpoint_storage, committed, read_checkpoints_of, verify
-from distrain.checkpoint_load import _safe_reader, load
-from distrain.config import Config
-from distrain.config_io import load_config
+from distrain.checkpoint.checkpointer import (
+    Entry,
+    checkpoint_storage,
+    committed,
+    read_checkpoints_of,
+    verify,
+)
+from distrain.checkpoint.load import _safe_reader, load
+from distrain.config.io import load_config
+from distrain.config.schema import Config
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.interop.hf import INDEX_FILE, HfTensor, hf_config, hf_tensors
+from distrain.launch.rundir import run_id
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
-from distrain.rundir import run_id
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DEFAULT_SHARD_MB = 2048
 READ_BATCH_BYTES = 64 * 2**20
-MODEL_KEY = "model"  # the model's part of a training checkpoint (trainer.py's state)
+MODEL_KEY = "model"  # the model's part of a training checkpoint (train/loop.py's state)
 # The files of a Hugging Face tokenizer folder that transformers reads.
 TOKENIZER_FILES = (
     "tokenizer.json",

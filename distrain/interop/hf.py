@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from distrain.checkpoint_metadata import plain_file_name
+from distrain.checkpoint.metadata import plain_file_name
 from distrain.errors import ConfigError
 from distrain.models.gpt import ModelArgs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from distrain.config import ConfigError, ModelConfig
+from distrain.config.schema import ConfigError, ModelConfig
 from distrain.models.gpt import ModelArgs
 from distrain.models.moe import MoEArgs
 
@@ -131,7 +131,7 @@ PRESETS: dict[str, ModelArgs] = {
 
 def model_args(cfg: ModelConfig) -> ModelArgs:
     """The preset named by cfg.preset with cfg's non-None fields applied over it (a sequence
-    longer than its max_seq_len is refused by layout.py, never silently allowed for)."""
+    longer than its max_seq_len is refused by layout/rules.py, never silently allowed for)."""
     if cfg.init_from:
         # The checkpoint's own config.json is the shape (interop sits above models: imported
         # here, on use, to keep the module order).

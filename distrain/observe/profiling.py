@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.autograd.profiler import record_function
 
-from distrain.config import ProfileConfig
+from distrain.config.schema import ProfileConfig
 from distrain.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 feedback) and a topology-aware hierarchical all-reduce, each counting the bytes it sends.
 
 This module owns the hooks and their byte/time accounting (`CommStats`); it creates no process
-groups (distrain/mesh.py does) and registers nothing (the caller does
+groups (distrain/parallel/mesh.py does) and registers nothing (the caller does
 `ddp.register_comm_hook(*build_comm_hook(...))`).
 
 No `from __future__ import annotations` here: DDP checks a hook's `bucket` annotation with

@@ -7,7 +7,7 @@ now DTensors sharded Shard(0) over the ep mesh: rank r holds experts r*L .. (r+1
 num_experts / ep). Names and global shapes are those of the unsplit model, so seeded init,
 DCP checkpoints and resharding across ep degrees need nothing EP-specific. FSDP2 then shards
 these weights further over the data-parallel ranks EP does not use (`dp_mod_ep`), as torchtitan
-does (data.py's `apply_fsdp` with `expert_mesh`).
+does (data_parallel.py's `apply_fsdp` with `expert_mesh`).
 
 One forward of an ExpertParallel, on rows already sorted by global expert:
 1. counts: every rank sends each peer how many rows it has for each of that peer's experts
@@ -106,7 +106,7 @@ class ExpertParallel(nn.Module):
         self.names = [name for name, _ in experts.named_parameters(recurse=False)]
         for name in self.names:
             full = getattr(experts, name)
-            # The local slice of a torch.chunk split (exact: layout.py makes ep divide E).
+            # The local slice of a torch.chunk split (exact: layout/rules.py makes ep divide E).
             local = full.detach().chunk(self.ep)[ep_mesh.get_local_rank()].clone()
             sharded = DTensor.from_local(
                 local, ep_mesh, (Shard(0),), run_check=False, shape=full.shape, stride=full.stride()

@@ -53,7 +53,7 @@ def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:
     The last stage never gets an extra layer when num_stages > 1.
     """
     if num_stages < 1 or num_stages > n_layers:
-        # layout.py refuses such configs; this guards direct callers.
+        # layout/rules.py refuses such configs; this guards direct callers.
         raise ValueError(f"{n_layers} layers cannot fill {num_stages} stages")
     counts = [n_layers // num_stages] * num_stages
     extra_order = list(range(1, num_stages - 1)) + [0]
@@ -67,7 +67,7 @@ def stage_ids_for_rank(
     pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str
 ) -> list[int]:
     """The stages pp rank `pp_rank` holds, in increasing order (loop placement, see module doc).
-    Which schedules take how many stages per rank is one of layout.py's rules."""
+    Which schedules take how many stages per rank is one of layout/rules.py's rules."""
     return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 

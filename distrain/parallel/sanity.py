@@ -29,7 +29,7 @@ from distrain.parallel.local import local_tensor
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from distrain.parallel import ParallelModel
+    from distrain.parallel.model import ParallelModel
 
 
 class ReplicaMismatchError(DistrainError):

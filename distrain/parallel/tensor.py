@@ -4,8 +4,8 @@ This module owns the TP layout plan: which GPT parameters are split over the ten
 axis and where activations are gathered or scattered, expressed with DTensor parallel styles and
 applied from the outside by `parallelize_module` (the model itself holds no parallel code), and
 the loss context the trainer wraps the cross entropy and its backward in. Whether a model splits
-evenly over `parallel.tp` ranks is one of layout.py's rules (DTensor would accept uneven shards:
-a head cut between ranks is no longer attention).
+evenly over `parallel.tp` ranks is one of layout/rules.py's rules (DTensor would accept uneven
+shards: a head cut between ranks is no longer attention).
 
 The split (Megatron-LM): attention heads and the MLP's hidden units are divided over the ranks
 (wq/wk/wv and w_up column-parallel, wo and w_down row-parallel), so each block costs one
@@ -112,7 +112,7 @@ class _Replicated(ParallelStyle):
 
 def _block_plan(sequence_parallel: bool, *, swiglu: bool) -> dict[str, ParallelStyle]:
     """Layouts for one Block's submodules, keyed by their names inside the block. Key/value
-    heads split like query heads (layout.py makes sure whole heads land on each rank)."""
+    heads split like query heads (layout/rules.py makes sure whole heads land on each rank)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "attn.wq": ColwiseParallel(),

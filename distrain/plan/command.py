@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from distrain.config import Config
-from distrain.config_io import load_config
+from distrain.config.io import load_config
+from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.plan.calibrate import calibrate, load_calibration
 from distrain.plan.search import plan, table, to_json

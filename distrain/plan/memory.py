@@ -35,14 +35,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distrain.config import Config
-from distrain.layout import validate
-from distrain.mesh import DistContext
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
-from distrain.optim import build_optimizer
-from distrain.parallel import ParallelModel, build_parallel_model
+from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.local import local_tensor
+from distrain.parallel.mesh import DistContext
+from distrain.parallel.model import ParallelModel, build_parallel_model
 
 
 @dataclass(frozen=True)

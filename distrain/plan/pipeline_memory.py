@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from distrain.config import Config
-from distrain.layout import validate
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
-from distrain.optim import build_optimizer
-from distrain.parallel import cross_entropy
-from distrain.parallel.layers import apply_activation_checkpointing
+from distrain.optim.builder import build_optimizer
+from distrain.parallel.model import cross_entropy
 from distrain.parallel.tensor import tp_loss_context
+from distrain.parallel.wrappers import apply_activation_checkpointing
 from distrain.plan.memory import (
     LiveBytes,
     fake_world,
@@ -152,7 +152,7 @@ def _parallelize_stage(part: GPT, cfg: Config, dims, mesh) -> None:  # noqa: ANN
 def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
     if dims.dp_wrapper != "fsdp":
         return part
-    from distrain.parallel.data import apply_fsdp
+    from distrain.parallel.data_parallel import apply_fsdp
 
     return apply_fsdp(part, mesh, dims, precision=cfg.training.precision)
 

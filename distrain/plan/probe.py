@@ -43,14 +43,14 @@ import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distrain.config import Config
-from distrain.layout import validate
-from distrain.mesh import DistContext
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
 from distrain.models.gpt import GPT, init_weights
-from distrain.optim import build_optimizer
-from distrain.parallel import build_parallel_model
+from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.grad_norm import clip_grad_norm
+from distrain.parallel.mesh import DistContext
+from distrain.parallel.model import build_parallel_model
 from distrain.plan.collectives import LinkCost
 from distrain.plan.memory import fake_world
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from distrain.config import Config
+from distrain.config.schema import Config
 from distrain.errors import ConfigError
-from distrain.layout import validate
-from distrain.layout_facts import divisors
+from distrain.layout.facts import divisors
+from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args, num_params
-from distrain.optim import param_groups
-from distrain.parallel.onebit_zero import held_state_bytes
+from distrain.optim.builder import param_groups
+from distrain.optim.onebit_zero import held_state_bytes
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time

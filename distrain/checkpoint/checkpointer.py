@@ -1,0 +1,711 @@
+"""Checkpoints: sharded DCP saves in <checkpoint dir>/step-<NNNNNNNN>/, committed by a manifest.
+
+Protocol (the same for a local folder and an object store):
+1. every rank writes its DCP shards (synchronously, or in a background thread with `async`),
+   hashing each file's bytes as they go out (storage.HashingWriter: nothing is read back);
+2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
+   small `rank<N>.json` beside them;
+3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
+   step, kind, world size, layout, versions) last and atomically. Only then does the checkpoint
+   exist for resume, and only then does retention delete older temporary checkpoints.
+Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
+checkpoints, and claims its checkpoint location (OWNER.json) so that a second run sent there by
+mistake is refused before its first step rather than deleting the first one's files.
+A save that fails on any rank fails on all: its directory is removed and the cause reported in
+one line; too many failures in a row stop the run. Resume takes the newest checkpoint whose
+manifest verifies (every rank hashing a share of its files); a torn, truncated or corrupted one
+is reported and skipped. A manifest and a `.metadata` are data from storage: names must stay
+inside the checkpoint folder, and the metadata is decoded without running code
+(metadata.py); one that fails either check is skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import posixpath
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import distrain
+from distrain.checkpoint.load import load, read_metadata, root_cause
+from distrain.checkpoint.metadata import plain_file_name
+from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
+from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
+from distrain.config.schema import Config
+from distrain.errors import CheckpointError, ConfigError
+from distrain.observe import heartbeat
+from distrain.parallel.mesh import checkpoint_group
+
+MANIFEST = "MANIFEST.json"
+UNREADABLE: dict[str, Any] = {"unreadable": True}
+"""The manifest of an Entry whose MANIFEST.json is not a readable JSON object."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+STEP_PREFIX = "step-"
+OWNER = "OWNER.json"
+"""At the root of a checkpoint location: the run that writes there."""
+DCP_METADATA = ".metadata"
+
+
+def checkpoint_storage(cfg: Config) -> Storage:
+    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default.
+    The bytes it moves are progress for the hang watchdog."""
+    return Storage(
+        cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
+        retry_s=cfg.checkpoint.storage_retry_s,
+        on_progress=heartbeat.moved,
+    )
+
+
+def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) -> None:
+    """Point `cfg` (a run folder's config.toml) at where a reading command (generate, export)
+    takes the run's checkpoints from: `checkpoint_dir` when given, else the run's own location,
+    which must lie inside the run folder. A run folder is data that anyone may have written: a
+    checkpoint.dir elsewhere (another folder, a bucket) is read only when the user names it."""
+    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
+    if checkpoint_dir is not None:
+        cfg.checkpoint.dir = checkpoint_dir
+        return
+    named = cfg.checkpoint.dir
+    if named and ("://" in named or not Path(named).resolve().is_relative_to(run_dir.resolve())):
+        raise ConfigError(
+            f"{run_dir / 'config.toml'} keeps checkpoints at {named[:200]!r}, outside the run "
+            f"folder; pass --checkpoint-dir {named[:200]!r} to read them there"
+        )
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    suffix = name.removeprefix(STEP_PREFIX)
+    return int(suffix) if name.startswith(STEP_PREFIX) and suffix.isdigit() else None
+
+
+def _rank_record(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed checkpoint."""
+
+    step: int
+    path: str
+    manifest: dict[str, Any]
+
+    @property
+    def permanent(self) -> bool:
+        """Never pruned: a permanent save, or a preempt save at a step a permanent one was due."""
+        return bool(self.manifest.get("permanent", self.manifest.get("kind") == "permanent"))
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.get("kind", "temporary")
+
+
+def scan(storage: Storage) -> tuple[list[Entry], list[str]]:
+    """Every checkpoint with a manifest, oldest first (not yet verified), and the names of the
+    step folders without one (torn saves, deleted manifests)."""
+    found, torn = [], []
+    for name in storage.listdir():
+        step = _step_of(name)
+        if step is None:
+            continue
+        path = storage.path(name)
+        if not storage.exists(f"{path}/{MANIFEST}"):
+            torn.append(name)
+            continue
+        try:
+            manifest = json.loads(storage.read_text(f"{path}/{MANIFEST}"))
+        except (OSError, ValueError):  # not StorageError: an unreachable store is no verdict
+            manifest = None
+        found.append(Entry(step, path, manifest if isinstance(manifest, dict) else UNREADABLE))
+    return sorted(found, key=lambda e: e.step), torn
+
+
+def committed(storage: Storage) -> list[Entry]:
+    """Every checkpoint with a manifest, oldest first (not yet verified)."""
+    return scan(storage)[0]
+
+
+def manifest_problem(entry: Entry) -> str | None:
+    """Why `entry`'s manifest cannot be trusted to describe its folder, or None. A manifest is
+    data from storage: its names must stay inside the folder and its entries be well formed."""
+    manifest = entry.manifest
+    if manifest is UNREADABLE:
+        return "manifest unreadable"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "manifest lists no files"
+    for name, info in files.items():
+        if not plain_file_name(name):
+            return f"manifest names {str(name)[:80]!r}, which is not a file in the checkpoint"
+        if not (
+            isinstance(info, dict)
+            and type(info.get("size")) is int
+            and info["size"] >= 0
+            and isinstance(info.get("sha256"), str)
+            and _SHA256.fullmatch(info["sha256"])
+        ):
+            return f"manifest entry {name!r} is malformed (needs a size and a SHA-256)"
+    if DCP_METADATA not in files:
+        return f"manifest lists no {DCP_METADATA}"
+    if manifest.get("step") != entry.step:
+        return f"manifest says step {str(manifest.get('step'))[:20]}, its folder {entry.step}"
+    return None
+
+
+def verify(storage: Storage, entry: Entry, names: list[str] | None = None) -> str | None:
+    """None if the files `names` (default: all the manifest lists) are there with their size and
+    checksum, else why not. The `.metadata` among them is also decoded (it may not ask for
+    anything a checkpoint may not contain) and must point only at files the manifest lists,
+    within their sizes. Raises StorageError only when the storage cannot be read."""
+    problem = manifest_problem(entry)
+    if problem is not None:
+        return problem
+    files = entry.manifest["files"]
+    for name in sorted(files) if names is None else names:
+        size = files[name]["size"]
+        path = f"{entry.path}/{name}"
+        if not storage.exists(path):
+            return f"{name} is missing"
+        if storage.size(path) != size:
+            return f"{name} has {storage.size(path)} bytes, manifest says {size}"
+        if storage.sha256(path, max_bytes=size) != files[name]["sha256"]:
+            return f"{name} fails its SHA-256 checksum"
+        if name == DCP_METADATA:
+            try:
+                problem = _metadata_problem(read_metadata(storage, path), files)
+            except StorageError:
+                raise
+            except CheckpointError as e:
+                return str(e)
+            if problem is not None:
+                return f"{name}: {problem}"
+    return None
+
+
+def _metadata_problem(metadata: Any, files: dict[str, Any]) -> str | None:
+    """Whether the decoded metadata reads only files of the manifest, within their sizes."""
+    for info in (metadata.storage_data or {}).values():
+        listed = files.get(info.relative_path)
+        if listed is None:
+            return f"points at {info.relative_path!r}, which the manifest does not list"
+        if info.offset + info.length > listed["size"]:
+            return f"reads past the end of {info.relative_path}"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class _Pending:
+    """The async save in flight; `attempt` is set, then `recorded`, by the saving thread."""
+
+    step: int
+    path: str
+    kind: str
+    free_bytes: int | None
+    future: Future
+    recorded: threading.Event
+    attempt: Attempt | None = None
+
+
+class Checkpointer:
+    """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
+
+    A save that fails on any rank is failed on every rank: its directory is removed, the cause
+    is logged as one line and passed to `on_failure`, and after `max_failed_saves` failures in a
+    row `CheckpointError` stops the run (the newest committed checkpoint stays intact).
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        run_id: str,
+        layout: str,
+        async_mode: bool,
+        keep_temporary: int,
+        logger: logging.Logger,
+        resume_from: str = "",
+        max_failed_saves: int = 3,
+        collective_timeout_s: float = 7200.0,
+        on_failure: Callable[[int, str], None] | None = None,
+    ):
+        self.storage, self.layout, self.async_mode = storage, layout, async_mode
+        if keep_temporary < 1:
+            raise ValueError("keep_temporary must be >= 1: the newest checkpoint is always kept")
+        self.run_id, self.resume_from = run_id, resume_from
+        self.keep_temporary, self.log = keep_temporary, logger
+        self.damaged: set[int] = set()
+        """Steps of this storage that restore_latest found damaged: never counted by retention."""
+        self.max_failed_saves, self.on_failure = max_failed_saves, on_failure
+        self.rank, self.world_size = _rank(), _world()
+        self.group = checkpoint_group(collective_timeout_s)
+        self.pending: _Pending | None = None
+        # rank 0: step -> (path, kind, permanent)
+        self.uncommitted: dict[int, tuple[str, str, bool]] = {}
+        self.failed_in_a_row = 0
+        self.newest_committed: int | None = None
+
+    # --- collectives on the checkpoint group ---------------------------------------------------
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def save(
+        self, step: int, state: dict[str, Any], *, permanent: bool, preempt: bool = False
+    ) -> None:
+        """Collective. Returns once the state is captured (async) or written and committed
+        (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
+        `preempt`: the save a stop signal asked for (kind "preempt", see `prune`); with
+        `permanent` too it is also kept like a permanent one."""
+        self.wait()
+        kind = "preempt" if preempt else "permanent" if permanent else "temporary"
+        path = self.storage.path(step_name(step))
+        prepared: tuple[str | None, int | None] = (None, None)
+        if self.rank == 0:
+            try:
+                self._check_owner()
+                self.storage.remove(path)  # a torn save of this step from an earlier attempt
+                self.storage.makedirs(path)
+                prepared = (None, self.storage.free_bytes())
+            except Exception as e:
+                prepared = (str(e) if isinstance(e, StorageError) else one_line(e), None)
+        prep_error, free_bytes = self._broadcast(prepared)
+        if prep_error is not None:
+            # Nothing of this save was written: the folder, if any, is not this save's to remove
+            # (another run's, when the location is not this run's).
+            self._failed(step, None, f"checkpoint {step_name(step)} not saved: {prep_error}")
+            return
+        writer = self.storage.dcp_writer(path)
+        start = time.perf_counter()
+        if self.async_mode:
+            try:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            except (Exception, CheckpointException) as e:  # staging failed: nothing in flight
+                self._settle(step, path, kind, self._finish_part(path, writer, e), free_bytes)
+                return
+            pending = _Pending(step, path, kind, free_bytes, future, threading.Event())
+
+            def record(done: Future) -> None:
+                try:
+                    pending.attempt = self._finish_part(path, writer, done.exception())
+                finally:
+                    pending.recorded.set()
+
+            future.add_done_callback(record)
+            self.pending = pending
+            if self.rank == 0:
+                self.uncommitted[step] = (path, kind, permanent)
+            self.log.info(
+                "checkpoint step %d (%s) captured in %.2fs", step, kind, time.perf_counter() - start
+            )
+            return
+        error: BaseException | None = None
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+        except (Exception, CheckpointException) as e:
+            error = e
+        attempt = self._finish_part(path, writer, error)
+        if attempt.error is None:
+            self.log.info(
+                "checkpoint step %d (%s) written in %.2fs", step, kind, time.perf_counter() - start
+            )
+            if self.rank == 0:
+                self.uncommitted[step] = (path, kind, permanent)
+        self._settle(step, path, kind, attempt, free_bytes)
+
+    def _finish_part(
+        self, path: str, writer: HashingWriter, error: BaseException | None
+    ) -> Attempt:
+        """This rank's verdict on its part; on success its file record (size and SHA-256 of
+        each file, hashed while writing) goes beside the files. Runs in the saving thread for
+        async saves, so it never raises."""
+        if error is None:
+            try:
+                self.storage.write_text_atomic(
+                    f"{path}/{_rank_record(self.rank)}", json.dumps(writer.written)
+                )
+            except Exception as e:
+                error = e
+        if error is None:
+            return Attempt(planned_bytes=writer.planned_bytes)
+        if isinstance(error, StorageError):
+            cause = str(error)
+        else:
+            cause = (
+                f"writing to {self.storage.url} failed on rank {self.rank} ({root_cause(error)})"
+            )
+        return Attempt(
+            error=cause,
+            disk_full=disk_full(error, writer),
+            planned_bytes=writer.planned_bytes,
+        )
+
+    def _settle(
+        self, step: int, path: str, kind: str, attempt: Attempt, free_bytes: int | None
+    ) -> None:
+        """Collective: combine every rank's attempt; commit the save if all succeeded, else
+        remove it and count the failure."""
+        attempts = self._all_gather(attempt)
+        failed = [a for a in attempts if a.error is not None]
+        commit_error = None
+        if not failed:
+            if self.rank == 0:
+                try:
+                    self._commit(step)
+                except Exception as e:
+                    commit_error = str(e) if isinstance(e, StorageError) else one_line(e)
+            commit_error = self._broadcast(commit_error)
+        if not failed and commit_error is None:
+            self.failed_in_a_row = 0
+            self.newest_committed = step
+            return
+        needed = sum(a.planned_bytes for a in attempts)
+        if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
+            free = "?" if free_bytes is None else mb_text(free_bytes)
+            cause = f"disk full on {self.storage.url} ({free} MB free, {mb_text(needed)} MB needed)"
+        else:
+            cause = failed[0].error if failed else f"commit failed ({commit_error})"
+        self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")
+
+    def _failed(self, step: int, path: str | None, message: str) -> None:
+        """A failed save on every rank: remove its files (at `path`, if it wrote any), report
+        it, stop after too many."""
+        self.uncommitted.pop(step, None)
+        if self.rank == 0 and path is not None:
+            try:
+                self.storage.remove(path)
+            except Exception as e:
+                self.log.warning("could not remove the failed save %s: %s", path, one_line(e))
+        self.failed_in_a_row += 1
+        self.log.error("%s", message)
+        if self.on_failure is not None:
+            self.on_failure(step, message)
+        if self.failed_in_a_row >= self.max_failed_saves:
+            newest = "none" if self.newest_committed is None else step_name(self.newest_committed)
+            raise CheckpointError(
+                f"{message}; {self.failed_in_a_row} saves in a row failed "
+                f"(checkpoint.max_failed_saves = {self.max_failed_saves}), stopping; newest "
+                f"committed checkpoint: {newest}"
+            )
+
+    def _commit(self, step: int) -> None:
+        """Rank 0: write the manifest of a save whose ranks have all recorded their part."""
+        if step not in self.uncommitted:
+            return  # committed already by commit_ready
+        path, kind, permanent = self.uncommitted[step]
+        self._check_owner()
+        files: dict[str, Any] = {}
+        for r in range(self.world_size):
+            files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
+        manifest = {
+            "step": step,
+            "run_id": self.run_id,
+            "kind": kind,
+            "permanent": permanent,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "distrain_version": distrain.__version__,
+            "torch_version": torch.__version__,
+            "time": time.time(),
+            "files": files,
+        }
+        write_manifest(self.storage, path, manifest)
+        del self.uncommitted[step]
+        self.newest_committed = step
+        self.log.info("checkpoint %s committed", self.storage.url_of(path))
+        self.prune()
+
+    def commit_ready(self) -> None:
+        """Rank 0, no collective: commit an async save whose ranks have all recorded their part,
+        then apply retention. Cheap enough to call at every logging step; a storage error here
+        is a warning (the collective `wait` settles the save for good)."""
+        if self.rank != 0:
+            return
+        for step, (path, *_) in sorted(self.uncommitted.items()):
+            try:
+                names = set(self.storage.listdir(path))
+                if all(_rank_record(r) in names for r in range(self.world_size)):
+                    self._commit(step)
+            except Exception as e:
+                self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
+
+    def prune(self) -> None:
+        """Keep the newest `keep_temporary` temporary checkpoints, the one just committed and
+        every permanent one; drop torn saves older than the newest committed checkpoint. Only
+        this run's checkpoints that can still be resumed count (`_counts_for_retention`). Only
+        ever after a commit, and never fatal: a storage error leaves the files for the next
+        prune and logs a warning. A preempt checkpoint is what the next start resumes from:
+        kept while it is the newest, counted as temporary once a later one is committed."""
+        try:
+            self._prune()
+        except Exception as e:
+            self.log.warning(
+                "retention skipped on %s: %s", self.storage.url, str(e).splitlines()[0][:400]
+            )
+
+    def _prune(self) -> None:
+        found = committed(self.storage)
+        entries = [e for e in found if self._counts_for_retention(e)]
+        temporary = [
+            e for e in entries if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
+        ]
+        kept = {e.step for e in temporary[-self.keep_temporary :]} | {self.newest_committed}
+        for entry in temporary:
+            if entry.step not in kept:
+                remove_checkpoint(self.storage, entry.path)
+                self.log.info("retention: removed temporary checkpoint step %d", entry.step)
+        newest_step = max((e.step for e in entries), default=-1)
+        committed_steps = {e.step for e in found}
+        for name in self.storage.listdir():
+            step = _step_of(name)
+            if (
+                step is not None
+                and step < newest_step
+                and step not in committed_steps
+                and step not in self.uncommitted
+            ):
+                self.storage.remove(self.storage.path(name))
+
+    def _counts_for_retention(self, entry: Entry) -> bool:
+        """Only this run's checkpoints that can still be resumed count towards (and are
+        removed by) retention: a damaged one never pushes a good one out."""
+        if entry.manifest.get("run_id") != self.run_id or entry.step in self.damaged:
+            return False
+        if manifest_problem(entry) is not None:
+            return False
+        present = set(self.storage.listdir(entry.path))
+        return set(entry.manifest["files"]) <= present
+
+    def claim_location(self) -> None:
+        """Collective, after resuming and before the first step (a start that fails before it
+        leaves the location as it was): this run's checkpoints may go to its location only if
+        no other run's do. The first run to start there records itself in OWNER.json; any
+        other is refused in one line (two runs in one location delete each other's files)."""
+        error = None
+        if self.rank == 0:
+            try:
+                if self._owner() is None:
+                    owner = {"run_id": self.run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    self.storage.write_text_atomic(self.storage.path(OWNER), json.dumps(owner))
+                self._check_owner()
+            except CheckpointError as e:
+                error = str(e)
+            except Exception as e:
+                error = f"cannot claim {self.storage.url}: {one_line(e)}"
+        error = self._broadcast(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _owner(self) -> dict[str, Any] | None:
+        path = self.storage.path(OWNER)
+        if not self.storage.exists(path):
+            return None
+        try:
+            owner = json.loads(self.storage.read_text(path))
+        except ValueError:
+            owner = None
+        if not isinstance(owner, dict) or not isinstance(owner.get("run_id"), str):
+            raise CheckpointError(
+                f"checkpoint location {self.storage.url} has an unreadable {OWNER}; "
+                "choose another checkpoint.dir"
+            )
+        return owner
+
+    def _check_owner(self) -> None:
+        """Raise unless this run owns the checkpoint location (or nobody has claimed it)."""
+        owner = self._owner()
+        if owner is not None and owner["run_id"] != self.run_id:
+            raise CheckpointError(
+                f"checkpoint.dir {self.storage.url} belongs to another run (run id "
+                f"{owner['run_id'][:40]}, since {str(owner.get('since'))[:40]}); give this run "
+                "its own checkpoint.dir, or set checkpoint.resume_from to start from one of "
+                "that run's checkpoints"
+            )
+
+    def wait(self) -> None:
+        """Collective: finish the async save in flight (if any) and settle it (commit, or count
+        it as failed)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        with contextlib.suppress(Exception, CheckpointException):
+            pending.future.result()  # its exception, if any, is in pending.attempt
+        pending.recorded.wait()
+        attempt = pending.attempt or Attempt(error="the save thread ended without a verdict")
+        self._settle(pending.step, pending.path, pending.kind, attempt, pending.free_bytes)
+
+    # --- restoring ---------------------------------------------------------------------------
+
+    def restore_latest(self, state: dict[str, Any]) -> int | None:
+        """Collective. Load the newest checkpoint that verifies; returns its step, or None.
+        Rank 0 lists the candidates; every rank verifies a share of each one's files."""
+        found: tuple[list[Entry], list[str], str | None] = ([], [], None)
+        if self.rank == 0:
+            unlisted = (
+                f"cannot list checkpoints under {self.storage.url}: %s; resuming is impossible "
+                "until the storage answers"
+            )
+            try:
+                self._check_owner()
+                found = (*scan(self.storage), None)
+            except StorageError as e:
+                found = ([], [], unlisted % e)
+            except CheckpointError as e:  # another run's location
+                found = ([], [], str(e))
+            except Exception as e:
+                found = ([], [], unlisted % one_line(e))
+        entries, torn, error = self._broadcast(found)
+        if error is not None:
+            raise CheckpointError(error)
+        for name in torn:
+            self.log.warning(
+                "checkpoint %s is incomplete (no %s: its save never finished, or the manifest "
+                "was deleted); ignoring it",
+                self.storage.url_of(self.storage.path(name)),
+                MANIFEST,
+            )
+        for entry in reversed(entries):
+            if entry.manifest is not UNREADABLE and entry.manifest.get("run_id") != self.run_id:
+                self.log.warning(
+                    "checkpoint %s belongs to another run (run id %s); ignoring it (set "
+                    "checkpoint.resume_from to start from it)",
+                    self.storage.url_of(entry.path),
+                    str(entry.manifest.get("run_id"))[:40],
+                )
+                continue
+            if self._restored(self.storage, entry, state):
+                return entry.step
+            self.damaged.add(entry.step)
+        if self.resume_from:
+            return self._restore_from(self.resume_from, state)
+        return None
+
+    def _restored(self, storage: Storage, entry: Entry, state: dict[str, Any]) -> bool:
+        """Collective: load `entry` into `state` if it verifies; else say why and return False."""
+        problem = self._verify_shared(storage, entry)
+        if problem is not None:
+            self.log.warning(
+                "checkpoint %s is damaged (%s); skipping it for the previous one",
+                storage.url_of(entry.path),
+                problem,
+            )
+            return False
+        load(storage, entry.path, state, process_group=self.group)
+        if storage is self.storage:
+            self.newest_committed = entry.step
+        return True
+
+    def _restore_from(self, location: str, state: dict[str, Any]) -> int:
+        """Collective: start from another run's checkpoint folder (checkpoint.resume_from)."""
+        parent, name = posixpath.split(location.rstrip("/"))
+        step = _step_of(name)
+        if step is None:
+            raise CheckpointError(
+                f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
+                f"{STEP_PREFIX}NNNNNNNN"
+            )
+        storage = Storage(parent, retry_s=self.storage.retry_s)
+        found: tuple[list[Entry], str | None] = ([], None)
+        if self.rank == 0:
+            try:
+                found = ([e for e in scan(storage)[0] if e.step == step], None)
+            except Exception as e:
+                found = ([], str(e) if isinstance(e, StorageError) else one_line(e))
+        entries, error = self._broadcast(found)
+        if error is not None or not entries or not self._restored(storage, entries[0], state):
+            raise CheckpointError(
+                f"checkpoint.resume_from = {location!r} is not a complete, intact checkpoint"
+                + (f" ({error})" if error else "")
+            )
+        self.log.warning(
+            "starting from checkpoint %s of run %s (checkpoint.resume_from), step %d",
+            storage.url_of(entries[0].path),
+            str(entries[0].manifest.get("run_id"))[:40],
+            step,
+        )
+        return step
+
+    def _verify_shared(self, storage: Storage, entry: Entry) -> str | None:
+        """Every rank checks every world_size-th file of `entry`; the first problem found (by
+        rank) is everyone's verdict. A storage that cannot be read stops the resume instead:
+        falling back to an older checkpoint for that would lose work for no reason."""
+        problem = manifest_problem(entry)
+        if problem is not None:
+            return problem
+        share = sorted(entry.manifest["files"])[self.rank :: self.world_size]
+        verdict: tuple[str | None, str | None] = (None, None)
+        try:
+            verdict = (verify(storage, entry, share), None)
+        except StorageError as e:
+            verdict = (None, str(e))
+        except Exception as e:  # what the checkpoint holds, not the storage, is at fault
+            verdict = (one_line(e), None)
+        verdicts = self._all_gather(verdict)
+        fatal = [v[1] for v in verdicts if v[1] is not None]
+        if fatal:
+            raise CheckpointError(
+                f"cannot verify checkpoint {storage.url_of(entry.path)}: {fatal[0]}"
+            )
+        return next((v[0] for v in verdicts if v[0] is not None), None)
+
+
+def corrupt_one_shard(storage: Storage, step: int) -> str:
+    """Fault injection (debug.corrupt_checkpoint_step): flip the first byte of one shard file of
+    a committed checkpoint, as bit rot or a bad disk would. Returns the damaged file."""
+    path = storage.path(step_name(step))
+    shard = next(n for n in storage.listdir(path) if n.endswith(".distcp"))
+    data = bytearray(storage.fs.cat_file(f"{path}/{shard}"))
+    data[0] ^= 0xFF
+    storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
+    return f"{path}/{shard}"
+
+
+def remove_checkpoint(storage: Storage, path: str) -> None:
+    """Manifest first: a removal cut short leaves a torn save (ignored and later pruned), never
+    a committed checkpoint with files missing."""
+    storage.remove(f"{path}/{MANIFEST}")
+    storage.remove(path)
+
+
+def write_manifest(storage: Storage, path: str, manifest: dict[str, Any]) -> None:
+    """The commit point: nothing refers to a checkpoint before its manifest exists."""
+    storage.write_text_atomic(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))

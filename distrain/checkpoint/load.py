@@ -1,0 +1,126 @@
+"""Loading a checkpoint safely: DCP's metadata is decoded by metadata.py's restricted
+unpickler and byte entries by `torch.load(weights_only=True)`, so a checkpoint can never run code;
+a failed load is one line naming the checkpoint and the first rank's cause."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+from distrain.checkpoint.metadata import MAX_METADATA_BYTES, decode_metadata
+from distrain.checkpoint.storage import CHUNK_BYTES, Storage
+from distrain.errors import CheckpointError
+from distrain.torch_compat import dcp_metadata_path, set_nested_element
+
+
+def read_metadata(storage: Storage, meta_path: str) -> Metadata:
+    """The DCP metadata at `meta_path` (a path of `storage`), decoded without running code."""
+
+    def read() -> bytes:
+        with storage.fs.open(meta_path, "rb") as stream:
+            return _read_bounded(stream, storage.on_progress)
+
+    data = storage.call(f"reading {storage.url_of(meta_path)}", read)
+    return _decode(data, storage.url_of(meta_path))
+
+
+def _read_bounded(stream: Any, on_chunk: Callable[[int], None]) -> bytes:
+    """A metadata file's bytes, read a chunk at a time (each one progress), and at most one byte
+    past MAX_METADATA_BYTES: enough for decode_metadata to refuse a larger one."""
+    parts, total = [], 0
+    while total <= MAX_METADATA_BYTES and (chunk := stream.read(CHUNK_BYTES)):
+        parts.append(chunk)
+        total += len(chunk)
+        on_chunk(len(chunk))
+    return b"".join(parts)
+
+
+def _decode(data: bytes, where: str) -> Metadata:
+    """checkpoint_metadata.decode_metadata, its refusal or damage one line naming the file."""
+    try:
+        return decode_metadata(data)
+    except CheckpointError as e:
+        raise type(e)(f"checkpoint metadata {where}: {e}") from None
+
+
+def _safe_reader(storage: Storage, path: str) -> Any:
+    """A DCP reader for `path` whose metadata is decoded by metadata.py."""
+    base = storage.dcp_reader_class()
+
+    class SafeReader(base):
+        refused: CheckpointError | None = None
+        """Why the metadata was refused: DCP folds it into a longer message of its own."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            meta_path = dcp_metadata_path(self, kwargs.get("rank"))
+            with self.fs.create_stream(meta_path, "rb") as stream:  # reports its own progress
+                data = _read_bounded(stream, lambda _nbytes: None)
+            try:
+                metadata = _decode(data, storage.url_of(str(meta_path)))
+            except CheckpointError as e:
+                self.refused = e
+                raise
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(storage.reader_path(path))
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner, but non-tensor entries load with weights_only=True."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_nested_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj
+            )
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load(
+    storage: Storage,
+    path: str,
+    state: dict[str, Any],
+    *,
+    partial: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load the checkpoint at `path` into `state` in place (resharding to the current layout)."""
+    reader = _safe_reader(storage, path)
+    try:
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(allow_partial_load=partial),
+            process_group=process_group,
+        )
+    # DCP wraps per-rank failures in CheckpointException (a BaseException); the cause is what the
+    # user needs.
+    except (Exception, CheckpointException) as e:
+        if reader.refused is not None:
+            raise CheckpointError(str(reader.refused)) from e
+        raise CheckpointError(
+            f"checkpoint {storage.url_of(path)} is corrupt or unreadable ({root_cause(e)}); "
+            "delete it or resume from an earlier one"
+        ) from e
+
+
+def root_cause(error: BaseException) -> str:
+    """The first rank's underlying exception, as one short line."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+        if isinstance(error, AssertionError) and "; " in str(error):  # DCP's metadata read summary
+            return " ".join(str(error).split())[:300]
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"

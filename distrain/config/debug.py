@@ -1,0 +1,104 @@
+"""The `[debug]` section of the config: fault injection for tests and chaos runs, and the
+watchdog, timeout and consistency checks that help find a fault (schema only; schema.py holds
+the rest of the schema)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from distrain.config.ranges import ANY_RANK, AT_LEAST_0, Range, doc
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    fail_at_step: int = doc(
+        0,
+        "Fault injection: crash when this step begins (0 = never); for tests and chaos runs.",
+        AT_LEAST_0,
+    )
+    fail_rank: int = doc(-1, "Rank that crashes at debug.fail_at_step (-1 = every rank).", ANY_RANK)
+    fail_mode: Literal["exception", "kill"] = doc(
+        "exception", "How the injected crash happens: raise an exception, or SIGKILL the process."
+    )
+    fail_attempt: int = doc(
+        0,
+        "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
+        "restarted workers run on.",
+        AT_LEAST_0,
+    )
+    corrupt_checkpoint_step: int = doc(
+        0,
+        "Fault injection: after the checkpoint of this step is committed, flip one byte of one "
+        "of its shard files, so the next resume must detect it and fall back (0 = never).",
+        AT_LEAST_0,
+    )
+    oom_at_step: int = doc(
+        0,
+        "Fault injection: raise an out-of-memory error inside this step (0 = never).",
+        AT_LEAST_0,
+    )
+    oom_rank: int = doc(
+        -1,
+        "Rank that runs out of memory at debug.oom_at_step or debug.oom_at_micro_batch (-1 = "
+        "every rank).",
+        ANY_RANK,
+    )
+    oom_at_micro_batch: int = doc(
+        0,
+        "Fault injection: with training.micro_batch_size = auto, the trial steps of this "
+        "micro-batch size and larger raise an out-of-memory error (0 = never).",
+        AT_LEAST_0,
+    )
+    preempt_delay_s: float = doc(
+        0.0,
+        "Fault injection: after a stop signal, wait this long between writing the preempt "
+        "checkpoint (with checkpoint.async_mode = 'async') and committing it, so a test can "
+        "send a second signal during the save.",
+        AT_LEAST_0,
+    )
+    check_replicas: bool = doc(
+        False,
+        "After every logged step, check that parameters agree across data-parallel replicas "
+        "(and across tp ranks for tp-replicated ones, across stages for a tied embedding); a "
+        "mismatch names the tensor and the ranks.",
+    )
+    collective_timeout_s: float = doc(
+        0.0,
+        "Timeout of every collective, given to every process group (0 = torch's default: 30 "
+        "minutes on gloo, 10 minutes on NCCL). A timed-out group is unusable: the job fails.",
+        AT_LEAST_0,
+    )
+    hang_timeout_s: float = doc(
+        600.0,
+        "Hang watchdog: when a rank's heartbeat (step, phase) has not moved for this long, every "
+        "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
+        "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
+        "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
+        "longest step or evaluation; checkpoint reads and writes count as progress while bytes "
+        "move, so it must exceed only the longest stall of the checkpoint storage.",
+        AT_LEAST_0,
+    )
+    hang_at_step: int = doc(
+        0,
+        "Fault injection: sleep forever inside the backward pass of this step (0 = never), in "
+        "attempt debug.fail_attempt only.",
+        AT_LEAST_0,
+    )
+    hang_rank: int = doc(-1, "Rank that hangs at debug.hang_at_step (-1 = every rank).", ANY_RANK)
+    nan_at_step: int = doc(
+        0,
+        "Fault injection: make one gradient NaN in this step, after backward (0 = never).",
+        AT_LEAST_0,
+    )
+    nan_rank: int = doc(-1, "Rank whose gradient turns NaN at debug.nan_at_step.", ANY_RANK)
+    straggler_ratio: float = doc(
+        1.5,
+        "Warn when the slowest rank's compute time (data + forward, per logged step) exceeds "
+        "this multiple of the median rank's (metrics: slowest_rank, straggler_ratio).",
+        Range(low=1, low_open=True),
+    )
+    slow_rank: int = doc(
+        -1, "Fault injection: this rank sleeps debug.slow_ms in every step (-1 = none).", ANY_RANK
+    )
+    slow_ms: float = doc(0.0, "Milliseconds debug.slow_rank sleeps per step.", AT_LEAST_0)

@@ -1,0 +1,504 @@
+"""The run configuration's schema: typed dataclasses per component, a help text per field, and
+the range of every number (a `Range` in each numeric field's metadata: the rule table of values),
+and the checks between fields that need neither the world size nor the model (layout/rules.py has
+those). The `[debug]` section's schema lives in debug.py.
+
+A config is resolved in three layers (see io.py): the dataclass defaults, then a TOML file
+(`--config`), then dotted command-line overrides (`--training.steps 200`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from distrain.config.debug import DebugConfig
+from distrain.config.ranges import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    AUTO_OR_AT_LEAST_1,
+    BETA,
+    FRACTION,
+    POSITIVE,
+    Range,
+    doc,
+)
+from distrain.errors import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    dir: str = doc(
+        "runs/default", "Run directory: config.toml, metrics.jsonl, logs/, tb/, checkpoints/."
+    )
+    resume: bool = doc(
+        False,
+        "Require a complete checkpoint in the run directory and continue from it (resume is "
+        "automatic whenever one exists; this flag makes its absence an error).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = doc(
+        "auto", "Device type: auto picks cuda (NCCL) when CUDA is present, else cpu (gloo)."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture of experts; every field None = the preset's value (dense presets: 0 experts)."""
+
+    num_experts: int | None = doc(
+        None, "Routed experts per MoE layer (0 = a dense model).", AT_LEAST_0
+    )
+    top_k: int | None = doc(
+        None, "Experts per token (1 = Switch; > 1 renormalises the k gates).", AT_LEAST_1
+    )
+    every: int | None = doc(
+        None,
+        "An MoE layer in every k-th block (block i when (i + 1) % k == 0), dense MLPs in "
+        "the others.",
+        AT_LEAST_1,
+    )
+    shared_experts: int | None = doc(
+        None,
+        "Always-on experts per MoE layer, as one dense MLP of that many expert widths "
+        "(DeepSeek-MoE).",
+        AT_LEAST_0,
+    )
+    ffn_dim: int | None = doc(None, "Hidden size of one expert (0 = model.ffn_dim).", AT_LEAST_0)
+    capacity_factor: float | None = doc(
+        None,
+        "0 = dropless; > 0: each expert takes at most ceil(factor x top_k x tokens / experts) "
+        "token copies of each micro-batch, the rest pass through the residual (Switch).",
+        AT_LEAST_0,
+    )
+    aux_loss_coef: float | None = doc(
+        None,
+        "Weight of Switch's load-balancing loss E x sum_i f_i P_i (with balance = 'aux').",
+        AT_LEAST_0,
+    )
+    z_loss_coef: float | None = doc(
+        None, "Weight of the router z-loss, mean squared logsumexp of router logits.", AT_LEAST_0
+    )
+    balance: Literal["aux", "bias", "none"] | None = doc(
+        None,
+        "Load balancing: aux = the auxiliary loss; bias = DeepSeek-V3's per-expert routing bias, "
+        "moved by moe.bias_update_rate after each step against the load summed over "
+        "data-parallel ranks (kept in checkpoints); none = neither.",
+    )
+    bias_update_rate: float | None = doc(
+        None, "Step of the per-expert bias update (balance = 'bias').", AT_LEAST_0
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = doc("tiny", "Named model preset (see `distrain presets`).")
+    vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
+    dim: int | None = doc(None, "Override the preset's hidden size.", AT_LEAST_1)
+    n_layers: int | None = doc(
+        None, "Override the preset's number of transformer blocks.", AT_LEAST_1
+    )
+    n_heads: int | None = doc(None, "Override the preset's number of attention heads.", AT_LEAST_1)
+    ffn_dim: int | None = doc(None, "Override the preset's MLP hidden size.", AT_LEAST_1)
+    max_seq_len: int | None = doc(
+        None,
+        "Override the preset's longest sequence (training.seq_len may not exceed it; learned "
+        "positions add max_seq_len x dim parameters).",
+        AT_LEAST_1,
+    )
+    norm: Literal["rmsnorm", "layernorm"] | None = doc(None, "Override the preset's norm type.")
+    pos_emb: Literal["rope", "learned"] | None = doc(None, "Override the position encoding.")
+    tie_embeddings: bool | None = doc(
+        None, "Override whether output and input embeddings share weights."
+    )
+    n_kv_heads: int | None = doc(
+        None,
+        "Override the preset's key/value heads (grouped-query attention; must divide n_heads; "
+        "under tensor parallelism parallel.tp must divide it).",
+        AT_LEAST_1,
+    )
+    mlp: Literal["gelu", "swiglu"] | None = doc(
+        None, "Override the MLP: gelu (GPT-2) or swiglu (Llama, gated: a third weight)."
+    )
+    bias: bool | None = doc(None, "Override whether linears and LayerNorms have biases (GPT-2).")
+    rope_theta: float | None = doc(None, "Override the rotary base frequency.", POSITIVE)
+    rope_scaling_factor: float | None = doc(
+        None,
+        "Override Llama 3's rotary frequency scaling factor (1 = none).",
+        Range(low=1),
+    )
+    init_from: str = doc(
+        "",
+        "Start from pretrained weights: 'hf:DIR', a local Hugging Face checkpoint (config.json + "
+        "safetensors) of a Llama or GPT-2 model; its config.json sets the model shape (the "
+        "preset is ignored). Empty: seeded random init.",
+    )
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    path: str = doc(
+        "",
+        "Training data: a text file, a folder of text files, or a token file (.bin raw / .npy). "
+        "Empty: the running Python's standard library source.",
+    )
+    format: Literal["auto", "text", "tokens"] = doc(
+        "auto", "How to read data.path: auto decides by suffix (.bin/.npy = tokens)."
+    )
+    token_dtype: Literal["uint8", "uint16", "uint32", "int32"] = doc(
+        "uint16",
+        "Element type of a raw .bin token file (a file from `distrain prepare` names its own in "
+        "its sidecar, DATA.bin.json).",
+    )
+    tokenizer: str = doc(
+        "bytes",
+        "bytes (UTF-8 bytes, vocab 256), hf:DIR_OR_FILE (a local tokenizer.json) or "
+        "tiktoken:NAME_OR_FILE (a local NAME.tiktoken file, or a NAME in tiktoken's cache). "
+        "Other than bytes, data.path must be a token file from `distrain prepare`.",
+    )
+    glob: str = doc("**/*", "Files to read when data.path is a folder (default corpus: **/*.py).")
+    max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).", AT_LEAST_0)
+    val_fraction: float = doc(
+        0.05,
+        "Fraction of the corpus held out for validation.",
+        Range(low=0, high=1, low_open=True, high_open=True),
+    )
+    max_skew: float = doc(
+        0.05,
+        "Largest allowed relative difference between data-parallel ranks' sample counts.",
+        FRACTION,
+    )
+    skew_action: Literal["warn", "error"] = doc("warn", "What a data-skew above max_skew does.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    steps: int = doc(600, "Optimizer steps to train for.", AT_LEAST_1)
+    global_batch_size: int = doc(
+        32,
+        "Sequences per optimizer step, summed over data-parallel ranks and accumulation steps.",
+        AT_LEAST_1,
+    )
+    micro_batch_size: int | Literal["auto"] = doc(
+        8,
+        "Sequences per forward/backward on one rank; auto = the largest size dividing this "
+        "rank's share of the global batch whose trial step fits in training.memory_budget_gb "
+        "(found before the first step; accumulation keeps the global batch).",
+        AT_LEAST_1,
+    )
+    memory_budget_gb: float | None = doc(
+        None,
+        "Memory a rank may use (GiB), for micro_batch_size = auto: the peak of a trial step "
+        "plus Adam's state must stay within it. Required on CPU; on CUDA None = the device's "
+        "memory.",
+        POSITIVE,
+    )
+    seq_len: int = doc(128, "Tokens per sequence.", AT_LEAST_1)
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = doc(
+        "fp32",
+        "Compute precision: bf16 by autocast; fp16 by autocast with loss scaling; auto = bf16 "
+        "where the device has native bf16 matmuls (CUDA with bf16, a CPU with AMX or "
+        "AVX-512 BF16), else fp32.",
+    )
+    seed: int = doc(
+        1234, "Seed for model init, data order and all RNGs.", Range(low=0, high=2**32 - 1)
+    )
+    deterministic: bool = doc(False, "Use deterministic algorithms only (slower on GPU).")
+    activation_checkpointing: Literal["none", "full", "selective", "selective_op"] = doc(
+        "none",
+        "Recompute activations in backward: full = whole blocks; selective = every "
+        "training.ac_every_layers-th block; selective_op = every block, saving the outputs of "
+        "matmuls, attention and collectives and recomputing the cheap ops between them.",
+    )
+    ac_every_layers: int = doc(
+        2,
+        "With selective activation checkpointing, checkpoint every k-th block.",
+        AT_LEAST_1,
+    )
+    compile: bool | Literal["auto"] = doc(
+        "auto",
+        "torch.compile the model (the whole model on a plain or DDP layout, else each block), "
+        "with a persistent compile cache under the user's cache dir; auto = compile on CUDA, "
+        "eager on CPU (where it measured 1.1-1.3x per step, not worth a cold compile of minutes).",
+    )
+    oom_recovery: bool = doc(
+        False,
+        "Retry a step that runs out of memory with half the micro-batch and twice the "
+        "accumulation (same global batch). Gradients are then all-reduced after the last "
+        "backward instead of overlapping it; data-parallel layouts (no tp/pp/FSDP) only.",
+    )
+    log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.", AT_LEAST_1)
+    eval_interval_steps: int = doc(
+        100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
+    )
+    eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.", AT_LEAST_1)
+    nonfinite: Literal["skip", "stop"] = doc(
+        "skip",
+        "On a non-finite gradient norm: skip the optimizer step on every rank and count it "
+        "(metrics: nonfinite_skipped), or stop naming the step, rank and first parameter. With "
+        "fp16 GradScaler's own overflow skipping applies instead.",
+    )
+    max_nonfinite_steps: int = doc(
+        10, "Stop after this many non-finite steps in a row, even with skip.", AT_LEAST_1
+    )
+    loss_spike_factor: float = doc(
+        3.0,
+        "Metrics flag loss_spike when a logged loss exceeds this many times the running mean of "
+        "the earlier logged losses.",
+        Range(low=1, low_open=True),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class OneBitConfig:
+    freeze_step: int = doc(
+        100,
+        "1-bit Adam: steps of ordinary Adam (fp32 gradient all-reduce) before the variance is "
+        "frozen and the momentum is communicated 1-bit compressed.",
+        AT_LEAST_0,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    name: Literal["adamw", "onebit_adam"] = doc(
+        "adamw",
+        "Optimizer: adamw, or onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2; under "
+        "tp/pp ZeRO 0).",
+    )
+    lr: float = doc(2e-3, "Peak learning rate.", POSITIVE)
+    min_lr_ratio: float = doc(
+        0.1, "Final learning rate of the cosine decay, as a fraction of lr.", FRACTION
+    )
+    warmup_steps: int = doc(20, "Linear warmup steps.", AT_LEAST_0)
+    weight_decay: float = doc(
+        0.1, "AdamW weight decay (not applied to norms, biases, embeddings).", AT_LEAST_0
+    )
+    beta1: float = doc(0.9, "AdamW beta1.", BETA)
+    beta2: float = doc(0.95, "AdamW beta2.", BETA)
+    eps: float = doc(1e-8, "AdamW epsilon.", POSITIVE)
+    max_grad_norm: float = doc(
+        1.0, "Clip gradients to this global norm (0 = no clipping).", AT_LEAST_0
+    )
+    onebit: OneBitConfig = field(default_factory=OneBitConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    dp_replicate: int = doc(
+        -1,
+        "Data-parallel replicas (DDP, or HSDP's replicate axis); -1 = what is left over "
+        "(when zero_stage <= 1).",
+        AUTO_OR_AT_LEAST_1,
+    )
+    dp_shard: int = doc(
+        -1,
+        "Data-parallel shards (FSDP2, zero_stage 2/3); -1 = what is left over (1 when zero_stage "
+        "<= 1).",
+        AUTO_OR_AT_LEAST_1,
+    )
+    tp: int = doc(
+        1, "Tensor-parallel degree (Megatron column/row split, heads across ranks).", AT_LEAST_1
+    )
+    pp: int = doc(1, "Pipeline-parallel degree (stages across ranks).", AT_LEAST_1)
+    cp: int = doc(
+        1,
+        "Context-parallel degree: each sequence split over this many ranks (load-balanced "
+        "chunks; keys and values all-gathered in attention, or passed around a ring: "
+        "cp_method); composes with data and tensor parallel.",
+        AT_LEAST_1,
+    )
+    cp_method: Literal["allgather", "ring"] = doc(
+        "allgather",
+        "How attention sees the other cp ranks' keys and values: allgather (each layer "
+        "gathers the whole sequence's and keeps them for backward) or ring (passed from rank "
+        "to rank while computing; a layer keeps 1/cp of them).",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
+        "1f1b", "Pipeline schedule (torch.distributed.pipelining)."
+    )
+    pp_microbatches: int = doc(
+        -1,
+        "Pipeline micro-batches per step per data-parallel rank; -1 = global batch / "
+        "(micro_batch_size x data-parallel size).",
+        AUTO_OR_AT_LEAST_1,
+    )
+    pp_stages_per_rank: int = doc(
+        1,
+        "Pipeline stages per rank (>= 2 for the interleaved and zero-bubble schedules).",
+        AT_LEAST_1,
+    )
+    zero_stage: int = doc(
+        0,
+        "ZeRO stage: 0 DDP; 1 + optimizer state sharded; 2 + gradients sharded (FSDP2, no "
+        "reshard after forward); 3 + parameters sharded (FSDP2).",
+        Range(low=0, high=3),
+    )
+    sequence_parallel: bool = doc(
+        True, "With tp > 1, shard norms and the residual stream along the sequence."
+    )
+    ep: int = doc(
+        1,
+        "Expert-parallel degree: MoE experts split over this many data-parallel ranks (it "
+        "divides dp_replicate x dp_shard), tokens sent to them with all-to-all; expert "
+        "weights are FSDP-sharded over the remaining data-parallel ranks.",
+        AT_LEAST_1,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    bucket_cap_mb: float = doc(25.0, "DDP gradient bucket size in MiB.", POSITIVE)
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd", "onebit"] = doc(
+        "none",
+        "DDP gradient compression hook: fp16/bf16 casts; powersgd low-rank (with error "
+        "feedback); onebit = signs + one scale per bucket, with error feedback.",
+    )
+    powersgd_rank: int = doc(2, "PowerSGD approximation rank.", AT_LEAST_1)
+    powersgd_start_step: int = doc(
+        10,
+        "PowerSGD: steps of uncompressed all-reduce before compression starts.",
+        Range(low=2, why="DDP rebuilds its buckets after step 1"),
+    )
+    hierarchical: bool = doc(
+        False,
+        "Topology-aware all-reduce: reduce inside each node, all-reduce across one rank per "
+        "node, broadcast inside the node (node size from torchrun's LOCAL_WORLD_SIZE).",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str = doc(
+        "",
+        "Where checkpoints go: a folder or an fsspec URL (s3://bucket/run); empty = "
+        "<run_dir>/checkpoints.",
+    )
+    interval_steps: int = doc(200, "Steps between temporary checkpoints (0 = off).", AT_LEAST_0)
+    interval_minutes: float = doc(
+        60.0, "Minutes between temporary checkpoints (0 = off).", AT_LEAST_0
+    )
+    keep_temporary: int = doc(
+        2,
+        "Newest temporary checkpoints kept; older ones are deleted (only this run's intact "
+        "ones count, and the newest is never deleted).",
+        AT_LEAST_1,
+    )
+    resume_from: str = doc(
+        "",
+        "A checkpoint folder of another run (<dir>/step-NNNNNNNN, a path or URL) to start "
+        "from when this run has no checkpoint of its own; training continues at its step.",
+    )
+    permanent_every_steps: int = doc(
+        0, "Steps between permanent checkpoints (0 = off).", AT_LEAST_0
+    )
+    permanent_every_minutes: float = doc(
+        360.0,
+        "Minutes between permanent checkpoints, never deleted by retention (0 = off).",
+        AT_LEAST_0,
+    )
+    at_end: bool = doc(True, "Save a (permanent) checkpoint after the last step.")
+    async_mode: Literal["none", "async"] = doc(
+        "none",
+        "async: write checkpoints in the background while training goes on (at most one in "
+        "flight; the next save and the end of training wait for it).",
+    )
+    max_failed_saves: int = doc(
+        3,
+        "Stop the run (non-zero exit, newest committed checkpoint intact) after this many "
+        "checkpoint saves in a row have failed (full disk, unreachable storage, ...).",
+        AT_LEAST_1,
+    )
+    storage_retry_s: float = doc(
+        120.0,
+        "How long a checkpoint storage call is retried (exponential backoff) while its error "
+        "may pass (connection refused, timeout, server error) before the save counts as failed "
+        "(0 = no retries).",
+        AT_LEAST_0,
+    )
+    collective_timeout_s: float = doc(
+        7200.0,
+        "Timeout of the checkpoint collectives (a save's planning and commit, verifying on "
+        "resume): long enough to write or hash the largest checkpoint over the slowest storage.",
+        POSITIVE,
+    )
+    preempt_grace_s: int = doc(
+        120,
+        "Seconds a stop signal (SIGTERM, SIGUSR1, SIGINT) leaves the run to finish its step and "
+        "commit a `preempt` checkpoint before it exits (rc 75); the launcher kills workers that "
+        "take longer, and `distrain slurm` asks Slurm for the signal this long before the time "
+        "limit.",
+        AT_LEAST_1,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    tensorboard: bool = doc(True, "Write TensorBoard event files under <run_dir>/tb/.")
+    progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    start_step: int = doc(
+        0,
+        "Profile (torch.profiler) from this step on (0 = off); traces go to "
+        "<run_dir>/profiles/rank<N>/trace.json.",
+        AT_LEAST_0,
+    )
+    num_steps: int = doc(3, "Steps to profile.", AT_LEAST_1)
+    ranks: str = doc("0", "Ranks to profile: 'all' or comma-separated rank numbers.")
+    memory: bool = doc(
+        False, "Also record memory; on CUDA write a snapshot for PyTorch's memory visualizer."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+def sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def numeric_fields(node: Any, path: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
+    """(dotted name, value, field) of every int/float field under `node`, nested sections too."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        name = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            found += numeric_fields(value, name)
+        elif "range" in f.metadata or (
+            isinstance(value, int | float) and not isinstance(value, bool)
+        ):
+            found.append((name, value, f))
+    return found
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no knowledge of the world size or the model (layout/rules.py has those):
+    every number within its field's range, then the relations between fields."""
+    for name, value, f in numeric_fields(cfg):
+        valid = f.metadata.get("range")
+        # A word ("auto") is a choice of the field's type, not a number to range-check.
+        if valid is not None and isinstance(value, int | float) and value not in valid:
+            raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
+    t = cfg.training
+    if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"training.micro_batch_size ({t.micro_batch_size})"
+        )

@@ -1,0 +1,1 @@
+"""Using a trained checkpoint: text sampling (`distrain generate`)."""

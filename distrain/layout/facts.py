@@ -1,0 +1,197 @@
+"""What the layout rules (rules.py) look at: `Facts`, a config with its model shape, world
+size and resolved degrees, and the quantities derived from them that the rules and their
+messages read."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
+from distrain.data.tokenizer import load_tokenizer
+from distrain.models.gpt import ModelArgs
+from distrain.parallel.mesh import ParallelDims, pick_device
+
+# The model sizes tensor parallelism splits over its ranks.
+_TP_SPLIT_FIELDS = ("n_heads", "ffn_dim", "vocab_size", "dim")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, smallest first (none for n <= 0)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rules look at; the short names keep the message templates readable."""
+
+    cfg: Config
+    model: ModelArgs
+    world_size: int | None = None
+    dims: ParallelDims | None = None
+
+    @property
+    def p(self) -> ParallelConfig:
+        return self.cfg.parallel
+
+    @property
+    def t(self) -> TrainingConfig:
+        return self.cfg.training
+
+    @property
+    def c(self) -> CommConfig:
+        return self.cfg.comm
+
+    @property
+    def tp_pp(self) -> int:
+        return self.p.tp * self.p.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks left once tp, pp and cp took theirs."""
+        assert self.world_size is not None
+        return self.world_size // self.cp_tp_pp
+
+    @property
+    def cp_chunks(self) -> int:
+        """Chunks context parallelism cuts a sequence into: two per cp rank."""
+        return 2 * self.p.cp
+
+    @property
+    def cp_positions(self) -> int:
+        """Positions of a sequence one cp rank holds."""
+        return self.t.seq_len // self.p.cp
+
+    @property
+    def cp_tp(self) -> int:
+        return self.p.cp * self.p.tp
+
+    @property
+    def cp_tp_pp(self) -> int:
+        return self.tp_pp * self.p.cp
+
+    @property
+    def cp_conflict(self) -> str:
+        """The first setting context parallelism does not compose with yet, and what is missing
+        for it ("" when none)."""
+        conflicts = {
+            f"parallel.zero_stage = 1 with parallel.tp = {self.p.tp} (FSDP2 shards over cp and "
+            "ZeRO-1 over dp, as under pp, but no parity run covers tp yet)": (
+                self.p.zero_stage == 1 and self.p.tp > 1
+            ),
+            f"an MoE model (model.moe.num_experts = {self.num_experts}; its balancing losses and "
+            "load statistics are not reduced over the cp ranks)": self.num_experts > 0,
+        }
+        return next((name for name, on in conflicts.items() if on), "")
+
+    @property
+    def onebit_conflict(self) -> str:
+        """The first setting 1-bit Adam does not compose with, and why ("" when none)."""
+        if self.cfg.optim.name != "onebit_adam":
+            return ""
+        z = self.p.zero_stage
+        conflicts = {
+            "parallel.zero_stage = 3 (FSDP2 reduce-scatters fp32 gradients itself inside "
+            "backward)": z == 3,
+            f"parallel.zero_stage = {z} under tp {self.p.tp} / pp {self.p.pp} (its owner chunks "
+            "would mix tp-replicated and sharded values; not supported yet)": (
+                z in (1, 2) and self.tp_pp > 1
+            ),
+            f"comm.gradient_compression = {self.c.gradient_compression!r} (a DDP hook on "
+            "gradients that 1-bit Adam does not send)": self.c.gradient_compression != "none",
+            "training.oom_recovery (its retry all-reduces the gradients, which 1-bit Adam sends "
+            "compressed past warm-up or averages itself; not supported yet)": self.t.oom_recovery,
+        }
+        return next((name for name, on in conflicts.items() if on), "")
+
+    @property
+    def dp_divisors(self) -> str:
+        return ", ".join(str(d) for d in divisors(self.dp))
+
+    @property
+    def num_stages(self) -> int:
+        return self.p.pp * self.p.pp_stages_per_rank
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per step on one data-parallel rank."""
+        assert self.dims is not None
+        return self.t.global_batch_size // self.dims.dp_size
+
+    @property
+    def tp_uneven(self) -> str:
+        """The first model size that parallel.tp does not divide ("" when all split evenly)."""
+        return next((f for f in _TP_SPLIT_FIELDS if getattr(self.model, f) % self.p.tp), "")
+
+    @property
+    def model_size(self) -> int:
+        return getattr(self.model, self.tp_uneven)
+
+    @property
+    def tp_choices(self) -> str:
+        common = math.gcd(*(getattr(self.model, f) for f in _TP_SPLIT_FIELDS))
+        return ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+
+    @property
+    def replicate_world(self) -> int:
+        """The world size that parallel.dp_replicate asks for (zero_stage 0/1)."""
+        return self.p.dp_replicate * self.cp_tp_pp
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        """training.micro_batch_size = 'auto': the trainer picks it (train/autobatch.py)."""
+        return self.t.micro_batch_size == "auto"
+
+    @property
+    def eval_rows(self) -> int:
+        return self.t.eval_batches * self.t.micro_batch_size
+
+    @property
+    def eval_batches_needed(self) -> int:
+        return -(-self.local_batch // self.t.micro_batch_size)
+
+    @property
+    def num_experts(self) -> int:
+        return self.model.moe.num_experts
+
+    @property
+    def ep_choices(self) -> str:
+        e = self.num_experts
+        return ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
+
+    @property
+    def ep_conflict(self) -> str:
+        """The first setting that is a DDP communication hook, which expert parallelism (on
+        FSDP2) has no place for ("" when there is none)."""
+        conflicts = {
+            f"comm.gradient_compression = {self.c.gradient_compression!r}": (
+                self.c.gradient_compression != "none"
+            ),
+            "comm.hierarchical": self.c.hierarchical,
+            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+        }
+        return next((name for name, found in conflicts.items() if found), "")
+
+    @property
+    def tokenizer_vocab(self) -> int:
+        return load_tokenizer(self.cfg.data.tokenizer).vocab_size
+
+    @property
+    def padded_vocab(self) -> int:
+        """The tokenizer's vocabulary rounded up to a multiple of 64 (even tp splits, aligned
+        matmuls)."""
+        return -(-self.tokenizer_vocab // 64) * 64
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters or gradients sharded, or split by tp/pp: DDP's hooks do not apply."""
+        return self.p.zero_stage >= 2 or self.p.tp > 1 or self.p.pp > 1
+
+    @property
+    def ddp_detail_on_gloo(self) -> bool:
+        """TORCH_DISTRIBUTED_DEBUG=DETAIL is set and the model is wrapped in DDP on gloo."""
+        assert self.dims is not None
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        backend = pick_device(self.cfg.run.device, 0)[1]
+        return detail and backend == "gloo" and self.dims.dp_wrapper == "ddp"

@@ -1,0 +1,398 @@
+"""THE layout rules: which combinations of config fields, model shape and world size distrain
+runs, as one table.
+
+`validate(cfg, world_size)` is called by `distrain train` before it starts any worker and again
+by every worker (Trainer init), so a refusal costs no worker start and reads the same either way.
+Each rule is data: what it needs to know, a predicate saying when it refuses, and a one-line
+message naming the fields and what would work instead. With `--nnodes MIN:MAX` the world size is
+known only at each rendezvous; the launcher then checks the rules that do not depend on it.
+
+Ranges of single fields live with the schema (config/schema.py); data and paths are
+launch/preflight.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from distrain.config.schema import Config
+from distrain.data.corpus import is_token_data
+from distrain.errors import ConfigError
+from distrain.layout.facts import Facts
+from distrain.models.gpt import ModelArgs
+from distrain.models.presets import model_args
+from distrain.parallel.mesh import CUDA_MISSING, ParallelDims, device_type
+
+# What a rule needs: the config and the model shape; also the world size; also the resolved
+# degrees (ParallelDims, which the "world" rules make sure can be computed).
+Needs = Literal["config", "world", "dims"]
+
+_SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+class LayoutError(ConfigError):
+    """A refused combination; `rule` names the rule (see RULES)."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(message)
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    needs: Needs
+    refuses: Callable[[Facts], bool]
+    message: str
+    """A template formatted with the Facts as `f` (e.g. {f.p.tp}); one line."""
+
+
+RULES: tuple[Rule, ...] = (
+    # --- config and model shape ---
+    Rule(
+        "seq_len_within_model",
+        "config",
+        lambda f: f.t.seq_len > f.model.max_seq_len,
+        "training.seq_len ({f.t.seq_len}) exceeds the model's max_seq_len ({f.model.max_seq_len},"
+        " preset {f.cfg.model.preset!r}); lower training.seq_len to at most {f.model.max_seq_len}"
+        ", or set model.max_seq_len = {f.t.seq_len} (learned positions then add parameters)",
+    ),
+    Rule(
+        "tokenizer_needs_token_file",
+        "config",
+        lambda f: f.cfg.data.tokenizer != "bytes" and not is_token_data(f.cfg.data),
+        "data.tokenizer = {f.cfg.data.tokenizer!r} trains on token files: tokenize the text "
+        "first (distrain prepare --tokenizer {f.cfg.data.tokenizer} --out DATA.bin TEXT...) and "
+        "set data.path = DATA.bin",
+    ),
+    Rule(
+        "vocab_holds_tokenizer",
+        "config",
+        # The byte tokenizer's ids are the data's own bytes, checked when the data is opened.
+        lambda f: f.cfg.data.tokenizer != "bytes" and f.model.vocab_size < f.tokenizer_vocab,
+        "model.vocab_size ({f.model.vocab_size}, preset {f.cfg.model.preset!r}) is smaller than "
+        "the vocabulary of data.tokenizer = {f.cfg.data.tokenizer!r} ({f.tokenizer_vocab}); set "
+        "model.vocab_size to at least {f.tokenizer_vocab} (e.g. {f.padded_vocab})",
+    ),
+    Rule(
+        "cuda_available",
+        "config",
+        lambda f: f.cfg.run.device == "cuda" and not torch.cuda.is_available(),
+        CUDA_MISSING,
+    ),
+    Rule(
+        "oom_recovery_without_comm_hooks",
+        "config",
+        lambda f: f.t.oom_recovery and (f.c.gradient_compression != "none" or f.c.hierarchical),
+        "training.oom_recovery all-reduces gradients itself after the last backward, so "
+        "comm.gradient_compression ({f.c.gradient_compression!r}) and comm.hierarchical "
+        "({f.c.hierarchical}) would be skipped; turn training.oom_recovery off, or set "
+        "comm.gradient_compression = 'none' and comm.hierarchical = false",
+    ),
+    Rule(
+        "comm_hooks_need_ddp",
+        "config",
+        lambda f: (f.c.gradient_compression != "none" or f.c.hierarchical) and f.sharded,
+        "comm.gradient_compression and comm.hierarchical are DDP communication hooks; they need "
+        "parallel.zero_stage 0/1 without tp/pp (zero_stage {f.p.zero_stage}, tp {f.p.tp}, pp "
+        "{f.p.pp} here)",
+    ),
+    Rule(
+        "one_comm_hook",
+        "config",
+        lambda f: f.c.gradient_compression != "none" and f.c.hierarchical,
+        "comm.hierarchical cannot be combined with comm.gradient_compression (DDP takes one "
+        "communication hook); choose one",
+    ),
+    Rule(
+        "onebit_adam_plain_data_parallel",
+        "config",
+        lambda f: f.onebit_conflict != "",
+        "optim.name = 'onebit_adam' communicates the momentum itself; it does not compose with "
+        "{f.onebit_conflict}. It runs with parallel.zero_stage 0, 1 or 2 without tp/pp, or "
+        "zero_stage 0 with tp/pp, comm.gradient_compression = 'none' and training.oom_recovery "
+        "off",
+    ),
+    Rule(
+        "tp_splits_model",
+        "config",
+        lambda f: f.tp_uneven != "",
+        "model.{f.tp_uneven} ({f.model_size}) must be divisible by parallel.tp ({f.p.tp}); choose "
+        "parallel.tp in {{{f.tp_choices}}} or change model.{f.tp_uneven}",
+    ),
+    Rule(
+        "tp_splits_kv_heads",
+        "config",
+        lambda f: f.model.kv_heads % f.p.tp != 0,
+        "model.n_kv_heads ({f.model.kv_heads}) must be divisible by parallel.tp ({f.p.tp}): "
+        "each tp rank holds whole key/value heads; choose a parallel.tp that divides "
+        "{f.model.kv_heads} or change model.n_kv_heads",
+    ),
+    Rule(
+        "sequence_parallel_splits_seq_len",
+        "config",
+        lambda f: f.p.tp > 1 and f.p.sequence_parallel and f.t.seq_len % f.p.tp != 0,
+        "sequence parallelism splits the {f.t.seq_len} positions of a sequence over parallel.tp "
+        "({f.p.tp}) ranks; use a training.seq_len that is a multiple of {f.p.tp}, or set "
+        "parallel.sequence_parallel = false",
+    ),
+    Rule(
+        "cp_splits_seq_len",
+        "config",
+        lambda f: f.p.cp > 1 and f.t.seq_len % f.cp_chunks != 0,
+        "context parallelism cuts each sequence into 2 x parallel.cp = {f.cp_chunks} equal chunks "
+        "(two per rank, for an even causal load); use a training.seq_len that is a multiple of "
+        "{f.cp_chunks}, or a smaller parallel.cp",
+    ),
+    Rule(
+        "cp_with_sequence_parallel",
+        "config",
+        lambda f: (
+            f.p.cp > 1 and f.p.tp > 1 and f.p.sequence_parallel and f.cp_positions % f.p.tp != 0
+        ),
+        "sequence parallelism splits each context-parallel rank's {f.cp_positions} "
+        "positions (training.seq_len / parallel.cp) over parallel.tp ({f.p.tp}) ranks; use a "
+        "training.seq_len that is a multiple of {f.cp_tp}, or set "
+        "parallel.sequence_parallel = false",
+    ),
+    Rule(
+        "cp_composes_with_dp_tp",
+        "config",
+        lambda f: f.p.cp > 1 and f.cp_conflict != "",
+        "parallel.cp = {f.p.cp} does not compose with {f.cp_conflict}; set parallel.cp = 1 "
+        "or drop that setting",
+    ),
+    Rule(
+        "single_stage_schedule",
+        "config",
+        lambda f: (
+            f.p.pp > 1
+            and f.p.pp_schedule in _SINGLE_STAGE_SCHEDULES
+            and f.p.pp_stages_per_rank != 1
+        ),
+        "parallel.pp_schedule = {f.p.pp_schedule!r} runs one stage per rank but "
+        "parallel.pp_stages_per_rank = {f.p.pp_stages_per_rank}; set it to 1 or use "
+        "interleaved_1f1b or zero_bubble",
+    ),
+    Rule(
+        "multi_stage_schedule",
+        "config",
+        lambda f: (
+            f.p.pp > 1
+            and f.p.pp_schedule not in _SINGLE_STAGE_SCHEDULES
+            and f.p.pp_stages_per_rank < 2
+        ),
+        "parallel.pp_schedule = {f.p.pp_schedule!r} interleaves several stages per rank but "
+        "parallel.pp_stages_per_rank = {f.p.pp_stages_per_rank}; set it to 2 or more or use "
+        "gpipe or 1f1b",
+    ),
+    Rule(
+        "a_layer_per_stage",
+        "config",
+        lambda f: f.p.pp > 1 and f.num_stages > f.model.n_layers,
+        "model.n_layers ({f.model.n_layers}) must be at least the number of pipeline stages "
+        "({f.num_stages} = parallel.pp x parallel.pp_stages_per_rank); lower parallel.pp or "
+        "parallel.pp_stages_per_rank, or add layers",
+    ),
+    Rule(
+        "ep_needs_experts",
+        "config",
+        lambda f: f.p.ep > 1 and f.num_experts == 0,
+        "parallel.ep ({f.p.ep}) splits the experts of MoE layers, but the model has none "
+        "(model.moe.num_experts = 0, preset {f.cfg.model.preset!r}); set model.moe.num_experts "
+        "or parallel.ep = 1",
+    ),
+    Rule(
+        "ep_splits_experts",
+        "config",
+        lambda f: f.p.ep > 1 and f.num_experts > 0 and f.num_experts % f.p.ep != 0,
+        "model.moe.num_experts ({f.num_experts}) must be divisible by parallel.ep ({f.p.ep}); "
+        "choose parallel.ep in {{{f.ep_choices}}} or change model.moe.num_experts",
+    ),
+    Rule(
+        "ep_runs_on_fsdp",
+        "config",
+        lambda f: f.p.ep > 1 and f.ep_conflict != "",
+        "{f.ep_conflict} replaces DDP's gradient all-reduce through a DDP communication hook, "
+        "but parallel.ep = {f.p.ep} runs on FSDP2 (expert weights live on their own mesh), "
+        "which has no such hook; change that setting or set parallel.ep = 1",
+    ),
+    Rule(
+        "auto_micro_batch_needs_budget",
+        "config",
+        lambda f: (
+            f.auto_micro_batch
+            and f.t.memory_budget_gb is None
+            and device_type(f.cfg.run.device) == "cpu"
+        ),
+        "training.micro_batch_size = 'auto' on CPU needs training.memory_budget_gb (the memory "
+        "a rank may use, in GiB; on CUDA it defaults to the device's memory); set it, or set "
+        "training.micro_batch_size to a number",
+    ),
+    Rule(
+        "auto_micro_batch_without_pp",
+        "config",
+        lambda f: f.auto_micro_batch and f.p.pp > 1,
+        "training.micro_batch_size = 'auto' runs its trial steps outside a pipeline schedule, "
+        "so it does not apply with parallel.pp = {f.p.pp}; set training.micro_batch_size to a "
+        "number (distrain plan ranks the sizes), or parallel.pp = 1",
+    ),
+    # --- the degrees against the world size ---
+    Rule(
+        "cp_divides_world",
+        "world",
+        lambda f: f.p.cp > 1 and f.world_size % f.cp_tp_pp != 0,
+        "parallel.tp ({f.p.tp}) x parallel.pp ({f.p.pp}) x parallel.cp ({f.p.cp}) = "
+        "{f.cp_tp_pp} does not divide the world size {f.world_size}; choose degrees whose "
+        "product divides it, or run a multiple of {f.cp_tp_pp} processes",
+    ),
+    Rule(
+        "tp_pp_divide_world",
+        "world",
+        lambda f: f.world_size % f.tp_pp != 0,
+        "parallel.tp ({f.p.tp}) x parallel.pp ({f.p.pp}) = {f.tp_pp} does not divide the world "
+        "size {f.world_size}; choose degrees whose product divides it, or run a multiple of "
+        "{f.tp_pp} processes",
+    ),
+    Rule(
+        "dp_shard_needs_fsdp",
+        "world",
+        lambda f: f.p.zero_stage <= 1 and f.p.dp_shard not in (-1, 1),
+        "parallel.dp_shard = {f.p.dp_shard} needs parallel.zero_stage 2 or 3 (FSDP2); with "
+        "zero_stage 0/1 data parallelism is replication: set dp_shard = 1 or -1",
+    ),
+    Rule(
+        "dp_replicate_is_dp",
+        "world",
+        lambda f: f.p.zero_stage <= 1 and f.p.dp_replicate not in (-1, f.dp),
+        "parallel.dp_replicate ({f.p.dp_replicate}) must equal the data-parallel size {f.dp} "
+        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); set it to -1 (what is left over) "
+        "or run {f.replicate_world} processes",
+    ),
+    Rule(
+        "dp_replicate_divides_dp",
+        "world",
+        lambda f: (
+            f.p.zero_stage >= 2
+            and f.p.dp_shard == -1
+            and f.p.dp_replicate != -1
+            and f.dp % f.p.dp_replicate != 0
+        ),
+        "parallel.dp_replicate ({f.p.dp_replicate}) must divide the data-parallel size {f.dp} "
+        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); choose one of {f.dp_divisors}",
+    ),
+    Rule(
+        "dp_shard_divides_dp",
+        "world",
+        lambda f: (
+            f.p.zero_stage >= 2
+            and f.p.dp_replicate == -1
+            and f.p.dp_shard != -1
+            and f.dp % f.p.dp_shard != 0
+        ),
+        "parallel.dp_shard ({f.p.dp_shard}) must divide the data-parallel size {f.dp} "
+        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); choose one of {f.dp_divisors}",
+    ),
+    Rule(
+        "dp_degrees_fill_dp",
+        "world",
+        lambda f: (
+            f.p.zero_stage >= 2
+            and -1 not in (f.p.dp_replicate, f.p.dp_shard)
+            and f.p.dp_replicate * f.p.dp_shard != f.dp
+        ),
+        "parallel.dp_replicate ({f.p.dp_replicate}) x parallel.dp_shard ({f.p.dp_shard}) must "
+        "equal the data-parallel size {f.dp} (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); "
+        "set one of them to -1 (what is left over)",
+    ),
+    Rule(
+        "ep_divides_dp",
+        "world",
+        lambda f: f.p.ep > 1 and f.dp % f.p.ep != 0,
+        "parallel.ep ({f.p.ep}) must divide the data-parallel size {f.dp} (world "
+        "{f.world_size} / tp {f.p.tp} / pp {f.p.pp}): expert-parallel ranks are data-parallel "
+        "ranks; choose one of {f.dp_divisors}",
+    ),
+    # --- the resolved degrees ---
+    Rule(
+        "batch_splits_over_dp",
+        "dims",
+        lambda f: (
+            not f.auto_micro_batch
+            and f.t.global_batch_size % (f.t.micro_batch_size * f.dims.dp_size) != 0
+        ),
+        "training.global_batch_size ({f.t.global_batch_size}) must be a multiple of "
+        "training.micro_batch_size ({f.t.micro_batch_size}) x data-parallel size "
+        "({f.dims.dp_size}, from world size {f.world_size}); change the batch sizes or the "
+        "number of processes",
+    ),
+    Rule(
+        "auto_batch_splits_over_dp",
+        "dims",
+        lambda f: f.auto_micro_batch and f.t.global_batch_size % f.dims.dp_size != 0,
+        "training.global_batch_size ({f.t.global_batch_size}) must be a multiple of the "
+        "data-parallel size ({f.dims.dp_size}, from world size {f.world_size}) for "
+        "training.micro_batch_size = 'auto' to split it; change the batch size or the number "
+        "of processes",
+    ),
+    Rule(
+        "ddp_detail_debug_on_gloo",
+        "dims",
+        lambda f: f.ddp_detail_on_gloo,
+        # gloo only: torch 2.13's DDP segfaults in every worker under DETAIL on gloo (a plain
+        # 2-rank DDP nn.Linear under torchrun shows it; tests/test_torch_faults.py proves it
+        # still does, and fails once torch is fixed, to lift this rule). NCCL is not affected.
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch 2.13's DDP crash on gloo (SIGSEGV in every "
+        "worker, no error); unset it or set TORCH_DISTRIBUTED_DEBUG=INFO, or use a layout "
+        "without DDP (parallel.zero_stage 2 or 3, tp or pp)",
+    ),
+    Rule(
+        "pp_microbatches_split_batch",
+        "dims",
+        lambda f: f.p.pp > 1 and f.p.pp_microbatches > 0 and f.local_batch % f.p.pp_microbatches,
+        "a local batch of {f.local_batch} sequences (training.global_batch_size / data-parallel "
+        "size {f.dims.dp_size}) does not split into parallel.pp_microbatches = "
+        "{f.p.pp_microbatches} equal microbatches; choose a divisor of {f.local_batch} or -1",
+    ),
+    Rule(
+        "pp_eval_holds_a_batch",
+        "dims",
+        lambda f: f.p.pp > 1 and f.eval_rows < f.local_batch,
+        "training.eval_batches x micro_batch_size = {f.eval_rows} evaluation sequences per rank "
+        "is less than one pipeline batch ({f.local_batch}); raise training.eval_batches to at "
+        "least {f.eval_batches_needed}",
+    ),
+)
+
+
+def _check(facts: Facts, needs: Needs) -> None:
+    for rule in RULES:
+        if rule.needs == needs and rule.refuses(facts):
+            raise LayoutError(rule.name, rule.message.format(f=facts))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a valid config resolves to: the model shape, and the degrees when the world size is
+    known."""
+
+    model: ModelArgs
+    dims: ParallelDims | None
+
+
+def validate(cfg: Config, world_size: int | None) -> Layout:
+    """Refuse (LayoutError, one line) the first rule `cfg` breaks on `world_size` ranks; with
+    world_size None (elastic MIN:MAX) only the rules that do not depend on it."""
+    facts = Facts(cfg=cfg, model=model_args(cfg.model))
+    _check(facts, "config")
+    if world_size is None:
+        return Layout(model=facts.model, dims=None)
+    facts = replace(facts, world_size=world_size)
+    _check(facts, "world")
+    facts = replace(facts, dims=ParallelDims.from_config(cfg, world_size))
+    _check(facts, "dims")
+    return Layout(model=facts.model, dims=facts.dims)

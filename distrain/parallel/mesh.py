@@ -1,0 +1,398 @@
+"""The one authority on devices, backends and process groups.
+
+`ParallelDims` turns the `[parallel]` config and the world size into named axis degrees and
+builds the DeviceMesh; whether the degrees fit the world size is one of layout/rules.py's rules,
+checked before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce,
+`checkpoint_group` and `host_group` those of checkpoints and stop signals, `embedding_group` that
+of a tied embedding split across pipeline stages. Nothing else in
+distrain creates process groups, and `teardown` is the one way they end.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distrain.config.schema import Config, TrainingConfig
+from distrain.errors import ConfigError
+from distrain.torch_compat import flatten_mesh
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: its ranks, its device and the backend that serves it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    local_world_size: int = 1
+
+
+CUDA_MISSING = "run.device = 'cuda' but CUDA is not available here; use auto or cpu"
+
+
+def device_type(requested: str) -> str:
+    """The device type run.device resolves to on this machine: auto picks cuda when present."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+    """Device and backend in one place: CUDA with NCCL when present, else CPU with gloo."""
+    if device_type(requested) == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(CUDA_MISSING)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX-BF16 or AVX-512 BF16), from
+    torch's dispatch capability or the flags in /proc/cpuinfo (`cpuinfo` stands in for its text).
+    Without them torch emulates bf16 matmuls through fp32 and autocast only adds casts."""
+    if cpuinfo is None:
+        if torch.backends.cpu.get_cpu_capability() == "AVX512_BF16":
+            return True
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = {
+        word for line in cpuinfo.splitlines() if line.startswith("flags") for word in line.split()
+    }
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """training.precision with "auto" decided for `device`: bf16 where its matmuls run bf16
+    natively (CUDA with bf16 support, or a CPU per `cpu_has_native_bf16`), else fp32."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = cpu_has_native_bf16()
+    return "bf16" if native else "fp32"
+
+
+def resolve_compile(requested: bool | str, device: torch.device) -> bool:
+    """training.compile with "auto" decided for `device`: compile on CUDA, where fusing the
+    elementwise work around the matmuls is the usual win (no GPU run measured it here yet);
+    eager on CPU, where the default job's step measured only 1.1-1.3x faster compiled, not
+    worth a cold compile of minutes (README, Benchmarks)."""
+    if requested != "auto":
+        return bool(requested)
+    return device.type == "cuda"
+
+
+def resolve_auto_choices(t: TrainingConfig, device: torch.device, logger: logging.Logger) -> None:
+    """Decide training.precision and .compile (`t`) where they say "auto", once, in place, so
+    every later reader (wrappers, autocast, loader) sees the concrete choice; each decision is
+    logged."""
+    requested, t.precision = t.precision, resolve_precision(t.precision, device)
+    if requested == "auto":
+        logger.info("training.precision auto: %s on %s", t.precision, device)
+    requested, t.compile = t.compile, resolve_compile(t.compile, device)
+    if requested == "auto":
+        logger.info("training.compile auto: %s on %s", t.compile, device)
+
+
+def collective_timeout(timeout_s: float) -> timedelta | None:
+    """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
+    return timedelta(seconds=timeout_s) if timeout_s > 0 else None
+
+
+def group_options(backend: str, timeout_s: float) -> tuple[str, object] | None:
+    """Backend options carrying the collective timeout, for the groups DeviceMesh creates (it
+    passes no timeout of its own, so they would get the backend default otherwise)."""
+    timeout = collective_timeout(timeout_s)
+    if timeout is None:
+        return None
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
+def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistContext:
+    """Join the process group torchrun set up in the environment, or form a 1-process group;
+    `timeout_s` (debug.collective_timeout_s) bounds each of its collectives."""
+    env_rank = os.environ.get("RANK")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device, backend = pick_device(requested_device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if env_rank is not None:
+            dist.init_process_group(
+                backend,
+                device_id=device if device.type == "cuda" else None,
+                timeout=collective_timeout(timeout_s),
+            )
+        else:
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=collective_timeout(timeout_s),
+            )
+    return DistContext(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        device=device,
+        backend=backend,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+    )
+
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DP_CP = ("dp_replicate", "dp_shard", "cp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel axis; their product is the world size.
+
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is
+    innermost so its chatty collectives stay on the fastest links (one node); context parallelism
+    (each layer's key/value all-gather) next to it; pipeline is outermost since it sends the
+    least. `dp` (dp_replicate x dp_shard) is the data-parallel group the loader splits the global
+    batch over; the cp ranks of a dp rank read the same sequences and split each of them, and
+    gradients are averaged over dp x cp. `ep` is not a further factor of the world size: it
+    regroups the dp ranks for the expert weights (`build_ep_mesh`).
+    """
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    zero_stage: int
+    world_size: int
+    ep: int = 1
+    cp: int = 1
+    optimizer_shards_gradients: bool = False
+    """1-bit Adam under ZeRO-2: the optimizer reduce-scatters the gradients itself."""
+    optimizer_averages_gradients: bool = False
+    """1-bit Adam (zero_stage 0) under tp or pp: the optimizer all-reduces the local gradients
+    itself in warm-up, as it exchanges the momentum after it."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+        """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
+        (layout.validate has checked that they fit)."""
+        p = cfg.parallel
+        dp = world_size // (p.tp * p.pp * p.cp)
+        replicate, shard = p.dp_replicate, p.dp_shard
+        shards_gradients = cfg.optim.name == "onebit_adam" and p.zero_stage == 2
+        averages_gradients = (
+            cfg.optim.name == "onebit_adam" and p.zero_stage == 0 and (p.tp > 1 or p.pp > 1)
+        )
+        if p.zero_stage <= 1 or shards_gradients:  # the parameters are whole on every dp rank
+            replicate, shard = dp, 1
+        elif shard == -1:
+            replicate = 1 if replicate == -1 else replicate
+            shard = dp // replicate
+        elif replicate == -1:
+            replicate = dp // shard
+        return cls(
+            pp=p.pp,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            tp=p.tp,
+            zero_stage=p.zero_stage,
+            world_size=world_size,
+            ep=p.ep,
+            cp=p.cp,
+            optimizer_shards_gradients=shards_gradients,
+            optimizer_averages_gradients=averages_gradients,
+        )
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_wrapper(self) -> str:
+        """How the model is wrapped for data parallelism: "none" when there is one replica,
+        "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
+        with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
+        correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
+        of a data-parallel rank count as replicas here: each computes its share of the gradient,
+        which the wrapper averages over dp x cp. "optimizer": no wrapper, the optimizer averages
+        (1-bit Adam under ZeRO-2, whose owner chunks replace both DDP's full-size buckets and
+        FSDP2's parameter sharding; and 1-bit Adam under tp/pp, whose DTensor shards and stages
+        it averages as local tensors; decided here with the other wrapper choices)."""
+        if self.dp_size * self.cp == 1:
+            return "none"
+        if self.optimizer_shards_gradients or self.optimizer_averages_gradients:
+            return "optimizer"
+        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
+            return "fsdp"
+        return "ddp"
+
+    @property
+    def optimizer_reduce_scatters(self) -> bool:
+        """1-bit Adam under ZeRO-2 with data parallelism: the optimizer reduce-scatters."""
+        return self.dp_wrapper == "optimizer" and self.optimizer_shards_gradients
+
+    def describe(self) -> str:
+        return (
+            f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
+            f"zero_stage={self.zero_stage}"
+            + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (f" cp={self.cp}" if self.cp > 1 else "")
+        )
+
+    def build_mesh(
+        self, device_type: str, *, timeout_s: float = 0.0
+    ) -> tuple[DeviceMesh, DeviceMesh]:
+        """The world mesh with every axis (size-1 axes included, so names never go missing), and
+        the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over.
+        `timeout_s` (debug.collective_timeout_s) goes to every group the mesh creates."""
+        options = group_options(dist.get_backend(), timeout_s)
+        mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=AXES,
+            backend_override=dict.fromkeys(AXES, options) if options else None,
+        )
+        if self.cp > 1:
+            for axes, name in ((("dp_shard", "cp"), "dp_shard_cp"), (DP_CP, "dp_cp")):
+                flatten_mesh(mesh[axes], name, backend_override=options)
+        return mesh, flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", backend_override=options)
+
+    def gradient_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh DDP averages gradients over: `dp_mesh`, or dp x cp under context
+        parallelism (flattened by `build_mesh`)."""
+        return dp_mesh if self.cp == 1 else mesh["dp_cp"]
+
+    def zero1_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh ZeRO-1 shards the optimizer state over: the ranks holding the same
+        parameters, which are the gradient mesh's under DDP (dp x cp under context parallelism)
+        and `dp_mesh` under FSDP2 (tp, pp), which shards over cp itself."""
+        return self.gradient_mesh(mesh, dp_mesh) if self.dp_wrapper == "ddp" else dp_mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP); under context
+        parallelism the cp axis joins the shard axis (dp_shard x cp, flattened by `build_mesh`),
+        so gradients are averaged over the cp ranks too, as torchtitan does."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+
+    def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:
+        """The expert-parallel mesh, axes pp, dp_mod_ep, ep, tp (size-1 axes kept).
+
+        EP ranks come out of the data-parallel ranks, as in torchtitan: the ep ranks of a group
+        are `ep` consecutive data-parallel indices (dp_shard first, then dp_replicate), so a group
+        stays on one node as long as it fits. Expert weights are split over `ep` and
+        FSDP-sharded over `dp_mod_ep`, the data-parallel ranks EP does not use. A separate root
+        mesh from `build_mesh`'s (the same ranks, grouped differently); both pass the same
+        `timeout_s` to their groups.
+        """
+        options = group_options(dist.get_backend(), timeout_s)
+        names = ("pp", "dp_mod_ep", "ep", "tp")
+        return init_device_mesh(
+            device_type,
+            (self.pp, self.dp_size // self.ep, self.ep, self.tp),
+            mesh_dim_names=names,
+            backend_override=dict.fromkeys(names, options) if options else None,
+        )
+
+
+def embedding_group(mesh: DeviceMesh, *, timeout_s: float = 0.0) -> dist.ProcessGroup | None:
+    """The group of this rank's first and last pipeline rank (same dp and tp coordinates): the
+    two holders of a tied embedding, whose gradients they sum (as Megatron's embedding group).
+    None without a pipeline. With pp = 2 it is the pp axis itself; else every rank creates every
+    pair's group, in the same order, as `new_group` requires. Collective."""
+    pp = mesh.size(0)
+    if pp == 1:
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh.reshape(pp, -1)
+    me = dist.get_rank()
+    mine = None
+    for column in range(ranks.shape[1]):
+        members = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
+        if me in members:
+            mine = group
+    return mine
+
+
+def node_groups(
+    local_world_size: int, dp_ranks: list[int], *, timeout_s: float = 0.0
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """Groups for a topology-aware all-reduce over the data-parallel ranks `dp_ranks`: this
+    rank's node (ranks sharing rank // local_world_size) and, on each node's first rank, the
+    group of those first ranks. Every rank creates every group, in the same order, as
+    `new_group` requires."""
+    by_node: dict[int, list[int]] = {}
+    for r in dp_ranks:
+        by_node.setdefault(r // local_world_size, []).append(r)
+    me = dist.get_rank()
+    intra = None
+    for members in by_node.values():
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
+        if me in members:
+            intra = group
+    leaders = [members[0] for members in by_node.values()]
+    inter = dist.new_group(leaders, timeout=collective_timeout(timeout_s))
+    return intra, inter if me in leaders else None
+
+
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """The group every checkpoint collective runs on (None in a 1-process run): gloo, since
+    DCP's planning and the checkpointer's verdicts move Python objects, not device tensors; its
+    own group so that a background save never interleaves with training collectives (gloo has
+    no mismatch error, only SIGABRT); and a timeout sized for writing or verifying a large
+    checkpoint, which the default group's (10-30 minutes) is not."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group over every rank for small host-side control messages (the stop flag), so
+    they never queue behind the device's collectives nor wait on the device; None for one rank.
+    Collective: every rank calls it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def teardown(*, synchronize: bool) -> None:
+    """Destroy this process's process groups (every rank calls it last, after dropping what it
+    built on them: models wrapped by DDP/FSDP, meshes, optimizers).
+
+    The order is gloo's: a ProcessGroupGloo's destructor joins its worker threads while the
+    caller holds the GIL, and a worker that still releases the tensors of a completed collective
+    needs the GIL to drop their Python objects: a deadlock. It strikes when the last reference
+    to a group goes at a random moment, e.g. when the cyclic GC frees a DDP reducer after
+    `destroy_process_group` has dropped the group's registry entry. So: collect cycles first,
+    while the registry still holds every group (nothing is destroyed), then, with
+    `synchronize` (the run ended normally on every rank), wait in a barrier with the GIL
+    released, during which the workers finish releasing, and only then destroy the groups. A
+    failing rank skips the barrier: its peers may never reach one.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

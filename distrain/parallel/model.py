@@ -1,0 +1,460 @@
+"""Applying a parallel layout to a plain model, in one fixed order, and running it.
+
+build on meta -> pipeline split (pp) -> tensor/sequence parallel (tp) -> expert parallel (ep)
+-> activation checkpointing -> compile -> data parallel (DDP, or FSDP2 for ZeRO 2/3 and whenever
+tp/pp/ep is on)
+-> materialize + seeded init (identical values under every layout).
+
+`ParallelModel` hides what differs between layouts from the trainer: how micro-batches run
+(accumulation loop or pipeline schedule), how gradient sync is deferred, and which loss context
+(vocab-parallel under tp) wraps forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from distrain.config.schema import Config
+from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
+from distrain.observe import heartbeat
+from distrain.parallel.compress import CommStats
+from distrain.parallel.context import SequenceSplit, apply_context_parallel
+from distrain.parallel.data_parallel import (
+    allreduce_payload,
+    apply_ddp,
+    apply_fsdp,
+    install_comm_hook,
+    settle_bucket_layout,
+)
+from distrain.parallel.local import copy_from_flat
+from distrain.parallel.mesh import DistContext, ParallelDims, embedding_group, resolve_compile
+from distrain.parallel.moe_stats import MoEStats
+from distrain.parallel.tensor import tp_loss_context
+from distrain.parallel.tied import TiedEmbedding
+from distrain.parallel.wrappers import apply_activation_checkpointing, apply_compile
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; under tp the logits are vocab-sharded DTensors (loss_parallel)."""
+    return next_token_loss(logits, targets)
+
+
+class ParallelModel:
+    """The model parts this rank holds (one, or one per pipeline stage) and how to run them."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        cfg: Config,
+        device: torch.device,
+        stage_ids: list[int],
+        num_stages: int,
+        pp_microbatches: int,
+        tied_group: dist.ProcessGroup | None = None,
+    ):
+        self.parts, self.dims, self.device = parts, dims, device
+        self.stage_ids, self.num_stages = stage_ids, num_stages
+        self.train_batch_rows = cfg.training.global_batch_size // dims.dp_size
+        self.precision = cfg.training.precision
+        # FSDP2 applies bf16 through its mixed-precision policy; DDP through autocast.
+        self.autocast = precision_context(
+            "fp32" if dims.dp_wrapper == "fsdp" and self.precision == "bf16" else self.precision,
+            device,
+        )
+        self.comm_stats: CommStats | None = None
+        self.loss_in_model = False
+        """The model part computes the loss itself (`GPT.forward` with targets): set when it is
+        compiled whole, so that the loss joins its graph."""
+        # Under context parallelism each rank runs its share of every sequence's columns.
+        self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
+        # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
+        # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
+        self.allreduce_payload: tuple[int, int] | None = None
+        self.moe_stats: MoEStats | None = None
+        """Set for a mixture-of-experts model: its balancing losses join the training loss."""
+        self.runner = None
+        self.tied: TiedEmbedding | None = None
+        self._pp_mesh = mesh["pp"] if dims.pp > 1 else None
+        self._pp_schedule = cfg.parallel.pp_schedule
+        if dims.pp > 1:
+            self._build_runner(pp_microbatches)
+            if tied_group is not None:
+                self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
+
+    def _build_runner(self, n_microbatches: int) -> None:
+        from distrain.parallel.pipeline import PipelineRunner
+
+        self.runner = PipelineRunner(
+            self.parts,
+            stage_ids=self.stage_ids,
+            num_stages=self.num_stages,
+            pp_mesh=self._pp_mesh,
+            schedule=self._pp_schedule,
+            n_microbatches=n_microbatches,
+            device=self.device,
+            loss_fn=cross_entropy,
+        )
+
+    def double_pipeline_microbatches(self) -> int:
+        """Run the local batch in twice as many, half as large, pipeline microbatches from now
+        on (OOM recovery); a new schedule, since one runs a single microbatch shape. Returns the
+        new count; every pp rank must call it at the same step."""
+        assert self.runner is not None
+        doubled = self.runner.n_microbatches * 2
+        if self.train_batch_rows % doubled:
+            raise ValueError(
+                f"a local batch of {self.train_batch_rows} sequences does not split into "
+                f"{doubled} pipeline microbatches"
+            )
+        self._build_runner(doubled)
+        return doubled
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        return tp_loss_context(self.dims.tp > 1)
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    @property
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another rank's copy already counts in the global norm (a
+        tied head on the last pipeline stage)."""
+        return self.tied.counted_elsewhere if self.tied is not None else []
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """Defer the gradient all-reduce / reduce-scatter to the last micro-batch."""
+        part = self.parts[0]
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if last or not hasattr(part, "no_sync"):
+            return contextlib.nullcontext()
+        return part.no_sync()
+
+    def forward_backward(
+        self,
+        batches: list[Batch],
+        scale: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        sync: bool = True,
+        before_micro_batch: Callable[[int], None] | None = None,
+        report_loss: bool = True,
+        sync_each: bool = False,
+    ) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; the mean loss (a device tensor).
+        With sync=False no gradient leaves the rank: `all_reduce_gradients` must follow (DDP
+        layouts only).
+
+        Under pp only the last stage computes the loss; with report_loss it is broadcast to the
+        other pp ranks (a collective that makes every stage wait for the last one), so that every
+        rank returns it. Without, a rank that does not hold the last stage returns zero: pass
+        report_loss=False only for a step whose loss nobody reads.
+
+        sync_each: synchronize the gradients after every micro-batch, so that abandoning the
+        step between micro-batches leaves nothing pending in FSDP2 (OOM recovery). Under pp,
+        whose schedule runs all micro-batches in one call, `before_micro_batch(0)` runs once,
+        before the schedule.
+        """
+        if self.runner is not None:
+            if before_micro_batch is not None:
+                before_micro_batch(0)
+            inputs = torch.cat([b[0] for b in batches]).to(self.device)
+            targets = torch.cat([b[1] for b in batches]).to(self.device)
+            inputs, targets = self._columns(inputs, targets)
+            heartbeat.mark("forward_backward")
+            with self.loss_context(), self.autocast:
+                loss = self.runner.train_step(inputs, targets, scale)
+            if self.tied is not None:
+                self.tied.sum_gradients()
+            local = _local(loss) if loss is not None else None
+            if report_loss:
+                return self.runner.broadcast_loss(local)
+            return local if local is not None else torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            if before_micro_batch is not None:
+                before_micro_batch(i)
+            last = sync and i == len(batches) - 1
+            with self._sync_context(last or sync_each), self.loss_context():
+                heartbeat.mark("forward")
+                loss = self._loss(inputs, targets)
+                # The reported loss stays the cross-entropy; MoE balancing terms only train.
+                total = (
+                    loss
+                    if self.moe_stats is None
+                    else loss + _as_loss(loss, self.moe_stats.after_forward())
+                )
+                heartbeat.mark("backward")
+                scale(total / len(batches)).backward()
+            loss_sum += _local(loss.detach())
+        if sync and self.allreduce_payload is not None:
+            # With sync_each (OOM recovery under cp) DDP all-reduced after every micro-batch.
+            for _ in range(len(batches) if sync_each else 1):
+                self._count_allreduce(*self.allreduce_payload)
+        return loss_sum / len(batches)
+
+    def _columns(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's columns of a pipeline batch under context parallelism (the stages get
+        their positions from `apply_context_parallel`'s hook)."""
+        if self.sequence_split is None:
+            return inputs, targets
+        inputs, targets, _ = self.sequence_split.shard(inputs, targets)
+        return inputs, targets
+
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the single model part, and the targets they predict (this rank's share
+        of the sequence under context parallelism), on the device."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        kwargs = {}
+        if self.sequence_split is not None:
+            inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
+        with self.autocast:
+            return self.parts[0](inputs, **kwargs), targets
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (the single model part's)."""
+        if self.loss_in_model:
+            with self.autocast:
+                return self.parts[0](
+                    inputs.to(self.device, non_blocking=True),
+                    targets=targets.to(self.device, non_blocking=True),
+                )
+        return cross_entropy(*self._forward(inputs, targets))
+
+    def _count_allreduce(self, numel: int, nbytes: int) -> None:
+        """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
+        so no time is taken (comm_inflight_s stays a figure of timed collectives)."""
+        if self.comm_stats is not None:
+            self.comm_stats.add_untimed_all_reduce(
+                nbytes, fp32_values=numel, group_size=self.dims.dp_size * self.dims.cp
+            )
+
+    @torch.no_grad()
+    def all_reduce_gradients(self, dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
+        """Average gradients over the data-parallel group in flat buckets, as DDP would have in
+        the last backward (used when that backward ran without sync)."""
+        size = dist.get_world_size(dp_group)
+        if size == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        limit = max(1, int(bucket_mb * 2**20) // 4)
+        bucket: list[torch.Tensor] = []
+        for i, grad in enumerate(grads):
+            bucket.append(grad)
+            if sum(g.numel() for g in bucket) >= limit or i == len(grads) - 1:
+                flat = torch.cat([g.flatten() for g in bucket])
+                dist.all_reduce(flat, group=dp_group)
+                self._count_allreduce(flat.numel(), flat.nbytes)
+                flat /= size
+                copy_from_flat(flat, bucket)
+                bucket = []
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    # A compiled model's training graph does not serve no_grad calls: rather than compile a
+    # second, inference graph (as long as the first when cold) for a few batches, run eagerly.
+    @torch.compiler.set_stance("eager_on_recompile")
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        if self.runner is not None:
+            return self._pipeline_eval_loss(batches)
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            with self.loss_context():
+                logits, targets = self._forward(inputs, targets)
+                total += _local(cross_entropy(logits, targets))
+        return total / len(batches)
+
+    def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        """A pipeline schedule runs one batch shape only: regroup the evaluation samples into
+        training-sized batches (a remainder smaller than one batch is left out; layout/rules.py
+        makes sure there is at least one)."""
+        inputs = torch.cat([b[0] for b in batches]).to(self.device)
+        targets = torch.cat([b[1] for b in batches]).to(self.device)
+        inputs, targets = self._columns(inputs, targets)
+        size = self.train_batch_rows
+        chunks = len(inputs) // size
+        total = torch.zeros((), device=self.device)
+        for i in range(chunks):
+            rows = slice(i * size, (i + 1) * size)
+            with self.loss_context(), self.autocast:
+                loss = self.runner.eval_loss(inputs[rows], targets[rows])
+            total += self.runner.broadcast_loss(_local(loss) if loss is not None else None)
+        return total / chunks
+
+
+def _as_loss(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """`term` in the loss's kind: under tp the loss is a Replicate DTensor, and a term every tp
+    rank computed alike (the MoE balancing losses: MoE layers run replicated over tp) joins
+    it as a Replicate DTensor too."""
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(term, loss.device_mesh, loss.placements, run_check=False)
+    return term
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def build_parallel_model(
+    args: ModelArgs,
+    cfg: Config,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    ctx: DistContext,
+    comm_stats: CommStats,
+    *,
+    meta_model: GPT | None = None,
+) -> ParallelModel:
+    """The model parts for this rank, laid out per `dims`; gradient communication (DDP's hook,
+    or the model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`.
+    `meta_model`: GPT(args) already built on the meta device (the planner builds it before it
+    enters its fake-tensor mode, in which module parameters could not be swapped by to_empty)."""
+    device = ctx.device
+    if meta_model is None:
+        with torch.device("meta"):
+            meta_model = GPT(args)
+    model = meta_model
+    stage_ids, num_stages, microbatches = [0], 1, 1
+    if dims.pp > 1:
+        from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+
+        p = cfg.parallel
+        num_stages = dims.pp * p.pp_stages_per_rank
+        stage_ids = stage_ids_for_rank(
+            mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
+        )
+        parts = [split_model(model, s, num_stages) for s in stage_ids]
+        local_batch = cfg.training.global_batch_size // dims.dp_size
+        microbatches = (
+            p.pp_microbatches
+            if p.pp_microbatches > 0
+            else local_batch // cfg.training.micro_batch_size
+        )
+    else:
+        parts = [model]
+    expert_mesh = None
+    if dims.ep > 1:
+        from distrain.parallel.experts import apply_expert_parallel
+
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
+        expert_mesh = ep_mesh["dp_mod_ep"]
+    compile_whole = False
+    for part in parts:
+        if dims.cp > 1:
+            apply_context_parallel(
+                part,
+                mesh["cp"],
+                cfg.parallel.cp_method,
+                stage_seq_len=cfg.training.seq_len if dims.pp > 1 else None,
+            )
+        if dims.tp > 1:
+            from distrain.parallel.tensor import apply_tensor_parallel
+
+            apply_tensor_parallel(
+                part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
+            )
+        if dims.ep > 1:
+            apply_expert_parallel(part, ep_mesh["ep"], stats=comm_stats)
+        apply_activation_checkpointing(
+            part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+        )
+        if resolve_compile(cfg.training.compile, device):
+            plain = dims.world_size == dims.dp_size and dims.ep == 1
+            whole = plain and dims.dp_wrapper != "fsdp" and not args.moe.enabled
+            compile_whole = whole and cfg.training.activation_checkpointing == "none"
+            apply_compile(part, whole=compile_whole)
+    if dims.dp_wrapper == "fsdp":
+        parts = [
+            apply_fsdp(part, mesh, dims, precision=cfg.training.precision, expert_mesh=expert_mesh)
+            for part in parts
+        ]
+    source = None
+    if cfg.model.init_from:
+        from distrain.interop.hf import pretrained_source
+
+        source = pretrained_source(cfg.model.init_from, args)
+    for part in parts:
+        part.to_empty(device=device)
+        init_weights(part, args, cfg.training.seed, source=source)
+    if dims.dp_wrapper == "ddp":
+        dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
+        parts = [
+            apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
+            for part in parts
+        ]
+    model = ParallelModel(
+        parts,
+        dims=dims,
+        mesh=mesh,
+        cfg=cfg,
+        device=device,
+        stage_ids=stage_ids,
+        num_stages=num_stages,
+        pp_microbatches=microbatches,
+        tied_group=(
+            embedding_group(mesh, timeout_s=cfg.debug.collective_timeout_s)
+            if dims.pp > 1 and args.tie_embeddings
+            else None
+        ),
+    )
+    model.loss_in_model = compile_whole
+    if dims.dp_wrapper == "ddp":
+        (ddp,) = parts
+        tokens = torch.zeros(
+            cfg.training.micro_batch_size, cfg.training.seq_len, dtype=torch.long, device=device
+        )
+        settle_bucket_layout(
+            ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss)
+        )
+        hooked = install_comm_hook(
+            ddp,
+            dp_mesh,
+            comm=cfg.comm,
+            stats=comm_stats,
+            local_world_size=ctx.local_world_size,
+            timeout_s=cfg.debug.collective_timeout_s,
+        )
+        model.allreduce_payload = None if hooked else allreduce_payload(ddp)
+    model.comm_stats = comm_stats
+    if args.moe.enabled:
+        model.moe_stats = MoEStats(
+            parts, dp_group=dp_mesh.get_group(), device=device, args=args.moe
+        )
+        if dims.pp > 1:
+            from distrain.parallel.moe_pipeline import join_balancing_losses
+
+            join_balancing_losses(parts, model.moe_stats)
+    return model

@@ -1,0 +1,92 @@
+"""What a checkpoint holds of the model, its optimizers and the RNGs, as DCP `Stateful`s: weights
+and optimizer state under the full model's parameter names (so any layout loads them), and the
+RNG states."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
+from distrain.train.rng import rng_state, set_rng_state
+
+
+class ModelState(Stateful):
+    """All model parts' weights under their original names, so any layout can load them."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict:
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+def _holds_head_copy(part: torch.nn.Module) -> bool:
+    """`part` is a pipeline stage with its own copy of a tied embedding as its output head
+    (parallel/tied.py). Where the embedding and the head are one parameter, torch names it
+    once, after the embedding, and the head's name has no optimizer state."""
+    args = getattr(part, "args", None)
+    tied = args is not None and args.tie_embeddings
+    return tied and any(name == "output.weight" for name, _ in part.named_parameters())
+
+
+def _renamed(state: dict, old: str, new: str) -> dict:
+    """`state` with the flattened entries of parameter `old` (`state.<old>.<key>`,
+    `param_groups.<old>.<key>`) named after `new`; the other entries as they are."""
+    renamed = {}
+    for key, value in state.items():
+        for section in ("state.", "param_groups."):
+            if key.startswith(f"{section}{old}."):
+                key = f"{section}{new}.{key.removeprefix(f'{section}{old}.')}"
+        renamed[key] = value
+    return renamed
+
+
+class OptimizerState(Stateful):
+    """One optimizer per model part, flattened to `state.<param name>.<key>` entries so the parts'
+    dicts merge and split again under another layout.
+
+    A tied embedding has one optimizer state, under the embedding's name, whatever the layout:
+    a pipeline's last stage saves its head copy's state (equal to the embedding copy's, since
+    both take the same summed gradient) under that name, and loads it from there, so a
+    checkpoint of one layout resumes on any other."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
+
+    def state_dict(self) -> dict:
+        merged = {}
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            state = optimizer_state_dict(part, optimizer)
+            if _holds_head_copy(part):
+                state = _renamed(state, "output.weight", "tok_emb.weight")
+            merged.update(state)
+        return merged
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            own = (
+                _renamed(state, "tok_emb.weight", "output.weight")
+                if _holds_head_copy(part)
+                else state
+            )
+            load_optimizer_state_dict(part, optimizer, own)
+
+
+class RNGState(Stateful):
+    """Every rank is seeded alike, so rank 0's states (DCP keeps one copy) serve all ranks."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)

@@ -1,0 +1,110 @@
+"""Worker entry point: `python -m distrain.train [options]`, started by `distrain train` through
+torchrun's API, or directly by a user's own `torchrun --nproc-per-node N -m distrain.train ...`.
+Without a torchrun environment it trains in this one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distrain.config.args import parse_train_args
+from distrain.config.io import write_toml
+from distrain.config.schema import Config
+from distrain.errors import DistrainError
+from distrain.launch.lifeline import die_with_launcher
+from distrain.launch.rundir import RunDirBusy, StartFootprint, lock_for_worker
+from distrain.launch.torchrun import under_torchrun
+from distrain.observe import flight
+from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
+from distrain.observe.watchdog import start_watchdog
+from distrain.parallel.mesh import device_type, init_distributed, teardown
+from distrain.train.loop import Trainer
+
+
+def run_training(cfg: Config) -> None:
+    """Train per `cfg` in this process as one rank of the (possibly 1-process) group."""
+    if under_torchrun():
+        die_with_launcher()
+    run_dir = Path(cfg.run.dir)
+    nccl = device_type(cfg.run.device) == "cuda"
+    if cfg.debug.hang_timeout_s:
+        flight.enable(run_dir, nccl=nccl)
+    # Taken before joining the group and so before any rank writes: every rank's view of what
+    # existed before this start is the same.
+    footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
+    ctx = init_distributed(cfg.run.device, timeout_s=cfg.debug.collective_timeout_s)
+    lock = logger = trainer = watchdog = None
+    failed_start = ended_well = False
+    try:
+        lock = lock_for_worker(run_dir, ctx.rank)
+        if ctx.world_size > 1:
+            dist.barrier()  # no rank writes to the run dir before rank 0 holds it
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if ctx.rank == 0:
+            write_toml(cfg, run_dir / "config.toml")
+        logger = setup_logging(run_dir, ctx.rank)
+        logger.info(
+            "rank %d/%d on %s (%s), %d CPU thread(s)",
+            ctx.rank,
+            ctx.world_size,
+            ctx.device,
+            ctx.backend,
+            torch.get_num_threads(),
+        )
+        trainer = Trainer(cfg, ctx, logger)
+        if cfg.debug.hang_timeout_s:
+            watchdog = start_watchdog(
+                run_dir,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout_s=cfg.debug.hang_timeout_s,
+                logger=logger,
+                nccl=nccl,
+            )
+        trainer.run()
+        ended_well = True
+    except DistrainError as e:
+        if logger is not None:
+            logger.error("%s", e)
+        failed_start = not isinstance(e, RunDirBusy) and (trainer is None or not trainer.started)
+        _drop_frames(e)
+        raise
+    except BaseException as e:
+        if logger is not None:
+            logger.error("unexpected error, traceback follows", exc_info=e, extra=FILE_ONLY)
+        _drop_frames(e)
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if trainer is not None:
+            trainer.close()
+        if logger is not None:
+            close_logging(logger)
+        del trainer
+        teardown(synchronize=ended_well)
+        if failed_start:
+            footprint.remove()
+        if lock is not None:
+            lock.release()
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Free the locals of the frames `error` unwound (the trainer among them) now, before the
+    process groups are destroyed, rather than whenever the exception object goes."""
+    traceback.clear_frames(error.__traceback__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
+        run_training(cfg)
+    except DistrainError as e:
+        print(f"distrain: {e.label}: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
