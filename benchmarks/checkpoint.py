@@ -48,7 +48,8 @@ from harness import is_worker, launch_self, worker_session, write_json
 from distrain.checkpoint.checkpointer import committed
 from distrain.config.schema import Config, validate
 from distrain.optim.builder import lr_at
-from distrain.parallel.mesh import DistContext
+from distrain.parallel.device import DistContext
+from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 NUM_RANKS = 2
@@ -162,7 +163,7 @@ def measure(
         for mode in MODES:
             cfg = make_config(args, mode, run_dir / mode)
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainers[mode] = Trainer(cfg, ctx, logger)
+            trainers[mode] = build_trainer(cfg, ctx, logger)
         for trainer in trainers.values():
             train(trainer, args.warmup)
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}

@@ -40,6 +40,7 @@ from harness import bench_config, is_worker, launch_ranks, worker_session, write
 
 from distrain.config.schema import Config
 from distrain.optim.builder import lr_at
+from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 CORPUS_BYTES = 2_000_000
@@ -116,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         for seq_len in args.seq_lens:
             cfg = make_config(seq_len, ctx.world_size, args.method, run_dir / f"seq{seq_len}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainer = Trainer(cfg, ctx, logger)
+            trainer = build_trainer(cfg, ctx, logger)
             try:
                 mine = measure(trainer)
             finally:

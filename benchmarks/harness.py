@@ -22,7 +22,7 @@ from torch.distributed.run import get_args_parser, run
 from distrain.config.schema import Config, validate
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim.builder import lr_at
-from distrain.parallel.mesh import DistContext, init_distributed, teardown
+from distrain.parallel.device import DistContext, init_distributed, teardown
 from distrain.train.loop import Trainer
 
 
@@ -55,7 +55,7 @@ def worker_session(
 ) -> Iterator[tuple[DistContext, logging.Logger]]:
     """This worker's rank context and per-rank logger; torn down however the body ends. Build
     models (anything holding process groups) in functions called from the body, so that they
-    are gone by the teardown (see mesh.teardown)."""
+    are gone by the teardown (see distrain.parallel.device.teardown)."""
     ctx = init_distributed(device)
     logger = setup_logging(Path(run_dir), ctx.rank)
     ended_well = False

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config.schema import Config
 from distrain.models.presets import num_params
 from distrain.optim.builder import lr_at
+from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 STAGES = (0, 1, 2, 3)
@@ -142,7 +143,7 @@ def worker(args: argparse.Namespace) -> None:
         for stage in STAGES:
             cfg = make_config(args, stage, ctx.world_size, run_dir / f"stage{stage}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainer = Trainer(cfg, ctx, logger)
+            trainer = build_trainer(cfg, ctx, logger)
             try:
                 mine = measure(trainer)
                 psi = num_params(trainer.args)

@@ -40,8 +40,8 @@ from harness import is_worker, launch_self, measure_steps, synchronize, worker_s
 
 from distrain.config.schema import Config, validate
 from distrain.models.presets import flops_per_token, num_params
-from distrain.parallel.mesh import DistContext
-from distrain.train.loop import Trainer
+from distrain.parallel.device import DistContext
+from distrain.train.build import build_trainer
 
 # Dense bf16 peak FLOP/s per GPU, matched in order against torch.cuda.get_device_name().
 GPU_PEAK_FLOPS = (
@@ -137,7 +137,7 @@ def run_variant(
 ) -> dict[str, Any]:
     cfg = make_config(args, compile_, ctx.world_size, run_dir / f"compile{int(compile_)}")
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, ctx, logger)
+    trainer = build_trainer(cfg, ctx, logger)
     try:
         seconds = measure_steps(trainer, warmup=args.warmup, steps=args.steps, device=ctx.device)
         model_args = trainer.args

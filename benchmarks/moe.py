@@ -36,8 +36,8 @@ from harness import (
 
 from distrain.config.schema import Config
 from distrain.models.presets import active_params, flops_per_token, num_params
-from distrain.parallel.mesh import DistContext
-from distrain.train.loop import Trainer
+from distrain.parallel.device import DistContext
+from distrain.train.build import build_trainer
 
 CORPUS_BYTES = 8_000_000
 
@@ -79,7 +79,7 @@ def run_preset(
 ) -> dict[str, Any]:
     cfg = make_config(args, preset, ctx.world_size, run_dir / preset)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, ctx, logger)
+    trainer = build_trainer(cfg, ctx, logger)
     try:
         seconds = measure_steps(
             trainer, warmup=args.warmup, steps=args.steps, device=ctx.device, report_loss=False

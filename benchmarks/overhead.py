@@ -42,7 +42,8 @@ from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, TokenDataset
 from distrain.models.gpt import GPT, init_weights
 from distrain.optim.builder import lr_at
-from distrain.parallel.mesh import DistContext
+from distrain.parallel.device import DistContext
+from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 NUM_RANKS = 2
@@ -169,7 +170,7 @@ def measure(
     """Warm both sides up, then time `args.blocks` interleaved rounds of both at this accum."""
     cfg = make_config(args, accum, run_dir / f"accum{accum}")
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, ctx, logger)
+    trainer = build_trainer(cfg, ctx, logger)
     try:
         sides = {
             "distrain": distrain_step(trainer),

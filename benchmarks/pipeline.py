@@ -77,7 +77,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils.hooks import RemovableHandle
 
 from distrain.models.gpt import GPT, ModelArgs, init_weights
-from distrain.parallel.mesh import init_distributed
+from distrain.parallel.device import init_distributed
 from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model, stage_ids_for_rank
 
 SEED = 1234

@@ -74,12 +74,12 @@ def layout_config(parallel: dict[str, Any], *, steps: int = 1, run_dir: str = ""
 
 
 def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
-    from distrain.train.loop import Trainer
+    from distrain.train.build import build_trainer
 
     cfg = layout_config(par, steps=1000, run_dir=str(run_dir))
     validate_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, ctx, logger)
+    return build_trainer(cfg, ctx, logger)
 
 
 def _model_state(trainer: Any) -> int:

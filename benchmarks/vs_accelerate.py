@@ -59,9 +59,9 @@ from distrain.data import DistributedBatchLoader, build_datasets
 from distrain.models.gpt import GPT, init_weights
 from distrain.models.presets import model_args
 from distrain.optim.builder import lr_at, param_groups, set_lr
-from distrain.parallel.mesh import DistContext, cpu_has_native_bf16
+from distrain.parallel.device import DistContext, cpu_has_native_bf16
 from distrain.parallel.model import cross_entropy
-from distrain.train.loop import Trainer
+from distrain.train.build import build_trainer
 
 CORPUS_BYTES = 4_000_000
 BASELINE = "accelerate fp32 2x1"
@@ -156,7 +156,7 @@ def timed(
 
 def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger: Any) -> dict:
     built = time.perf_counter()
-    trainer = Trainer(cfg, ctx, logger)
+    trainer = build_trainer(cfg, ctx, logger)
 
     def step(i: int) -> torch.Tensor:
         lr = lr_at(i, cfg=cfg.optim, total_steps=cfg.training.steps)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.config.args import parse_train_args
-from distrain.parallel.mesh import collective_timeout, pick_device
+from distrain.parallel.device import collective_timeout, pick_device
 from distrain.train.worker import main as train_main
 
 
@@ -48,7 +48,7 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
     finally:
         torch.use_deterministic_algorithms(deterministic)
     if code != 0:
-        raise RuntimeError(f"distrain.train.worker exited with {code} (its error is on stderr)")
+        raise RuntimeError(f"distrain.train exited with {code} (its error is on stderr)")
     if dist.is_initialized():
         raise RuntimeError("run_training left its process group behind")
 

@@ -75,7 +75,7 @@ def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
     import torch.distributed as dist
 
     from distrain.layout.rules import validate
-    from distrain.parallel.mesh import DistContext
+    from distrain.parallel.device import DistContext
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

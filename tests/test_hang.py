@@ -158,7 +158,8 @@ def test_a_large_tensor_reports_progress_per_chunk_both_ways(tmp_path):
 def test_collective_timeout_reaches_every_group(tmp_path):
     """debug.collective_timeout_s on the world group and every group of the mesh."""
     from distrain.config.schema import Config
-    from distrain.parallel.mesh import ParallelDims, init_distributed
+    from distrain.parallel.device import init_distributed
+    from distrain.parallel.mesh import ParallelDims
 
     assert not dist.is_initialized()
     init_distributed("cpu", timeout_s=7)

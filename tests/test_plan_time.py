@@ -17,7 +17,7 @@ from distrain.layout.rules import validate
 from distrain.models.presets import model_args, num_params
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
-from distrain.parallel.mesh import DistContext
+from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit

@@ -1,6 +1,6 @@
 """One run per run dir, failed starts that leave no trace, metrics that read as one curve,
 workers that die with their launcher, clean output through a pipe, and the one teardown of
-process groups (mesh.teardown)."""
+process groups (parallel/device.py's teardown)."""
 
 from __future__ import annotations
 
@@ -378,7 +378,7 @@ def test_workers_die_when_the_launcher_is_killed(tmp_path):
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
-        workers = [p for p in _children(launcher.pid) if "distrain.train.worker" in _cmdline(p)]
+        workers = [p for p in _children(launcher.pid) if "distrain.train" in _cmdline(p)]
         assert len(workers) == 2
         os.kill(launcher.pid, signal.SIGKILL)  # from outside, as a user or a scheduler would
         launcher.wait()
@@ -483,7 +483,7 @@ def test_teardown_ends_groups_that_a_reference_cycle_still_holds():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from distrain.parallel.mesh import teardown
+    from distrain.parallel.device import teardown
 
     before = _gloo_threads()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -119,8 +119,14 @@ CASES = [
     ("dp_shard_needs_fsdp", {"parallel.dp_shard": "2"}, 2,
      ["parallel.dp_shard = 2 needs parallel.zero_stage 2 or 3"]),
     ("dp_replicate_is_dp", {"parallel.dp_replicate": "4"}, 2,
-     ["parallel.dp_replicate (4) must equal the data-parallel size 2 (world 2 / tp 1 / pp 1)",
+     ["parallel.dp_replicate (4) must equal the data-parallel size 2 "
+      "(world 2 / (cp 1 x tp 1 x pp 1))",
       "set it to -1 (what is left over) or run 4 processes"]),
+    # With cp the arithmetic names cp too: dp = world // (cp x tp x pp), 8 // 4 = 2.
+    ("dp_replicate_is_dp", {"parallel.dp_replicate": "4", "parallel.cp": "2", "parallel.tp": "2"},
+     8,
+     ["parallel.dp_replicate (4) must equal the data-parallel size 2 "
+      "(world 8 / (cp 2 x tp 2 x pp 1))", "or run 16 processes"]),
     ("dp_replicate_divides_dp", {"parallel.zero_stage": "3", "parallel.dp_replicate": "3"}, 4,
      ["parallel.dp_replicate (3) must divide the data-parallel size 4", "one of 1, 2, 4"]),
     ("dp_shard_divides_dp", {"parallel.zero_stage": "2", "parallel.dp_shard": "3"}, 4,
@@ -129,7 +135,7 @@ CASES = [
      {"parallel.zero_stage": "3", "parallel.dp_replicate": "2", "parallel.dp_shard": "4"}, 4,
      ["parallel.dp_replicate (2) x parallel.dp_shard (4) must equal the data-parallel size 4"]),
     ("ep_divides_dp", {"parallel.ep": "4", "model.moe.num_experts": "4"}, 2,
-     ["parallel.ep (4) must divide the data-parallel size 2 (world 2 / tp 1 / pp 1)",
+     ["parallel.ep (4) must divide the data-parallel size 2 (world 2 / (cp 1 x tp 1 x pp 1))",
       "choose one of 1, 2"]),
     ("batch_splits_over_dp", {}, 3,
      ["training.global_batch_size (32) must be a multiple of training.micro_batch_size (8) x "

@@ -47,7 +47,7 @@ from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, on
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
-from distrain.parallel.mesh import checkpoint_group
+from distrain.parallel.device import checkpoint_group
 
 MANIFEST = "MANIFEST.json"
 UNREADABLE: dict[str, Any] = {"unreadable": True}
@@ -686,17 +686,6 @@ class Checkpointer:
                 f"cannot verify checkpoint {storage.url_of(entry.path)}: {fatal[0]}"
             )
         return next((v[0] for v in verdicts if v[0] is not None), None)
-
-
-def corrupt_one_shard(storage: Storage, step: int) -> str:
-    """Fault injection (debug.corrupt_checkpoint_step): flip the first byte of one shard file of
-    a committed checkpoint, as bit rot or a bad disk would. Returns the damaged file."""
-    path = storage.path(step_name(step))
-    shard = next(n for n in storage.listdir(path) if n.endswith(".distcp"))
-    data = bytearray(storage.fs.cat_file(f"{path}/{shard}"))
-    data[0] ^= 0xFF
-    storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
-    return f"{path}/{shard}"
 
 
 def remove_checkpoint(storage: Storage, path: str) -> None:

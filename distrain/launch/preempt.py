@@ -11,7 +11,7 @@ Owns three things:
   each rank contributes its flag to a MAX all-reduce that is started asynchronously after a step
   and read after the next one: every rank reads the same value at the same step, and the read
   never waits on the device (the flag is a CPU tensor on a gloo group of its own, see
-  `mesh.host_group`), so a CUDA/NCCL run pays no host sync for it.
+  `device.host_group`), so a CUDA/NCCL run pays no host sync for it.
 - `launcher_outcome`: what `distrain train`'s launcher reports once its workers are gone.
 """
 

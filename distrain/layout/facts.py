@@ -8,10 +8,12 @@ import math
 import os
 from dataclasses import dataclass
 
+from distrain.config.batch import BatchSizes
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
 from distrain.models.gpt import ModelArgs
-from distrain.parallel.mesh import ParallelDims, pick_device
+from distrain.parallel.device import pick_device
+from distrain.parallel.mesh import ParallelDims, data_parallel_size
 
 # The model sizes tensor parallelism splits over its ranks.
 _TP_SPLIT_FIELDS = ("n_heads", "ffn_dim", "vocab_size", "dim")
@@ -49,9 +51,17 @@ class Facts:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ranks left once tp, pp and cp took theirs."""
+        """Data-parallel size (before the degrees are resolved into `dims`)."""
         assert self.world_size is not None
-        return self.world_size // self.cp_tp_pp
+        return data_parallel_size(self.p, self.world_size)
+
+    @property
+    def dp_arithmetic(self) -> str:
+        """How the data-parallel size follows from the world size, for messages."""
+        others = [
+            f"{axis} {n}" for axis, n in (("cp", self.p.cp), ("tp", self.p.tp), ("pp", self.p.pp))
+        ]
+        return f"world {self.world_size} / ({' x '.join(others)})"
 
     @property
     def cp_chunks(self) -> int:
@@ -114,10 +124,16 @@ class Facts:
         return self.p.pp * self.p.pp_stages_per_rank
 
     @property
+    def batch(self) -> BatchSizes:
+        """The run's batch arithmetic on the resolved degrees."""
+        assert self.dims is not None
+        micro = 1 if self.auto_micro_batch else self.t.micro_batch_size
+        return BatchSizes(global_batch=self.t.global_batch_size, dp=self.dims.dp_size, micro=micro)
+
+    @property
     def local_batch(self) -> int:
         """Sequences per step on one data-parallel rank."""
-        assert self.dims is not None
-        return self.t.global_batch_size // self.dims.dp_size
+        return self.batch.local
 
     @property
     def tp_uneven(self) -> str:

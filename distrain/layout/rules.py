@@ -25,7 +25,8 @@ from distrain.errors import ConfigError
 from distrain.layout.facts import Facts
 from distrain.models.gpt import ModelArgs
 from distrain.models.presets import model_args
-from distrain.parallel.mesh import CUDA_MISSING, ParallelDims, device_type
+from distrain.parallel.device import CUDA_MISSING, device_type
+from distrain.parallel.mesh import ParallelDims
 
 # What a rule needs: the config and the model shape; also the world size; also the resolved
 # degrees (ParallelDims, which the "world" rules make sure can be computed).
@@ -270,7 +271,7 @@ RULES: tuple[Rule, ...] = (
         "world",
         lambda f: f.p.zero_stage <= 1 and f.p.dp_replicate not in (-1, f.dp),
         "parallel.dp_replicate ({f.p.dp_replicate}) must equal the data-parallel size {f.dp} "
-        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); set it to -1 (what is left over) "
+        "({f.dp_arithmetic}); set it to -1 (what is left over) "
         "or run {f.replicate_world} processes",
     ),
     Rule(
@@ -283,7 +284,7 @@ RULES: tuple[Rule, ...] = (
             and f.dp % f.p.dp_replicate != 0
         ),
         "parallel.dp_replicate ({f.p.dp_replicate}) must divide the data-parallel size {f.dp} "
-        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); choose one of {f.dp_divisors}",
+        "({f.dp_arithmetic}); choose one of {f.dp_divisors}",
     ),
     Rule(
         "dp_shard_divides_dp",
@@ -295,7 +296,7 @@ RULES: tuple[Rule, ...] = (
             and f.dp % f.p.dp_shard != 0
         ),
         "parallel.dp_shard ({f.p.dp_shard}) must divide the data-parallel size {f.dp} "
-        "(world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); choose one of {f.dp_divisors}",
+        "({f.dp_arithmetic}); choose one of {f.dp_divisors}",
     ),
     Rule(
         "dp_degrees_fill_dp",
@@ -306,15 +307,15 @@ RULES: tuple[Rule, ...] = (
             and f.p.dp_replicate * f.p.dp_shard != f.dp
         ),
         "parallel.dp_replicate ({f.p.dp_replicate}) x parallel.dp_shard ({f.p.dp_shard}) must "
-        "equal the data-parallel size {f.dp} (world {f.world_size} / tp {f.p.tp} / pp {f.p.pp}); "
+        "equal the data-parallel size {f.dp} ({f.dp_arithmetic}); "
         "set one of them to -1 (what is left over)",
     ),
     Rule(
         "ep_divides_dp",
         "world",
         lambda f: f.p.ep > 1 and f.dp % f.p.ep != 0,
-        "parallel.ep ({f.p.ep}) must divide the data-parallel size {f.dp} (world "
-        "{f.world_size} / tp {f.p.tp} / pp {f.p.pp}): expert-parallel ranks are data-parallel "
+        "parallel.ep ({f.p.ep}) must divide the data-parallel size {f.dp} ("
+        "{f.dp_arithmetic}): expert-parallel ranks are data-parallel "
         "ranks; choose one of {f.dp_divisors}",
     ),
     # --- the resolved degrees ---

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.errors import DistrainError
+from distrain.observe.observer import Row, StepObserver
 
 
 class NonFiniteError(DistrainError):
@@ -43,7 +44,7 @@ def first_nonfinite(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> s
     return None
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(StepObserver):
     """training.nonfinite: "skip" (no update, counted) or "stop"; either way a run of
     `max_in_a_row` non-finite steps stops training."""
 
@@ -75,6 +76,9 @@ class NonFiniteGuard:
             self._stop(step, grad_norm, named_params)
         return False
 
+    def logged(self, row: Row, *, steps: int) -> None:
+        row["nonfinite_skipped"] = self.skipped
+
     def _stop(
         self,
         step: int,
@@ -101,7 +105,7 @@ class NonFiniteGuard:
         )
 
 
-class LossSpikes:
+class LossSpikes(StepObserver):
     """Flags a logged loss above `factor` x the running mean of earlier logged losses (an
     exponential moving average; non-finite losses leave it unchanged)."""
 
@@ -115,3 +119,6 @@ class LossSpikes:
         spike = self.mean is not None and loss > self.factor * self.mean
         self.mean = loss if self.mean is None else self.decay * self.mean + (1 - self.decay) * loss
         return spike
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        row["loss_spike"] = self.update(row["loss"])

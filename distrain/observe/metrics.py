@@ -14,10 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distrain.observe.observer import Row, StepObserver
+
 NOT_SCALARS = ("step", "attempt")
 
 
-class MetricsWriter:
+class MetricsWriter(StepObserver):
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
         self.enabled = enabled
         self.attempt = 0
@@ -53,6 +55,9 @@ class MetricsWriter:
             for key, value in row.items():
                 if key not in NOT_SCALARS and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, step)
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        self.log(row)
 
     def close(self) -> None:
         if self._file is not None:

@@ -20,6 +20,7 @@ from torch.autograd.profiler import record_function
 
 from distrain.config.schema import ProfileConfig
 from distrain.errors import ConfigError
+from distrain.observe.observer import StepObserver
 
 
 def profiled_ranks(text: str, world_size: int) -> set[int]:
@@ -59,7 +60,7 @@ class PhaseRanges:
                 torch.cuda.nvtx.range_pop()
 
 
-class StepProfiler:
+class StepProfiler(StepObserver):
     """Starts torch.profiler when step `start_step` begins and stops it after `num_steps`."""
 
     def __init__(
@@ -91,10 +92,12 @@ class StepProfiler:
         )
         self._profiler.__enter__()
 
-    def after_step(self, step: int) -> None:
-        """Call when `step` has finished."""
+    def step_end(self, step: int) -> None:
         if self._profiler is None or step < self.cfg.start_step + self.cfg.num_steps - 1:
             return
+        self.stop()
+
+    def close(self) -> None:
         self.stop()
 
     def stop(self) -> None:

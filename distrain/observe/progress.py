@@ -13,38 +13,46 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from distrain.observe.observer import Row, StepObserver
+
 PLAIN_PERCENT = 10
 PLAIN_MAX_GAP_S = 300.0
 
 
-class Progress:
+class Progress(StepObserver):
     def __init__(
         self,
         *,
         total: int,
-        initial: int,
         enabled: bool,
         logger: logging.Logger,
+        initial: int | None = None,
         stream: TextIO | None = None,
     ):
-        stream = sys.stderr if stream is None else stream
-        self.total, self.step, self.log = total, initial, logger
+        """Shown from step `initial` on; with None, from the step the loop starts at."""
+        self.stream = sys.stderr if stream is None else stream
+        self.total, self.log = total, logger
         self.enabled = enabled
         self.bar = None
-        if enabled and stream.isatty():
+        self._postfix: dict[str, str] = {}
+        self._due = False
+        if initial is not None:
+            self.start(initial)
+
+    def start(self, step: int) -> None:
+        self.step = step
+        if self.enabled and self.stream.isatty():
             self.bar = tqdm(
-                total=total,
-                initial=initial,
+                total=self.total,
+                initial=step,
                 desc="train",
                 unit="step",
                 dynamic_ncols=True,
-                file=stream,
+                file=self.stream,
             )
         self._start = self._last_line = time.monotonic()
-        self._start_step = initial
-        self._last_bucket = self._bucket(initial)
-        self._postfix: dict[str, str] = {}
-        self._due = False
+        self._start_step = step
+        self._last_bucket = self._bucket(step)
 
     def _bucket(self, step: int) -> int:
         return step * 100 // (self.total * PLAIN_PERCENT) if self.total else 0
@@ -67,6 +75,12 @@ class Progress:
         self._postfix = values
         if self._due or self.step == self.total:
             self._plain_line()
+
+    def after_step(self, step: int) -> None:
+        self.update(1)
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        self.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
     def close(self) -> None:
         if self.bar is not None:

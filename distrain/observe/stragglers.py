@@ -12,11 +12,15 @@ host sync.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from distrain.observe import heartbeat
+from distrain.observe.observer import Row, StepObserver
 
 COMPUTE_PHASES = ("data", "forward")
 
@@ -75,3 +79,29 @@ def straggler_metrics(compute_s: float, device: torch.device) -> dict[str, float
         "straggler_ratio": times[slowest] / median if median > 0 else 1.0,
         "compute_s_max": times[slowest],
     }
+
+
+class Stragglers(StepObserver):
+    """At each logged step, every rank's compute time over the window, gathered: the slowest
+    rank, its ratio to the median and its seconds per step join the row, and rank 0 warns when
+    the ratio exceeds `ratio`."""
+
+    def __init__(self, device: torch.device, *, ratio: float, rank: int, logger: logging.Logger):
+        self.device, self.ratio, self.rank, self.log = device, ratio, rank, logger
+        self.timer = ComputeTimer(device)
+        heartbeat.listen(self.timer)
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        found = straggler_metrics(self.timer.take() / steps, self.device)
+        if found["straggler_ratio"] > self.ratio and self.rank == 0:
+            self.log.warning(
+                "straggler: rank %d computes %.2fx the median rank (%.3f s per step in data "
+                "and forward)",
+                found["slowest_rank"],
+                found["straggler_ratio"],
+                found["compute_s_max"],
+            )
+        row.update(found)
+
+    def close(self) -> None:
+        heartbeat.unlisten(self.timer)

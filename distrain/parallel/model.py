@@ -34,8 +34,9 @@ from distrain.parallel.data_parallel import (
     install_comm_hook,
     settle_bucket_layout,
 )
+from distrain.parallel.device import DistContext
 from distrain.parallel.local import copy_from_flat
-from distrain.parallel.mesh import DistContext, ParallelDims, embedding_group, resolve_compile
+from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
@@ -391,7 +392,7 @@ def build_parallel_model(
         apply_activation_checkpointing(
             part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
-        if resolve_compile(cfg.training.compile, device):
+        if cfg.training.compile:  # decided for the device (train/resolve.py)
             plain = dims.world_size == dims.dp_size and dims.ep == 1
             whole = plain and dims.dp_wrapper != "fsdp" and not args.moe.enabled
             compile_whole = whole and cfg.training.activation_checkpointing == "none"

@@ -40,8 +40,8 @@ from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
+from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
-from distrain.parallel.mesh import DistContext
 from distrain.parallel.model import ParallelModel, build_parallel_model
 
 

@@ -48,8 +48,8 @@ from distrain.layout.rules import validate
 from distrain.models.gpt import GPT, init_weights
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
+from distrain.parallel.device import DistContext
 from distrain.parallel.grad_norm import clip_grad_norm
-from distrain.parallel.mesh import DistContext
 from distrain.parallel.model import build_parallel_model
 from distrain.plan.collectives import LinkCost
 from distrain.plan.memory import fake_world

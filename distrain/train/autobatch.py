@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from distrain.config.schema import Config, TrainingConfig
+from distrain.config.schema import Config
 from distrain.data.dataset import TokenDataset
 from distrain.data.loader import DistributedBatchLoader
 from distrain.layout.facts import divisors
-from distrain.parallel.mesh import DistContext
+from distrain.parallel.device import DistContext
 from distrain.parallel.model import ParallelModel
 from distrain.plan.memory import LiveBytes, grad_bytes, local_bytes
 from distrain.train import oom
@@ -218,15 +218,6 @@ def _max_over_ranks(value: int, device: torch.device) -> int:
     return int(flag.item())
 
 
-def defer_choice(t: TrainingConfig) -> bool:
-    """True for micro_batch_size = auto, which becomes 1 until `choose` runs: the loader and the
-    model build need a number, and the choice needs the built model."""
-    if t.micro_batch_size != "auto":
-        return False
-    t.micro_batch_size = 1
-    return True
-
-
 def choose(
     model: ParallelModel,
     optimizers: list[torch.optim.Optimizer],
@@ -236,9 +227,9 @@ def choose(
     ctx: DistContext,
     logger: logging.Logger,
 ) -> Choice:
-    """The largest candidate micro-batch whose trial fits, the same on every rank, set in
-    cfg.training and the loader; the model, optimizer, RNG and MoE statistics are as they were
-    before."""
+    """The largest candidate micro-batch whose trial fits, the same on every rank, set in the
+    loader (the run's current micro-batch size); the model, optimizer, RNG and MoE statistics
+    are as they were before. The model is built for micro-batch 1 until then."""
     t = cfg.training
     device, rank, dp_size = ctx.device, ctx.rank, loader.dp_size
     budget = budget_bytes(t.memory_budget_gb, device)
@@ -273,7 +264,6 @@ def choose(
             "activation checkpointing, ZeRO (parallel.zero_stage), tp, or a shorter seq_len"
         )
     choice = Choice(max(fitting), budget, trials)
-    t.micro_batch_size = choice.micro_batch_size
     loader.set_micro_batch_size(choice.micro_batch_size)
     logger.info(
         "training.micro_batch_size auto: %d (budget %.3f GiB; trials %s)",

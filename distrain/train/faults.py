@@ -1,7 +1,19 @@
-"""`debug.*` fault injection inside a training step, for tests and chaos runs: a crash (an
-exception, or SIGKILL), one NaN gradient, and a hang inside backward. Each acts only at its step,
-on its rank and, for the crash and the hang, in its attempt of an elastic run. `params` is
-called only when the fault fires, so the check costs nothing in the other steps."""
+"""Every `debug.*` fault injection of a training run, in one place, for tests and chaos runs:
+`Faults` is built once from the `[debug]` section and this rank, and the loop calls it at the
+points where a real fault would strike:
+
+- as a step begins: a crash (an exception, or SIGKILL), a slow rank (a sleep every step), a
+  hang inside that step's backward (a gradient hook that never returns);
+- inside a step: an out-of-memory error before a micro-batch, and one NaN gradient after
+  backward;
+- after a save: one shard of the committed checkpoint damaged, as bit rot would;
+- on a stop signal: a delay before the preempt checkpoint commits.
+
+Each acts only at its step, on its rank and, for the crash and the hang, in its attempt of an
+elastic run. `params` is called only when a fault fires, so the checks cost nothing in the other
+steps. The automatic micro-batch search injects its own out-of-memory errors
+(`debug.oom_at_micro_batch`, see autobatch.py): it runs before the first step.
+"""
 
 from __future__ import annotations
 
@@ -15,54 +27,101 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from distrain.checkpoint.checkpointer import step_name
+from distrain.checkpoint.storage import Storage
 from distrain.config.debug import DebugConfig
 from distrain.observe.heartbeat import attempt_number
+
+Params = Callable[[], Iterable[nn.Parameter]]
 
 
 class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
 
 
-def maybe_inject_failure(debug: DebugConfig, step: int, rank: int, log: logging.Logger) -> None:
-    """debug.fail_at_step: crash as `step` begins."""
-    if not debug.fail_at_step or step != debug.fail_at_step:
-        return
-    if debug.fail_rank not in (-1, rank) or attempt_number() != debug.fail_attempt:
-        return
-    message = f"debug.fail_at_step: rank {rank} crashes at step {step}"
-    log.error("%s (%s)", message, debug.fail_mode)
-    if debug.fail_mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFailure(message)
+class Faults:
+    """The faults `[debug]` asks this rank to suffer (none by default)."""
 
+    def __init__(self, debug: DebugConfig, *, rank: int, logger: logging.Logger):
+        self.debug, self.rank, self.log = debug, rank, logger
+        self._oom_fired = False
 
-def maybe_inject_nan(
-    debug: DebugConfig, step: int, rank: int, params: Callable[[], Iterable[nn.Parameter]]
-) -> None:
-    """debug.nan_at_step: one NaN in the first gradient of this rank, after backward."""
-    if debug.nan_at_step != step or debug.nan_rank not in (-1, rank):
-        return
-    grad = next(p.grad for p in params() if p.grad is not None)
-    (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
+    def _mine(self, rank_field: int) -> bool:
+        return rank_field in (-1, self.rank)
 
+    def step_begins(self, step: int) -> None:
+        """debug.fail_at_step: crash as `step` begins."""
+        d = self.debug
+        if not d.fail_at_step or step != d.fail_at_step:
+            return
+        if not self._mine(d.fail_rank) or attempt_number() != d.fail_attempt:
+            return
+        message = f"debug.fail_at_step: rank {self.rank} crashes at step {step}"
+        self.log.error("%s (%s)", message, d.fail_mode)
+        if d.fail_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFailure(message)
 
-def maybe_inject_hang(
-    debug: DebugConfig,
-    step: int,
-    rank: int,
-    params: Callable[[], Iterable[nn.Parameter]],
-    log: logging.Logger,
-) -> None:
-    """debug.hang_at_step: block forever inside this step's backward pass (a gradient hook on the
-    first parameter never returns), the way a stuck kernel or a deadlock would."""
-    if not debug.hang_at_step or step != debug.hang_at_step:
-        return
-    if debug.hang_rank not in (-1, rank) or attempt_number() != debug.fail_attempt:
-        return
-    log.error("debug.hang_at_step: rank %d hangs in backward of step %d", rank, step)
+    def step_runs(self, step: int, params: Params) -> None:
+        """In `step`'s data phase (where the straggler timer counts): debug.slow_rank sleeps
+        debug.slow_ms; debug.hang_at_step blocks forever inside this step's backward pass (a
+        gradient hook on the first parameter never returns), the way a stuck kernel or a
+        deadlock would."""
+        d = self.debug
+        if d.slow_rank == self.rank:
+            time.sleep(d.slow_ms / 1000)
+        if not d.hang_at_step or step != d.hang_at_step:
+            return
+        if not self._mine(d.hang_rank) or attempt_number() != d.fail_attempt:
+            return
+        self.log.error("debug.hang_at_step: rank %d hangs in backward of step %d", self.rank, step)
 
-    def sleep_forever(grad: torch.Tensor) -> torch.Tensor:
-        while True:
-            time.sleep(3600)
+        def sleep_forever(grad: torch.Tensor) -> torch.Tensor:
+            while True:
+                time.sleep(3600)
 
-    next(p for p in params() if p.requires_grad).register_hook(sleep_forever)
+        next(p for p in params() if p.requires_grad).register_hook(sleep_forever)
+
+    def out_of_memory_hook(self, step: int, num_micro_batches: int) -> Callable[[int], None]:
+        """debug.oom_at_step: a hook run before each micro-batch that raises an out-of-memory
+        error inside that step, once. It strikes before the second micro-batch (or the first,
+        if there is one), so gradients of a finished micro-batch exist and must be discarded, as
+        with a real mid-step failure."""
+
+        def before_micro_batch(index: int) -> None:
+            if self._oom_fired or not self._mine(self.debug.oom_rank):
+                return
+            if step == self.debug.oom_at_step and index == min(1, num_micro_batches - 1):
+                self._oom_fired = True
+                raise torch.OutOfMemoryError("debug.oom_at_step: injected out-of-memory error")
+
+        return before_micro_batch
+
+    def after_backward(self, step: int, params: Params) -> None:
+        """debug.nan_at_step: one NaN in the first gradient of this rank."""
+        if self.debug.nan_at_step != step or not self._mine(self.debug.nan_rank):
+            return
+        grad = next(p.grad for p in params() if p.grad is not None)
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
+
+    def damages_checkpoint(self, step: int) -> bool:
+        """debug.corrupt_checkpoint_step: the checkpoint of `step` is to be damaged once
+        committed (`damage_checkpoint`, on rank 0)."""
+        return self.debug.corrupt_checkpoint_step == step
+
+    def damage_checkpoint(self, storage: Storage, step: int) -> None:
+        """Flip the first byte of one shard file of the committed checkpoint of `step`."""
+        path = storage.path(step_name(step))
+        shard = next(n for n in storage.listdir(path) if n.endswith(".distcp"))
+        data = bytearray(storage.fs.cat_file(f"{path}/{shard}"))
+        data[0] ^= 0xFF
+        storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
+        self.log.warning("debug.corrupt_checkpoint_step: damaged %s", f"{path}/{shard}")
+
+    def before_preempt_commit(self) -> None:
+        """debug.preempt_delay_s: wait before the preempt checkpoint commits."""
+        if self.debug.preempt_delay_s:
+            self.log.warning(
+                "debug.preempt_delay_s: waiting %.1fs before committing", self.debug.preempt_delay_s
+            )
+            time.sleep(self.debug.preempt_delay_s)

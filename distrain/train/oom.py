@@ -28,32 +28,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from distrain.config.schema import DebugConfig
 from distrain.errors import DistrainError
 
 
 class OutOfMemoryAtMicroBatchOne(DistrainError):
     """Even one sequence per micro-batch does not fit."""
-
-
-class InjectedOOM:
-    """debug.oom_at_step: raise an out-of-memory error inside that step, once, on chosen ranks.
-    It strikes before the second micro-batch (or the first, if there is one), so gradients of a
-    finished micro-batch exist and must be discarded, as with a real mid-step failure."""
-
-    def __init__(self, debug: DebugConfig, rank: int):
-        self.step, self.rank_matches = debug.oom_at_step, debug.oom_rank in (-1, rank)
-        self.fired = False
-
-    def hook(self, step: int, num_micro_batches: int):
-        def before_micro_batch(index: int) -> None:
-            if self.fired or not self.rank_matches or step != self.step:
-                return
-            if index == min(1, num_micro_batches - 1):
-                self.fired = True
-                raise torch.OutOfMemoryError("debug.oom_at_step: injected out-of-memory error")
-
-        return before_micro_batch
 
 
 class StepAbandoned(Exception):

@@ -22,8 +22,8 @@ from distrain.launch.torchrun import under_torchrun
 from distrain.observe import flight
 from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
 from distrain.observe.watchdog import start_watchdog
-from distrain.parallel.mesh import device_type, init_distributed, teardown
-from distrain.train.loop import Trainer
+from distrain.parallel.device import device_type, init_distributed, teardown
+from distrain.train.build import build_trainer
 
 
 def run_training(cfg: Config) -> None:
@@ -56,7 +56,7 @@ def run_training(cfg: Config) -> None:
             ctx.backend,
             torch.get_num_threads(),
         )
-        trainer = Trainer(cfg, ctx, logger)
+        trainer = build_trainer(cfg, ctx, logger)
         if cfg.debug.hang_timeout_s:
             watchdog = start_watchdog(
                 run_dir,

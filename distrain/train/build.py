@@ -1,0 +1,161 @@
+"""Assembling a run: `build_trainer` resolves the config once (resolve.py) and builds every part
+the loop runs, in dependency order, each from its own section of the resolved config: the device
+mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
+choice, the checkpointer and its policy, the metrics sink, the stop-signal agreement, fault
+injection and the step observers. Nothing is built later, and nothing here runs a step."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage
+from distrain.checkpoint.policy import CheckpointPolicy
+from distrain.config.schema import Config
+from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew
+from distrain.launch.preempt import StopAgreement, StopSignals
+from distrain.launch.rundir import run_id
+from distrain.models.presets import num_params
+from distrain.observe import heartbeat
+from distrain.observe.health import LossSpikes, NonFiniteGuard
+from distrain.observe.metrics import MetricsWriter
+from distrain.observe.observer import StepObserver
+from distrain.observe.profiling import PhaseRanges, StepProfiler
+from distrain.observe.progress import Progress
+from distrain.observe.stragglers import Stragglers
+from distrain.optim.builder import build_optimizers
+from distrain.parallel.compress import CommStats
+from distrain.parallel.device import DistContext, host_group
+from distrain.parallel.model import build_parallel_model
+from distrain.parallel.scaler import AgreedGradScaler
+from distrain.train import autobatch
+from distrain.train.faults import Faults
+from distrain.train.loop import Trainer
+from distrain.train.observers import CommMetrics, MoEMetrics, ReplicaCheck
+from distrain.train.resolve import resolve
+from distrain.train.rng import seed_everything
+
+
+def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trainer:
+    """Everything one rank trains with, for `cfg` on this process's group (`ctx`). Collective:
+    every rank calls it."""
+    run_dir = Path(cfg.run.dir)
+    stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
+    plan = resolve(cfg, ctx.device, ctx.world_size, logger)
+    cfg, dims = plan.config, plan.dims  # the resolved config from here on
+    t = cfg.training
+    mesh, dp_mesh = dims.build_mesh(ctx.device.type, timeout_s=cfg.debug.collective_timeout_s)
+    dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+    seed_everything(t.seed, deterministic=t.deterministic)
+
+    train_set, val_set = build_datasets(cfg.data, t.seq_len, vocab_size=plan.model.vocab_size)
+    loader = DistributedBatchLoader(
+        train_set,
+        global_batch_size=plan.batch.global_batch,
+        micro_batch_size=plan.batch.micro,
+        dp_rank=dp_rank,
+        dp_size=plan.batch.dp,
+        seed=t.seed,
+    )
+    logger.info(
+        "data: %d train / %d val sequences of %d tokens; this rank reads %d per epoch",
+        len(train_set),
+        len(val_set),
+        t.seq_len,
+        loader.samples_per_rank_per_epoch,
+    )
+    check_data_skew(
+        loader.samples_per_rank_per_epoch,
+        max_skew=cfg.data.max_skew,
+        action=cfg.data.skew_action,
+        group=dp_group,
+        logger=logger,
+        device=ctx.device,
+    )
+
+    comm_stats = CommStats()
+    model = build_parallel_model(plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats)
+    optimizers = build_optimizers(model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats)
+    metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
+    if plan.auto_micro_batch:
+        choice = autobatch.choose(model, optimizers, train_set, loader, cfg, ctx, logger)
+        plan = plan.with_micro(choice.micro_batch_size)
+        metrics.log(choice.metrics_row())
+    logger.info(
+        "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
+        cfg.model.preset,
+        num_params(plan.model) / 1e6,
+        dims.describe(),
+        plan.batch.accumulation,
+        plan.batch.micro,
+    )
+
+    def checkpoint_failed(step: int, message: str) -> None:
+        metrics.log({"step": step, "checkpoint_failed": 1, "checkpoint_error": message})
+
+    c = cfg.checkpoint
+    checkpointer = Checkpointer(
+        checkpoint_storage(cfg),
+        run_id=run_id(run_dir),
+        resume_from=c.resume_from,
+        layout=dims.describe(),
+        async_mode=c.async_mode == "async",
+        keep_temporary=c.keep_temporary,
+        logger=logger,
+        max_failed_saves=c.max_failed_saves,
+        collective_timeout_s=c.collective_timeout_s,
+        on_failure=checkpoint_failed,
+    )
+    nonfinite = NonFiniteGuard(
+        t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
+    )
+    profiler = StepProfiler(
+        cfg.profile,
+        run_dir=run_dir,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        logger=logger,
+    )
+    phase_ranges = PhaseRanges(ctx.device)
+    if profiler.enabled or ctx.device.type == "cuda":
+        heartbeat.listen(phase_ranges)
+    # The order of `logged`: the row's producers, then the sink, then what reads the row.
+    observers: list[StepObserver] = [
+        nonfinite,
+        LossSpikes(t.loss_spike_factor),
+        Stragglers(ctx.device, ratio=cfg.debug.straggler_ratio, rank=ctx.rank, logger=logger),
+        CommMetrics(comm_stats),
+    ]
+    if model.moe_stats is not None:
+        observers.append(MoEMetrics(model.moe_stats))
+    observers.append(metrics)
+    if cfg.debug.check_replicas:
+        observers.append(ReplicaCheck(model, mesh))
+    observers += [
+        Progress(total=t.steps, enabled=ctx.rank == 0 and cfg.metrics.progress_bar, logger=logger),
+        profiler,
+    ]
+    return Trainer(
+        plan=plan,
+        ctx=ctx,
+        log=logger,
+        run_dir=run_dir,
+        dp_rank=dp_rank,
+        # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
+        grad_group=dims.gradient_mesh(mesh, dp_mesh).get_group(),
+        loader=loader,
+        val_set=val_set,
+        model=model,
+        optimizers=optimizers,
+        scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
+        checkpointer=checkpointer,
+        checkpoint_policy=CheckpointPolicy(c, total_steps=t.steps, device=ctx.device),
+        stop_signals=stop_signals,
+        stop=StopAgreement(stop_signals, host_group()),
+        nonfinite=nonfinite,
+        metrics=metrics,
+        faults=Faults(cfg.debug, rank=ctx.rank, logger=logger),
+        observers=observers,
+        phase_ranges=phase_ranges,
+    )
