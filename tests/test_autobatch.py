@@ -156,3 +156,42 @@ def test_trials_leave_no_trace_in_moe_routing_statistics(tmp_path):
     assert _choice(rows)["auto_micro_batch_size"] == 16
     fixed = train_in_process(tmp_path / "fixed", **moe, training__micro_batch_size=16)
     assert losses(rows) == losses(fixed)
+
+
+def test_a_run_decides_auto_without_changing_the_config(tmp_path):
+    """precision, compile and micro_batch_size "auto" are decided once into the run's plan
+    (train/resolve.py): the Config object the run was given is equal afterwards to a copy taken
+    before, config.toml keeps "auto", and the log and metrics say what "auto" became."""
+    import copy
+
+    import torch
+    from helpers import overrides
+
+    from distrain.config.io import load_config
+    from distrain.train.worker import run_training
+
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        overrides(
+            run,
+            **dict(BASE, training__steps=1),
+            training__micro_batch_size="auto",
+            training__memory_budget_gb=64,
+            training__precision="auto",
+            training__compile="auto",
+        ),
+    )
+    before = copy.deepcopy(cfg)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        run_training(cfg)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert cfg == before
+    written = (run / "config.toml").read_text()
+    for field in ("precision", "compile", "micro_batch_size"):
+        assert f'{field} = "auto"' in written, field
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "training.precision auto: " in log and "training.compile auto: False" in log
+    assert _choice(read_metrics(run / "metrics.jsonl"))["auto_micro_batch_size"] == 16
