@@ -4,8 +4,9 @@
 builds the DeviceMesh; whether the degrees fit the world size is one of layout/rules.py's rules,
 checked before this module sees them. `node_groups` makes the groups of the hierarchical all-reduce,
 `checkpoint_group` and `host_group` those of checkpoints and stop signals, `embedding_group` that
-of a tied embedding split across pipeline stages. Nothing else in
-distrain creates process groups, and `teardown` is the one way they end.
+of a tied embedding split across pipeline stages. Nothing else creates a training run's process
+groups, and `teardown` is the one way they end; the planner, outside any run, forms its own
+(plan/memory.py's fake world, plan/collectives.py's calibration processes) and destroys them.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
-        (layout.validate has checked that they fit)."""
+        (layout/rules.py's validate has checked that they fit)."""
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp * p.cp)
         replicate, shard = p.dp_replicate, p.dp_shard
