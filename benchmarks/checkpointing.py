@@ -36,7 +36,7 @@ import torch
 from distrain.config.schema import ModelConfig
 from distrain.models.gpt import GPT, init_weights
 from distrain.models.presets import model_args
-from distrain.parallel.wrappers import apply_activation_checkpointing
+from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 MODES = ("none", "full", "selective", "selective_op")
 

@@ -42,7 +42,7 @@ from harness import is_worker, launch_self, measure_steps, worker_session, write
 
 from distrain.config.schema import Config
 from distrain.config.schema import validate as validate_config
-from distrain.plan.memory import local_bytes, optimizer_state_bytes
+from distrain.plan.memory import held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 
 LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
@@ -84,7 +84,7 @@ def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
 
 def _model_state(trainer: Any) -> int:
     params = sum(local_bytes(p) for p in trainer.model.parameters())
-    return params + optimizer_state_bytes(trainer.optimizers)
+    return params + held_optimizer_state_bytes(trainer.optimizers)
 
 
 def worker(ns: argparse.Namespace) -> None:

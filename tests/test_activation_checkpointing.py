@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.models.gpt import GPT, ModelArgs, init_weights
-from distrain.parallel.wrappers import apply_activation_checkpointing
+from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 

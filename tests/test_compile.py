@@ -1,5 +1,5 @@
 """training.compile: "auto" decided per device (parallel/mesh.py) and the compile cache that
-outlives a run (parallel/layers.py). That a compiled run trains like an eager one is a parity row
+outlives a run (parallel/compile.py). That a compiled run trains like an eager one is a parity row
 (tests/test_parity.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from helpers import one_rank_group
 
 from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
-from distrain.parallel.wrappers import apply_compile, use_persistent_compile_cache
+from distrain.parallel.compile import apply_compile, use_persistent_compile_cache
 from distrain.train.resolve import resolve_compile
 
 

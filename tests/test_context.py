@@ -16,12 +16,8 @@ from distrain.models.gpt import GPT, ModelArgs, init_weights
 from distrain.models.presets import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
-from distrain.parallel.context import (
-    attend_local,
-    chunk_order,
-    gathered_to_sequence,
-    local_positions,
-)
+from distrain.parallel.attention_blocks import chunk_order, local_positions
+from distrain.parallel.context import attend_local, gathered_to_sequence
 from distrain.parallel.mesh import ParallelDims
 from distrain.plan.memory import fake_world
 

@@ -21,7 +21,7 @@ from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
-from distrain.plan.memory import LiveBytes, grad_bytes, local_bytes, optimizer_state_bytes
+from distrain.plan.memory import LiveBytes, grad_bytes, held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates, memory_row
@@ -207,7 +207,7 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
             found[schedule] = {
                 "params": params,
                 "grads": grads,
-                "optimizer": optimizer_state_bytes(optimizers),
+                "optimizer": held_optimizer_state_bytes(optimizers),
                 "activations": live.peak - params - grads,
             }
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))

@@ -20,7 +20,7 @@ from distrain.data import DataError, DistributedBatchLoader, build_datasets, rea
 from distrain.data import prepare as prepare_module
 from distrain.data.prepare import prepare
 from distrain.data.tokenizer import load_tokenizer
-from distrain.data.tokfile import document_boundaries, read_sidecar, token_dtype
+from distrain.data.tokfile import docs_path, read_sidecar, token_dtype
 from distrain.errors import ConfigError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -60,9 +60,14 @@ def _expected(spec: str, texts: list[str], eos_id: int | None) -> list[list[int]
     return [tok.encode(t) + ([] if eos_id is None else [eos_id]) for t in texts]
 
 
+def _document_boundaries(data: Path) -> np.ndarray:
+    """The int64 offsets [0, end of doc 0, ..., num_tokens] of a prepared token file."""
+    return np.load(docs_path(data), mmap_mode="r")
+
+
 def _prepared_docs(out: Path) -> list[list[int]]:
     tokens = read_corpus(DataConfig(path=str(out), tokenizer=read_sidecar(out).tokenizer))
-    bounds = document_boundaries(out)
+    bounds = _document_boundaries(out)
     return [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 

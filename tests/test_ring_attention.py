@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_context import full_attention_reference
 
-from distrain.parallel.context import backward_blocks, forward_blocks, local_positions
+from distrain.parallel.attention_blocks import backward_blocks, forward_blocks, local_positions
 from distrain.parallel.ring_attention import RingAttention, ring_plan
 
 CPU = torch.device("cpu")

@@ -154,13 +154,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def load_config(
-    config_path: str | None = None, overrides: list[tuple[str, str]] | None = None
+    config_path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None
 ) -> Config:
+    """Defaults < the TOML file < `overrides` (dotted name, value: a string is parsed as on the
+    command line, any other value checked as it is), validated."""
     cfg = Config()
     if config_path:
         apply_toml(cfg, config_path)
     for key, value in overrides or []:
-        set_field(cfg, key, value, from_text=True)
+        set_field(cfg, key, value, from_text=isinstance(value, str))
     validate(cfg)
     return cfg
 

@@ -1,4 +1,5 @@
-"""Data: corpus reading, byte tokenizer, train/val split, and the distributed, resumable loader."""
+"""Data: tokenizers (bytes, Hugging Face, tiktoken), `distrain prepare`'s token files, corpus
+reading, the train/val split, the distributed, resumable loader and the data-skew check."""
 
 from distrain.data.corpus import DataError, read_corpus
 from distrain.data.dataset import TokenDataset, build_datasets, split_tokens

@@ -73,11 +73,6 @@ def read_sidecar(data: Path) -> Sidecar | None:
     return sidecar
 
 
-def document_boundaries(data: Path) -> np.ndarray:
-    """The int64 offsets [0, end of doc 0, ..., num_tokens] of a prepared token file."""
-    return np.load(docs_path(data), mmap_mode="r")
-
-
 def check_tokenizer(data: Path, sidecar: Sidecar, tokenizer: Tokenizer) -> None:
     """Refuse training or decoding prepared data with another tokenizer than it was made with:
     ids would silently mean other text. Files are compared by content, so a moved tokenizer

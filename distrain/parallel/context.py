@@ -13,7 +13,7 @@ whose backward reduce-scatters their gradients back to the ranks that own them) 
 chunks in sequence order: the all-gather variant of context parallelism (Llama 3 trains long
 context this way; torch's own context parallelism defaults to it), exact. With
 `parallel.cp_method = "ring"` the keys and values are passed around the cp ranks instead
-(parallel/ring_attention.py, built on this module's block math). Each rank
+(parallel/ring_attention.py; both kernels run parallel/attention_blocks.py's block math). Each rank
 then computes causal attention for its own queries block by block, merging the blocks with a
 running log-sum-exp (the online softmax) and recomputing them in backward, so no
 [queries x keys] matrix or mask is ever held: what a layer keeps is linear in the sequence
@@ -39,18 +39,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
-def chunk_order(rank: int, size: int) -> tuple[int, int]:
-    """The two chunks (of 2 x size) cp rank `rank` holds: one early, its mirror late."""
-    return rank, 2 * size - 1 - rank
-
-
-def local_positions(seq_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
-    """Global positions [seq_len / size] of rank `rank`'s tokens, in the order it holds them."""
-    chunk = seq_len // (2 * size)
-    return torch.cat(
-        [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in chunk_order(rank, size)]
-    )
+from distrain.parallel.attention_blocks import (
+    BLOCK,
+    Block,
+    backward_blocks,
+    chunk_order,
+    forward_blocks,
+    local_positions,
+    work_dtype,
+)
+from distrain.parallel.ring_attention import RingAttention
 
 
 def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
@@ -64,16 +62,6 @@ def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
         early, late = chunk_order(r, size)
         owner[early], owner[late] = (r, 0), (r, 1)
     return torch.cat([chunks[r, :, :, slot] for r, slot in owner], dim=2)
-
-
-# Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
-# at any moment to BLOCK x BLOCK per head, whatever the sequence length.
-BLOCK = 512
-
-
-Block = tuple[int, int, int, int, bool]
-"""(first query row, end, first key, end, masked) of one score block: rows and keys are offsets
-in the tensors a kernel holds; masked when some key lies after some query."""
 
 
 def _plan(rank: int, size: int, chunk: int, block: int) -> list[Block]:
@@ -90,77 +78,6 @@ def _plan(rank: int, size: int, chunk: int, block: int) -> list[Block]:
                 ke = min(ks + block, last + 1)
                 plan.append((slot * chunk + start, slot * chunk + stop, ks, ke, ke - 1 > first))
     return plan
-
-
-def _scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    scale: float,
-    masked: bool,
-) -> torch.Tensor:
-    """Scaled scores of a query block against a key block; -inf where a key lies after a query
-    (only blocks that straddle the diagonal need the mask)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if masked:
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return scores
-
-
-def forward_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    plan: list[Block],
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Merge the softmax of every block of `plan` into `out` and the running log-sum-exp `lse`
-    of each query row (both updated in place; the online softmax of flash attention)."""
-    scale = q.shape[-1] ** -0.5
-    for qs, qe, ks, ke, masked in plan:
-        scores = _scores(q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked)
-        merged = torch.logaddexp(lse[:, :, qs:qe], scores.logsumexp(-1))
-        probs = (scores - merged[..., None]).exp()
-        keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
-        out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
-        lse[:, :, qs:qe] = merged
-
-
-def backward_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    plan: list[Block],
-    grad_out: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> None:
-    """Add every block's share of the gradients of q, k and v to `grads` (in place), each
-    block's probabilities recomputed from the final log-sum-exp `lse`; `delta` is the row sum
-    of grad_out x out."""
-    dq, dk, dv = grads
-    scale = q.shape[-1] ** -0.5
-    for qs, qe, ks, ke, masked in plan:
-        go, qb, kb, vb = grad_out[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
-        scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], scale, masked)
-        probs = (scores - lse[:, :, qs:qe, None]).exp()
-        dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
-        dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
-        dq[:, :, qs:qe] += (dscores @ kb) * scale
-        dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * scale
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention math runs in: half-precision inputs are upcast, since the softmax
-    statistics need fp32's range."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class _BlockwiseCausalAttention(torch.autograd.Function):
@@ -276,8 +193,6 @@ def apply_context_parallel(
     calls a stage with its input alone (tokens, or the previous stage's hidden states of this
     rank's columns, which under sequence parallelism are a further tp shard of them), so a
     forward pre-hook passes it the columns' global positions: the same for every microbatch."""
-    from distrain.parallel.ring_attention import RingAttention  # it builds on this module
-
     kernel = RingAttention if method == "ring" else ContextParallelAttention
     attend = kernel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.blocks.values():

@@ -2,7 +2,9 @@
 (`pick_device`: CUDA with NCCL when present, else CPU with gloo: the one place that choice is
 made), joining torchrun's group (`init_distributed`), the collective timeout every group gets,
 the groups of checkpoints (`checkpoint_group`) and stop signals (`host_group`), and `teardown`,
-the one way process groups end.
+the one way process groups end. With parallel/mesh.py it makes every process group of a training
+run; the planner, outside any run, forms its own (plan/memory.py's fake world,
+plan/collectives.py's calibration processes) and destroys them.
 """
 
 from __future__ import annotations

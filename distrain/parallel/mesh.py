@@ -56,7 +56,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
-        (layout.validate has checked that they fit)."""
+        (layout/rules.py's validate has checked that they fit)."""
         p = cfg.parallel
         dp = data_parallel_size(p, world_size)
         replicate, shard = p.dp_replicate, p.dp_shard

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from distrain.config.schema import Config
 from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
 from distrain.observe import heartbeat
+from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from distrain.parallel.compile import apply_compile
 from distrain.parallel.compress import CommStats
 from distrain.parallel.context import SequenceSplit, apply_context_parallel
 from distrain.parallel.data_parallel import (
@@ -40,7 +42,6 @@ from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
-from distrain.parallel.wrappers import apply_activation_checkpointing, apply_compile
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -191,7 +192,7 @@ class ParallelModel:
                 loss = self.runner.train_step(inputs, targets, scale)
             if self.tied is not None:
                 self.tied.sum_gradients()
-            local = _local(loss) if loss is not None else None
+            local = _full_tensor(loss) if loss is not None else None
             if report_loss:
                 return self.runner.broadcast_loss(local)
             return local if local is not None else torch.zeros((), device=self.device)
@@ -211,7 +212,7 @@ class ParallelModel:
                 )
                 heartbeat.mark("backward")
                 scale(total / len(batches)).backward()
-            loss_sum += _local(loss.detach())
+            loss_sum += _full_tensor(loss.detach())
         if sync and self.allreduce_payload is not None:
             # With sync_each (OOM recovery under cp) DDP all-reduced after every micro-batch.
             for _ in range(len(batches) if sync_each else 1):
@@ -294,7 +295,7 @@ class ParallelModel:
         for inputs, targets in batches:
             with self.loss_context():
                 logits, targets = self._forward(inputs, targets)
-                total += _local(cross_entropy(logits, targets))
+                total += _full_tensor(cross_entropy(logits, targets))
         return total / len(batches)
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
@@ -311,7 +312,7 @@ class ParallelModel:
             rows = slice(i * size, (i + 1) * size)
             with self.loss_context(), self.autocast:
                 loss = self.runner.eval_loss(inputs[rows], targets[rows])
-            total += self.runner.broadcast_loss(_local(loss) if loss is not None else None)
+            total += self.runner.broadcast_loss(_full_tensor(loss) if loss is not None else None)
         return total / chunks
 
 
@@ -324,7 +325,9 @@ def _as_loss(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
     return term
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of `t`: a DTensor gathered from its mesh (a Replicate loss only drops its
+    wrapper), or `t` itself; parallel/local.py's `local_tensor` is this rank's shard instead."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

@@ -4,7 +4,7 @@ This module owns three decisions and nothing else: which layers each stage holds
 (`stage_layer_ranges`), which stages each pp rank holds (`stage_ids_for_rank`), and how a stage
 module is cut from the meta-device model (`split_model`). `PipelineRunner` then drives the stages
 of one rank with `torch.distributed.pipelining`. Materializing, seeded init and data-parallel
-wrapping of the stage modules stay with the caller (parallel/__init__.py), in the usual order.
+wrapping of the stage modules stay with the caller (parallel/model.py), in the usual order.
 
 Stage placement is loop-style for every schedule: rank r holds stages r, r + pp, r + 2 pp, ...
 "zero_bubble" is `ScheduleInterleavedZeroBubble` (ZB1P) rather than `ScheduleZBVZeroBubble`,

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from distrain.parallel.context import (
+from distrain.parallel.attention_blocks import (
     BLOCK,
     Block,
     backward_blocks,

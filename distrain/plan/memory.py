@@ -118,8 +118,10 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
-    """Tensor state the optimizers hold on this rank (ZeroRedundancyOptimizer: its partition)."""
+def held_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Tensor state the optimizers hold on this rank now (ZeroRedundancyOptimizer: its
+    partition), as measured after a step; train/autobatch.py's `optimizer_state_bytes` predicts
+    Adam's moments before the first step allocates them."""
     total = 0
     for optimizer in optimizers:
         inner = getattr(optimizer, "optim", optimizer)
@@ -219,7 +221,7 @@ def measure_step(
     with LiveBytes(params + grads) as live:
         for optimizer in optimizers:
             optimizer.step()
-    optimizer_bytes = optimizer_state_bytes(optimizers)
+    optimizer_bytes = held_optimizer_state_bytes(optimizers)
     per_sample = peaks[1] - peaks[0]
     return MemoryEstimate(
         params=params,

@@ -29,15 +29,15 @@ from distrain.config.schema import Config
 from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
 from distrain.optim.builder import build_optimizer
+from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from distrain.parallel.model import cross_entropy
 from distrain.parallel.tensor import tp_loss_context
-from distrain.parallel.wrappers import apply_activation_checkpointing
 from distrain.plan.memory import (
     LiveBytes,
     fake_world,
     grad_bytes,
+    held_optimizer_state_bytes,
     local_bytes,
-    optimizer_state_bytes,
 )
 
 
@@ -121,7 +121,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             optimizers = [build_optimizer(part, cfg.optim) for part in parts]
             for optimizer in optimizers:
                 optimizer.step()
-            optimizer_bytes = optimizer_state_bytes(optimizers)
+            optimizer_bytes = held_optimizer_state_bytes(optimizers)
     boundary = (
         rows * t.seq_len * args.dim * 4 // dims.tp
         if p.sequence_parallel

@@ -1,0 +1,105 @@
+"""The block math both context-parallel attention kernels share: which two chunks of a
+sequence a cp rank holds (one early, its mirror late, so causal work is balanced), the global
+positions of its tokens, and exact causal attention one score block at a time (the online softmax
+of flash attention, forward and recomputing backward). The all-gather kernel
+(parallel/context.py) runs it over the whole sequence's keys and values, the ring kernel
+(parallel/ring_attention.py) over one visiting rank's at a time; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_order(rank: int, size: int) -> tuple[int, int]:
+    """The two chunks (of 2 x size) cp rank `rank` holds: one early, its mirror late."""
+    return rank, 2 * size - 1 - rank
+
+
+def local_positions(seq_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    """Global positions [seq_len / size] of rank `rank`'s tokens, in the order it holds them."""
+    chunk = seq_len // (2 * size)
+    return torch.cat(
+        [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in chunk_order(rank, size)]
+    )
+
+
+# Query rows and keys per block of the blockwise attention: bounds the score block a rank holds
+# at any moment to BLOCK x BLOCK per head, whatever the sequence length.
+BLOCK = 512
+
+
+Block = tuple[int, int, int, int, bool]
+"""(first query row, end, first key, end, masked) of one score block: rows and keys are offsets
+in the tensors a kernel holds; masked when some key lies after some query."""
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    masked: bool,
+) -> torch.Tensor:
+    """Scaled scores of a query block against a key block; -inf where a key lies after a query
+    (only blocks that straddle the diagonal need the mask)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if masked:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+def forward_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    plan: list[Block],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge the softmax of every block of `plan` into `out` and the running log-sum-exp `lse`
+    of each query row (both updated in place; the online softmax of flash attention)."""
+    scale = q.shape[-1] ** -0.5
+    for qs, qe, ks, ke, masked in plan:
+        scores = _scores(q[:, :, qs:qe], k[:, :, ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, masked)
+        merged = torch.logaddexp(lse[:, :, qs:qe], scores.logsumexp(-1))
+        probs = (scores - merged[..., None]).exp()
+        keep = (lse[:, :, qs:qe] - merged).exp()[..., None]
+        out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
+        lse[:, :, qs:qe] = merged
+
+
+def backward_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    plan: list[Block],
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Add every block's share of the gradients of q, k and v to `grads` (in place), each
+    block's probabilities recomputed from the final log-sum-exp `lse`; `delta` is the row sum
+    of grad_out x out."""
+    dq, dk, dv = grads
+    scale = q.shape[-1] ** -0.5
+    for qs, qe, ks, ke, masked in plan:
+        go, qb, kb, vb = grad_out[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
+        scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], scale, masked)
+        probs = (scores - lse[:, :, qs:qe, None]).exp()
+        dv[:, :, ks:ke] += probs.transpose(-1, -2) @ go
+        dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
+        dq[:, :, qs:qe] += (dscores @ kb) * scale
+        dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * scale
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention math runs in: half-precision inputs are upcast, since the softmax
+    statistics need fp32's range."""
+    return torch.promote_types(dtype, torch.float32)
