@@ -42,7 +42,7 @@ FIELDS = {
     "training__seq_len": 64,
     "checkpoint__interval_steps": 2,
     "checkpoint__at_end": False,
-    "debug__hang_timeout_s": HANG_S,
+    "watchdog__hang_timeout_s": HANG_S,
 }
 
 
@@ -156,7 +156,7 @@ def test_a_large_tensor_reports_progress_per_chunk_both_ways(tmp_path):
 
 
 def test_collective_timeout_reaches_every_group(tmp_path):
-    """debug.collective_timeout_s on the world group and every group of the mesh."""
+    """comm.collective_timeout_s on the world group and every group of the mesh."""
     from distrain.config.schema import Config
     from distrain.parallel.mesh import ParallelDims, init_distributed
 
@@ -288,7 +288,7 @@ SLOW_FIELDS = {
     "training__seq_len": 64,
     "checkpoint__interval_steps": 2,
     "checkpoint__at_end": False,
-    "debug__hang_timeout_s": SLOW_HANG_S,
+    "watchdog__hang_timeout_s": SLOW_HANG_S,
 }
 
 

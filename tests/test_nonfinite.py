@@ -94,7 +94,7 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
                 debug__check_replicas=True,
                 debug__slow_rank=1,
                 debug__slow_ms=500,
-                debug__straggler_ratio=1.2,
+                watchdog__straggler_ratio=1.2,
             ),
         ),
         "stop": Run(

@@ -109,7 +109,7 @@ def resolve_auto_choices(t: TrainingConfig, device: torch.device, logger: loggin
 
 
 def collective_timeout(timeout_s: float) -> timedelta | None:
-    """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
+    """comm.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
     return timedelta(seconds=timeout_s) if timeout_s > 0 else None
 
 
@@ -129,7 +129,7 @@ def group_options(backend: str, timeout_s: float) -> tuple[str, object] | None:
 
 def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistContext:
     """Join the process group torchrun set up in the environment, or form a 1-process group;
-    `timeout_s` (debug.collective_timeout_s) bounds each of its collectives."""
+    `timeout_s` (comm.collective_timeout_s) bounds each of its collectives."""
     env_rank = os.environ.get("RANK")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = pick_device(requested_device, local_rank)
@@ -263,7 +263,7 @@ class ParallelDims:
     ) -> tuple[DeviceMesh, DeviceMesh]:
         """The world mesh with every axis (size-1 axes included, so names never go missing), and
         the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over.
-        `timeout_s` (debug.collective_timeout_s) goes to every group the mesh creates."""
+        `timeout_s` (comm.collective_timeout_s) goes to every group the mesh creates."""
         options = group_options(dist.get_backend(), timeout_s)
         mesh = init_device_mesh(
             device_type,

@@ -68,7 +68,7 @@ class Trainer:
         auto_batch = autobatch.defer_choice(t)
         self.dims, self.args = layout.dims, layout.model
         self.mesh, dp_mesh = self.dims.build_mesh(
-            ctx.device.type, timeout_s=cfg.debug.collective_timeout_s
+            ctx.device.type, timeout_s=cfg.comm.collective_timeout_s
         )
         self.dp_rank, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
         # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
@@ -485,7 +485,7 @@ class Trainer:
 
     def _straggler_metrics(self, steps: int) -> dict[str, float | int]:
         found = straggler_metrics(self.compute_timer.take() / steps, self.ctx.device)
-        if found["straggler_ratio"] > self.cfg.debug.straggler_ratio and self.ctx.rank == 0:
+        if found["straggler_ratio"] > self.cfg.watchdog.straggler_ratio and self.ctx.rank == 0:
             self.log.warning(
                 "straggler: rank %d computes %.2fx the median rank (%.3f s per step in data "
                 "and forward)",
