@@ -37,14 +37,7 @@ from distrain.optim.builder import (
     lr_at,
     set_lr,
 )
-from distrain.optim.onebit_zero import named_gradients
 from distrain.parallel.compress import CommStats
-from distrain.parallel.data_parallel import (
-    KeepsGradientsLocal,
-    ShardsGradients,
-    average_in_optimizers,
-)
-from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.mesh import DistContext, host_group, resolve_auto_choices
 from distrain.parallel.model import build_parallel_model
 from distrain.parallel.sanity import check_all_replicas
@@ -106,7 +99,7 @@ class Trainer:
         self.model = build_parallel_model(
             self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
         )
-        self.optimizers = build_optimizers(
+        self.optimizers, self.gradient_plan = build_optimizers(
             self.model.parts, cfg.optim, self.dims, self.mesh, dp_mesh, self.comm_stats
         )
         self.auto_batch = (
@@ -225,37 +218,28 @@ class Trainer:
         the device, without a host sync. The model is in train mode (see `evaluate`). With
         report_loss=False the loss is left where it was computed (see
         `ParallelModel.forward_backward`): for steps that are not logged."""
-        local = any(
-            isinstance(o, KeepsGradientsLocal) and o.keeps_gradients_local()
-            for o in self.optimizers
-        )
+        plan = self.gradient_plan
+        synced = plan.sync_in_backward()
         if self.cfg.training.oom_recovery:
             loss = self._forward_backward_recovering(batches)
         else:
             loss = self.model.forward_backward(
-                batches, self.scaler.scale, sync=not local, report_loss=report_loss
+                batches, self.scaler.scale, sync=synced, report_loss=report_loss
             )
         heartbeat.mark("optimizer")
         maybe_inject_nan(self.cfg.debug, self.step + 1, self.ctx.rank, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
-        average_in_optimizers(self.optimizers)  # 1-bit Adam under tp/pp: its warm-up average
-        max_norm, owner = self.cfg.optim.max_grad_norm or math.inf, self.optimizers[0]
-        if isinstance(owner, ShardsGradients) and owner.shards_gradients:  # 1-bit ZeRO-2, no pp
-            grad_norm = owner.reduce_and_clip(max_norm)
-        else:
-            grad_norm = clip_grad_norm(
-                self.model.parameters(),
-                max_norm,
-                holders=1 if local else self.ctx.world_size // self.dims.pp,
-                local=local,
-                counted_elsewhere=self.model.counted_elsewhere,
-            )
+        plan.before_clip()
+        grad_norm = plan.clip(
+            self.cfg.optim.max_grad_norm or math.inf,
+            counted_elsewhere=self.model.counted_elsewhere,
+        )
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,
             step=self.step + 1,
-            named_params=named_gradients(self.model.parts, owner),
-            agreed=not local,
+            named_params=plan.named_gradients(),
+            agreed=synced,
         )
         if update:
             for optimizer in self.optimizers:
