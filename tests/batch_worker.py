@@ -37,7 +37,7 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
         store=dist.PrefixStore(f"{name}/", store),
         rank=rank,
         world_size=world_size,
-        timeout=collective_timeout(cfg.debug.collective_timeout_s),
+        timeout=collective_timeout(cfg.comm.collective_timeout_s),
     )
     # run_training joins the group made above and destroys it at its end, failed or not.
     # training.deterministic turns torch's process-wide deterministic mode on: the next run

@@ -71,6 +71,32 @@ def test_toml_wrong_type_names_field(tmp_path):
         load_config(str(path))
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("debug.collective_timeout_s", "comm.collective_timeout_s", 30),
+        ("debug.hang_timeout_s", "watchdog.hang_timeout_s", 30),
+        ("debug.straggler_ratio", "watchdog.straggler_ratio", 2.0),
+    ],
+)
+def test_a_moved_field_names_its_new_place(tmp_path, old, new, value):
+    """A field that left [debug] is refused under its old name, in TOML and on the command
+    line, with one line naming the new field; the new name takes the value."""
+    expected = f"config field {old!r} is now {new!r}; write that"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, parse_overrides([f"--{old}", str(value)]))
+    assert str(info.value) == expected
+    section, field = old.split(".")
+    path = tmp_path / "c.toml"
+    path.write_text(f"[{section}]\n{field} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == expected
+    section, field = new.split(".")
+    cfg = load_config(None, parse_overrides([f"--{new}", str(value)]))
+    assert getattr(getattr(cfg, section), field) == value
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="--config: no such file"):
         load_config("/nonexistent/x.toml")

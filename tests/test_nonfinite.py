@@ -94,7 +94,7 @@ def test_ranks_agree_on_the_skip_and_stop_names_the_rank(tmp_path):
                 debug__check_replicas=True,
                 debug__slow_rank=1,
                 debug__slow_ms=500,
-                debug__straggler_ratio=1.2,
+                watchdog__straggler_ratio=1.2,
             ),
         ),
         "stop": Run(
@@ -147,13 +147,15 @@ def test_compute_timer_counts_data_and_forward_only():
 
 def test_onebit_zero2_stop_names_the_parameter_its_averaged_gradient_holds():
     """ZeRO-2 1-bit Adam frees the local gradients once it reduce-scattered them in warm-up: the
-    guard then reads the chunk of the averaged gradient each rank owns (`named_gradients`, what
-    the trainer passes), so the stop names the parameter there, as in other layouts."""
+    guard then reads the chunk of the averaged gradient each rank owns (the plan's
+    `named_gradients`, what the trainer passes), so the stop names the parameter there, as in
+    other layouts."""
     import torch
 
     from distrain.observe.health import NonFiniteGuard
     from distrain.optim.builder import param_groups
-    from distrain.optim.onebit_zero import OneBitZeroAdam, named_gradients
+    from distrain.optim.gradient_plan import OneBitZeroPlan
+    from distrain.optim.onebit_zero import OneBitZeroAdam
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     optimizer = OneBitZeroAdam(
@@ -168,16 +170,15 @@ def test_onebit_zero2_stop_names_the_parameter_its_averaged_gradient_holds():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     model[1].weight.grad[2, 5] = math.nan
-    norm = optimizer.reduce_and_clip(1.0)
+    plan = OneBitZeroPlan([model], optimizer, holders=1)
+    norm = plan.clip(1.0, counted_elsewhere=())  # the optimizer's reduce_and_clip
     assert all(p.grad is None for p in model.parameters())
     guard = NonFiniteGuard("stop", max_in_a_row=3, rank=0, world_size=1)
     with pytest.raises(NonFiniteError) as info:
-        guard.step_ok(norm, step=2, named_params=named_gradients([model], optimizer), agreed=True)
+        guard.step_ok(norm, step=2, named_params=plan.named_gradients(), agreed=True)
     assert "non-finite gradient at step 2" in str(info.value)
     assert "first on rank 0 in parameter 1.weight" in str(info.value)
     # Outside that window (no chunk held) the parameters themselves are read.
     optimizer.zero_grad()
-    assert [n for n, _ in named_gradients([model], optimizer)] == [
-        n for n, _ in model.named_parameters()
-    ]
-    assert all(isinstance(p, torch.nn.Parameter) for _, p in named_gradients([model], optimizer))
+    assert [n for n, _ in plan.named_gradients()] == [n for n, _ in model.named_parameters()]
+    assert all(isinstance(p, torch.nn.Parameter) for _, p in plan.named_gradients())

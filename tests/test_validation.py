@@ -311,15 +311,43 @@ def test_onebit_adam_under_zero2_runs_unwrapped():
     assert validate(_config({"parallel.zero_stage": "2"}), 2).dims.dp_wrapper == "fsdp"
 
 
+@pytest.mark.parametrize(
+    ("name", "zero_stage", "tp", "declared"),
+    [
+        ("adamw", 0, 1, set()),
+        ("adamw", 2, 2, set()),
+        ("onebit_adam", 0, 1, {"exchanges_momentum"}),
+        ("onebit_adam", 0, 2, {"exchanges_momentum", "averages_gradients"}),
+        ("onebit_adam", 1, 1, {"exchanges_momentum", "shards_state"}),
+        ("onebit_adam", 2, 1, {"exchanges_momentum", "shards_state", "shards_gradients"}),
+    ],
+)
+def test_the_optimizer_declares_what_it_takes_over(name, zero_stage, tp, declared):
+    """The capability the layout rules, the mesh and the trainer ask, from the config alone;
+    only an optimizer that averages the gradients itself replaces the data-parallel wrapper."""
+    from distrain.config.schema import OptimConfig
+    from distrain.optim.capability import optimizer_capability
+
+    capability = optimizer_capability(OptimConfig(name=name), zero_stage=zero_stage, tp=tp, pp=1)
+    flags = ("exchanges_momentum", "shards_state", "averages_gradients", "shards_gradients")
+    assert {flag for flag in flags if getattr(capability, flag)} == declared
+    assert capability.replaces_wrapper == bool(
+        declared & {"averages_gradients", "shards_gradients"}
+    )
+
+
 @pytest.mark.parametrize("axis", ["tp", "pp"])
 def test_onebit_adam_under_tp_or_pp_runs_unwrapped(axis):
     """1-bit Adam under tp or pp averages the local gradients itself (no FSDP2 replicate
     wrapper, which AdamW gets there); only for the optimizer, ZeRO-2's reduce-scatter is not
     on."""
-    fields = {"optim.name": "onebit_adam", f"parallel.{axis}": "2"}
-    dims = validate(_config(fields), 4).dims
-    assert dims.dp_wrapper == "optimizer" and dims.optimizer_averages_gradients
-    assert not dims.optimizer_reduce_scatters
+    from distrain.optim.capability import optimizer_capability
+
+    cfg = _config({"optim.name": "onebit_adam", f"parallel.{axis}": "2"})
+    dims = validate(cfg, 4).dims
+    capability = optimizer_capability(cfg.optim, zero_stage=0, tp=dims.tp, pp=dims.pp)
+    assert dims.dp_wrapper == "optimizer" and capability.averages_gradients
+    assert not capability.shards_gradients
     assert (dims.dp_replicate, dims.dp_shard) == (2, 1)
     assert validate(_config({f"parallel.{axis}": "2"}), 4).dims.dp_wrapper == "fsdp"
 

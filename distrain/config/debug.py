@@ -1,13 +1,13 @@
 """The `[debug]` section of the config: fault injection for tests and chaos runs, and the
-watchdog, timeout and consistency checks that help find a fault (schema only; schema.py holds
-the rest of the schema)."""
+consistency checks that help find a fault (schema only; schema.py holds the rest of the schema,
+the production timeouts and thresholds among it: `[comm]` and `[watchdog]`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from distrain.config.ranges import ANY_RANK, AT_LEAST_0, Range, doc
+from distrain.config.ranges import ANY_RANK, AT_LEAST_0, doc
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,22 +63,6 @@ class DebugConfig:
         "(and across tp ranks for tp-replicated ones, across stages for a tied embedding); a "
         "mismatch names the tensor and the ranks.",
     )
-    collective_timeout_s: float = doc(
-        0.0,
-        "Timeout of every collective, given to every process group (0 = torch's default: 30 "
-        "minutes on gloo, 10 minutes on NCCL). A timed-out group is unusable: the job fails.",
-        AT_LEAST_0,
-    )
-    hang_timeout_s: float = doc(
-        600.0,
-        "Hang watchdog: when a rank's heartbeat (step, phase) has not moved for this long, every "
-        "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
-        "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
-        "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
-        "longest step or evaluation; checkpoint reads and writes count as progress while bytes "
-        "move, so it must exceed only the longest stall of the checkpoint storage.",
-        AT_LEAST_0,
-    )
     hang_at_step: int = doc(
         0,
         "Fault injection: sleep forever inside the backward pass of this step (0 = never), in "
@@ -92,12 +76,6 @@ class DebugConfig:
         AT_LEAST_0,
     )
     nan_rank: int = doc(-1, "Rank whose gradient turns NaN at debug.nan_at_step.", ANY_RANK)
-    straggler_ratio: float = doc(
-        1.5,
-        "Warn when the slowest rank's compute time (data + forward, per logged step) exceeds "
-        "this multiple of the median rank's (metrics: slowest_rank, straggler_ratio).",
-        Range(low=1, low_open=True),
-    )
     slow_rank: int = doc(
         -1, "Fault injection: this rank sleeps debug.slow_ms in every step (-1 = none).", ANY_RANK
     )

@@ -84,8 +84,18 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
     raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
 
 
+# Fields that moved to another section: their old name is refused with the new one.
+RENAMED_FIELDS = {
+    "debug.collective_timeout_s": "comm.collective_timeout_s",
+    "debug.hang_timeout_s": "watchdog.hang_timeout_s",
+    "debug.straggler_ratio": "watchdog.straggler_ratio",
+}
+
+
 def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     """Set `section.field` (or `section.subsection.field`) on cfg, checking the name and type."""
+    if dotted in RENAMED_FIELDS:
+        raise ConfigError(f"config field {dotted!r} is now {RENAMED_FIELDS[dotted]!r}; write that")
     parts = dotted.split(".")
     known = sections(cfg)
     if len(parts) < 2 or parts[0] not in known:

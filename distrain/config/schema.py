@@ -366,6 +366,12 @@ class CommConfig:
         "Topology-aware all-reduce: reduce inside each node, all-reduce across one rank per "
         "node, broadcast inside the node (node size from torchrun's LOCAL_WORLD_SIZE).",
     )
+    collective_timeout_s: float = doc(
+        0.0,
+        "Timeout of every collective, given to every process group (0 = torch's default: 30 "
+        "minutes on gloo, 10 minutes on NCCL). A timed-out group is unusable: the job fails.",
+        AT_LEAST_0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -455,6 +461,26 @@ class ProfileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WatchdogConfig:
+    hang_timeout_s: float = doc(
+        600.0,
+        "Hang watchdog: when a rank's heartbeat (step, phase) has not moved for this long, every "
+        "rank that still can dumps its Python stacks to logs/rank<N>.stacks and its flight "
+        "record to flight/, one line names the stuck rank(s) and what the others wait in, and "
+        "the job exits non-zero so --max-restarts can restart it (0 = off). Must exceed the "
+        "longest step or evaluation; checkpoint reads and writes count as progress while bytes "
+        "move, so it must exceed only the longest stall of the checkpoint storage.",
+        AT_LEAST_0,
+    )
+    straggler_ratio: float = doc(
+        1.5,
+        "Warn when the slowest rank's compute time (data + forward, per logged step) exceeds "
+        "this multiple of the median rank's (metrics: slowest_rank, straggler_ratio).",
+        Range(low=1, low_open=True),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -466,6 +492,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

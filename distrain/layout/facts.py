@@ -12,6 +12,7 @@ from distrain.config.batch import BatchSizes
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
 from distrain.models.gpt import ModelArgs
+from distrain.optim.capability import OptimizerCapability, optimizer_capability
 from distrain.parallel.device import pick_device
 from distrain.parallel.mesh import ParallelDims, data_parallel_size
 
@@ -96,9 +97,17 @@ class Facts:
         return next((name for name, on in conflicts.items() if on), "")
 
     @property
-    def onebit_conflict(self) -> str:
-        """The first setting 1-bit Adam does not compose with, and why ("" when none)."""
-        if self.cfg.optim.name != "onebit_adam":
+    def optimizer(self) -> OptimizerCapability:
+        """What the optimizer takes over from the data-parallel layer under this layout."""
+        return optimizer_capability(
+            self.cfg.optim, zero_stage=self.p.zero_stage, tp=self.p.tp, pp=self.p.pp
+        )
+
+    @property
+    def momentum_exchange_conflict(self) -> str:
+        """The first setting that an optimizer exchanging its momentum itself (1-bit Adam) does
+        not compose with, and why ("" when none, or when the optimizer does not)."""
+        if not self.optimizer.exchanges_momentum:
             return ""
         z = self.p.zero_stage
         conflicts = {
@@ -106,7 +115,7 @@ class Facts:
             "backward)": z == 3,
             f"parallel.zero_stage = {z} under tp {self.p.tp} / pp {self.p.pp} (its owner chunks "
             "would mix tp-replicated and sharded values; not supported yet)": (
-                z in (1, 2) and self.tp_pp > 1
+                self.optimizer.shards_state and self.tp_pp > 1
             ),
             f"comm.gradient_compression = {self.c.gradient_compression!r} (a DDP hook on "
             "gradients that 1-bit Adam does not send)": self.c.gradient_compression != "none",
@@ -185,7 +194,7 @@ class Facts:
                 self.c.gradient_compression != "none"
             ),
             "comm.hierarchical": self.c.hierarchical,
-            "optim.name = 'onebit_adam'": self.cfg.optim.name == "onebit_adam",
+            f"optim.name = {self.cfg.optim.name!r}": self.optimizer.exchanges_momentum,
         }
         return next((name for name, found in conflicts.items() if found), "")
 

@@ -112,11 +112,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "onebit_adam_plain_data_parallel",
         "config",
-        lambda f: f.onebit_conflict != "",
-        "optim.name = 'onebit_adam' communicates the momentum itself; it does not compose with "
-        "{f.onebit_conflict}. It runs with parallel.zero_stage 0, 1 or 2 without tp/pp, or "
-        "zero_stage 0 with tp/pp, comm.gradient_compression = 'none' and training.oom_recovery "
-        "off",
+        lambda f: f.momentum_exchange_conflict != "",
+        "optim.name = {f.cfg.optim.name!r} communicates the momentum itself; it does not compose "
+        "with {f.momentum_exchange_conflict}. It runs with parallel.zero_stage 0, 1 or 2 without "
+        "tp/pp, or zero_stage 0 with tp/pp, comm.gradient_compression = 'none' and "
+        "training.oom_recovery off",
     ),
     Rule(
         "tp_splits_model",
@@ -394,6 +394,9 @@ def validate(cfg: Config, world_size: int | None) -> Layout:
         return Layout(model=facts.model, dims=None)
     facts = replace(facts, world_size=world_size)
     _check(facts, "world")
-    facts = replace(facts, dims=ParallelDims.from_config(cfg, world_size))
+    dims = ParallelDims.from_config(
+        cfg, world_size, optimizer_averages=facts.optimizer.replaces_wrapper
+    )
+    facts = replace(facts, dims=dims)
     _check(facts, "dims")
     return Layout(model=facts.model, dims=facts.dims)

@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import OptimConfig
 from distrain.models.gpt import GPT, tied_name
+from distrain.optim.capability import optimizer_capability
+from distrain.optim.gradient_plan import GradientPlan, OneBitAdamPlan, OneBitZeroPlan
 from distrain.optim.onebit_adam import OneBitAdam, onebit_units
 from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.optim.zero1 import Zero1AdamW
@@ -85,24 +87,35 @@ def build_optimizers(
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
     comm_stats: CommStats | None = None,
-) -> list[torch.optim.Optimizer]:
+) -> tuple[list[torch.optim.Optimizer], GradientPlan]:
     """`build_optimizer` for each model part, on the groups the layout `dims` decides:
     gradients averaged over dp (dp x cp under context parallelism), ZeRO-1's state split over
     `ParallelDims.zero1_mesh`, 1-bit Adam's gradients reduce-scattered over the averaging
-    group when it shards them (ZeRO-2)."""
+    group when it shards them (ZeRO-2, no wrapper); and the `GradientPlan` the trainer asks
+    in every step, as the optimizers' capability has it."""
+    capability = optimizer_capability(cfg, zero_stage=dims.zero_stage, tp=dims.tp, pp=dims.pp)
     grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
     zero1_group = dims.zero1_mesh(mesh, dp_mesh).get_group() if dims.zero_stage == 1 else None
-    return [
+    reduce_scatters = dims.dp_wrapper == "optimizer" and capability.shards_gradients
+    zero2_group = grad_group if reduce_scatters else None
+    optimizers = [
         build_optimizer(
             part,
             cfg,
             zero1_group=zero1_group,
-            zero2_group=grad_group if dims.optimizer_reduce_scatters else None,
+            zero2_group=zero2_group,
             dp_group=grad_group,
             comm_stats=comm_stats,
         )
         for part in parts
     ]
+    holders = dims.world_size // dims.pp
+    if not capability.exchanges_momentum:
+        return optimizers, GradientPlan(parts, holders=holders)
+    if zero1_group is None and zero2_group is None:  # OneBitAdam
+        return optimizers, OneBitAdamPlan(parts, optimizers, holders=holders)
+    (sharded,) = optimizers  # OneBitZeroAdam: one part (no pp; a layout rule)
+    return optimizers, OneBitZeroPlan(parts, sharded, holders=holders)
 
 
 def build_optimizer(
@@ -121,7 +134,7 @@ def build_optimizer(
     over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too; with
     `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well). On a
     model without DDP (tp/pp, `ParallelDims.dp_wrapper` "optimizer"; or one replica) 1-bit
-    Adam averages the warm-up's gradients too (`AveragesGradients`)."""
+    Adam averages the warm-up's gradients too (`OneBitAdamPlan.before_clip`)."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "onebit_adam":
         sharded = zero2_group if zero2_group is not None else zero1_group

@@ -96,7 +96,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.rank = dist.get_rank(group) if distributed else 0
         self.averages_gradients = averages_gradients
         """No wrapper (tp, pp): the optimizer averages the warm-up's gradients itself
-        (`AveragesGradients`)."""
+        (`OneBitAdamPlan.before_clip`)."""
         self.units = units if units is not None else [self._flat_params()]
         """Parameters compressed together (`onebit_units`); a partition of the parameters."""
         assert sorted(id(p) for u in self.units for p in u) == sorted(
@@ -111,9 +111,9 @@ class OneBitAdam(torch.optim.Optimizer):
     def keeps_gradients_local(self) -> bool:
         """Whether the next step is past warm-up under DDP: the trainer then keeps gradients
         local (no DDP all-reduce), since the momentum is what gets communicated
-        (`KeepsGradientsLocal`). Without a wrapper (`averages_gradients`) there is no all-reduce
-        to skip, and the norm that clips a replica's gradient stays global: the root mean
-        square of the replicas' norms, since a replica spans its tp and pp ranks."""
+        (`OneBitAdamPlan.sync_in_backward`). Without a wrapper (`averages_gradients`) there is
+        no all-reduce to skip, and the norm that clips a replica's gradient stays global: the
+        root mean square of the replicas' norms, since a replica spans its tp and pp ranks."""
         return self._compressed() and not self.averages_gradients
 
     def _compressed(self) -> bool:

@@ -39,13 +39,9 @@ tensor of the step is read on the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import (
@@ -61,7 +57,6 @@ from distrain.parallel.grad_norm import clip_coefficient, clip_grad_norm
 _ERROR_KEYS = ("worker_error", "server_error")
 _MISSING_GRADIENT = "1-bit Adam under ZeRO updates every parameter; a parameter got no gradient"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-Named = tuple[str, Any]
 
 
 def held_state_bytes(numel: int, world: int) -> int:
@@ -89,7 +84,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.freeze_step, self.group, self.stats = freeze_step, group, stats
         self.shards_gradients = shard_gradients
-        """ZeRO-2: the optimizer averages the local gradients in warm-up too (`ShardsGradients`)."""
+        """ZeRO-2: the optimizer averages the local gradients in warm-up too (`reduce_and_clip`)."""
         self._owned: torch.Tensor | None = None
         """ZeRO-2 warm-up: this rank's chunk of the averaged, clipped gradient, until the step."""
         distributed = group is not None and dist.is_initialized()
@@ -116,7 +111,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
 
     def keeps_gradients_local(self) -> bool:
         """Past warm-up the trainer leaves the gradients local: they cross the network here,
-        compressed (`KeepsGradientsLocal`)."""
+        compressed (`OneBitZeroPlan.sync_in_backward`)."""
         return self.steps_taken >= self.freeze_step
 
     def _name_state(self, p: torch.nn.Parameter) -> None:
@@ -366,14 +361,3 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         for key in (*_MOMENTS, "server_error"):
             setattr(self, key, self._mine(self._padded(saved[key])).clone())
         self.worker_error = self._padded(saved["worker_error"])
-
-
-def named_gradients(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> Iterator[Named]:
-    """(name, parameter) of every parameter of `parts`, for the non-finite guard (read lazily,
-    when it stops). Under ZeRO-2 1-bit Adam in warm-up, whose local gradients `reduce_and_clip`
-    freed, (name, holder) whose `.grad` is this rank's part of that parameter's averaged
-    gradient (None where it holds none): a NaN shows on the rank that owns its chunk."""
-    owned = optimizer.owned_gradients() if isinstance(optimizer, OneBitZeroAdam) else {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            yield (name, SimpleNamespace(grad=owned.get(id(p)))) if owned else (name, p)

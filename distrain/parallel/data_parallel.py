@@ -9,7 +9,6 @@ real steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -28,48 +27,6 @@ from distrain.parallel.compress import (
 )
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims, node_groups
-
-
-@runtime_checkable
-class KeepsGradientsLocal(Protocol):
-    """An optimizer that averages over the data-parallel ranks itself (1-bit Adam past its
-    warm-up communicates its momentum): while `keeps_gradients_local()` is true the trainer runs
-    backward without DDP's gradient all-reduce and clips each rank's local gradients."""
-
-    def keeps_gradients_local(self) -> bool: ...
-
-
-@runtime_checkable
-class ShardsGradients(Protocol):
-    """An optimizer that averages the local gradients itself in every phase (1-bit Adam under
-    ZeRO-2, with no wrapper: `ParallelDims.dp_wrapper` "optimizer"). When `shards_gradients`,
-    the trainer clips through `reduce_and_clip`, which first reduce-scatters the gradients to
-    their owners, instead of `clip_grad_norm`."""
-
-    shards_gradients: bool
-
-    def reduce_and_clip(self, max_norm: float) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class AveragesGradients(Protocol):
-    """An optimizer that averages the local gradients over the data-parallel ranks itself in
-    warm-up (1-bit Adam under tp/pp, with no wrapper: `ParallelDims.dp_wrapper` "optimizer"):
-    the trainer calls `average_gradients()` before clipping in every step
-    (`average_in_optimizers`). Its gradients count as synchronized (the global norm clips
-    them), so it does not keep them local (`KeepsGradientsLocal`) past warm-up either."""
-
-    averages_gradients: bool
-
-    def average_gradients(self) -> None: ...
-
-
-def average_in_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Let each optimizer that averages the gradients itself (`AveragesGradients`) do so; the
-    trainer calls it after backward, before clipping, every step."""
-    for optimizer in optimizers:
-        if isinstance(optimizer, AveragesGradients) and optimizer.averages_gradients:
-            optimizer.average_gradients()
 
 
 def apply_ddp(

@@ -70,7 +70,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def collective_timeout(timeout_s: float) -> timedelta | None:
-    """debug.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
+    """comm.collective_timeout_s as c10d wants it; None (0) leaves torch's per-backend default."""
     return timedelta(seconds=timeout_s) if timeout_s > 0 else None
 
 
@@ -90,7 +90,7 @@ def group_options(backend: str, timeout_s: float) -> tuple[str, object] | None:
 
 def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistContext:
     """Join the process group torchrun set up in the environment, or form a 1-process group;
-    `timeout_s` (debug.collective_timeout_s) bounds each of its collectives."""
+    `timeout_s` (comm.collective_timeout_s) bounds each of its collectives."""
     env_rank = os.environ.get("RANK")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, backend = pick_device(requested_device, local_rank)

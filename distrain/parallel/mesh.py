@@ -45,32 +45,41 @@ class ParallelDims:
     tp: int
     zero_stage: int
     world_size: int
+    dp_wrapper: str
+    """How the model is wrapped for data parallelism: "none" when there is one replica,
+    "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
+    with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
+    correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
+    of a data-parallel rank count as replicas here: each computes its share of the gradient,
+    which the wrapper averages over dp x cp. "optimizer": no wrapper, the optimizer averages
+    the gradients itself (its capability says so: optim/capability.py)."""
     ep: int = 1
     cp: int = 1
-    optimizer_shards_gradients: bool = False
-    """1-bit Adam under ZeRO-2: the optimizer reduce-scatters the gradients itself."""
-    optimizer_averages_gradients: bool = False
-    """1-bit Adam (zero_stage 0) under tp or pp: the optimizer all-reduces the local gradients
-    itself in warm-up, as it exchanges the momentum after it."""
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: Config, world_size: int, *, optimizer_averages: bool) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
-        (layout/rules.py's validate has checked that they fit)."""
+        (layout/rules.py's validate has checked that they fit). `optimizer_averages`: the optimizer
+        averages the data-parallel gradients itself (`OptimizerCapability.replaces_wrapper`),
+        so no wrapper shards the parameters: they are whole on every dp rank."""
         p = cfg.parallel
         dp = data_parallel_size(p, world_size)
         replicate, shard = p.dp_replicate, p.dp_shard
-        shards_gradients = cfg.optim.name == "onebit_adam" and p.zero_stage == 2
-        averages_gradients = (
-            cfg.optim.name == "onebit_adam" and p.zero_stage == 0 and (p.tp > 1 or p.pp > 1)
-        )
-        if p.zero_stage <= 1 or shards_gradients:  # the parameters are whole on every dp rank
+        if p.zero_stage <= 1 or optimizer_averages:  # the parameters are whole on every dp rank
             replicate, shard = dp, 1
         elif shard == -1:
             replicate = 1 if replicate == -1 else replicate
             shard = dp // replicate
         elif replicate == -1:
             replicate = dp // shard
+        if replicate * shard * p.cp == 1:
+            wrapper = "none"
+        elif optimizer_averages:
+            wrapper = "optimizer"
+        elif p.zero_stage >= 2 or p.tp > 1 or p.pp > 1 or p.ep > 1:
+            wrapper = "fsdp"
+        else:
+            wrapper = "ddp"
         return cls(
             pp=p.pp,
             dp_replicate=replicate,
@@ -78,39 +87,14 @@ class ParallelDims:
             tp=p.tp,
             zero_stage=p.zero_stage,
             world_size=world_size,
+            dp_wrapper=wrapper,
             ep=p.ep,
             cp=p.cp,
-            optimizer_shards_gradients=shards_gradients,
-            optimizer_averages_gradients=averages_gradients,
         )
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
-
-    @property
-    def dp_wrapper(self) -> str:
-        """How the model is wrapped for data parallelism: "none" when there is one replica,
-        "fsdp" (FSDP2) for ZeRO 2/3 and also for plain replication whenever tp or pp is on (HSDP
-        with a shard axis of 1, since DDP handles neither DTensor parameters nor pipeline stages
-        correctly) and under ep (expert weights live on their own mesh), else "ddp". The cp ranks
-        of a data-parallel rank count as replicas here: each computes its share of the gradient,
-        which the wrapper averages over dp x cp. "optimizer": no wrapper, the optimizer averages
-        (1-bit Adam under ZeRO-2, whose owner chunks replace both DDP's full-size buckets and
-        FSDP2's parameter sharding; and 1-bit Adam under tp/pp, whose DTensor shards and stages
-        it averages as local tensors; decided here with the other wrapper choices)."""
-        if self.dp_size * self.cp == 1:
-            return "none"
-        if self.optimizer_shards_gradients or self.optimizer_averages_gradients:
-            return "optimizer"
-        if self.zero_stage >= 2 or self.tp > 1 or self.pp > 1 or self.ep > 1:
-            return "fsdp"
-        return "ddp"
-
-    @property
-    def optimizer_reduce_scatters(self) -> bool:
-        """1-bit Adam under ZeRO-2 with data parallelism: the optimizer reduce-scatters."""
-        return self.dp_wrapper == "optimizer" and self.optimizer_shards_gradients
 
     def describe(self) -> str:
         return (
@@ -125,7 +109,7 @@ class ParallelDims:
     ) -> tuple[DeviceMesh, DeviceMesh]:
         """The world mesh with every axis (size-1 axes included, so names never go missing), and
         the 1-D data-parallel mesh (dp_replicate x dp_shard flattened) the loader splits over.
-        `timeout_s` (debug.collective_timeout_s) goes to every group the mesh creates."""
+        `timeout_s` (comm.collective_timeout_s) goes to every group the mesh creates."""
         options = group_options(dist.get_backend(), timeout_s)
         mesh = init_device_mesh(
             device_type,

@@ -373,7 +373,7 @@ def build_parallel_model(
     if dims.ep > 1:
         from distrain.parallel.experts import apply_expert_parallel
 
-        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.debug.collective_timeout_s)
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
         expert_mesh = ep_mesh["dp_mod_ep"]
     compile_whole = False
     for part in parts:
@@ -429,7 +429,7 @@ def build_parallel_model(
         num_stages=num_stages,
         pp_microbatches=microbatches,
         tied_group=(
-            embedding_group(mesh, timeout_s=cfg.debug.collective_timeout_s)
+            embedding_group(mesh, timeout_s=cfg.comm.collective_timeout_s)
             if dims.pp > 1 and args.tie_embeddings
             else None
         ),
@@ -449,7 +449,7 @@ def build_parallel_model(
             comm=cfg.comm,
             stats=comm_stats,
             local_world_size=ctx.local_world_size,
-            timeout_s=cfg.debug.collective_timeout_s,
+            timeout_s=cfg.comm.collective_timeout_s,
         )
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats

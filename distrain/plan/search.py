@@ -23,6 +23,7 @@ from distrain.layout.rules import validate
 from distrain.models.gpt import GPT
 from distrain.models.presets import model_args, num_params
 from distrain.optim.builder import param_groups
+from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
@@ -87,8 +88,9 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     if key not in cache:
-        onebit_zero = cfg.optim.name == "onebit_adam" and p.zero_stage in (1, 2)
-        if (p.zero_stage <= 1 or onebit_zero) and p.tp == p.pp == 1 and world_size > 1:
+        capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
+        own_sharding = capability.shards_state  # 1-bit Adam under ZeRO-1/2
+        if (p.zero_stage <= 1 or own_sharding) and p.tp == p.pp == 1 and world_size > 1:
             single = dataclasses.replace(
                 cfg,
                 parallel=dataclasses.replace(p, zero_stage=0),
@@ -96,7 +98,7 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
             )
             base = memory_of(single, 1, cache)
             optimizer = base.optimizer
-            if onebit_zero:
+            if own_sharding:
                 optimizer = held_state_bytes(num_params(model_args(cfg.model)), world_size)
             elif p.zero_stage == 1:
                 optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))

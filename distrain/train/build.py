@@ -44,7 +44,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     plan = resolve(cfg, ctx.device, ctx.world_size, logger)
     cfg, dims = plan.config, plan.dims  # the resolved config from here on
     t = cfg.training
-    mesh, dp_mesh = dims.build_mesh(ctx.device.type, timeout_s=cfg.debug.collective_timeout_s)
+    mesh, dp_mesh = dims.build_mesh(ctx.device.type, timeout_s=cfg.comm.collective_timeout_s)
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
     seed_everything(t.seed, deterministic=t.deterministic)
 
@@ -75,7 +75,9 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
 
     comm_stats = CommStats()
     model = build_parallel_model(plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats)
-    optimizers = build_optimizers(model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats)
+    optimizers, gradient_plan = build_optimizers(
+        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats
+    )
     metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
     if plan.auto_micro_batch:
         choice = autobatch.choose(model, optimizers, train_set, loader, cfg, ctx, logger)
@@ -124,7 +126,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     observers: list[StepObserver] = [
         nonfinite,
         LossSpikes(t.loss_spike_factor),
-        Stragglers(ctx.device, ratio=cfg.debug.straggler_ratio, rank=ctx.rank, logger=logger),
+        Stragglers(ctx.device, ratio=cfg.watchdog.straggler_ratio, rank=ctx.rank, logger=logger),
         CommMetrics(comm_stats),
     ]
     if model.moe_stats is not None:
@@ -148,6 +150,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         val_set=val_set,
         model=model,
         optimizers=optimizers,
+        gradient_plan=gradient_plan,
         scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
         checkpointer=checkpointer,
         checkpoint_policy=CheckpointPolicy(c, total_steps=t.steps, device=ctx.device),

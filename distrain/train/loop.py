@@ -33,14 +33,8 @@ from distrain.observe.metrics import MetricsWriter
 from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges
 from distrain.optim.builder import lr_at, set_lr
-from distrain.optim.onebit_zero import named_gradients
-from distrain.parallel.data_parallel import (
-    KeepsGradientsLocal,
-    ShardsGradients,
-    average_in_optimizers,
-)
+from distrain.optim.gradient_plan import GradientPlan
 from distrain.parallel.device import DistContext
-from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.mesh import ParallelDims
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.scaler import AgreedGradScaler
@@ -69,6 +63,8 @@ class Trainer:
     val_set: Dataset
     model: ParallelModel
     optimizers: list[torch.optim.Optimizer]
+    gradient_plan: GradientPlan
+    """How the optimizers want the gradients: synchronized in backward, averaged, clipped."""
     scaler: AgreedGradScaler
     checkpointer: Checkpointer
     checkpoint_policy: CheckpointPolicy
@@ -147,37 +143,28 @@ class Trainer:
         the device, without a host sync. The model is in train mode (see `evaluate`). With
         report_loss=False the loss is left where it was computed (see
         `ParallelModel.forward_backward`): for steps that are not logged."""
-        local = any(
-            isinstance(o, KeepsGradientsLocal) and o.keeps_gradients_local()
-            for o in self.optimizers
-        )
+        plan = self.gradient_plan
+        synced = plan.sync_in_backward()
         if self.cfg.training.oom_recovery:
             loss = self._forward_backward_recovering(batches)
         else:
             loss = self.model.forward_backward(
-                batches, self.scaler.scale, sync=not local, report_loss=report_loss
+                batches, self.scaler.scale, sync=synced, report_loss=report_loss
             )
         heartbeat.mark("optimizer")
         self.faults.after_backward(self.step + 1, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
-        average_in_optimizers(self.optimizers)  # 1-bit Adam under tp/pp: its warm-up average
-        max_norm, owner = self.cfg.optim.max_grad_norm or math.inf, self.optimizers[0]
-        if isinstance(owner, ShardsGradients) and owner.shards_gradients:  # 1-bit ZeRO-2, no pp
-            grad_norm = owner.reduce_and_clip(max_norm)
-        else:
-            grad_norm = clip_grad_norm(
-                self.model.parameters(),
-                max_norm,
-                holders=1 if local else self.ctx.world_size // self.dims.pp,
-                local=local,
-                counted_elsewhere=self.model.counted_elsewhere,
-            )
+        plan.before_clip()
+        grad_norm = plan.clip(
+            self.cfg.optim.max_grad_norm or math.inf,
+            counted_elsewhere=self.model.counted_elsewhere,
+        )
         update = self.scaler.is_enabled() or self.nonfinite.step_ok(
             grad_norm,
             step=self.step + 1,
-            named_params=named_gradients(self.model.parts, owner),
-            agreed=not local,
+            named_params=plan.named_gradients(),
+            agreed=synced,
         )
         if update:
             for optimizer in self.optimizers:

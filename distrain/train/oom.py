@@ -16,7 +16,7 @@ gradients and retries.
 An OOM raised inside a micro-batch is recovered when every rank raises it at the same point
 (ranks run the same shapes, so memory runs out alike) or at an agreement point; one that
 strikes a single rank inside a micro-batch leaves the others waiting in a collective it never
-joins, until debug.collective_timeout_s fails the run, as it would without recovery.
+joins, until comm.collective_timeout_s fails the run, as it would without recovery.
 """
 
 from __future__ import annotations

@@ -32,12 +32,12 @@ def run_training(cfg: Config) -> None:
         die_with_launcher()
     run_dir = Path(cfg.run.dir)
     nccl = device_type(cfg.run.device) == "cuda"
-    if cfg.debug.hang_timeout_s:
+    if cfg.watchdog.hang_timeout_s:
         flight.enable(run_dir, nccl=nccl)
     # Taken before joining the group and so before any rank writes: every rank's view of what
     # existed before this start is the same.
     footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
-    ctx = init_distributed(cfg.run.device, timeout_s=cfg.debug.collective_timeout_s)
+    ctx = init_distributed(cfg.run.device, timeout_s=cfg.comm.collective_timeout_s)
     lock = logger = trainer = watchdog = None
     failed_start = ended_well = False
     try:
@@ -57,12 +57,12 @@ def run_training(cfg: Config) -> None:
             torch.get_num_threads(),
         )
         trainer = build_trainer(cfg, ctx, logger)
-        if cfg.debug.hang_timeout_s:
+        if cfg.watchdog.hang_timeout_s:
             watchdog = start_watchdog(
                 run_dir,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
-                timeout_s=cfg.debug.hang_timeout_s,
+                timeout_s=cfg.watchdog.hang_timeout_s,
                 logger=logger,
                 nccl=nccl,
             )
