@@ -9,10 +9,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew
+from distrain.data.dataset import TokenDataset
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
 from distrain.models.presets import num_params
@@ -26,13 +30,14 @@ from distrain.observe.stragglers import Stragglers
 from distrain.optim.builder import build_optimizers
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, host_group
-from distrain.parallel.model import build_parallel_model
+from distrain.parallel.mesh import ParallelDims
+from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
 from distrain.train.faults import Faults
 from distrain.train.loop import Trainer
 from distrain.train.observers import CommMetrics, MoEMetrics, ReplicaCheck
-from distrain.train.resolve import resolve
+from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
 
 
@@ -48,6 +53,72 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
     seed_everything(t.seed, deterministic=t.deterministic)
 
+    train_set, val_set, loader = _data(plan, dp_rank, dp_group, ctx, logger)
+
+    comm_stats = CommStats()
+    model = build_parallel_model(plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats)
+    optimizers, gradient_plan = build_optimizers(
+        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats
+    )
+    metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
+    if plan.auto_micro_batch:
+        choice = autobatch.choose(model, optimizers, train_set, loader, cfg, ctx, logger)
+        plan = plan.with_micro(choice.micro_batch_size)
+        metrics.log(choice.metrics_row())
+    logger.info(
+        "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
+        cfg.model.preset,
+        num_params(plan.model) / 1e6,
+        dims.describe(),
+        plan.batch.accumulation,
+        plan.batch.micro,
+    )
+
+    checkpointer = _checkpointer(cfg, run_dir, dims, metrics, logger)
+    nonfinite = NonFiniteGuard(
+        t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
+    )
+    phase_ranges = PhaseRanges(ctx.device)
+    observers = _observers(
+        cfg, ctx, run_dir, model, mesh, comm_stats, nonfinite, metrics, phase_ranges, logger
+    )
+    return Trainer(
+        plan=plan,
+        ctx=ctx,
+        log=logger,
+        run_dir=run_dir,
+        dp_rank=dp_rank,
+        # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
+        grad_group=dims.gradient_mesh(mesh, dp_mesh).get_group(),
+        loader=loader,
+        val_set=val_set,
+        model=model,
+        optimizers=optimizers,
+        gradient_plan=gradient_plan,
+        scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
+        checkpointer=checkpointer,
+        checkpoint_policy=CheckpointPolicy(cfg.checkpoint, total_steps=t.steps, device=ctx.device),
+        stop_signals=stop_signals,
+        stop=StopAgreement(stop_signals, host_group()),
+        nonfinite=nonfinite,
+        metrics=metrics,
+        faults=Faults(cfg.debug, rank=ctx.rank, logger=logger),
+        observers=observers,
+        phase_ranges=phase_ranges,
+    )
+
+
+def _data(
+    plan: RunPlan,
+    dp_rank: int,
+    dp_group: dist.ProcessGroup,
+    ctx: DistContext,
+    logger: logging.Logger,
+) -> tuple[TokenDataset, TokenDataset, DistributedBatchLoader]:
+    """The train and validation sets and this rank's loader over the global sample stream;
+    ranks reading unequal shares are reported (or refused) by the skew check."""
+    cfg = plan.config
+    t = cfg.training
     train_set, val_set = build_datasets(cfg.data, t.seq_len, vocab_size=plan.model.vocab_size)
     loader = DistributedBatchLoader(
         train_set,
@@ -73,30 +144,20 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         device=ctx.device,
     )
 
-    comm_stats = CommStats()
-    model = build_parallel_model(plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats)
-    optimizers, gradient_plan = build_optimizers(
-        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats
-    )
-    metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
-    if plan.auto_micro_batch:
-        choice = autobatch.choose(model, optimizers, train_set, loader, cfg, ctx, logger)
-        plan = plan.with_micro(choice.micro_batch_size)
-        metrics.log(choice.metrics_row())
-    logger.info(
-        "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
-        cfg.model.preset,
-        num_params(plan.model) / 1e6,
-        dims.describe(),
-        plan.batch.accumulation,
-        plan.batch.micro,
-    )
+    return train_set, val_set, loader
+
+
+def _checkpointer(
+    cfg: Config, run_dir: Path, dims: ParallelDims, metrics: MetricsWriter, logger: logging.Logger
+) -> Checkpointer:
+    """The checkpointer of this run's checkpoint settings and storage; a failed save is a
+    metrics row."""
 
     def checkpoint_failed(step: int, message: str) -> None:
         metrics.log({"step": step, "checkpoint_failed": 1, "checkpoint_error": message})
 
     c = cfg.checkpoint
-    checkpointer = Checkpointer(
+    return Checkpointer(
         checkpoint_storage(cfg),
         run_id=run_id(run_dir),
         resume_from=c.resume_from,
@@ -108,9 +169,24 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         collective_timeout_s=c.collective_timeout_s,
         on_failure=checkpoint_failed,
     )
-    nonfinite = NonFiniteGuard(
-        t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
-    )
+
+
+def _observers(
+    cfg: Config,
+    ctx: DistContext,
+    run_dir: Path,
+    model: ParallelModel,
+    mesh: DeviceMesh,
+    comm_stats: CommStats,
+    nonfinite: NonFiniteGuard,
+    metrics: MetricsWriter,
+    phase_ranges: PhaseRanges,
+    logger: logging.Logger,
+) -> list[StepObserver]:
+    """The step observers, in the order the loop calls them: the metrics row's producers,
+    then the sink, then what reads the row. The profiler's phase ranges listen to the
+    heartbeat when it profiles, and always on CUDA (named ranges for external profilers)."""
+    t = cfg.training
     profiler = StepProfiler(
         cfg.profile,
         run_dir=run_dir,
@@ -119,10 +195,8 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         device=ctx.device,
         logger=logger,
     )
-    phase_ranges = PhaseRanges(ctx.device)
     if profiler.enabled or ctx.device.type == "cuda":
         heartbeat.listen(phase_ranges)
-    # The order of `logged`: the row's producers, then the sink, then what reads the row.
     observers: list[StepObserver] = [
         nonfinite,
         LossSpikes(t.loss_spike_factor),
@@ -138,27 +212,4 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         Progress(total=t.steps, enabled=ctx.rank == 0 and cfg.metrics.progress_bar, logger=logger),
         profiler,
     ]
-    return Trainer(
-        plan=plan,
-        ctx=ctx,
-        log=logger,
-        run_dir=run_dir,
-        dp_rank=dp_rank,
-        # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
-        grad_group=dims.gradient_mesh(mesh, dp_mesh).get_group(),
-        loader=loader,
-        val_set=val_set,
-        model=model,
-        optimizers=optimizers,
-        gradient_plan=gradient_plan,
-        scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
-        checkpointer=checkpointer,
-        checkpoint_policy=CheckpointPolicy(c, total_steps=t.steps, device=ctx.device),
-        stop_signals=stop_signals,
-        stop=StopAgreement(stop_signals, host_group()),
-        nonfinite=nonfinite,
-        metrics=metrics,
-        faults=Faults(cfg.debug, rank=ctx.rank, logger=logger),
-        observers=observers,
-        phase_ranges=phase_ranges,
-    )
+    return observers
