@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.model import ModelArgs
 from distrain.parallel.mesh import ParallelDims, pick_device
 
 # The model sizes tensor parallelism splits over its ranks.

@@ -1,8 +1,10 @@
 """Transforms applied before data parallelism: activation checkpointing and compile (with its
 persistent cache).
 
-Both act in place (a wrapped block keeps its key in `model.blocks`; a compiled module keeps its
-own), so parameter names, and so checkpoints and seeded init, are the same with or without them.
+Both wrap a model's repeated blocks (the `nn.ModuleDict` its family's spec names,
+parallel/spec.py) and act in place (a wrapped block keeps its key among the blocks; a compiled
+module keeps its own), so parameter names, and so checkpoints and seeded init, are the same with
+or without them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from distrain.models.gpt import GPT
 from distrain.torch_compat import checkpoint_wrapper
 
 # What op-level selective checkpointing keeps from the forward: the outputs of the expensive
@@ -46,18 +48,17 @@ def selective_op_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
-def apply_activation_checkpointing(model: GPT, mode: str, *, every: int) -> None:
-    """none; full = recompute every block in backward; selective = every `every`-th block
-    (layer-selective: trades some memory for less recompute); selective_op = every block, but
-    only the cheap ops are recomputed (`_SAVED_OPS` are kept)."""
+def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, *, every: int) -> None:
+    """Wrap a model's `blocks` (keyed "0".."n-1") in place. none; full = recompute every block
+    in backward; selective = every `every`-th block (layer-selective: trades some memory for
+    less recompute); selective_op = every block, but only the cheap ops are recomputed
+    (`_SAVED_OPS` are kept)."""
     if mode == "none":
         return
     context_fn = selective_op_contexts if mode == "selective_op" else None
-    for key, block in list(model.blocks.items()):
+    for key, block in list(blocks.items()):
         if mode in ("full", "selective_op") or int(key) % every == 0:
-            model.blocks[key] = checkpoint_wrapper(
-                block, preserve_rng_state=False, context_fn=context_fn
-            )
+            blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
 
 
 def compile_cache_dir() -> Path:
@@ -76,14 +77,15 @@ def use_persistent_compile_cache() -> Path:
     return Path(folder)
 
 
-def apply_compile(model: GPT, *, whole: bool) -> None:
+def apply_compile(model: nn.Module, *, whole: bool, blocks: nn.ModuleDict) -> None:
     """torch.compile the whole model as one graph (`whole`: no hook or wrapper inside it that
-    compiling across blocks would trace: a plain or DDP layout), else each block (the repeated
-    structure compiles once and is reused; FSDP2, tp, pp, cp and activation checkpointing act
-    per block). Compiled kernels persist across runs (`use_persistent_compile_cache`)."""
+    compiling across blocks would trace: a plain or DDP layout), else each of its `blocks` (the
+    repeated structure compiles once and is reused; FSDP2, tp, pp, cp and activation
+    checkpointing act per block). Compiled kernels persist across runs
+    (`use_persistent_compile_cache`)."""
     use_persistent_compile_cache()
     if whole:
         model.compile(fullgraph=True)
         return
-    for block in model.blocks.values():
+    for block in blocks.values():
         block.compile()

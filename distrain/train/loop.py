@@ -26,6 +26,7 @@ from distrain.launch.preempt import Preempted, StopAgreement, StopSignals, preem
 from distrain.launch.rundir import run_id
 from distrain.layout.rules import validate as validate_layout
 from distrain.models.presets import num_params
+from distrain.models.registry import family_of
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
@@ -104,7 +105,14 @@ class Trainer:
 
         self.comm_stats = CommStats()
         self.model = build_parallel_model(
-            self.args, cfg, self.dims, self.mesh, dp_mesh, ctx, self.comm_stats
+            self.args,
+            cfg,
+            self.dims,
+            self.mesh,
+            dp_mesh,
+            ctx,
+            self.comm_stats,
+            spec=family_of(self.args),
         )
         self.optimizers = build_optimizers(
             self.model.parts, cfg.optim, self.dims, self.mesh, dp_mesh, self.comm_stats

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distrain.models.moe import MoE, MoEArgs
+from distrain.torch_compat import canonical_name
 
 
 @dataclass(kw_only=True)
@@ -288,16 +289,6 @@ class GPT(nn.Module):
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-
-
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name with wrapper prefixes (DDP, compile, activation checkpointing) removed."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def tied_name(name: str, args: ModelArgs) -> str:
