@@ -241,6 +241,7 @@ def _worker(rank: int, tmp_path: Path) -> None:
         for name, layout in LAYOUTS.items():
             results[name] = _parallel(rank, *layout)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()  # neither rank tears its groups down while the other still uses them
     finally:
         dist.destroy_process_group()
 

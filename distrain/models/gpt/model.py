@@ -1,4 +1,5 @@
-"""Decoder-only GPT as a plain nn.Module: no parallel code lives here (see distrain/parallel/).
+"""Decoder-only GPT as a plain nn.Module: no parallel code lives here (its plans are
+parallelize.py's and spec.py's, applied by distrain/parallel/).
 
 Attention goes through `scaled_dot_product_attention`, with grouped-query attention when there are
 fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; positions are rotary (the
@@ -252,7 +253,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
-        or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
+        or the head (it then returns hidden states); see spec.py. `positions`
         [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
         rank holds a few slices of each sequence). With `targets` [B, T] it returns their mean
         `next_token_loss` instead of the logits: a model compiled whole then has the loss, its
