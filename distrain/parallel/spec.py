@@ -2,7 +2,7 @@
 
 The mechanisms in this package (tensor, pipeline, expert and data parallelism, activation
 checkpointing, compile) know no model; each reads what it needs from the family's spec. A family
-(distrain/models/gpt/ for the GPT and its MoE variant) builds one `ModelSpec` and registers it
+(models/gpt/ for the GPT and its MoE variant) builds one `ModelSpec` and registers it
 (models/registry.py); a model defined anywhere else, a test file included, does the same and
 trains under every layout without a change here.
 
