@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from distrain.config.schema import ModelConfig
-from distrain.models.gpt import GPT, init_weights
+from distrain.models.gpt.model import GPT, init_weights
 from distrain.models.presets import model_args
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
@@ -60,7 +60,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     margs = model_args(ModelConfig(preset=args.preset))
     model = GPT(margs).to(device)
     init_weights(model, margs, seed=0)
-    apply_activation_checkpointing(model, args.mode, every=args.every)
+    apply_activation_checkpointing(model.blocks, args.mode, every=args.every)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, margs.vocab_size, (args.batch, args.seq_len + 1), generator=gen)

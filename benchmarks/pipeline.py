@@ -76,7 +76,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.hooks import RemovableHandle
 
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.device import init_distributed
 from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model, stage_ids_for_rank
 
@@ -209,7 +210,7 @@ def measure(
     with torch.device("meta"):
         model = GPT(margs)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, v, schedule)
-    modules = [split_model(model, s, num_stages) for s in stage_ids]
+    modules = [split_model(model, s, num_stages, spec=GPT_SPEC) for s in stage_ids]
     for module in modules:
         module.to_empty(device="cpu")
         init_weights(module, margs, SEED)

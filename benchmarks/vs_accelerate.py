@@ -56,11 +56,10 @@ from harness import is_worker, launch_ranks, worker_session, write_json
 
 from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
-from distrain.models.gpt import GPT, init_weights
+from distrain.models.gpt.model import GPT, init_weights, next_token_loss
 from distrain.models.presets import model_args
 from distrain.optim.builder import lr_at, param_groups, set_lr
 from distrain.parallel.device import DistContext, cpu_has_native_bf16
-from distrain.parallel.model import cross_entropy
 from distrain.train.build import build_trainer
 
 CORPUS_BYTES = 4_000_000
@@ -213,7 +212,7 @@ def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext, fuse
         for inputs, targets in loader.next_batch():
             with accelerator.accumulate(model):
                 inputs, targets = inputs.to(accelerator.device), targets.to(accelerator.device)
-                loss = cross_entropy(model(inputs), targets)
+                loss = next_token_loss(model(inputs), targets)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), o.max_grad_norm)

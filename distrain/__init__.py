@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from distrain.config.schema import Config
-    from distrain.models.gpt import ModelArgs
+    from distrain.models.gpt.model import ModelArgs
 
 __version__ = "0.1.0"
 

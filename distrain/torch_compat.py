@@ -70,6 +70,18 @@ def checkpoint_wrapper(
     return wrap(module, preserve_rng_state=preserve_rng_state, context_fn=context_fn)
 
 
+# What DDP (`module`), compile (`_orig_mod`, private) and `checkpoint_wrapper` (private) put
+# before the names of the parameters of the module they wrap.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper prefixes (DDP, compile, activation checkpointing) removed."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """isinstance(optimizer, ZeroRedundancyOptimizer) without importing it (a slow import) when
     nothing has: an optimizer can only be one if its module is loaded."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import one_rank_group
 
-from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights, next_token_loss
 from distrain.parallel.compile import apply_compile, use_persistent_compile_cache
 from distrain.train.resolve import resolve_compile
 
@@ -47,7 +47,7 @@ def _compiled_forward(tokens: torch.Tensor) -> torch.Tensor:
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
     model = GPT(args)
     init_weights(model, args, seed=1)
-    apply_compile(model, whole=True)
+    apply_compile(model, whole=True, blocks=model.blocks)
     with torch.no_grad():
         return model(tokens)
 
@@ -94,6 +94,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
     from torch._dynamo.utils import counters
 
     from distrain.config.schema import Config
+    from distrain.models.gpt.spec import GPT_SPEC
     from distrain.parallel.compress import CommStats
     from distrain.parallel.model import build_parallel_model
 
@@ -106,7 +107,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
         for compiled in (False, True):
             cfg.training.compile = compiled
             models[compiled] = build_parallel_model(
-                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats()
+                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
             )
         tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
         batch = [(tokens[:, :-1], tokens[:, 1:])]

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
 from distrain.parallel import comm_clock, compress
 from distrain.parallel.compress import (
     COMM_HOOK_KINDS,

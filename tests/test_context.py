@@ -12,7 +12,7 @@ from helpers import losses, train_cli, train_in_process
 from test_parity import BASE, assert_parity
 
 from distrain.config.schema import Config
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
 from distrain.models.presets import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats, build_comm_hook
 from distrain.parallel.data_parallel import allreduce_payload, apply_ddp, settle_bucket_layout
 

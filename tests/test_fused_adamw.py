@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distrain.config.schema import OptimConfig
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
 from distrain.optim.builder import build_optimizer, param_groups
 
 

@@ -27,8 +27,8 @@ from test_parity import assert_parity
 from distrain.cli import main
 from distrain.config.schema import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
-from distrain.interop.hf import hf_config, pretrained_source
 from distrain.models import GPT, PRESETS, init_weights, model_args, num_params
+from distrain.models.gpt.hf import hf_config, pretrained_source
 from distrain.observe.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "distrain"
 ROOT_FILES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "torch_compat.py"}
 
@@ -29,33 +27,22 @@ LAYERS: dict[str, int] = {
     "errors": 0,  # the shared leaves: everyone's one-line errors and torch's API differences
     "torch_compat": 0,
     "config": 1,
-    "models": 2,  # model shapes read their config section
-    "observe": 3,  # logs, metrics and heartbeats read config and nothing else of distrain
-    "data": 4,  # the corpus reader logs through observe
-    "parallel": 4,  # mechanisms over models, beating the heartbeat (see the xfail below)
-    "optim": 5,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes and compressors
-    "checkpoint": 5,  # saves over parallel/mesh.py's checkpoint group, beating the heartbeat
-    "layout": 6,  # the rule table reads model shapes, the data's tokenizer and mesh degrees
-    "launch": 6,  # preflight checks the data and the checkpoint folder before workers start
-    "inference": 7,  # reads a run dir (launch/rundir.py) and its checkpoint
-    "interop": 7,  # exports from a run dir and its checkpoint
-    "plan": 7,  # checks layouts with layout/ and builds their optimizers (optim/)
-    "train": 8,
-    "distrain": 9,  # the package root's Python API (function-local imports of config and train)
-    "cli": 9,
-    "__main__": 10,
-}
-
-# Upward imports the layers above forbid, each with why it is still here and where it goes.
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("distrain.models.presets", "distrain.interop.hf"): (
-        "a preset named hf:PATH reads the folder's config.json through interop/hf.py; the "
-        "models-spec branch gives each model family its own Hugging Face adapter"
-    ),
-    ("distrain.parallel.model", "distrain.interop.hf"): (
-        "build_parallel_model loads Hugging Face weights itself; with the models-spec branch "
-        "the model's adapter does"
-    ),
+    "observe": 2,  # logs, metrics and heartbeats read config and nothing else of distrain
+    "data": 3,  # the corpus reader logs through observe
+    "parallel": 3,  # generic mechanisms over any model, beating the heartbeat (observe)
+    "checkpoint": 4,  # saves over parallel/device.py's checkpoint group
+    "models": 5,  # each family owns its parallel plan (parallel/'s spec and styles); Hugging
+    # Face folders are read through checkpoint/metadata.py's file-name confinement
+    "launch": 5,  # preflight checks the data and the checkpoint folder before workers start
+    "optim": 6,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
+    "inference": 6,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
+    "interop": 6,  # exports from a run dir and its checkpoint through the family's mapping
+    "layout": 7,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
+    "plan": 8,  # checks layouts with layout/ and builds their optimizers (optim/)
+    "train": 9,
+    "distrain": 10,  # the package root's Python API (function-local imports of config and train)
+    "cli": 10,
+    "__main__": 11,
 }
 
 
@@ -157,15 +144,7 @@ def test_every_component_has_a_layer():
 
 
 def test_imports_flow_down_the_layers():
-    unexplained = sorted(_upward_imports() - set(KNOWN_UPWARD))
-    assert unexplained == [], "an import up or across the layer table (LAYERS)"
-
-
-@pytest.mark.xfail(
-    strict=True, reason="models own their parallel plans: lands with the models-spec branch"
-)
-def test_no_upward_import_remains():
-    assert sorted(_upward_imports()) == []
+    assert sorted(_upward_imports()) == [], "an import up or across the layer table (LAYERS)"
 
 
 def test_nothing_but_the_entry_point_imports_the_cli():
@@ -173,9 +152,6 @@ def test_nothing_but_the_entry_point_imports_the_cli():
     assert importers == ["distrain.__main__"]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="models own their parallel plans: lands with the models-spec branch"
-)
 def test_parallel_imports_no_model():
     found = sorted(
         (m, t)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.errors import ConfigError
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -80,7 +81,7 @@ def test_stage_ids_for_rank_loop_placement():
 def test_split_model_keeps_full_names_disjointly(pos_emb):
     args = ModelArgs(**{**vars(ARGS), "pos_emb": pos_emb})
     full = meta_model(args)
-    stages = [split_model(full, s, 3) for s in range(3)]
+    stages = [split_model(full, s, 3, spec=GPT_SPEC) for s in range(3)]
     names = [set(dict(s.named_parameters())) for s in stages]
     assert set.union(*names) == set(dict(full.named_parameters()))
     assert sum(len(n) for n in names) == len(set.union(*names))
@@ -96,7 +97,7 @@ def test_chained_stages_equal_the_full_model():
     full = materialize(meta_model())
     h = tokens
     for stage_id in range(3):
-        h = materialize(split_model(meta_model(), stage_id, 3))(h)
+        h = materialize(split_model(meta_model(), stage_id, 3, spec=GPT_SPEC))(h)
     torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
 
 
@@ -113,7 +114,10 @@ def _runner(pp_mesh: DeviceMesh, schedule: str, n_microbatches: int) -> Pipeline
     """A runner over freshly initialized stages: this rank's share of the full model."""
     stages_per_rank = STAGES_PER_RANK[schedule]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), PP, stages_per_rank, schedule)
-    modules = [materialize(split_model(meta_model(), s, PP * stages_per_rank)) for s in stage_ids]
+    modules = [
+        materialize(split_model(meta_model(), s, PP * stages_per_rank, spec=GPT_SPEC))
+        for s in stage_ids
+    ]
     return PipelineRunner(
         modules, stage_ids, PP * stages_per_rank, pp_mesh, schedule, n_microbatches,
         torch.device("cpu"), mean_loss,

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.presets import model_args, num_params
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
@@ -191,7 +192,7 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
             )
             mesh, dp_mesh = layout.dims.build_mesh("cpu")
             model = build_parallel_model(
-                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats()
+                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
             )
             optimizers = [build_optimizer(part, cfg.optim) for part in model.parts]
             tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)

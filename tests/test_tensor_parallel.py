@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from distrain.errors import ConfigError
-from distrain.models.gpt import GPT, ModelArgs, init_weights
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.tensor import (
     apply_tensor_parallel,
@@ -47,8 +48,12 @@ VARIANTS: dict[str, tuple[dict, bool, bool]] = {
     "materialized-sp": ({"pos_emb": "learned"}, True, False),
     # Llama: SwiGLU's gate splits like w_up; 2 kv heads split over 2 ranks, one group each.
     "llama-gqa-sp": (
-        {"mlp": "swiglu", "n_kv_heads": 2, "rope_scaling_factor": 4.0,
-         "rope_original_max_seq_len": 8},
+        {
+            "mlp": "swiglu",
+            "n_kv_heads": 2,
+            "rope_scaling_factor": 4.0,
+            "rope_original_max_seq_len": 8,
+        },
         True,
         True,
     ),
@@ -102,11 +107,11 @@ def _build_tp(args: ModelArgs, mesh: DeviceMesh, *, sequence_parallel: bool, met
     if not meta:
         model = GPT(args)
         init_weights(model, args, SEED)
-        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, spec=GPT_SPEC)
         return model
     with torch.device("meta"):
         model = GPT(args)
-    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, spec=GPT_SPEC)
     model.to_empty(device="cpu")
     init_weights(model, args, SEED)
     return model

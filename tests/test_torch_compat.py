@@ -79,6 +79,13 @@ def test_checkpoint_wrapper_keeps_state_dict_keys_and_values():
     assert all(torch.equal(p.grad, g) for p, g in zip(block.parameters(), grads, strict=True))
 
 
+def test_canonical_name_removes_what_wrappers_add():
+    block = nn.Sequential(nn.Linear(4, 4))
+    wrapped = torch.compile(torch_compat.checkpoint_wrapper(block, preserve_rng_state=False))
+    names = [torch_compat.canonical_name(name) for name, _ in wrapped.named_parameters()]
+    assert names == [name for name, _ in block.named_parameters()]
+
+
 def test_is_zero_redundancy_optimizer(one_rank):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -15,7 +15,7 @@ from distrain.config.io import load_config
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
-from distrain.models.gpt import GPT
+from distrain.models.gpt.model import GPT
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
 

@@ -1,1 +1,3 @@
-"""Other tools' formats: Hugging Face checkpoints (hf.py) and torch.export programs (export.py)."""
+"""Exporting a checkpoint to other tools' formats: a Hugging Face model folder and a torch.export
+program (export.py). Reading Hugging Face folders is the model families' (models/hf_files.py and
+each family's own mapping)."""

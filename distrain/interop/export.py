@@ -36,9 +36,10 @@ from distrain.config.io import load_config
 from distrain.config.schema import Config
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
-from distrain.interop.hf import INDEX_FILE, HfTensor, hf_config, hf_tensors
 from distrain.launch.rundir import run_id
-from distrain.models.gpt import GPT
+from distrain.models.gpt.hf import hf_config, hf_tensors
+from distrain.models.gpt.model import GPT
+from distrain.models.hf_files import INDEX_FILE, HfTensor
 from distrain.models.presets import model_args
 from distrain.observe.logs import LOGGER_NAME as LOGGER
 

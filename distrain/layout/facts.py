@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from distrain.config.batch import BatchSizes
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.model import ModelArgs
 from distrain.optim.capability import OptimizerCapability, optimizer_capability
 from distrain.parallel.device import pick_device
 from distrain.parallel.mesh import ParallelDims, data_parallel_size

@@ -23,7 +23,7 @@ from distrain.config.schema import Config
 from distrain.data.corpus import is_token_data
 from distrain.errors import ConfigError
 from distrain.layout.facts import Facts
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.model import ModelArgs
 from distrain.models.presets import model_args
 from distrain.parallel.device import CUDA_MISSING, device_type
 from distrain.parallel.mesh import ParallelDims

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from distrain.config.schema import ConfigError, ModelConfig
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.hf import hf_model_args
+from distrain.models.gpt.model import ModelArgs
 from distrain.models.moe import MoEArgs
 
 _GPT2 = dict(
@@ -133,10 +134,6 @@ def model_args(cfg: ModelConfig) -> ModelArgs:
     """The preset named by cfg.preset with cfg's non-None fields applied over it (a sequence
     longer than its max_seq_len is refused by layout/rules.py, never silently allowed for)."""
     if cfg.init_from:
-        # The checkpoint's own config.json is the shape (interop sits above models: imported
-        # here, on use, to keep the module order).
-        from distrain.interop.hf import hf_model_args
-
         base = hf_model_args(cfg.init_from)
     elif cfg.preset not in PRESETS:
         raise ConfigError(

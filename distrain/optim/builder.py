@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import OptimConfig
-from distrain.models.gpt import GPT, tied_name
+from distrain.models.gpt.model import GPT, tied_name
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.gradient_plan import GradientPlan, OneBitAdamPlan, OneBitZeroPlan
 from distrain.optim.onebit_adam import OneBitAdam, onebit_units

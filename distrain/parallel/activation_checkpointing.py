@@ -1,8 +1,9 @@
 """Activation checkpointing, applied before data parallelism: full, layer-selective or op-level
 selective recompute of the model's blocks in backward.
 
-It acts in place (a wrapped block keeps its key in `model.blocks`), so parameter names, and so
-checkpoints and seeded init, are the same with or without it.
+It wraps a model's repeated blocks (the `nn.ModuleDict` its family's spec names,
+parallel/spec.py) and acts in place (a wrapped block keeps its key among the blocks), so
+parameter names, and so checkpoints and seeded init, are the same with or without it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from distrain.models.gpt import GPT
 from distrain.torch_compat import checkpoint_wrapper
 
 # What op-level selective checkpointing keeps from the forward: the outputs of the expensive
@@ -44,15 +45,14 @@ def selective_op_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
-def apply_activation_checkpointing(model: GPT, mode: str, *, every: int) -> None:
-    """none; full = recompute every block in backward; selective = every `every`-th block
-    (layer-selective: trades some memory for less recompute); selective_op = every block, but
-    only the cheap ops are recomputed (`_SAVED_OPS` are kept)."""
+def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, *, every: int) -> None:
+    """Wrap a model's `blocks` (keyed "0".."n-1") in place. none; full = recompute every block
+    in backward; selective = every `every`-th block (layer-selective: trades some memory for
+    less recompute); selective_op = every block, but only the cheap ops are recomputed
+    (`_SAVED_OPS` are kept)."""
     if mode == "none":
         return
     context_fn = selective_op_contexts if mode == "selective_op" else None
-    for key, block in list(model.blocks.items()):
+    for key, block in list(blocks.items()):
         if mode in ("full", "selective_op") or int(key) % every == 0:
-            model.blocks[key] = checkpoint_wrapper(
-                block, preserve_rng_state=False, context_fn=context_fn
-            )
+            blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)

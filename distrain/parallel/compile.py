@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from distrain.models.gpt import GPT
+from torch import nn
 
 
 def compile_cache_dir() -> Path:
@@ -28,14 +28,15 @@ def use_persistent_compile_cache() -> Path:
     return Path(folder)
 
 
-def apply_compile(model: GPT, *, whole: bool) -> None:
+def apply_compile(model: nn.Module, *, whole: bool, blocks: nn.ModuleDict) -> None:
     """torch.compile the whole model as one graph (`whole`: no hook or wrapper inside it that
-    compiling across blocks would trace: a plain or DDP layout), else each block (the repeated
-    structure compiles once and is reused; FSDP2, tp, pp, cp and activation checkpointing act
-    per block). Compiled kernels persist across runs (`use_persistent_compile_cache`)."""
+    compiling across blocks would trace: a plain or DDP layout), else each of its `blocks` (the
+    repeated structure compiles once and is reused; FSDP2, tp, pp, cp and activation
+    checkpointing act per block). Compiled kernels persist across runs
+    (`use_persistent_compile_cache`)."""
     use_persistent_compile_cache()
     if whole:
         model.compile(fullgraph=True)
         return
-    for block in model.blocks.values():
+    for block in blocks.values():
         block.compile()

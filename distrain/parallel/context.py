@@ -184,10 +184,16 @@ class SequenceSplit:
 
 
 def apply_context_parallel(
-    model: nn.Module, cp_mesh: DeviceMesh, method: str, *, stage_seq_len: int | None = None
+    model: nn.Module,
+    attention: list[nn.Module],
+    cp_mesh: DeviceMesh,
+    method: str,
+    *,
+    stage_seq_len: int | None = None,
 ) -> None:
-    """Give every attention module of `model` the context-parallel kernel over `cp_mesh`:
-    `method` (parallel.cp_method) "allgather", or "ring" (parallel/ring_attention.py).
+    """Give every attention module of `model` (`attention`, as its family's spec lists them:
+    each calls its `attend` kernel on q, k, v [B, H, T, D]) the context-parallel kernel over
+    `cp_mesh`: `method` (parallel.cp_method) "allgather", or "ring" (parallel/ring_attention.py).
 
     stage_seq_len: `model` is a pipeline stage of sequences of this many tokens. The schedule
     calls a stage with its input alone (tokens, or the previous stage's hidden states of this
@@ -195,8 +201,8 @@ def apply_context_parallel(
     forward pre-hook passes it the columns' global positions: the same for every microbatch."""
     kernel = RingAttention if method == "ring" else ContextParallelAttention
     attend = kernel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
-    for block in model.blocks.values():
-        block.attn.attend = attend
+    for module in attention:
+        module.attend = attend
     if stage_seq_len is not None:
         split = SequenceSplit(cp_mesh)
 

@@ -18,7 +18,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import CommConfig
-from distrain.models.gpt import GPT
 from distrain.parallel.compress import (
     CommStats,
     HierarchicalState,
@@ -122,14 +121,16 @@ def allreduce_payload(ddp: DistributedDataParallel) -> tuple[int, int]:
 
 
 def apply_fsdp(
-    model: GPT,
+    model: nn.Module,
     mesh: DeviceMesh,
     dims: ParallelDims,
     *,
     precision: str,
+    blocks: nn.ModuleDict,
     expert_mesh: DeviceMesh | None = None,
-) -> GPT:
-    """fully_shard every block, then the root (embedding, norm, head), on the data-parallel mesh.
+) -> nn.Module:
+    """fully_shard every one of `blocks` (the model's repeated blocks), then the root (the rest:
+    embedding, norm, head), on the data-parallel mesh.
 
     ZeRO-3 reshards parameters after forward (gathered again in backward); below stage 3 they stay
     gathered between forward and backward, so only gradients and optimizer state are sharded.
@@ -149,7 +150,7 @@ def apply_fsdp(
         else MixedPrecisionPolicy()
     )
     reshard = dims.zero_stage == 3 and dims.pp == 1
-    for block in model.blocks.values():
+    for block in blocks.values():
         if expert_mesh is not None:
             for experts in expert_modules(block):
                 fully_shard(

@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call
 
-from distrain.models.moe import moe_layers
 from distrain.parallel.compress import CommStats
 
 
@@ -165,12 +164,13 @@ def expert_modules(module: nn.Module) -> list[ExpertParallel]:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep_mesh: DeviceMesh, *, stats: CommStats | None = None
+    layers: list[nn.Module], ep_mesh: DeviceMesh, *, stats: CommStats | None = None
 ) -> list[ExpertParallel]:
-    """Replace every MoE layer's `experts` in `model` (meta or materialized) by an
-    ExpertParallel over the 1-D `ep_mesh`; returns them (for FSDP to wrap)."""
+    """Replace the `experts` of every MoE layer in `layers` (a model's or stage's, as its
+    family's spec lists them; meta or materialized) by an ExpertParallel over the 1-D
+    `ep_mesh`; returns them (for FSDP to wrap)."""
     wrapped = []
-    for layer in moe_layers(model):
+    for layer in layers:
         layer.experts = ExpertParallel(layer.experts, ep_mesh, stats=stats)
         wrapped.append(layer.experts)
     return wrapped

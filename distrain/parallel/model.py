@@ -1,9 +1,14 @@
 """Applying a parallel layout to a plain model, in one fixed order, and running it.
 
-build on meta -> pipeline split (pp) -> tensor/sequence parallel (tp) -> expert parallel (ep)
--> activation checkpointing -> compile -> data parallel (DDP, or FSDP2 for ZeRO 2/3 and whenever
-tp/pp/ep is on)
--> materialize + seeded init (identical values under every layout).
+build on meta -> pipeline split (pp) -> context parallel (cp) -> tensor/sequence parallel (tp)
+-> expert parallel (ep) -> activation checkpointing -> compile -> FSDP2 (ZeRO 2/3, and whenever
+tp/pp/ep is on) -> materialize + seeded init (identical values under every layout) -> DDP
+(ZeRO 0/1).
+
+Every step that needs to know the model reads it from the model family's `ModelSpec`
+(parallel/spec.py): the family builds and initializes the model, names its blocks and its
+first- and last-stage submodules, and gives its tensor-parallel plan, tied weights, MoE layers
+and Hugging Face adapter. Nothing here knows a family.
 
 `ParallelModel` hides what differs between layouts from the trainer: how micro-batches run
 (accumulation loop or pipeline schedule), how gradient sync is deferred, and which loss context
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config
-from distrain.models.gpt import GPT, ModelArgs, init_weights, next_token_loss
+from distrain.errors import ConfigError
 from distrain.observe import heartbeat
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from distrain.parallel.compile import apply_compile
@@ -40,6 +46,7 @@ from distrain.parallel.device import DistContext
 from distrain.parallel.local import copy_from_flat
 from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
+from distrain.parallel.spec import ModelSpec
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
 
@@ -51,11 +58,6 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; under tp the logits are vocab-sharded DTensors (loss_parallel)."""
-    return next_token_loss(logits, targets)
 
 
 class ParallelModel:
@@ -72,9 +74,14 @@ class ParallelModel:
         stage_ids: list[int],
         num_stages: int,
         pp_microbatches: int,
-        tied_group: dist.ProcessGroup | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tied: tuple[dist.ProcessGroup, tuple[str, str]] | None = None,
     ):
+        """`loss_fn`: (output, targets) -> mean loss, the family's (under tp a loss_parallel
+        one). `tied`: the group of the first and last pipeline rank and the names of a weight
+        the two share (`TiedEmbedding`)."""
         self.parts, self.dims, self.device = parts, dims, device
+        self.loss_fn = loss_fn
         self.stage_ids, self.num_stages = stage_ids, num_stages
         self.train_batch_rows = cfg.training.global_batch_size // dims.dp_size
         self.precision = cfg.training.precision
@@ -85,8 +92,8 @@ class ParallelModel:
         )
         self.comm_stats: CommStats | None = None
         self.loss_in_model = False
-        """The model part computes the loss itself (`GPT.forward` with targets): set when it is
-        compiled whole, so that the loss joins its graph."""
+        """The model part computes the loss itself (its forward with targets, a family's
+        `loss_in_forward`): set when it is compiled whole, so that the loss joins its graph."""
         # Under context parallelism each rank runs its share of every sequence's columns.
         self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
         # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
@@ -100,8 +107,9 @@ class ParallelModel:
         self._pp_schedule = cfg.parallel.pp_schedule
         if dims.pp > 1:
             self._build_runner(pp_microbatches)
-            if tied_group is not None:
-                self.tied = TiedEmbedding(parts, stage_ids, num_stages, tied_group)
+            if tied is not None:
+                group, names = tied
+                self.tied = TiedEmbedding(parts, stage_ids, num_stages, group, names=names)
 
     def _build_runner(self, n_microbatches: int) -> None:
         from distrain.parallel.pipeline import PipelineRunner
@@ -114,7 +122,7 @@ class ParallelModel:
             schedule=self._pp_schedule,
             n_microbatches=n_microbatches,
             device=self.device,
-            loss_fn=cross_entropy,
+            loss_fn=self.loss_fn,
         )
 
     def double_pipeline_microbatches(self) -> int:
@@ -250,7 +258,7 @@ class ParallelModel:
                     inputs.to(self.device, non_blocking=True),
                     targets=targets.to(self.device, non_blocking=True),
                 )
-        return cross_entropy(*self._forward(inputs, targets))
+        return self.loss_fn(*self._forward(inputs, targets))
 
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
@@ -295,7 +303,7 @@ class ParallelModel:
         for inputs, targets in batches:
             with self.loss_context():
                 logits, targets = self._forward(inputs, targets)
-                total += _full_tensor(cross_entropy(logits, targets))
+                total += _full_tensor(self.loss_fn(logits, targets))
         return total / len(batches)
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
@@ -332,7 +340,7 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_parallel_model(
-    args: ModelArgs,
+    args: Any,
     cfg: Config,
     dims: ParallelDims,
     mesh: DeviceMesh,
@@ -340,17 +348,20 @@ def build_parallel_model(
     ctx: DistContext,
     comm_stats: CommStats,
     *,
-    meta_model: GPT | None = None,
+    spec: ModelSpec,
+    meta_model: nn.Module | None = None,
 ) -> ParallelModel:
-    """The model parts for this rank, laid out per `dims`; gradient communication (DDP's hook,
-    or the model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`.
-    `meta_model`: GPT(args) already built on the meta device (the planner builds it before it
-    enters its fake-tensor mode, in which module parameters could not be swapped by to_empty)."""
+    """The model parts for this rank, a model of the family `spec` built from `args`, laid out
+    per `dims`; gradient communication (DDP's hook, or the model itself for DDP's plain
+    all-reduce) counts its bytes into `comm_stats`. `meta_model`: spec.build(args) already built
+    on the meta device (the planner builds it before it enters its fake-tensor mode, in which
+    module parameters could not be swapped by to_empty)."""
     device = ctx.device
     if meta_model is None:
         with torch.device("meta"):
-            meta_model = GPT(args)
+            meta_model = spec.build(args)
     model = meta_model
+    moe_settings = spec.moe_settings(args)
     stage_ids, num_stages, microbatches = [0], 1, 1
     if dims.pp > 1:
         from distrain.parallel.pipeline import split_model, stage_ids_for_rank
@@ -360,7 +371,7 @@ def build_parallel_model(
         stage_ids = stage_ids_for_rank(
             mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
         )
-        parts = [split_model(model, s, num_stages) for s in stage_ids]
+        parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
         local_batch = cfg.training.global_batch_size // dims.dp_size
         microbatches = (
             p.pp_microbatches
@@ -377,9 +388,16 @@ def build_parallel_model(
         expert_mesh = ep_mesh["dp_mod_ep"]
     compile_whole = False
     for part in parts:
+        blocks = getattr(part, spec.blocks)
         if dims.cp > 1:
+            if spec.attention_modules is None:
+                raise ConfigError(
+                    f"parallel.cp: the {spec.name!r} model family has no attention for context "
+                    "parallelism to split; set parallel.cp = 1"
+                )
             apply_context_parallel(
                 part,
+                spec.attention_modules(part),
                 mesh["cp"],
                 cfg.parallel.cp_method,
                 stage_seq_len=cfg.training.seq_len if dims.pp > 1 else None,
@@ -388,37 +406,48 @@ def build_parallel_model(
             from distrain.parallel.tensor import apply_tensor_parallel
 
             apply_tensor_parallel(
-                part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel
+                part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
             )
         if dims.ep > 1:
-            apply_expert_parallel(part, ep_mesh["ep"], stats=comm_stats)
+            apply_expert_parallel(spec.moe_layers(part), ep_mesh["ep"], stats=comm_stats)
         apply_activation_checkpointing(
-            part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+            blocks, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
         if cfg.training.compile:  # decided for the device (train/resolve.py)
             plain = dims.world_size == dims.dp_size and dims.ep == 1
-            whole = plain and dims.dp_wrapper != "fsdp" and not args.moe.enabled
+            whole = plain and dims.dp_wrapper != "fsdp" and moe_settings is None
             compile_whole = whole and cfg.training.activation_checkpointing == "none"
-            apply_compile(part, whole=compile_whole)
+            apply_compile(part, whole=compile_whole, blocks=blocks)
     if dims.dp_wrapper == "fsdp":
         parts = [
-            apply_fsdp(part, mesh, dims, precision=cfg.training.precision, expert_mesh=expert_mesh)
+            apply_fsdp(
+                part,
+                mesh,
+                dims,
+                precision=cfg.training.precision,
+                blocks=getattr(part, spec.blocks),
+                expert_mesh=expert_mesh,
+            )
             for part in parts
         ]
     source = None
     if cfg.model.init_from:
-        from distrain.interop.hf import pretrained_source
-
-        source = pretrained_source(cfg.model.init_from, args)
+        if spec.pretrained_source is None:
+            raise ConfigError(
+                f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
+                "remove model.init_from"
+            )
+        source = spec.pretrained_source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
-        init_weights(part, args, cfg.training.seed, source=source)
+        spec.init_weights(part, args, cfg.training.seed, source=source)
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
             apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
             for part in parts
         ]
+    tied_names = spec.tied_weights(meta_model)
     model = ParallelModel(
         parts,
         dims=dims,
@@ -428,13 +457,14 @@ def build_parallel_model(
         stage_ids=stage_ids,
         num_stages=num_stages,
         pp_microbatches=microbatches,
-        tied_group=(
-            embedding_group(mesh, timeout_s=cfg.comm.collective_timeout_s)
-            if dims.pp > 1 and args.tie_embeddings
+        loss_fn=spec.loss,
+        tied=(
+            (embedding_group(mesh, timeout_s=cfg.comm.collective_timeout_s), tied_names)
+            if dims.pp > 1 and tied_names is not None
             else None
         ),
     )
-    model.loss_in_model = compile_whole
+    model.loss_in_model = compile_whole and spec.loss_in_forward
     if dims.dp_wrapper == "ddp":
         (ddp,) = parts
         tokens = torch.zeros(
@@ -453,9 +483,13 @@ def build_parallel_model(
         )
         model.allreduce_payload = None if hooked else allreduce_payload(ddp)
     model.comm_stats = comm_stats
-    if args.moe.enabled:
+    if moe_settings is not None:
         model.moe_stats = MoEStats(
-            parts, dp_group=dp_mesh.get_group(), device=device, args=args.moe
+            parts,
+            moe_layers=spec.moe_layers,
+            dp_group=dp_mesh.get_group(),
+            device=device,
+            args=moe_settings,
         )
         if dims.pp > 1:
             from distrain.parallel.moe_pipeline import join_balancing_losses

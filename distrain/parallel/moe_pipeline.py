@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from distrain.models.moe import moe_layers
 from distrain.parallel.moe_stats import MoEStats
 
 
@@ -48,5 +47,5 @@ def join_balancing_losses(stages: list[nn.Module], stats: MoEStats) -> None:
         return _JoinBackward.apply(output, stats.after_forward(module))
 
     for stage in stages:
-        if moe_layers(stage):
+        if stats.moe_layers(stage):
             stage.register_forward_hook(hook)

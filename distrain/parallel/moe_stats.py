@@ -1,7 +1,8 @@
 """The training side of mixture-of-experts layers: their balancing losses added to each
 micro-batch's loss, the expert-bias update after each optimizer step (DeepSeek-V3's auxiliary-loss-
 free balancing, from the load summed over all data-parallel ranks), and the per-logged-step
-metrics. The model file (models/moe.py) holds no collectives; the all-reduces live here.
+metrics. The layer (models/moe.py) holds no collectives; the all-reduces live here. The layers
+come from the model family's spec (`moe_layers`); what is read of each is `RoutedLayer`.
 
 Every figure stays on the device between logging steps: the bias update is a device all-reduce
 and a sign, and the metrics are read (one all-reduce, one host copy) only when a row is logged.
@@ -9,11 +10,24 @@ and a sign, and the metrics are read (one all-reduce, one host copy) only when a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain.models.moe import MoE, MoEArgs, moe_layers
+
+class RoutedLayer(Protocol):
+    """What is read of one MoE layer after each forward, and the bias it updates."""
+
+    tokens_per_expert: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    dropped: torch.Tensor
+    expert_bias: torch.Tensor
+
+    def balancing_loss(self) -> torch.Tensor: ...
 
 
 class MoEStats:
@@ -23,14 +37,18 @@ class MoEStats:
         self,
         parts: list[nn.Module],
         *,
+        moe_layers: Callable[[nn.Module], list[Any]],
         dp_group: dist.ProcessGroup,
         device: torch.device,
-        args: MoEArgs | None = None,
+        args: Any,
     ):
-        self.layers = [layer for part in parts for layer in moe_layers(part)]
+        """`moe_layers`: the family's (its spec's); `args`: the model's MoE settings
+        (num_experts, balance, bias_update_rate), given even to a rank whose pipeline stages
+        hold no MoE layer."""
+        self.moe_layers = moe_layers
+        self.layers: list[RoutedLayer] = [layer for part in parts for layer in moe_layers(part)]
         self.dp_group = dp_group
-        # `args`: the model's, for a rank whose pipeline stages hold no MoE layer.
-        self.args = args if args is not None else self.layers[0].args
+        self.args = args
         self.device = device
         self._rows: dict[int, torch.Tensor] = {}
         """Per model part (a pipeline stage): the rows of its layers in `self.layers`."""
@@ -51,7 +69,7 @@ class MoEStats:
         """The balancing loss term of the forward call just made (added to its training loss),
         and that call's statistics into this step's totals. `part`: the model part that ran
         (one of several pipeline stages on this rank, each run on its own); None: all."""
-        layers = self.layers if part is None else moe_layers(part)
+        layers = self.layers if part is None else self.moe_layers(part)
         loss = sum(layer.balancing_loss() for layer in layers)
         load = torch.stack([layer.tokens_per_expert for layer in layers])
         if part is None:
@@ -67,7 +85,7 @@ class MoEStats:
         ).double()
         return loss
 
-    def _rows_of(self, part: nn.Module, layers: list[MoE]) -> torch.Tensor:
+    def _rows_of(self, part: nn.Module, layers: list[RoutedLayer]) -> torch.Tensor:
         if id(part) not in self._rows:
             index = {id(layer): i for i, layer in enumerate(self.layers)}
             rows = [index[id(layer)] for layer in layers]

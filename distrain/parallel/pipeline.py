@@ -1,9 +1,10 @@
-"""Pipeline parallelism: cutting a GPT into stages and running them with a torch schedule.
+"""Pipeline parallelism: cutting a model into stages and running them with a torch schedule.
 
 This module owns three decisions and nothing else: which layers each stage holds
 (`stage_layer_ranges`), which stages each pp rank holds (`stage_ids_for_rank`), and how a stage
-module is cut from the meta-device model (`split_model`). `PipelineRunner` then drives the stages
-of one rank with `torch.distributed.pipelining`. Materializing, seeded init and data-parallel
+module is cut from the meta-device model (`split_model`, by what the family's spec names as its
+blocks and its first- and last-stage submodules). `PipelineRunner` then drives the stages of one
+rank with `torch.distributed.pipelining`. Materializing, seeded init and data-parallel
 wrapping of the stage modules stay with the caller (parallel/model.py), in the usual order.
 
 Stage placement is loop-style for every schedule: rank r holds stages r, r + pp, r + 2 pp, ...
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -30,7 +32,7 @@ from torch.distributed.pipelining import (
 )
 
 from distrain.errors import ConfigError
-from distrain.models.gpt import GPT
+from distrain.parallel.spec import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -71,27 +73,30 @@ def stage_ids_for_rank(
     return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 
-def split_model(model: GPT, stage_id: int, num_stages: int) -> GPT:
-    """The stage module `stage_id` of `num_stages`, cut from `model` (meant to be on meta).
+def split_model(model: nn.Module, stage_id: int, num_stages: int, *, spec: ModelSpec) -> nn.Module:
+    """The stage module `stage_id` of `num_stages`, cut from `model` (meant to be on meta), a
+    model of the family `spec`.
 
-    A pruned deep copy rather than a new class: blocks keep their original keys and the stage
-    keeps GPT's attribute names, so parameter names (and so init values and checkpoint keys) equal
-    the full model's, and GPT.forward already treats a missing embedding or head as a cut.
+    A pruned deep copy rather than a new class: the stage keeps the blocks of its layer range
+    under their original keys (`spec.blocks`) and the family's attribute names, with the
+    submodules of other stages (`spec.first_stage`, `spec.last_stage`) set to None, so parameter
+    names (and so init values and checkpoint keys) equal the full model's; the family's forward
+    treats a missing embedding or head as a cut.
     """
-    args = model.args
     if not 0 <= stage_id < num_stages:
         raise ValueError(f"stage_id {stage_id} is outside 0..{num_stages - 1}")
-    layers = stage_layer_ranges(args.n_layers, num_stages)[stage_id]
+    layers = stage_layer_ranges(len(getattr(model, spec.blocks)), num_stages)[stage_id]
     stage = copy.deepcopy(model)
-    for key in list(stage.blocks.keys()):
+    blocks = getattr(stage, spec.blocks)
+    for key in list(blocks.keys()):
         if int(key) not in layers:
-            del stage.blocks[key]
+            del blocks[key]
     if stage_id != 0:
-        stage.tok_emb = None
-        stage.pos_emb = None
+        for name in spec.first_stage:
+            setattr(stage, name, None)
     if stage_id != num_stages - 1:
-        stage.norm = None
-        stage.output = None
+        for name in spec.last_stage:
+            setattr(stage, name, None)
     return stage
 
 
@@ -109,7 +114,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        stage_modules: list[GPT],
+        stage_modules: list[nn.Module],
         stage_ids: list[int],
         num_stages: int,
         pp_mesh: DeviceMesh,

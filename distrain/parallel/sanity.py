@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distrain.errors import DistrainError
-from distrain.models.gpt import canonical_name
 from distrain.parallel.local import local_tensor
+from distrain.torch_compat import canonical_name
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -86,6 +86,7 @@ def check_all_replicas(model: ParallelModel, mesh: DeviceMesh) -> None:
         mesh["tp"].get_group(),
         tied.copy if tied is not None else None,
         tied.group if tied is not None else None,
+        tied_name=tied.name if tied is not None else "",
     )
 
 
@@ -94,6 +95,8 @@ def check_shared_copies(
     tp_group: dist.ProcessGroup,
     tied_copy: nn.Parameter | None,
     tied_group: dist.ProcessGroup | None,
+    *,
+    tied_name: str,
 ) -> None:
     """The parameters replicated over tp agree across `tp_group` (every tp rank of a stage holds
     the same ones), and this rank's copy of a tied embedding agrees with the other stage's
@@ -107,9 +110,7 @@ def check_shared_copies(
         ]
         _compare(named, tp_group, "tensor-parallel ranks")
     if tied_copy is not None and tied_group is not None:
-        _compare(
-            [("tok_emb.weight (tied)", local_tensor(tied_copy))], tied_group, "pipeline stages"
-        )
+        _compare([(f"{tied_name} (tied)", local_tensor(tied_copy))], tied_group, "pipeline stages")
 
 
 def _compare(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, what: str) -> None:

@@ -1,33 +1,28 @@
-"""Megatron-style tensor parallelism (TP) with optional sequence parallelism (SP) for the GPT.
+"""Tensor parallelism (TP) with optional sequence parallelism (SP), for any model family.
 
-This module owns the TP layout plan: which GPT parameters are split over the tensor-parallel mesh
-axis and where activations are gathered or scattered, expressed with DTensor parallel styles and
-applied from the outside by `parallelize_module` (the model itself holds no parallel code), and
-the loss context the trainer wraps the cross entropy and its backward in. Whether a model splits
+This module owns the mechanism: a family's `tensor_plan` (parallel/spec.py: which submodules get
+which DTensor `ParallelStyle`) applied from the outside by `parallelize_module` (the model itself
+holds no parallel code), the style for a module TP does not split (`ReplicatedParallel`), the
+sequence-length check under SP, and the loss context the trainer wraps the loss and its backward
+in. The GPT's plan (Megatron-LM's split) is models/gpt/parallelize.py's. Whether a model splits
 evenly over `parallel.tp` ranks is one of layout/rules.py's rules (DTensor would accept uneven
 shards: a head cut between ranks is no longer attention).
 
-The split (Megatron-LM): attention heads and the MLP's hidden units are divided over the ranks
-(wq/wk/wv and w_up column-parallel, wo and w_down row-parallel), so each block costs one
-all-reduce in forward and one in backward per sub-layer. The token embedding and the output head
-are split over the vocabulary; the logits stay vocab-sharded and the loss is computed
-vocab-parallel, so no rank ever holds [B, T, vocab]. With SP the residual stream between
-sub-layers is sharded over the sequence instead of replicated: norms then run on a 1/tp slice
-and each all-reduce becomes a reduce-scatter + all-gather pair with the same traffic.
-
 What callers must know:
-- Every parameter becomes a DTensor on the tp mesh: split weights are Shard(0)/Shard(1), the
-  rest (norm weights, learned positions) Replicate, so optimizers, `clip_grad_norm_` and DCP see
-  one kind of tensor. `init_weights` gives each its slice of the seeded full value.
+- A plan turns every parameter into a DTensor on the tp mesh: split weights are
+  Shard(0)/Shard(1), the rest Replicate (`ReplicatedParallel`), so optimizers,
+  `clip_grad_norm_` and DCP see one kind of tensor. The family's `init_weights` gives each its
+  slice of the seeded full value.
 - Between modules activations are plain tensors: the full sequence without SP, this rank's
   contiguous chunk of the sequence (torch.chunk order) with SP.
-- The logits are a DTensor sharded over the vocabulary (Shard(-1)). Compute the cross entropy
-  AND call backward inside `tp_loss_context(True)`; the loss is then a Replicate DTensor, whose
-  `.full_tensor()` is a plain tensor without communication (for logging, summing micro-batch
-  losses). For sampling or evaluation outside that context use `logits.full_tensor()`.
+- An output head may leave its logits a DTensor sharded over the vocabulary (Shard(-1), the
+  GPT's). Compute the loss AND call backward inside `tp_loss_context(True)`; the loss is then a
+  Replicate DTensor, whose `.full_tensor()` is a plain tensor without communication (for
+  logging, summing micro-batch losses). For sampling or evaluation outside that context use
+  `logits.full_tensor()`.
 - Under SP a sequence's length must divide by tp (`check_sequence_length`, also enforced on
-  every forward), which applies to generation too.
-- Not every gradient arrives in its parameter's layout (DTensor's own op rules): the
+  every forward of a part fed token ids), which applies to generation too.
+- Not every gradient arrives in its parameter's layout (DTensor's own op rules): a
   vocab-parallel embedding's weight gradient is computed full-size (Replicate without SP,
   Partial with SP) and SP norm weights get Partial gradients. Accumulation over micro-batches,
   `clip_grad_norm_` and the optimizer handle them (reducing or slicing as they go);
@@ -43,20 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from distrain.errors import ConfigError
-from distrain.models.gpt import GPT
+from distrain.parallel.spec import ModelSpec
 
 
 def check_sequence_length(seq_len: int, tp: int) -> None:
@@ -86,7 +72,7 @@ def _local_output(
     return output.redistribute(placements=(layout,)).to_local()
 
 
-class _Replicated(ParallelStyle):
+class ReplicatedParallel(ParallelStyle):
     """A module TP does not split: its parameters become Replicate DTensors, it computes on the
     full input, and hands back a plain tensor laid out as `output_layout` (Shard(0) cuts this
     rank's chunk of a [T, D] position table to match a sequence-sharded residual).
@@ -110,104 +96,49 @@ class _Replicated(ParallelStyle):
         )
 
 
-def _block_plan(sequence_parallel: bool, *, swiglu: bool) -> dict[str, ParallelStyle]:
-    """Layouts for one Block's submodules, keyed by their names inside the block. Key/value
-    heads split like query heads (layout/rules.py makes sure whole heads land on each rank)."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=residual),
-        "mlp.w_up": ColwiseParallel(),
-        "mlp.w_down": RowwiseParallel(output_layouts=residual),
-    }
-    if swiglu:
-        plan["mlp.w_gate"] = ColwiseParallel()
-    if not sequence_parallel:
-        plan["attn_norm"] = plan["mlp_norm"] = _Replicated()
-        return plan
-    # Norms run on the sequence shard; attention and MLP need the whole sequence, gathered on
-    # entry. `rope` (Attention's second input) is a plain full-length table: left alone.
-    plan["attn_norm"] = plan["mlp_norm"] = SequenceParallel(use_local_output=True)
-    plan["attn"] = PrepareModuleInput(
-        input_layouts=(Shard(1), None),
-        desired_input_layouts=(Replicate(), None),
-        use_local_output=True,
-    )
-    plan["mlp"] = PrepareModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-    )
-    return plan
-
-
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
-    """Split `model` in place over the 1-D mesh `tp_mesh` (the tp axis of the full mesh).
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, spec: ModelSpec
+) -> None:
+    """Split `model` (a model of the family `spec`, or one pipeline stage of it) in place over
+    the 1-D mesh `tp_mesh` (the tp axis of the full mesh), by the family's `tensor_plan`.
 
     Works on a model still on the meta device (then materialize with `to_empty` and
     `init_weights`) and on a materialized one (each rank must then hold the same values). A
-    pipeline stage that lacks the embedding, the final norm or the head is handled; a stage's
-    hidden-state input and output are then this rank's sequence chunk under SP.
+    stage fed token ids has their sequence length checked under SP (`check_sequence_length`).
 
-    Tied embeddings are kept tied: the vocab-parallel embedding and the column-parallel head both
-    shard the shared [vocab, dim] weight as Shard(0), so after each module is parallelized
-    (which replaces its parameter) the head is pointed back at the embedding's DTensor.
+    Tied weights (`spec.tied_weights`) are kept tied: the plan must shard both alike, and after
+    it has replaced each module's parameter, the second is pointed back at the first's DTensor.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh (its tp axis), got {tp_mesh}")
-    residual = Shard(1) if sequence_parallel else Replicate()
-    if sequence_parallel and model.tok_emb is not None:
+    if spec.tensor_plan is None:
+        raise ConfigError(
+            f"the {spec.name!r} model family has no tensor-parallel plan; set parallel.tp = 1"
+        )
+    if sequence_parallel:
         tp = tp_mesh.size()
-        model.register_forward_pre_hook(
-            lambda _model, inputs: check_sequence_length(inputs[0].shape[1], tp)
-        )
-    if model.tok_emb is not None:
-        parallelize_module(
-            model.tok_emb,
-            tp_mesh,
-            RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        )
-    if model.pos_emb is not None:
-        # Looked up for all T positions, then cut to this rank's sequence chunk under SP; the
-        # backward all-gathers the chunks' gradients, so every rank updates every position.
-        parallelize_module(
-            model.pos_emb,
-            tp_mesh,
-            _Replicated(output_layout=Shard(0) if sequence_parallel else None),
-        )
-    for block in model.blocks.values():
-        plan = _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
-        if not hasattr(block, "mlp"):
-            # An MoE block: its router and experts run replicated over tp, on the full
-            # sequence, so only the norm and attention split. Under SP the layer gathers the
-            # sequence on entry and keeps this rank's chunk of its output: routing, capacity and
-            # the balancing losses then see every token of the micro-batch, as without tp, and
-            # every tp rank computes the same expert gradients (the backward all-gathers the
-            # chunks' output gradients).
-            plan = {k: v for k, v in plan.items() if k != "mlp" and not k.startswith("mlp.")}
-            if sequence_parallel:
-                plan["moe"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_input=True,
-                    output_layouts=(Replicate(),),
-                    desired_output_layouts=(Shard(1),),
-                    use_local_output=True,
-                )
-        parallelize_module(block, tp_mesh, plan)
-    if model.norm is not None:
-        norm_style = SequenceParallel(use_local_output=True) if sequence_parallel else _Replicated()
-        parallelize_module(model.norm, tp_mesh, norm_style)
-    if model.output is not None:
-        parallelize_module(
-            model.output,
-            tp_mesh,
-            ColwiseParallel(
-                input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
-            ),
-        )
-    if model.args.tie_embeddings and model.tok_emb is not None and model.output is not None:
-        model.output.weight = model.tok_emb.weight
+
+        def check_tokens(_model: nn.Module, inputs: tuple[Any, ...]) -> None:
+            # Token ids (integers), not hidden states: a later stage gets its chunk already.
+            if not inputs[0].is_floating_point():
+                check_sequence_length(inputs[0].shape[1], tp)
+
+        model.register_forward_pre_hook(check_tokens)
+    parallelize_module(model, tp_mesh, spec.tensor_plan(model, sequence_parallel))
+    tied = spec.tied_weights(model)
+    if tied is not None:
+        _retie(model, *tied)
+
+
+def _retie(model: nn.Module, first: str, second: str) -> None:
+    """Point parameter `second` at parameter `first` when this model (stage) holds both."""
+    try:
+        shared = model.get_parameter(first)
+        model.get_parameter(second)
+    except AttributeError:
+        return
+    owner, _, name = second.rpartition(".")
+    setattr(model.get_submodule(owner), name, shared)
 
 
 def tp_loss_context(enabled: bool) -> contextlib.AbstractContextManager[None]:

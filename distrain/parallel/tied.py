@@ -1,9 +1,10 @@
 """A tied embedding split across pipeline stages: the token embedding lives on the first stage,
-the output head on the last, and the two must stay one weight.
+the output head on the last, and the two must stay one weight (the two parameters a family's
+spec names in `tied_weights`).
 
 As in Megatron-LM, each of the two ranks keeps its own copy. Both start from the same seeded
-value (`init_weights` names the head's copy after the embedding), and after every backward the
-two gradients are summed over the group of the first and last pipeline rank
+value (the family's `init_weights` names the head's copy after the embedding), and after every
+backward the two gradients are summed over the group of the first and last pipeline rank
 (`mesh.embedding_group`), which gives each copy the gradient of the shared weight: d loss /
 d W = the embedding's part + the head's part. The optimizer then takes the same step on both
 copies, so they stay equal without ever being sent. The head's copy is the one that the global
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distrain.models.gpt import GPT
 from distrain.parallel.local import local_tensor
 
 
@@ -31,16 +31,19 @@ class TiedEmbedding:
         stage_ids: list[int],
         num_stages: int,
         group: dist.ProcessGroup,
+        *,
+        names: tuple[str, str],
     ):
+        """`names`: the weight's parameter name on the first stage, then on the last."""
         self.group = group
+        self.name = names[0]
         self.copy: nn.Parameter | None = None
         self.head_copy = False
         for part, stage in zip(parts, stage_ids, strict=True):
-            assert isinstance(part, GPT)
             if stage == 0:
-                self.copy = part.tok_emb.weight
+                self.copy = part.get_parameter(names[0])
             elif stage == num_stages - 1:
-                self.copy, self.head_copy = part.output.weight, True
+                self.copy, self.head_copy = part.get_parameter(names[1]), True
 
     @property
     def counted_elsewhere(self) -> list[nn.Parameter]:

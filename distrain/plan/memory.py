@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_leaves
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt import GPT
+from distrain.models.gpt.model import GPT
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
@@ -179,7 +180,15 @@ def _fake_step(cfg, args, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimat
         cfg, training=dataclasses.replace(cfg.training, micro_batch_size=1)
     )
     model = build_parallel_model(
-        args, one_cfg, dims, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model
+        args,
+        one_cfg,
+        dims,
+        mesh,
+        dp_mesh,
+        ctx,
+        CommStats(),
+        spec=GPT_SPEC,
+        meta_model=meta_model,
     )
     optimizers = [
         build_optimizer(

@@ -27,10 +27,10 @@ import torch
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt import GPT
+from distrain.models.gpt.model import GPT, next_token_loss
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from distrain.parallel.model import cross_entropy
 from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.memory import (
     LiveBytes,
@@ -90,7 +90,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         with torch.device("meta"):
             meta = GPT(args)
         # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
-        parts = [split_model(meta, s, num_stages) for s in stage_ids]
+        parts = [split_model(meta, s, num_stages, spec=GPT_SPEC) for s in stage_ids]
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in parts:
                 _parallelize_stage(part, cfg, dims, mesh)
@@ -143,9 +143,11 @@ def _parallelize_stage(part: GPT, cfg: Config, dims, mesh) -> None:  # noqa: ANN
     if dims.tp > 1:
         from distrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(
+            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=GPT_SPEC
+        )
     apply_activation_checkpointing(
-        part, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+        part.blocks, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
     )
 
 
@@ -154,7 +156,7 @@ def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
         return part
     from distrain.parallel.data_parallel import apply_fsdp
 
-    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision)
+    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision, blocks=part.blocks)
 
 
 def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq_len: int) -> None:
@@ -166,7 +168,7 @@ def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq
     outputs = []
     for x in received:
         out = part(tokens if first else x.detach().requires_grad_())
-        outputs.append((out, cross_entropy(out, tokens) if last else out))
+        outputs.append((out, next_token_loss(out, tokens) if last else out))
     for i in range(len(outputs)):
         (_, out), outputs[i] = outputs[i], None
         out.backward(None if last else received[i])

@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt import GPT, init_weights
+from distrain.models.gpt.model import GPT, init_weights
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
@@ -226,7 +227,9 @@ def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         torch.manual_seed(t.seed)
-        model = build_parallel_model(layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats())
+        model = build_parallel_model(
+            layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
+        )
         optimizers = [
             build_optimizer(part, cfg.optim, dp_group=dp_mesh.get_group()) for part in model.parts
         ]
@@ -290,7 +293,7 @@ def _probe_pipeline(cfg: Config, args: Any, dims: Any, repeats: int) -> Probe:
     tokens = torch.zeros(rows, t.seq_len, dtype=torch.long)
     hidden = torch.randn(rows, t.seq_len, args.dim)
     for stage_id in range(num_stages):
-        stage = split_model(meta, stage_id, num_stages)
+        stage = split_model(meta, stage_id, num_stages, spec=GPT_SPEC)
         stage.to_empty(device="cpu")
         init_weights(stage, args, t.seed)
         optimizer = build_optimizer(stage, cfg.optim)

@@ -20,7 +20,7 @@ from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
-from distrain.models.gpt import GPT
+from distrain.models.gpt.model import GPT
 from distrain.models.presets import model_args, num_params
 from distrain.optim.builder import param_groups
 from distrain.optim.capability import optimizer_capability

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.model import ModelArgs
 from distrain.models.presets import flops_per_token, num_params
 
 

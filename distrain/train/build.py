@@ -20,6 +20,7 @@ from distrain.data.dataset import TokenDataset
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
 from distrain.models.presets import num_params
+from distrain.models.registry import family_of
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
@@ -56,7 +57,9 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     train_set, val_set, loader = _data(plan, dp_rank, dp_group, ctx, logger)
 
     comm_stats = CommStats()
-    model = build_parallel_model(plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats)
+    model = build_parallel_model(
+        plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats, spec=family_of(plan.model)
+    )
     optimizers, gradient_plan = build_optimizers(
         model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats
     )

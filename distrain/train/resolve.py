@@ -21,7 +21,7 @@ import torch
 from distrain.config.batch import BatchSizes
 from distrain.config.schema import Config
 from distrain.layout.rules import validate as validate_layout
-from distrain.models.gpt import ModelArgs
+from distrain.models.gpt.model import ModelArgs
 from distrain.parallel.device import cpu_has_native_bf16
 from distrain.parallel.mesh import ParallelDims
 

@@ -1,4 +1,5 @@
-"""Decoder-only GPT as a plain nn.Module: no parallel code lives here (see distrain/parallel/).
+"""Decoder-only GPT as a plain nn.Module: no parallel code lives here (its plans are
+parallelize.py's and spec.py's, applied by distrain/parallel/).
 
 Attention goes through `scaled_dot_product_attention`, with grouped-query attention when there are
 fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; positions are rotary (the
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distrain.models.moe import MoE, MoEArgs
+from distrain.torch_compat import canonical_name
 
 
 @dataclass(kw_only=True)
@@ -251,7 +253,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
-        or the head (it then returns hidden states); see parallel/pipeline.py. `positions`
+        or the head (it then returns hidden states); see spec.py. `positions`
         [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
         rank holds a few slices of each sequence). With `targets` [B, T] it returns their mean
         `next_token_loss` instead of the logits: a model compiled whole then has the loss, its
@@ -288,16 +290,6 @@ class GPT(nn.Module):
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-
-
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name with wrapper prefixes (DDP, compile, activation checkpointing) removed."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def tied_name(name: str, args: ModelArgs) -> str:

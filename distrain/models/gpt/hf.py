@@ -1,4 +1,5 @@
-"""Hugging Face interop: the mapping between distrain's GPT and transformers' Llama and GPT-2.
+"""The GPT family's Hugging Face adapter: the mapping between distrain's GPT and transformers'
+Llama and GPT-2.
 
 This module owns three translations, all offline (local files only):
 - a Hugging Face `config.json` <-> `ModelArgs` (`hf_model_args`, `hf_config`);
@@ -9,55 +10,23 @@ This module owns three translations, all offline (local files only):
 - a local checkpoint as the initial weights (`pretrained_source`, used by `model.init_from`):
   each rank reads a tensor from the safetensors files when its parameter is initialized, and
   keeps its own slice of it, as seeded init does, so it works under every layout.
-Writing a whole export from a run's checkpoint is export.py's job.
+Reading a checkpoint folder, whatever the model, is models/hf_files.py's; writing a whole export
+from a
+run's checkpoint is interop/export.py's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from distrain.checkpoint.metadata import plain_file_name
 from distrain.errors import ConfigError
-from distrain.models.gpt import ModelArgs
-
-HF_PREFIX = "hf:"
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-# How an HF tensor is made of distrain tensors: the same tensor, its transpose, or (GPT-2's fused
-# c_attn) the transpose of wq, wk and wv stacked along the output dimension.
-Kind = Literal["same", "transpose", "fused_qkv"]
-
-
-@dataclass(frozen=True)
-class HfTensor:
-    hf_name: str
-    names: tuple[str, ...]
-    kind: Kind = "same"
-
-    def to_hf(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self.kind == "same":
-            return tensors[0]
-        if self.kind == "transpose":
-            return tensors[0].t()
-        return torch.cat(tensors, dim=0).t()
-
-    def from_hf(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        """The distrain tensors in `names` order; `sizes` are their first dimensions."""
-        if self.kind == "same":
-            return [tensor]
-        if self.kind == "transpose":
-            return [tensor.t()]
-        if tensor.ndim == 1:  # the fused bias
-            return list(tensor.split(sizes))
-        return [t.t() for t in tensor.split(sizes, dim=1)]
+from distrain.models.gpt.model import ModelArgs
+from distrain.models.hf_files import CONFIG_FILE, HfTensor, hf_dir, safe_open, weight_files
 
 
 def family(args: ModelArgs) -> Literal["llama", "gpt2"]:
@@ -145,21 +114,6 @@ def _gpt2_tensors(args: ModelArgs) -> list[HfTensor]:
 
 
 # --- config.json ------------------------------------------------------------------------------
-
-
-def hf_dir(spec: str) -> Path:
-    """The folder of a `model.init_from = "hf:DIR"` value, checked to hold a config.json."""
-    if not spec.startswith(HF_PREFIX):
-        raise ConfigError(
-            f"model.init_from = {spec!r}: expected 'hf:DIR' (a local Hugging Face checkpoint)"
-        )
-    path = Path(spec[len(HF_PREFIX) :]).expanduser()
-    if not (path / CONFIG_FILE).is_file():
-        raise ConfigError(
-            f"model.init_from: no {CONFIG_FILE} in {path}; point it at a folder written by "
-            "save_pretrained (or by distrain export --format hf)"
-        )
-    return path
 
 
 def hf_model_args(spec: str) -> ModelArgs:
@@ -299,51 +253,12 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
 # --- import -----------------------------------------------------------------------------------
 
 
-def _safe_open() -> Any:
-    """safetensors' reader; imported on use, as only `model.init_from` needs the package."""
-    try:
-        from safetensors import safe_open
-    except ImportError as e:
-        raise ConfigError(
-            "model.init_from needs the safetensors package: pip install 'distrain[hf]'"
-        ) from e
-    return safe_open
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: str(file) for name, file in weight_map.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(
-                f"model.init_from: {index} is not a safetensors index ({type(e).__name__})"
-            ) from e
-        # A folder is data: its index may only name files inside it.
-        outside = sorted({f for f in files.values() if not plain_file_name(f)})
-        if outside:
-            raise ConfigError(
-                f"model.init_from: {index} names {outside[0][:100]!r}, not a file in {path}"
-            )
-        return {name: path / file for name, file in files.items()}
-    single = path / SINGLE_FILE
-    if not single.is_file():
-        raise ConfigError(
-            f"model.init_from: no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors "
-            "checkpoints are read: they cannot run code)"
-        )
-    with _safe_open()(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 def pretrained_source(spec: str, args: ModelArgs) -> Callable[[str, torch.Size], torch.Tensor]:
     """`name, shape -> full fp32 value` of each distrain parameter, read from `hf:DIR` (for
     `init_weights`). Shapes are checked, so a model override that changes them is refused."""
-    safe_open = _safe_open()
+    open_file = safe_open()
     path = hf_dir(spec)
-    files = _weight_files(path)
+    files = weight_files(path)
     by_name = {name: t for t in hf_tensors(args) for name in t.names}
 
     def value(name: str, shape: torch.Size) -> torch.Tensor:
@@ -351,7 +266,7 @@ def pretrained_source(spec: str, args: ModelArgs) -> Callable[[str, torch.Size],
         if spec_ is None or spec_.hf_name not in files:
             missing = spec_.hf_name if spec_ else name
             raise ConfigError(f"model.init_from: {path} has no tensor {missing!r} for {name}")
-        with safe_open(files[spec_.hf_name], framework="pt") as f:
+        with open_file(files[spec_.hf_name], framework="pt") as f:
             tensor = f.get_tensor(spec_.hf_name).float()
         kv_dim = args.kv_heads * args.head_dim
         parts = spec_.from_hf(tensor, [args.dim, kv_dim, kv_dim])
