@@ -133,7 +133,7 @@ def test_zero1_shards_the_optimizer_state_over_dp_x_cp():
     owned = 0
     for rank in range(4):
         with fake_world(4, rank):
-            dims = ParallelDims.from_config(cfg, 4, optimizer_averages=False)
+            dims = ParallelDims.from_config(cfg.parallel, 4, optimizer_averages=False)
             mesh, dp_mesh = dims.build_mesh("cpu")
             zero1 = dims.zero1_mesh(mesh, dp_mesh)
             assert (dims.dp_wrapper, dp_mesh.size(), zero1.size()) == ("ddp", 2, 4)
@@ -144,7 +144,7 @@ def test_zero1_shards_the_optimizer_state_over_dp_x_cp():
     assert owned == total
     cfg.parallel.tp = 2
     with fake_world(4):
-        dims = ParallelDims.from_config(cfg, 4, optimizer_averages=False)
+        dims = ParallelDims.from_config(cfg.parallel, 4, optimizer_averages=False)
         mesh, dp_mesh = dims.build_mesh("cpu")
         assert dims.dp_wrapper == "fsdp" and dims.zero1_mesh(mesh, dp_mesh) is dp_mesh
 

@@ -164,9 +164,9 @@ def test_collective_timeout_reaches_every_group(tmp_path):
     assert not dist.is_initialized()
     init_distributed("cpu", timeout_s=7)
     try:
-        mesh, dp_mesh = ParallelDims.from_config(Config(), 1, optimizer_averages=False).build_mesh(
-            "cpu", timeout_s=7
-        )
+        mesh, dp_mesh = ParallelDims.from_config(
+            Config().parallel, 1, optimizer_averages=False
+        ).build_mesh("cpu", timeout_s=7)
         groups = [dist.group.WORLD, dp_mesh.get_group()]
         groups += [mesh.get_group(axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
         for group in groups:

@@ -395,7 +395,7 @@ def validate(cfg: Config, world_size: int | None) -> Layout:
     facts = replace(facts, world_size=world_size)
     _check(facts, "world")
     dims = ParallelDims.from_config(
-        cfg, world_size, optimizer_averages=facts.optimizer.replaces_wrapper
+        cfg.parallel, world_size, optimizer_averages=facts.optimizer.replaces_wrapper
     )
     facts = replace(facts, dims=dims)
     _check(facts, "dims")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distrain.config.schema import Config, ParallelConfig
+from distrain.config.schema import ParallelConfig
 from distrain.parallel.device import collective_timeout, group_options
 from distrain.torch_compat import flatten_mesh
 
@@ -57,12 +57,13 @@ class ParallelDims:
     cp: int = 1
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, *, optimizer_averages: bool) -> ParallelDims:
+    def from_config(
+        cls, p: ParallelConfig, world_size: int, *, optimizer_averages: bool
+    ) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
         (layout/rules.py's validate has checked that they fit). `optimizer_averages`: the optimizer
         averages the data-parallel gradients itself (`OptimizerCapability.replaces_wrapper`),
         so no wrapper shards the parameters: they are whole on every dp rank."""
-        p = cfg.parallel
         dp = data_parallel_size(p, world_size)
         replicate, shard = p.dp_replicate, p.dp_shard
         if p.zero_stage <= 1 or optimizer_averages:  # the parameters are whole on every dp rank

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from distrain.config.batch import BatchSizes
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.observe import heartbeat
@@ -69,7 +70,9 @@ class ParallelModel:
         *,
         dims: ParallelDims,
         mesh: DeviceMesh,
-        cfg: Config,
+        batch: BatchSizes,
+        precision: str,
+        pp_schedule: str,
         device: torch.device,
         stage_ids: list[int],
         num_stages: int,
@@ -83,8 +86,8 @@ class ParallelModel:
         self.parts, self.dims, self.device = parts, dims, device
         self.loss_fn = loss_fn
         self.stage_ids, self.num_stages = stage_ids, num_stages
-        self.train_batch_rows = cfg.training.global_batch_size // dims.dp_size
-        self.precision = cfg.training.precision
+        self.train_batch_rows = batch.local
+        self.precision = precision
         # FSDP2 applies bf16 through its mixed-precision policy; DDP through autocast.
         self.autocast = precision_context(
             "fp32" if dims.dp_wrapper == "fsdp" and self.precision == "bf16" else self.precision,
@@ -104,7 +107,7 @@ class ParallelModel:
         self.runner = None
         self.tied: TiedEmbedding | None = None
         self._pp_mesh = mesh["pp"] if dims.pp > 1 else None
-        self._pp_schedule = cfg.parallel.pp_schedule
+        self._pp_schedule = pp_schedule
         if dims.pp > 1:
             self._build_runner(pp_microbatches)
             if tied is not None:
@@ -357,6 +360,8 @@ def build_parallel_model(
     on the meta device (the planner builds it before it enters its fake-tensor mode, in which
     module parameters could not be swapped by to_empty)."""
     device = ctx.device
+    t = cfg.training
+    batch = BatchSizes(global_batch=t.global_batch_size, dp=dims.dp_size, micro=t.micro_batch_size)
     if meta_model is None:
         with torch.device("meta"):
             meta_model = spec.build(args)
@@ -372,12 +377,7 @@ def build_parallel_model(
             mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
         )
         parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
-        local_batch = cfg.training.global_batch_size // dims.dp_size
-        microbatches = (
-            p.pp_microbatches
-            if p.pp_microbatches > 0
-            else local_batch // cfg.training.micro_batch_size
-        )
+        microbatches = p.pp_microbatches if p.pp_microbatches > 0 else batch.accumulation
     else:
         parts = [model]
     expert_mesh = None
@@ -452,7 +452,9 @@ def build_parallel_model(
         parts,
         dims=dims,
         mesh=mesh,
-        cfg=cfg,
+        batch=batch,
+        precision=cfg.training.precision,
+        pp_schedule=cfg.parallel.pp_schedule,
         device=device,
         stage_ids=stage_ids,
         num_stages=num_stages,

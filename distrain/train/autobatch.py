@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from distrain.config.schema import Config
+from distrain.config.debug import DebugConfig
+from distrain.config.schema import TrainingConfig
 from distrain.data.dataset import TokenDataset
 from distrain.data.loader import DistributedBatchLoader
 from distrain.layout.facts import divisors
@@ -223,14 +224,16 @@ def choose(
     optimizers: list[torch.optim.Optimizer],
     dataset: TokenDataset,
     loader: DistributedBatchLoader,
-    cfg: Config,
+    *,
+    training: TrainingConfig,
+    debug: DebugConfig,
     ctx: DistContext,
     logger: logging.Logger,
 ) -> Choice:
     """The largest candidate micro-batch whose trial fits, the same on every rank, set in the
     loader (the run's current micro-batch size); the model, optimizer, RNG and MoE statistics
     are as they were before. The model is built for micro-batch 1 until then."""
-    t = cfg.training
+    t = training
     device, rank, dp_size = ctx.device, ctx.rank, loader.dp_size
     budget = budget_bytes(t.memory_budget_gb, device)
     run_trial = TrialStep(
@@ -239,8 +242,8 @@ def choose(
         dataset,
         budget=budget,
         device=device,
-        oom_at_micro_batch=cfg.debug.oom_at_micro_batch,
-        oom_here=cfg.debug.oom_rank in (-1, rank),
+        oom_at_micro_batch=debug.oom_at_micro_batch,
+        oom_here=debug.oom_rank in (-1, rank),
     )
     rng = rng_state()
     sizes = candidates(t.global_batch_size, dp_size)

@@ -65,7 +65,16 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
     if plan.auto_micro_batch:
-        choice = autobatch.choose(model, optimizers, train_set, loader, cfg, ctx, logger)
+        choice = autobatch.choose(
+            model,
+            optimizers,
+            train_set,
+            loader,
+            training=t,
+            debug=cfg.debug,
+            ctx=ctx,
+            logger=logger,
+        )
         plan = plan.with_micro(choice.micro_batch_size)
         metrics.log(choice.metrics_row())
     logger.info(
