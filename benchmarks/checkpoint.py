@@ -47,7 +47,7 @@ from harness import is_worker, launch_self, worker_session, write_json
 
 from distrain.checkpoint.checkpointer import committed
 from distrain.config.schema import Config, validate
-from distrain.optim.builder import lr_at
+from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
 
 from distrain.config.schema import Config
-from distrain.optim.builder import lr_at
+from distrain.optim.schedule import lr_at
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 

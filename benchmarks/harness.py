@@ -21,7 +21,7 @@ from torch.distributed.run import get_args_parser, run
 
 from distrain.config.schema import Config, validate
 from distrain.observe.logs import close_logging, setup_logging
-from distrain.optim.builder import lr_at
+from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext, init_distributed, teardown
 from distrain.train.loop import Trainer
 

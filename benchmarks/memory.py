@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config
 from distrain.models.presets import num_params
-from distrain.optim.builder import lr_at
+from distrain.optim.schedule import lr_at
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, TokenDataset
 from distrain.models.gpt.model import GPT, init_weights
-from distrain.optim.builder import lr_at
+from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer

@@ -58,7 +58,8 @@ from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
 from distrain.models.gpt.model import GPT, init_weights, next_token_loss
 from distrain.models.presets import model_args
-from distrain.optim.builder import lr_at, param_groups, set_lr
+from distrain.optim.builder import param_groups
+from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext, cpu_has_native_bf16
 from distrain.train.build import build_trainer
 

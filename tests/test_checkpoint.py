@@ -23,7 +23,8 @@ from distrain.checkpoint.checkpointer import Checkpointer, committed
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import OptimConfig
 from distrain.observe.metrics import read_metrics
-from distrain.optim.builder import build_optimizer, optimizer_state_dict
+from distrain.optim.builder import build_optimizer
+from distrain.optim.state_dict import optimizer_state_dict
 
 # Not under "distrain": setup_logging turns that logger's propagation off, hiding it from caplog.
 LOG = logging.getLogger("distrain_test.checkpoint")

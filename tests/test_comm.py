@@ -16,8 +16,9 @@ from helpers import cli_in_process, free_port, losses, overrides, start_train
 from distrain.config.io import load_config
 from distrain.models.presets import model_args, num_params
 from distrain.observe.metrics import read_metrics
-from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict, param_groups
+from distrain.optim.builder import param_groups
 from distrain.optim.onebit_adam import OneBitAdam
+from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 
 # Long enough for the lossy methods' lag to show: at 12 steps 1-bit had made 0.93-0.96 of the
 # uncompressed run's progress, at 30-40 steps it settles (see HOOKS).

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
 from distrain.optim.onebit_zero import OneBitZeroAdam
+from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.parallel.compress import CommStats
 
 SHAPES = [(64, 32), (32,), (32, 32), (16, 32), (8,)]

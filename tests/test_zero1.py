@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
+from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.optim.zero1 import Zero1AdamW, owners
 
 SHAPES = [(64, 32), (32,), (32, 32), (16, 32), (8,)]

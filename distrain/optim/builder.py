@@ -1,22 +1,15 @@
-"""Optimizer construction and the learning-rate schedule.
-
-The schedule (linear warmup, cosine decay to min_lr_ratio * lr) is a pure function of the step,
-so a checkpoint's step is all it needs to resume exactly.
-"""
+"""Optimizer construction: parameter groups (no weight decay on norms and biases), AdamW (fused
+where the device has it), ZeRO-1 for tp/pp layouts or torch's ZeroRedundancyOptimizer under DDP,
+and 1-bit Adam (plain, and sharded under ZeRO-1/2), each with the gradient plan it declares
+(gradient_plan.py)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -32,17 +25,6 @@ from distrain.optim.zero1 import Zero1AdamW
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims
-from distrain.torch_compat import is_zero_redundancy_optimizer
-
-
-def lr_at(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -207,51 +189,3 @@ def adamw_kernel(groups: list[dict], options: dict[str, Any]) -> dict[str, Any]:
     if params and plain and all(p.device.type in FUSED_DEVICES for p in params):
         return {**{k: v for k, v in options.items() if k != "foreach"}, "fused": True}
     return options
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state flattened to `state.<param name>.<key>` entries (layout-independent).
-
-    Under ZeRO-1 each rank returns the state of the parameters it owns (its partition's local
-    AdamW, shared, not copied), so each rank saves its own shard and nothing is gathered; the
-    names are those of any other layout, so any layout can load them. The group
-    hyperparameters (`param_groups.<param name>.<key>`) are returned for every parameter: DCP
-    saves non-tensor entries from its coordinator rank only.
-    """
-    zero = _zero1(optimizer)
-    if zero is None:
-        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
-    if isinstance(zero, Zero1AdamW) and zero.owns_nothing:
-        return {}  # no state here; the group hyperparameters come from rank 0, an owner
-    if not zero.optim.state:  # before the first step: let torch initialize the local state
-        local = get_optimizer_state_dict(model, zero.optim, options=_FLAT)
-        if not zero.optim.state:
-            return local  # this rank owns no parameter (rank 0 always owns one)
-    twin = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in zero.param_groups])
-    twin.state = zero.optim.state
-    return get_optimizer_state_dict(model, twin, options=_FLAT)
-
-
-def load_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-) -> None:
-    """Load flattened entries; under ZeRO-1 each rank loads those of its own partition."""
-    zero = _zero1(optimizer)
-    if isinstance(zero, Zero1AdamW) and zero.owns_nothing:
-        return
-    set_optimizer_state_dict(model, optimizer if zero is None else zero.optim, state, options=_FLAT)
-
-
-def _zero1(optimizer: torch.optim.Optimizer) -> Any:
-    """`optimizer` if it shards its state (ZeroRedundancyOptimizer or Zero1AdamW: its `optim`
-    holds this rank's state)."""
-    zero1 = isinstance(optimizer, Zero1AdamW) or is_zero_redundancy_optimizer(optimizer)
-    return optimizer if zero1 else None

@@ -32,8 +32,8 @@ from distrain.observe.health import NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
 from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges
-from distrain.optim.builder import lr_at, set_lr
 from distrain.optim.gradient_plan import GradientPlan
+from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext
 from distrain.parallel.mesh import ParallelDims
 from distrain.parallel.model import ParallelModel

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distrain.optim.builder import load_optimizer_state_dict, optimizer_state_dict
+from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.train.rng import rng_state, set_rng_state
 
 
