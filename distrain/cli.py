@@ -85,10 +85,12 @@ def cmd_generate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="distrain generate", description="Sample from a run.")
     parser.add_argument("--run-dir", required=True, help="Run directory with a checkpoint.")
     parser.add_argument("--prompt", default="", help="Text to continue.")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=200, help="Tokens to sample after the prompt."
+    )
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy.")
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling RNG.")
     parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
     ns = parser.parse_args(argv)
     text = generate_text(
@@ -216,7 +218,12 @@ def cmd_export(argv: list[str]) -> None:
         "or a torch.export program.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
-    parser.add_argument("--format", choices=("hf", "torch-export"), default="hf")
+    parser.add_argument(
+        "--format",
+        choices=("hf", "torch-export"),
+        default="hf",
+        help="hf: a Hugging Face model folder; torch-export: a torch.export program (.pt2).",
+    )
     parser.add_argument("--out", required=True, help="Folder (hf) or .pt2 file (torch-export).")
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: newest).")
     parser.add_argument(

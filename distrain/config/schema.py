@@ -225,8 +225,10 @@ class TrainingConfig:
     oom_recovery: bool = doc(
         False,
         "Retry a step that runs out of memory with half the micro-batch and twice the "
-        "accumulation (same global batch). Gradients are then all-reduced after the last "
-        "backward instead of overlapping it; data-parallel layouts (no tp/pp/FSDP) only.",
+        "accumulation (same global batch), under every layout. With DDP the gradients are then "
+        "all-reduced after the last backward instead of overlapping it; under FSDP2, tp, pp, cp "
+        "and ep the ranks agree before every micro-batch. Not with comm.gradient_compression, "
+        "comm.hierarchical or 1-bit Adam.",
     )
     log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.", AT_LEAST_1)
     eval_interval_steps: int = doc(
@@ -353,7 +355,8 @@ class CommConfig:
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd", "onebit"] = doc(
         "none",
         "DDP gradient compression hook: fp16/bf16 casts; powersgd low-rank (with error "
-        "feedback); onebit = signs + one scale per bucket, with error feedback.",
+        "feedback); onebit = signs + one scale per block of at most 2,048 values, with error "
+        "feedback.",
     )
     powersgd_rank: int = doc(2, "PowerSGD approximation rank.", AT_LEAST_1)
     powersgd_start_step: int = doc(

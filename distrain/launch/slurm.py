@@ -256,9 +256,9 @@ def slurm_command(argv: list[str]) -> None:
         metavar="G",
         help="GPUs per node (--gres=gpu:G) and workers per node; 0 = a CPU-only job.",
     )
-    parser.add_argument("--partition", metavar="P")
+    parser.add_argument("--partition", metavar="P", help="Slurm partition (sbatch --partition).")
     parser.add_argument("--time", metavar="T", help="Time limit, in sbatch's format.")
-    parser.add_argument("--account", metavar="A")
+    parser.add_argument("--account", metavar="A", help="Slurm account (sbatch --account).")
     parser.add_argument(
         "--requeue",
         action="store_true",

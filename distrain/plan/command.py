@@ -40,13 +40,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--config", help="TOML config to plan (its model, batch, precision).")
     p.add_argument("--preset", help="Model preset (overrides the config's).")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1, help="Nodes in the cluster.")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="Devices per node.")
     p.add_argument("--gpu-memory", default="80GB", help="Memory per device (default 80GB).")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--global-batch", type=int)
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--interconnect", default="intra=450GB/s,inter=50GB/s")
+    p.add_argument("--seq-len", type=int, help="Tokens per sequence (default: the config's).")
+    p.add_argument(
+        "--global-batch", type=int, help="Sequences per optimizer step (default: the config's)."
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        help="Compute precision (default: the config's).",
+    )
+    p.add_argument(
+        "--interconnect",
+        default="intra=450GB/s,inter=50GB/s",
+        help="Bandwidth inside a node (intra) and between nodes (inter).",
+    )
     p.add_argument("--peak", help="Peak FLOP/s per device (default: calibrated, else 989T).")
     p.add_argument("--efficiency", type=float, default=0.45, help="Achieved fraction of peak.")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3).")
