@@ -146,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
             trainer = build_trainer(cfg, ctx, logger)
             try:
                 mine = measure(trainer)
-                psi = num_params(trainer.args)
+                psi = num_params(trainer.plan.model)
             finally:
                 trainer.close()
             del trainer

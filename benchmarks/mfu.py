@@ -140,7 +140,7 @@ def run_variant(
     trainer = build_trainer(cfg, ctx, logger)
     try:
         seconds = measure_steps(trainer, warmup=args.warmup, steps=args.steps, device=ctx.device)
-        model_args = trainer.args
+        model_args = trainer.plan.model
     finally:
         trainer.close()
     del trainer

@@ -84,7 +84,7 @@ def run_preset(
         seconds = measure_steps(
             trainer, warmup=args.warmup, steps=args.steps, device=ctx.device, report_loss=False
         )
-        model_args = trainer.args
+        model_args = trainer.plan.model
     finally:
         trainer.close()
     del trainer

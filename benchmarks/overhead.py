@@ -103,8 +103,8 @@ def distrain_step(trainer: Trainer) -> Step:
 def handwritten_step(cfg: Config, trainer: Trainer, dataset: TokenDataset) -> Step:
     """The plain DDP loop a user would write, training the model distrain trains, on the same
     batches (its own loader over the same samples) with the same learning-rate schedule."""
-    model = GPT(trainer.args)
-    init_weights(model, trainer.args, cfg.training.seed)
+    model = GPT(trainer.plan.model)
+    init_weights(model, trainer.plan.model, cfg.training.seed)
     ddp = DistributedDataParallel(model)
     # The decay split distrain uses, so that both sides do the same arithmetic.
     params = list(model.named_parameters())
