@@ -119,8 +119,8 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
         d = layout.dims
         print(
             f"  layout: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
-            f"cp {d.cp} x tp {d.tp} (ep {d.ep}), ZeRO stage {d.zero_stage}, "
-            f"data-parallel wrapper {d.dp_wrapper}"
+            f"cp {d.cp} x tp {d.tp} (ep {d.ep})\n"
+            f"  data parallelism: ZeRO stage {d.zero_stage}, wrapper {d.dp_wrapper}"
         )
     t = cfg.training
     print(

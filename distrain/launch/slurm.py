@@ -191,7 +191,7 @@ def check_job(job: SlurmJob) -> None:
         )
     rewinds = [
         a
-        for a, value in zip(job.train_argv, [*job.train_argv[1:], ""], strict=True)
+        for a, value in zip(job.train_argv, [*job.train_argv[1:], ""], strict=False)
         if (a == "--resume-from" and value.isdigit())
         or (a.startswith("--resume-from=") and a.split("=", 1)[1].isdigit())
     ]
