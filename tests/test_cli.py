@@ -264,3 +264,15 @@ def test_rewind_deletes_the_newer_checkpoints_only(tmp_path):
     with pytest.raises(CheckpointError, match=r"step-00000008 are permanent"):
         rewind(storage, 2)
     assert (tmp_path / step_name(8)).is_dir()
+
+
+def test_launcher_options_never_reach_the_workers():
+    from distrain.config.args import strip_launch_options
+
+    argv = ["--nproc", "2", "--world-size=8", "--resume-from", "runs/a/checkpoints/step-00000004"]
+    assert strip_launch_options([*argv, "--resume-from=12", "--training.steps", "3"]) == [
+        "--checkpoint.resume_from",
+        "runs/a/checkpoints/step-00000004",
+        "--training.steps",
+        "3",
+    ]
