@@ -1,31 +1,51 @@
-"""The `distrain` command: parses arguments, then hands off (train -> launch or worker; generate;
-presets). Errors a user can fix print as one `distrain: error: ...` line with a non-zero exit."""
+"""The `distrain` command: the command table (name, one-line summary, argument parser, what it
+runs), the top-level help and `--version`, and the dispatch. Errors a user can fix print as one
+`distrain: error: ...` line with a non-zero exit (2 for a command line that does not parse).
+
+Nothing here imports torch at module level: `--help` of every command answers without it, and
+a command imports what it needs when it runs."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from distrain.config.args import LAUNCH_OPTIONS, int_option, parse_train_args, strip_launch_options
+import distrain
+from distrain.config.args import (
+    LAUNCH_OPTIONS,
+    CommandParser,
+    int_option,
+    parse_train_args,
+    strip_launch_options,
+    train_parser,
+)
 from distrain.config.schema import Config
-from distrain.errors import DistrainError
+from distrain.errors import ConfigError, DistrainError
+
+CHECKPOINT_DIR_HELP = (
+    "Where the run's checkpoints are, when not in the run folder (a path or URL): a run "
+    "folder's own config.toml is not followed outside it (default: the run's checkpoint.dir)."
+)
+RUN_DIR_HELP = "The run directory (the run's run.dir)."
 
 
 def default_nproc(cfg: Config) -> int:
+    import torch
+
     if cfg.run.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 2
 
 
 def cmd_train(argv: list[str]) -> None:
-    from distrain.checkpoint.checkpointer import checkpoint_storage
-    from distrain.launch.preflight import preflight
-    from distrain.launch.torchrun import launch, make_plan, under_torchrun
-    from distrain.layout.rules import validate
+    # --help, --help-config and usage errors answer here, before torch loads with the launcher.
+    train_parser("distrain train").parse_known_args(argv)
+    from distrain.launch.torchrun import under_torchrun
 
     if under_torchrun():
         from distrain.train.worker import run_training
@@ -34,22 +54,25 @@ def cmd_train(argv: list[str]) -> None:
         run_training(cfg)
         return
     ns, cfg = parse_train_args(argv, worker=False)
+    if ns.world_size is not None and not ns.check:
+        raise ConfigError("--world-size: only with --check (training takes it from the launch)")
+    if ns.check:
+        _check(ns, cfg)
+        return
     if _srun_task_per_process(ns, cfg):
         return
-    plan = make_plan(
-        ns.nproc if ns.nproc is not None else default_nproc(cfg),
-        nnodes=ns.nnodes,
-        node_rank=int_option("--node-rank", ns.node_rank),
-        rdzv_endpoint=ns.rdzv_endpoint,
-        rdzv_id=ns.rdzv_id,
-        max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
-        grace_s=cfg.checkpoint.preempt_grace_s,
-    )
+    from distrain.checkpoint.checkpointer import checkpoint_storage
+    from distrain.launch.preflight import preflight
+    from distrain.launch.torchrun import launch
+
+    plan = _launch_plan(ns, cfg)
     # Whatever depends only on the config and the world size fails here, once, in one line,
     # before any worker starts. With MIN < MAX nodes the world size is only known at each
     # rendezvous; the workers check the rules that need it then.
-    validate(cfg, plan.world_size)
+    _validate(cfg, plan.world_size)
     preflight(cfg)
+    if ns.resume_from is not None and ns.resume_from.isdigit():
+        _rewind(cfg, int(ns.resume_from))
     launch(
         plan,
         strip_launch_options(argv),
@@ -58,41 +81,108 @@ def cmd_train(argv: list[str]) -> None:
     )
 
 
+def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
+    from distrain.launch.torchrun import make_plan
+
+    return make_plan(
+        ns.nproc if ns.nproc is not None else default_nproc(cfg),
+        nnodes=ns.nnodes,
+        node_rank=int_option("--node-rank", ns.node_rank),
+        rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
+        max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
+        grace_s=cfg.checkpoint.preempt_grace_s,
+    )
+
+
+def _validate(cfg: Config, world_size: int | None):  # -> Layout
+    from distrain.layout.rules import validate
+
+    return validate(cfg, world_size)
+
+
+def _check(ns: argparse.Namespace, cfg: Config) -> None:
+    """`train --check`: the layout rules and the preflight checks, and the layout they resolve,
+    for --world-size ranks (or those the launch options give); nothing is trained or written."""
+    from distrain.launch.preflight import preflight
+
+    world_size = ns.world_size if ns.world_size is not None else _launch_plan(ns, cfg).world_size
+    layout = _validate(cfg, world_size)
+    preflight(cfg)
+    print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
+    model = layout.model
+    print(
+        f"  model: {cfg.model.preset}, dim {model.dim}, {model.n_layers} layers, "
+        f"{model.n_heads} heads ({model.kv_heads} kv), vocab {model.vocab_size}"
+    )
+    if layout.dims is not None:
+        d = layout.dims
+        print(
+            f"  layout: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
+            f"cp {d.cp} x tp {d.tp} (ep {d.ep})\n"
+            f"  data parallelism: ZeRO stage {d.zero_stage}, wrapper {d.dp_wrapper}"
+        )
+    t = cfg.training
+    print(
+        f"  batch: global {t.global_batch_size} sequences of {t.seq_len} tokens, "
+        f"micro-batch {t.micro_batch_size}, precision {t.precision}, {t.steps} steps"
+    )
+
+
+def _rewind(cfg: Config, step: int) -> None:
+    """`train --resume-from STEP`: delete this run's checkpoints newer than STEP so that the
+    workers resume from it (and a restart later resumes from the run's own newest again)."""
+    from distrain.checkpoint.checkpointer import checkpoint_storage, rewind
+    from distrain.launch.rundir import RunDirLock
+
+    run_dir = Path(cfg.run.dir)
+    lock = RunDirLock(run_dir).acquire() if run_dir.is_dir() else None
+    try:
+        removed = rewind(checkpoint_storage(cfg), step)
+    finally:
+        if lock is not None:
+            lock.release()
+    if removed:
+        print(
+            f"distrain: --resume-from {step}: deleted the newer checkpoints {', '.join(removed)}",
+            file=sys.stderr,
+        )
+
+
 def _srun_task_per_process(ns: argparse.Namespace, cfg: Config) -> bool:
     """Under `srun` without launcher options, each task is one rank (no torchrun): translate
     SLURM_* into torch.distributed's variables, then train as a worker. False elsewhere."""
-    import os
-
     from distrain.launch.slurm import srun_task_env, under_srun
-    from distrain.train.worker import run_training
 
     if not under_srun() or any(getattr(ns, dest) is not None for dest in LAUNCH_OPTIONS.values()):
         return False
+    from distrain.train.worker import run_training
+
     os.environ.update(srun_task_env(os.environ))
     run_training(cfg)
     return True
 
 
-CHECKPOINT_DIR_HELP = (
-    "Where the run's checkpoints are, when not in the run folder (a path or URL): a run "
-    "folder's own config.toml is not followed outside it."
-)
-
-
-def cmd_generate(argv: list[str]) -> None:
-    from distrain.inference.generate import generate_text
-
-    parser = argparse.ArgumentParser(prog="distrain generate", description="Sample from a run.")
+def generate_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="distrain generate", description="Sample text from a run.")
     parser.add_argument("--run-dir", required=True, help="Run directory with a checkpoint.")
-    parser.add_argument("--prompt", default="", help="Text to continue.")
+    parser.add_argument("--prompt", default="", help="Text to continue (default: none).")
     parser.add_argument(
         "--max-new-tokens", type=int, default=200, help="Tokens to sample after the prompt."
     )
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy.")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="Softmax temperature; 0 = greedy."
+    )
     parser.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling RNG.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
     parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def cmd_generate(argv: list[str]) -> None:
+    ns = generate_parser().parse_args(argv)
+    from distrain.inference.generate import generate_text
+
     text = generate_text(
         Path(ns.run_dir),
         ns.prompt,
@@ -105,12 +195,8 @@ def cmd_generate(argv: list[str]) -> None:
     print(text)
 
 
-def cmd_prepare(argv: list[str]) -> None:
-    import os
-
-    from distrain.data.prepare import prepare
-
-    parser = argparse.ArgumentParser(
+def prepare_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
         prog="distrain prepare",
         description="Tokenize text files, folders, JSONL files or a saved Hugging Face dataset "
         "into a token file for data.path (DATA.bin, its sidecar DATA.bin.json and document "
@@ -128,11 +214,17 @@ def cmd_prepare(argv: list[str]) -> None:
     )
     parser.add_argument("--glob", default="**/*", help="Files to read in a folder.")
     parser.add_argument("--split", default="train", help="The split of a saved DatasetDict.")
-    parser.add_argument("--eos", help="A token appended after each document (e.g. <|endoftext|>).")
     parser.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="Processes (default: all cores)."
+        "--eos", help="A token appended after each document, e.g. <|endoftext|> (default: none)."
     )
-    ns = parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, default=None, help="Processes (default: all cores).")
+    return parser
+
+
+def cmd_prepare(argv: list[str]) -> None:
+    ns = prepare_parser().parse_args(argv)
+    from distrain.data.prepare import prepare
+
     result = prepare(
         ns.inputs,
         out=ns.out,
@@ -141,7 +233,7 @@ def cmd_prepare(argv: list[str]) -> None:
         glob=ns.glob,
         split=ns.split,
         eos=ns.eos,
-        workers=ns.workers,
+        workers=ns.workers or os.cpu_count() or 1,
         progress=True,
     )
     s = result.sidecar
@@ -151,12 +243,16 @@ def cmd_prepare(argv: list[str]) -> None:
     )
 
 
+def presets_parser() -> argparse.ArgumentParser:
+    return CommandParser(
+        prog="distrain presets", description="List the model presets (model.preset) and sizes."
+    )
+
+
 def cmd_presets(argv: list[str]) -> None:
+    presets_parser().parse_args(argv)
     from distrain.models.presets import PRESETS, num_params
 
-    argparse.ArgumentParser(prog="distrain presets", description="List model presets.").parse_args(
-        argv
-    )
     print(f"{'preset':<12}{'params':>16}  dim  layers heads kv  ffn    vocab   mlp")
     for name, args in PRESETS.items():
         print(
@@ -166,76 +262,95 @@ def cmd_presets(argv: list[str]) -> None:
         )
 
 
-def cmd_slurm(argv: list[str]) -> None:
-    from distrain.launch.slurm import slurm_command
-
-    slurm_command(argv)
-
-
-def cmd_diagnose(argv: list[str]) -> None:
-    from distrain.observe.diagnose import diagnose
-
-    parser = argparse.ArgumentParser(
+def diagnose_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
         prog="distrain diagnose",
         description="What happened to a run: first failure and its traceback, hangs, restarts, "
         "last checkpoint.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
-    print(diagnose(Path(parser.parse_args(argv).run_dir)))
+    parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
+    return parser
 
 
-def cmd_status(argv: list[str]) -> None:
-    from distrain.observe.status import status
+def cmd_diagnose(argv: list[str]) -> None:
+    run_dir = Path(diagnose_parser().parse_args(argv).run_dir)
+    from distrain.observe.diagnose import diagnose
 
-    parser = argparse.ArgumentParser(
+    print(diagnose(run_dir))
+
+
+def status_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
         prog="distrain status",
         description="Where a run stands: last metrics, ETA, checkpoints, restarts.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
-    print(status(Path(parser.parse_args(argv).run_dir)))
+    parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
+    return parser
 
 
-def cmd_plot(argv: list[str]) -> None:
-    from distrain.observe.plots import write_plot
+def cmd_status(argv: list[str]) -> None:
+    run_dir = Path(status_parser().parse_args(argv).run_dir)
+    from distrain.observe.status import status
 
-    parser = argparse.ArgumentParser(
+    print(status(run_dir))
+
+
+def plot_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
         prog="distrain plot",
         description="Loss, val loss, lr, grad norm and tokens/s over steps, runs overlaid, "
         "as a PNG.",
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (run.dir).")
-    parser.add_argument("--out", default="plot.png", help="PNG file to write (default: plot.png).")
-    ns = parser.parse_args(argv)
+    parser.add_argument("--out", default="plot.png", help="PNG file to write.")
+    return parser
+
+
+def cmd_plot(argv: list[str]) -> None:
+    ns = plot_parser().parse_args(argv)
+    from distrain.observe.plots import write_plot
+
     print(write_plot([Path(d) for d in ns.run_dirs], Path(ns.out)))
 
 
-def cmd_export(argv: list[str]) -> None:
-    from distrain.interop.export import DEFAULT_SHARD_MB, DTYPES, export_hf, export_program
+# interop/export.py's DTYPES and DEFAULT_SHARD_MB, here without importing torch for --help
+# (tests/test_cli.py holds them equal).
+EXPORT_DTYPES = ("fp32", "bf16", "fp16")
+EXPORT_SHARD_MB = 2048
 
-    parser = argparse.ArgumentParser(
+
+def export_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
         prog="distrain export",
         description="A run's checkpoint as a Hugging Face model folder (transformers loads it) "
         "or a torch.export program.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (run.dir).")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     parser.add_argument(
         "--format",
         choices=("hf", "torch-export"),
         default="hf",
-        help="hf: a Hugging Face model folder; torch-export: a torch.export program (.pt2).",
+        help="hf: a Hugging Face folder (safetensors); torch-export: a .pt2 program.",
     )
     parser.add_argument("--out", required=True, help="Folder (hf) or .pt2 file (torch-export).")
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: newest).")
     parser.add_argument(
-        "--dtype", choices=tuple(DTYPES), default="fp32", help="Weight type of an hf export."
+        "--dtype", choices=EXPORT_DTYPES, default="fp32", help="Weight type of an hf export."
     )
     parser.add_argument(
-        "--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="Largest safetensors shard."
+        "--shard-mb", type=float, default=EXPORT_SHARD_MB, help="Largest safetensors shard."
     )
     parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
+    return parser
+
+
+def cmd_export(argv: list[str]) -> None:
+    parser = export_parser()
     ns = parser.parse_args(argv)
     if ns.shard_mb <= 0:
         parser.error(f"--shard-mb must be > 0, got {ns.shard_mb}")
+    from distrain.interop.export import export_hf, export_program
+
     if ns.format == "hf":
         out = export_hf(
             Path(ns.run_dir),
@@ -252,44 +367,123 @@ def cmd_export(argv: list[str]) -> None:
     print(out)
 
 
+def init_config_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
+        prog="distrain init-config",
+        description="Write a config with every field at its default, each under its help as a "
+        "comment (the debug section left out), to copy and edit for --config.",
+    )
+    parser.add_argument(
+        "file", nargs="?", metavar="FILE", help="TOML file to write (default: print it)."
+    )
+    parser.add_argument("--force", action="store_true", help="Replace FILE if it exists.")
+    return parser
+
+
+def cmd_init_config(argv: list[str]) -> None:
+    from distrain.config.io import default_config_toml
+
+    ns = init_config_parser().parse_args(argv)
+    text = default_config_toml()
+    if ns.file is None:
+        print(text, end="")
+        return
+    path = Path(ns.file)
+    if path.exists() and not ns.force:
+        raise ConfigError(f"{path} exists; choose another FILE or add --force to replace it")
+    path.write_text(text)
+    print(f"distrain: wrote {path}; train with: distrain train --config {path}")
+
+
+def _slurm_parser() -> argparse.ArgumentParser:
+    from distrain.launch.slurm import slurm_parser
+
+    return slurm_parser()
+
+
+def cmd_slurm(argv: list[str]) -> None:
+    from distrain.launch.slurm import slurm_command
+
+    slurm_command(argv)
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from distrain.plan.command import parser
+
+    return parser()
+
+
 def cmd_plan(argv: list[str]) -> None:
     from distrain.plan.command import plan_command
 
     plan_command(argv)
 
 
-COMMANDS = {
-    "train": cmd_train,
-    "generate": cmd_generate,
-    "presets": cmd_presets,
-    "slurm": cmd_slurm,
-    "diagnose": cmd_diagnose,
-    "status": cmd_status,
-    "plot": cmd_plot,
-    "prepare": cmd_prepare,
-    "export": cmd_export,
-    "plan": cmd_plan,
+@dataclass(frozen=True)
+class Command:
+    """One `distrain` command: what `distrain --help` says of it, its parser (for its help and
+    the reference docs), and what runs it on its arguments."""
+
+    summary: str
+    parser: Callable[[], argparse.ArgumentParser]
+    run: Callable[[list[str]], None]
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command(
+        "Train a model: launch workers on this node (torchrun) or run as one.",
+        lambda: train_parser("distrain train"),
+        cmd_train,
+    ),
+    "generate": Command("Sample text from a run's checkpoint.", generate_parser, cmd_generate),
+    "presets": Command("List the model presets and their sizes.", presets_parser, cmd_presets),
+    "slurm": Command("Write and submit an sbatch script for a run.", _slurm_parser, cmd_slurm),
+    "diagnose": Command("Explain what happened to a run.", diagnose_parser, cmd_diagnose),
+    "status": Command("Show where a run stands.", status_parser, cmd_status),
+    "plot": Command("Plot runs' metrics as a PNG.", plot_parser, cmd_plot),
+    "prepare": Command("Tokenize text into a token file.", prepare_parser, cmd_prepare),
+    "export": Command("Export a checkpoint (Hugging Face, .pt2).", export_parser, cmd_export),
+    "plan": Command("Rank the layouts of a model on a cluster.", _plan_parser, cmd_plan),
+    "init-config": Command(
+        "Write a commented config with every default.", init_config_parser, cmd_init_config
+    ),
 }
 
 
-USAGE = f"usage: distrain {{{','.join(COMMANDS)}}} [options]   (distrain COMMAND --help)"
+def top_help() -> str:
+    width = max(len(name) for name in COMMANDS) + 2
+    rows = "\n".join(f"  {name:<{width}}{c.summary}" for name, c in COMMANDS.items())
+    return (
+        "usage: distrain COMMAND [options]\n\n"
+        "Train transformer models across processes and machines on torch.distributed.\n\n"
+        f"commands:\n{rows}\n\n"
+        "options:\n"
+        "  -h, --help  show this help and exit\n"
+        "  --version   print the version and exit\n\n"
+        "`distrain COMMAND --help` shows a command's options; `distrain train --help-config` "
+        "the\nconfig fields."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(top_help())
+        return 0
+    if argv[0] == "--version":
+        print(f"distrain {distrain.__version__}")
         return 0
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
+        what = "option" if argv[0].startswith("-") else "command"
         print(
-            f"distrain: error: unknown command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}",
+            f"distrain: error: unknown {what} {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}",
             file=sys.stderr,
         )
         return 2
     try:
-        COMMANDS[argv[0]](argv[1:])
+        COMMANDS[argv[0]].run(argv[1:])
     except DistrainError as e:
         print(f"distrain: {e.label}: {e}", file=sys.stderr)
         return e.exit_code

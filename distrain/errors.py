@@ -17,3 +17,9 @@ class ConfigError(DistrainError, ValueError):
 
 class CheckpointError(DistrainError):
     """A checkpoint that is missing, incomplete or unreadable."""
+
+
+class UsageError(ConfigError):
+    """A command line the command cannot parse (an unknown option, a value of the wrong type)."""
+
+    exit_code = 2

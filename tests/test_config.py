@@ -44,7 +44,8 @@ def test_micro_batch_size_auto_round_trips(tmp_path):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--training.stepz", "3"], "unknown config field 'training.stepz'; training has: steps"),
+        (["--training.stepz", "3"], "field 'training.stepz'; did you mean 'training.steps'?"),
+        (["--training.zzz", "3"], "unknown config field 'training.zzz'; training has: steps"),
         (["--nosuch.steps", "3"], "unknown config field 'nosuch.steps'; sections are: run"),
         (["--training.steps", "many"], "training.steps: expected int, got 'many'"),
         (["--training.precision", "fp8"], "choose one of fp32 | bf16 | fp16"),

@@ -91,5 +91,7 @@ def test_diagnose_orders_failures_by_time_and_counts_restarts(tmp_path):
 
 
 def test_diagnose_refuses_a_folder_without_logs(tmp_path):
-    with pytest.raises(DistrainError, match="no logs/rank<N>.log here"):
+    with pytest.raises(
+        DistrainError, match="not a distrain run directory .it has no logs/rank<N>.log"
+    ):
         diagnose(tmp_path)

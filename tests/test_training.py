@@ -195,7 +195,7 @@ def _error_lines(result) -> list[str]:
             "training.global_batch_size (32) must be a multiple of "
             "training.micro_batch_size (8) x data-parallel size (3",
         ),
-        (["generate", "--run-dir", "/nonexistent/run"], "--run-dir /nonexistent/run: no such run"),
+        (["generate", "--run-dir", "/nonexistent/run"], "/nonexistent/run: not a distrain run"),
         (
             ["train", "--resume", "--run-dir", "/nonexistent/run", "--nproc", "1"],
             "--resume: no complete checkpoint under /nonexistent/run/checkpoints",

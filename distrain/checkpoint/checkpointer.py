@@ -688,6 +688,30 @@ class Checkpointer:
         return next((v[0] for v in verdicts if v[0] is not None), None)
 
 
+def rewind(storage: Storage, step: int) -> list[str]:
+    """Make `step` the newest committed checkpoint of `storage` (`distrain train --resume-from
+    STEP`, before the workers start): delete the newer ones, refusing when one is permanent.
+    Returns the names deleted."""
+    entries = committed(storage)
+    if not any(e.step == step for e in entries):
+        steps = ", ".join(str(e.step) for e in entries) or "none"
+        raise CheckpointError(
+            f"--resume-from {step}: no complete checkpoint of step {step} under {storage.url} "
+            f"(steps there: {steps})"
+        )
+    newer = [e for e in entries if e.step > step]
+    permanent = [step_name(e.step) for e in newer if e.permanent]
+    if permanent:
+        raise CheckpointError(
+            f"--resume-from {step}: the newer checkpoint(s) {', '.join(permanent)} are permanent "
+            "and would be deleted; move them out of the run, or start a new run dir with "
+            f"--resume-from {storage.url_of(storage.path(step_name(step)))}"
+        )
+    for entry in reversed(newer):
+        remove_checkpoint(storage, entry.path)
+    return [step_name(e.step) for e in newer]
+
+
 def remove_checkpoint(storage: Storage, path: str) -> None:
     """Manifest first: a removal cut short leaves a torn save (ignored and later pruned), never
     a committed checkpoint with files missing."""

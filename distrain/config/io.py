@@ -1,10 +1,14 @@
 """Reading and writing configs: TOML files, dotted command-line overrides (`--training.steps
-200`), type checking with errors that name the field, the resolved config.toml, and the field
-reference `distrain train --help` prints. The schema itself lives in schema.py."""
+200`), type checking with errors that name the field (and the field meant, for a typo), the
+resolved config.toml and what changed in it since a run's previous start, the field reference
+`distrain train --help-config` prints, and the commented default config `distrain init-config`
+writes. The schema itself lives in schema.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import textwrap
 import tomllib
 import types
 import typing
@@ -14,7 +18,7 @@ from typing import Any, Literal
 import tomli_w
 
 from distrain.config.schema import Config, sections, validate
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, UsageError
 
 
 def _describe(tp: Any) -> str:
@@ -22,7 +26,9 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(str(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_describe(a) for a in typing.get_args(tp))
+        # `Literal["a", "none"] | None` reads "a | none": one name per choice.
+        names = " | ".join(_describe(a) for a in typing.get_args(tp)).split(" | ")
+        return " | ".join(dict.fromkeys(names))
     if tp is type(None):
         return "none"
     return getattr(tp, "__name__", str(tp))
@@ -92,6 +98,33 @@ RENAMED_FIELDS = {
 }
 
 
+def field_names(node: Any, path: str = "") -> list[str]:
+    """The dotted name of every field under `node` (a Config, or a section), nested ones too."""
+    names = []
+    for f in dataclasses.fields(node):
+        name = f"{path}.{f.name}" if path else f.name
+        value = getattr(node, f.name)
+        names += field_names(value, name) if dataclasses.is_dataclass(value) else [name]
+    return names
+
+
+def _closest(dotted: str) -> str | None:
+    close = difflib.get_close_matches(dotted, field_names(Config()), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _unknown(dotted: str, choices: str) -> ConfigError:
+    """The error for a field name that is not one: the field meant, else what there is."""
+    meant = _closest(dotted)
+    if meant is not None:
+        section = meant.split(".", 1)[0]
+        return ConfigError(
+            f"unknown config field {dotted!r}; did you mean {meant!r}? "
+            f"(`distrain train --help-config {section}` lists its section)"
+        )
+    return ConfigError(f"unknown config field {dotted!r}; {choices}")
+
+
 def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     """Set `section.field` (or `section.subsection.field`) on cfg, checking the name and type."""
     if dotted in RENAMED_FIELDS:
@@ -99,21 +132,21 @@ def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     parts = dotted.split(".")
     known = sections(cfg)
     if len(parts) < 2 or parts[0] not in known:
-        raise ConfigError(
-            f"unknown config field {dotted!r}; sections are: {', '.join(known)} "
-            "(write section.field, e.g. training.steps)"
+        raise _unknown(
+            dotted,
+            f"sections are: {', '.join(known)} (write section.field, e.g. training.steps)",
         )
     node, path = known[parts[0]], parts[0]
     for name in parts[1:-1]:
         child = getattr(node, name, None) if name in _field_types(node) else None
         if not dataclasses.is_dataclass(child):
-            raise ConfigError(f"unknown config section {path}.{name!r} in {dotted!r}")
+            raise _unknown(dotted, f"{path} has no section {name!r}")
         node, path = child, f"{path}.{name}"
     types_ = _field_types(node)
     leaf = parts[-1]
     if leaf not in types_ or dataclasses.is_dataclass(getattr(node, leaf)):
         fields = ", ".join(k for k in types_ if not dataclasses.is_dataclass(getattr(node, k)))
-        raise ConfigError(f"unknown config field {dotted!r}; {path} has: {fields}")
+        raise _unknown(dotted, f"{path} has: {fields}")
     setattr(node, leaf, _coerce(dotted, types_[leaf], value, from_text=from_text))
 
 
@@ -147,7 +180,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(
+            raise UsageError(
                 f"unrecognized argument {arg!r}; config overrides look like --section.field VALUE"
             )
         key = arg[2:]
@@ -155,7 +188,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
             key, value = key.split("=", 1)
         else:
             if i + 1 >= len(args):
-                raise ConfigError(f"--{key}: missing value")
+                raise UsageError(f"--{key}: missing value")
             i += 1
             value = args[i]
         pairs.append((key.replace("-", "_"), value))
@@ -194,28 +227,105 @@ def write_toml(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
 
 
-def _help_lines(path: str, node: Any) -> list[str]:
-    lines = [f"  [{path}]"]
+WIDTH = 100
+"""Columns of the field reference and of the commented default config."""
+
+
+def _leaves(path: str, node: Any) -> list[tuple[str, str, Any, dataclasses.Field, Any]]:
+    """(section path, dotted name, default, field, type) of every field under `node`, a
+    section's own fields before its subsections'."""
     hints = _field_types(node)
-    nested = []
+    own, nested = [], []
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
-            nested.append((f"{path}.{f.name}", value))
-            continue
-        valid = f" {f.metadata['range']}," if "range" in f.metadata else ""
-        lines.append(
-            f"    {path}.{f.name} ({_describe(hints[f.name])},{valid} default {value!r}): "
-            f"{f.metadata.get('help', '')}"
-        )
-    for sub_path, sub in nested:
-        lines += _help_lines(sub_path, sub)
-    return lines
+            nested += _leaves(f"{path}.{f.name}", value)
+        else:
+            own.append((path, f"{path}.{f.name}", value, f, hints[f.name]))
+    return own + nested
 
 
-def help_text() -> str:
-    """Every field with its type, default and meaning, for `distrain train --help`."""
+def _signature(f: dataclasses.Field, tp: Any, value: Any) -> str:
+    valid = f" {f.metadata['range']}," if "range" in f.metadata else ""
+    return f"({_describe(tp)},{valid} default {value!r})"
+
+
+def help_text(names: list[str] | None = None) -> str:
+    """The fields of the sections `names` (default: all) with their type, range, default and
+    meaning, wrapped to WIDTH columns, for `distrain train --help-config`."""
     lines = ["config fields (TOML [section] key, or --section.field VALUE on the command line):"]
+    current = None
     for name, section in sections(Config()).items():
-        lines += _help_lines(name, section)
+        if names is not None and name not in names:
+            continue
+        for path, dotted, value, f, tp in _leaves(name, section):
+            if path != current:
+                lines += ["", f"[{path}]"]
+                current = path
+            lines += textwrap.wrap(
+                f"{dotted} {_signature(f, tp, value)}", WIDTH, subsequent_indent="    "
+            )
+            lines += textwrap.wrap(
+                f.metadata.get("help", ""), WIDTH, initial_indent="    ", subsequent_indent="    "
+            )
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    return tomli_w.dumps({"x": value}).removeprefix("x = ").strip()
+
+
+def default_config_toml(skip: tuple[str, ...] = ("debug",)) -> str:
+    """Every field of every section but `skip` at its default, each under its help as a comment;
+    a field whose default is None (TOML has none) stands commented out. Reading it back gives
+    the defaults."""
+    lines = [
+        "# distrain config: every field at its default, with what it means.",
+        "# Keep the lines you change; `distrain train --config FILE` reads it, and",
+        "# --section.field VALUE on the command line wins over it.",
+    ]
+    current = None
+    for name, section in sections(Config()).items():
+        if name in skip:
+            continue
+        for path, dotted, value, f, tp in _leaves(name, section):
+            if path != current:
+                lines += ["", f"[{path}]"]
+                current = path
+            comment = f"{f.metadata.get('help', '')} {_signature(f, tp, value)}"
+            lines += textwrap.wrap(comment, WIDTH, initial_indent="# ", subsequent_indent="# ")
+            key = dotted.rsplit(".", 1)[1]
+            if value is None:
+                lines.append(f"# {key} =")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def config_changes(old: dict[str, Any], cfg: Config) -> list[str]:
+    """`name: old -> new` for every field whose value differs between `old` (a config.toml read
+    back) and `cfg`; a field missing from either side is None there."""
+    before = dict(_flatten_table("", old))
+    after = dict(_flatten_table("", to_dict(cfg)))
+    return [
+        f"{name[1:]}: {before.get(name)!r} -> {after.get(name)!r}"
+        for name in dict.fromkeys([*before, *after])
+        if before.get(name) != after.get(name)
+    ]
+
+
+def run_config_file(run_dir: Path) -> Path:
+    """<run_dir>/config.toml, or the one error every command gives for a folder that is not a
+    run directory."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise not_a_run_dir(run_dir, "config.toml")
+    return path
+
+
+def not_a_run_dir(run_dir: Path, missing: str) -> ConfigError:
+    """The error for a RUN_DIR without `missing` (config.toml, logs/...)."""
+    what = "does not exist" if not Path(run_dir).exists() else f"has no {missing}"
+    return ConfigError(
+        f"{run_dir}: not a distrain run directory (it {what}); give the run.dir of a run"
+    )

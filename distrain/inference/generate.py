@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage, read_checkpoints_of
-from distrain.config.io import load_config
+from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
@@ -25,11 +25,7 @@ def load_model(
 ) -> tuple[GPT, int]:
     """The run's model at its newest complete checkpoint, and that checkpoint's step
     (`checkpoint_dir`: where the checkpoints are, when not in the run folder)."""
-    if not run_dir.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: no such run directory")
-    config_path = run_dir / "config.toml"
-    if not config_path.is_file():
-        raise ConfigError(f"--run-dir {run_dir}: no config.toml, so not a distrain run directory")
+    config_path = run_config_file(run_dir)
     cfg = load_config(str(config_path))
     read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     storage = checkpoint_storage(cfg)

@@ -32,10 +32,10 @@ from distrain.checkpoint.checkpointer import (
     verify,
 )
 from distrain.checkpoint.load import _safe_reader, load
-from distrain.config.io import load_config
+from distrain.config.io import load_config, run_config_file
 from distrain.config.schema import Config
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
-from distrain.errors import CheckpointError, ConfigError
+from distrain.errors import CheckpointError
 from distrain.launch.rundir import run_id
 from distrain.models.gpt.hf import hf_config, hf_tensors
 from distrain.models.gpt.model import GPT
@@ -60,9 +60,7 @@ TOKENIZER_FILES = (
 
 
 def _run_config(run_dir: Path, checkpoint_dir: str | None) -> Config:
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"RUN_DIR {run_dir}: no config.toml, so not a distrain run directory")
-    cfg = load_config(str(run_dir / "config.toml"))
+    cfg = load_config(str(run_config_file(run_dir)))
     read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     return cfg
 

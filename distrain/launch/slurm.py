@@ -9,10 +9,14 @@ it to srun, which forwards it to the launchers, which stop the run with a preemp
 (exit 75, see preempt.py). On exit 75 a `--requeue` job puts itself back in the queue
 (`scontrol requeue`) and its next start resumes from the same run dir.
 
-User strings (the run dir, the train options) enter the script as single-quoted bash words, on
-one line (`bash_word`), never inside double quotes or comments, so nothing in them is run or
-starts a line; --partition, --account and --time, which stand in #SBATCH lines, are refused
-when they hold control characters.
+User strings (the run dir, the train options, the python command) enter the script as
+single-quoted bash words, on one line (`bash_word`), never inside double quotes or comments, so
+nothing in them is run or starts a line; the #SBATCH options (--partition, --account, --time,
+--qos, --constraint and the words of each --sbatch line) are refused when they hold control
+characters, and each stands in its directive as one shell-quoted word.
+
+The script runs `python3` as found on PATH when the job starts (sbatch passes the submitting
+shell's environment, an activated virtual environment included), or the `--python` given.
 """
 
 from __future__ import annotations
@@ -22,13 +26,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from distrain.errors import ConfigError, DistrainError
-from distrain.launch.preempt import EXIT_PREEMPTED
 
 SCRIPT_NAME = "slurm.sbatch"
 # Options the script sets for each node's launcher from the allocation.
@@ -37,6 +39,32 @@ SCRIPT_LAUNCH_OPTIONS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-i
 # task of a step and different between steps of a job (a step's port is free again once it ends).
 SRUN_PORT_BASE, SRUN_PORT_SPAN = 20000, 20000
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+# sbatch options the script sets itself or takes from a `distrain slurm` option: an --sbatch
+# line naming one is refused with the option to use (long and short forms).
+MANAGED_SBATCH = {
+    "--nodes": "--nodes",
+    "-N": "--nodes",
+    "--ntasks-per-node": "nothing: one launcher per node is how the script works",
+    "--signal": "--checkpoint.preempt_grace_s in the train options",
+    "--requeue": "--requeue",
+    "--no-requeue": "--requeue (or leave it out)",
+    "--gres": "--gpus-per-node",
+    "--partition": "--partition",
+    "-p": "--partition",
+    "--time": "--time",
+    "-t": "--time",
+    "--account": "--account",
+    "-A": "--account",
+    "--qos": "--qos",
+    "-q": "--qos",
+    "--constraint": "--constraint",
+    "-C": "--constraint",
+    "--cpus-per-task": "--cpus-per-task",
+    "-c": "--cpus-per-task",
+    "--exclusive": "--exclusive",
+}
+# Directives the script sets by default that an --sbatch line may replace.
+REPLACEABLE_SBATCH = {"--job-name": "-J", "--output": "-o", "--open-mode": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,12 +77,46 @@ class SlurmJob:
     partition: str | None = None
     time: str | None = None
     account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    cpus_per_task: int | None = None
+    exclusive: bool = False
+    sbatch_lines: tuple[str, ...] = ()
+    """Further sbatch options, one `#SBATCH` line each (`--mail-type=END`, `--mem 0`)."""
     requeue: bool = False
     grace_s: int
     run_dir: Path
-    python: str
+    python: str = "python3"
     train_argv: list[str]
     job_name: str = "distrain"
+
+
+def _option_name(word: str) -> str:
+    """`--qos=high` -> `--qos`; `-pgpu` -> `-p`."""
+    if word.startswith("--"):
+        return word.split("=", 1)[0]
+    return word[:2]
+
+
+def sbatch_line_words(line: str) -> list[str]:
+    """An --sbatch line as sbatch option words, checked: one line, starting with an option that
+    neither the script nor another `distrain slurm` option sets."""
+    if CONTROL_CHARACTER.search(line):
+        raise ConfigError(
+            f"--sbatch: control characters (newline, tab...) are not allowed, got {line!r}"
+        )
+    try:
+        words = shlex.split(line)
+    except ValueError as e:
+        raise ConfigError(f"--sbatch {line!r}: {e}") from None
+    if not words or not words[0].startswith("-"):
+        raise ConfigError(f"--sbatch {line!r}: expected an sbatch option, e.g. --qos=high")
+    name = _option_name(words[0])
+    if name in MANAGED_SBATCH:
+        raise ConfigError(
+            f"--sbatch {line!r}: `distrain slurm` sets {name}; use {MANAGED_SBATCH[name]}"
+        )
+    return words
 
 
 def parse_nodes(text: str) -> tuple[int, int]:
@@ -91,7 +153,13 @@ def parse_time_s(text: str) -> int:
 
 def check_job(job: SlurmJob) -> None:
     """Every error is one line naming the option."""
-    for name, value in (("partition", job.partition), ("account", job.account), ("time", job.time)):
+    for name, value in (
+        ("partition", job.partition),
+        ("account", job.account),
+        ("time", job.time),
+        ("qos", job.qos),
+        ("constraint", job.constraint),
+    ):
         if value is not None and CONTROL_CHARACTER.search(value):
             # A newline would end the #SBATCH line and start a script line of its own.
             raise ConfigError(
@@ -99,6 +167,14 @@ def check_job(job: SlurmJob) -> None:
             )
     if job.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be >= 0, got {job.gpus_per_node}")
+    if job.cpus_per_task is not None and job.cpus_per_task < 1:
+        raise ConfigError(f"--cpus-per-task must be >= 1, got {job.cpus_per_task}")
+    if not job.python.strip():
+        raise ConfigError("--python: give the python command of the job, e.g. python3")
+    names = [_option_name(sbatch_line_words(line)[0]) for line in job.sbatch_lines]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"--sbatch: {', '.join(repeated)} given more than once; keep one")
     if job.time is not None and parse_time_s(job.time) <= job.grace_s:
         raise ConfigError(
             f"--time {job.time} is not longer than checkpoint.preempt_grace_s "
@@ -112,6 +188,18 @@ def check_job(job: SlurmJob) -> None:
         raise ConfigError(
             f"{', '.join(given)}: `distrain slurm` sets these from the allocation; drop them "
             "from the train options (use --nodes for the node count)"
+        )
+    rewinds = [
+        a
+        for a, value in zip(job.train_argv, [*job.train_argv[1:], ""], strict=False)
+        if (a == "--resume-from" and value.isdigit())
+        or (a.startswith("--resume-from=") and a.split("=", 1)[1].isdigit())
+    ]
+    if rewinds:
+        raise ConfigError(
+            "--resume-from STEP: not in a job's train options (a requeued job would delete its "
+            "newer checkpoints again); run `distrain train --resume-from STEP` once, or give "
+            "--resume-from PATH"
         )
 
 
@@ -130,31 +218,62 @@ def _ansi_c_char(char: str) -> str:
     return f"\\x{ord(char):02x}" if CONTROL_CHARACTER.match(char) else char
 
 
+def _train_argv(job: SlurmJob) -> list[str]:
+    """The train options without any run dir of theirs: the script gives `job.run_dir` once."""
+    out, skip = [], False
+    for arg in job.train_argv:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif arg in ("--run-dir", "--run.dir"):
+            skip = True
+        elif name not in ("--run-dir", "--run.dir"):
+            out.append(arg)
+    return out
+
+
 def sbatch_script(job: SlurmJob) -> str:
     """The batch script: sbatch directives, then one launcher per node and the signal path."""
+    from distrain.launch.preempt import EXIT_PREEMPTED
+
     check_job(job)
     nodes = (
         str(job.min_nodes) if job.min_nodes == job.max_nodes else f"{job.min_nodes}-{job.max_nodes}"
     )
+    extra = [sbatch_line_words(line) for line in job.sbatch_lines]
+    replaced = {_option_name(words[0]) for words in extra}
+    replaced |= {long for long, short in REPLACEABLE_SBATCH.items() if short in replaced}
     directives = [
-        f"--job-name={job.job_name}",
-        f"--nodes={nodes}",
-        "--ntasks-per-node=1",
-        f"--signal=B:USR1@{job.grace_s}",
-        "--requeue" if job.requeue else "--no-requeue",
+        [f"--job-name={job.job_name}"],
+        [f"--nodes={nodes}"],
+        ["--ntasks-per-node=1"],
+        [f"--signal=B:USR1@{job.grace_s}"],
+        ["--requeue" if job.requeue else "--no-requeue"],
         # A requeued job appends to its output instead of replacing the first attempt's.
-        "--open-mode=append",
-        "--output=slurm-%j.out",
+        ["--open-mode=append"],
+        ["--output=slurm-%j.out"],
     ]
+    directives = [d for d in directives if _option_name(d[0]) not in replaced]
     if job.gpus_per_node:
-        directives.append(f"--gres=gpu:{job.gpus_per_node}")
-    for name, value in (("partition", job.partition), ("time", job.time), ("account", job.account)):
+        directives.append([f"--gres=gpu:{job.gpus_per_node}"])
+    for name, value in (
+        ("partition", job.partition),
+        ("time", job.time),
+        ("account", job.account),
+        ("qos", job.qos),
+        ("constraint", job.constraint),
+        ("cpus-per-task", job.cpus_per_task),
+    ):
         if value is not None:
-            directives.append(f"--{name}={value}")
+            directives.append([f"--{name}={value}"])
+    if job.exclusive:
+        directives.append(["--exclusive"])
+    directives += extra
     train = [job.python, "-m", "distrain", "train"]
-    if job.gpus_per_node and not any(a.split("=", 1)[0] == "--nproc" for a in job.train_argv):
+    train_argv = _train_argv(job)
+    if job.gpus_per_node and not any(a.split("=", 1)[0] == "--nproc" for a in train_argv):
         train += ["--nproc", str(job.gpus_per_node)]
-    train += [*job.train_argv, "--run-dir", str(job.run_dir)]
+    train += [*train_argv, "--run-dir", str(job.run_dir)]
     run_dir = bash_word(str(job.run_dir))
     # The run dir reaches bash only as the one quoted word assigned to $run_dir; the lines
     # below expand the variable (never re-read as code) and %q prints a command to paste back.
@@ -170,7 +289,7 @@ def sbatch_script(job: SlurmJob) -> str:
         "#!/bin/bash\n"
         # No user string in a comment: a newline in it would start a line of its own.
         "# Written by `distrain slurm` for the run dir set below; submit again with sbatch.\n"
-        + "".join(f"#SBATCH {shlex.quote(d)}\n" for d in directives)
+        + "".join(f"#SBATCH {' '.join(shlex.quote(w) for w in d)}\n" for d in directives)
         + "set -u\n"
         f"run_dir={run_dir}\n"
         'echo "distrain: job $SLURM_JOB_ID (start ${SLURM_RESTART_COUNT:-0}) on '
@@ -236,19 +355,19 @@ def submit(script: Path) -> str:
     return result.stdout.strip().split(";")[0]
 
 
-def slurm_command(argv: list[str]) -> None:
-    """`distrain slurm [options] -- [train options]`."""
-    from distrain.config.args import parse_train_args
+def slurm_parser() -> argparse.ArgumentParser:
+    from distrain.config.args import CommandParser
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="distrain slurm",
         usage="distrain slurm [options] -- [train options]",
         description="Write an sbatch script for a training run into its run dir and submit it: "
         "one launcher per node, a rendezvous on the first node, SIGUSR1 "
         "checkpoint.preempt_grace_s before the time limit (the run stops with a checkpoint), "
-        "and with --requeue the job requeues itself and resumes.",
+        "and with --requeue the job requeues itself and resumes. The run dir must be on a "
+        "filesystem every node shares. `distrain slurm --dry-run -- ...` prints the script.",
     )
-    parser.add_argument("--nodes", default="1", metavar="N|MIN-MAX", help="Nodes (default 1).")
+    parser.add_argument("--nodes", default="1", metavar="N|MIN-MAX", help="Nodes to ask for.")
     parser.add_argument(
         "--gpus-per-node",
         type=int,
@@ -256,9 +375,38 @@ def slurm_command(argv: list[str]) -> None:
         metavar="G",
         help="GPUs per node (--gres=gpu:G) and workers per node; 0 = a CPU-only job.",
     )
-    parser.add_argument("--partition", metavar="P", help="Slurm partition (sbatch --partition).")
-    parser.add_argument("--time", metavar="T", help="Time limit, in sbatch's format.")
-    parser.add_argument("--account", metavar="A", help="Slurm account (sbatch --account).")
+    parser.add_argument("--partition", metavar="P", help="Partition (default: the cluster's).")
+    parser.add_argument(
+        "--time", metavar="T", help="Time limit, in sbatch's format (default: the partition's)."
+    )
+    parser.add_argument("--account", metavar="A", help="Account to charge (default: yours).")
+    parser.add_argument("--qos", metavar="Q", help="Quality of service (default: the account's).")
+    parser.add_argument(
+        "--constraint", metavar="C", help="Node features required, e.g. h100 (default: none)."
+    )
+    parser.add_argument(
+        "--cpus-per-task",
+        type=int,
+        metavar="N",
+        help="CPUs for each node's launcher and its workers (default: the cluster's).",
+    )
+    parser.add_argument(
+        "--exclusive", action="store_true", help="Ask for whole nodes, shared with no other job."
+    )
+    parser.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="A further #SBATCH line, e.g. --sbatch=--mail-type=END or --sbatch '--mem 0' "
+        "(repeatable; --job-name and --output replace the script's).",
+    )
+    parser.add_argument(
+        "--python",
+        default="python3",
+        help="The Python that runs distrain in the job, found on the job's PATH when it starts "
+        "(sbatch passes the submitting shell's environment, an active venv included).",
+    )
     parser.add_argument(
         "--requeue",
         action="store_true",
@@ -267,8 +415,15 @@ def slurm_command(argv: list[str]) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="Print the script; write and submit nothing."
     )
+    return parser
+
+
+def slurm_command(argv: list[str]) -> None:
+    """`distrain slurm [options] -- [train options]`."""
+    from distrain.config.args import parse_train_args
+
     split = argv.index("--") if "--" in argv else len(argv)
-    ns = parser.parse_args(argv[:split])
+    ns = slurm_parser().parse_args(argv[:split])
     train_argv = argv[split + 1 :]
     _, cfg = parse_train_args(train_argv, worker=False)
     min_nodes, max_nodes = parse_nodes(ns.nodes)
@@ -279,10 +434,15 @@ def slurm_command(argv: list[str]) -> None:
         partition=ns.partition,
         time=ns.time,
         account=ns.account,
+        qos=ns.qos,
+        constraint=ns.constraint,
+        cpus_per_task=ns.cpus_per_task,
+        exclusive=ns.exclusive,
+        sbatch_lines=tuple(ns.sbatch),
         requeue=ns.requeue,
         grace_s=cfg.checkpoint.preempt_grace_s,
         run_dir=Path(cfg.run.dir).absolute(),
-        python=sys.executable,
+        python=ns.python,
         train_argv=train_argv,
     )
     if ns.dry_run:

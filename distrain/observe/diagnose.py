@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from distrain.errors import DistrainError
+from distrain.config.io import not_a_run_dir
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] (\w+) (.*)$")
 _START = re.compile(r"^rank \d+/(\d+) on ")
@@ -113,7 +113,7 @@ def diagnose(run_dir: Path) -> str:
     run_dir = Path(run_dir)
     logs = sorted((run_dir / "logs").glob("rank*.log"))
     if not logs:
-        raise DistrainError(f"{run_dir}: no logs/rank<N>.log here; give a distrain run directory")
+        raise not_a_run_dir(run_dir, "logs/rank<N>.log")
     per_rank = {int(p.stem[4:]): parse_rank_log(p) for p in logs}
     hangs = {}  # the watchdog's verdicts by message (each rank also logs the message)
     if (run_dir / "hangs.jsonl").exists():

@@ -8,7 +8,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from distrain.errors import DistrainError
+from distrain.config.io import run_config_file
 from distrain.observe.diagnose import checkpoint_folder, parse_rank_log
 
 
@@ -31,9 +31,7 @@ def _checkpoint_lines(folder: Path) -> list[str]:
 
 def status(run_dir: Path) -> str:
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.toml"
-    if not config_path.exists():
-        raise DistrainError(f"{run_dir}: no config.toml here; give a distrain run directory")
+    config_path = run_config_file(run_dir)
     config = tomllib.loads(config_path.read_text())
     total = config.get("training", {}).get("steps")
     out = [f"run {run_dir}"]

@@ -1,16 +1,19 @@
-"""`distrain plan`: arguments -> cluster and base config -> ranked table (or JSON)."""
+"""`distrain plan`: arguments -> cluster and base config -> ranked table (or JSON). The planner
+(and torch) is imported when the command runs, not for its --help."""
 
 from __future__ import annotations
 
 import argparse
 import re
+from typing import TYPE_CHECKING
 
+from distrain.config.args import CommandParser
 from distrain.config.io import load_config
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
-from distrain.plan.calibrate import calibrate, load_calibration
-from distrain.plan.search import plan, table, to_json
-from distrain.plan.timing import Cluster
+
+if TYPE_CHECKING:
+    from distrain.plan.timing import Cluster
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 # Dense bf16 peak of the common training GPU (H100 SXM) when nothing is calibrated.
@@ -32,41 +35,51 @@ def interconnect(text: str) -> tuple[float, float]:
     return quantity(parts["intra"], "--interconnect"), quantity(parts["inter"], "--interconnect")
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    p = CommandParser(
         prog="distrain plan",
         description="Rank the layouts of a model on a cluster by step time, with memory per "
         "rank from a fake-tensor run of the real build.",
     )
-    p.add_argument("--config", help="TOML config to plan (its model, batch, precision).")
-    p.add_argument("--preset", help="Model preset (overrides the config's).")
-    p.add_argument("--nodes", type=int, default=1, help="Nodes in the cluster.")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="Devices per node.")
-    p.add_argument("--gpu-memory", default="80GB", help="Memory per device (default 80GB).")
-    p.add_argument("--seq-len", type=int, help="Tokens per sequence (default: the config's).")
     p.add_argument(
-        "--global-batch", type=int, help="Sequences per optimizer step (default: the config's)."
+        "--config", help="TOML config to plan (its model, batch, precision; default: defaults)."
+    )
+    p.add_argument("--preset", help="Model preset (default: the config's model.preset).")
+    p.add_argument("--nodes", type=int, default=1, help="Nodes of the cluster.")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="Devices per node.")
+    p.add_argument("--gpu-memory", default="80GB", help="Memory per device.")
+    p.add_argument(
+        "--seq-len", type=int, help="Tokens per sequence (default: the config's training.seq_len)."
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="Sequences per step (default: the config's training.global_batch_size).",
     )
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),
-        help="Compute precision (default: the config's).",
+        help="Training precision (default: the config's training.precision).",
     )
     p.add_argument(
         "--interconnect",
         default="intra=450GB/s,inter=50GB/s",
-        help="Bandwidth inside a node (intra) and between nodes (inter).",
+        help="Bandwidth per device within a node (intra) and between nodes (inter).",
     )
     p.add_argument("--peak", help="Peak FLOP/s per device (default: calibrated, else 989T).")
     p.add_argument("--efficiency", type=float, default=0.45, help="Achieved fraction of peak.")
-    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3).")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search.")
     p.add_argument(
         "--checkpointing", default="none,full", help="Activation checkpointing to search."
     )
     p.add_argument("--top", type=int, default=10, help="Rows shown (each of fit / no fit).")
     p.add_argument("--json", action="store_true", help="Print JSON rows instead of a table.")
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def base_config(ns: argparse.Namespace) -> Config:
@@ -85,6 +98,9 @@ def base_config(ns: argparse.Namespace) -> Config:
 
 
 def cluster_of(ns: argparse.Namespace) -> Cluster:
+    from distrain.plan.calibrate import load_calibration
+    from distrain.plan.timing import Cluster
+
     intra, inter = interconnect(ns.interconnect)
     calibrated = load_calibration()
     if ns.peak:
@@ -106,6 +122,9 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
 
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
+    from distrain.plan.calibrate import calibrate
+    from distrain.plan.search import plan, table, to_json
+
     if ns.calibrate:
         found = calibrate()
         print(f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s")

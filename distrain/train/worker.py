@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.config.args import parse_train_args
-from distrain.config.io import write_toml
+from distrain.config.io import config_changes, write_toml
 from distrain.config.schema import Config
 from distrain.errors import DistrainError
 from distrain.launch.lifeline import die_with_launcher
@@ -45,9 +45,17 @@ def run_training(cfg: Config) -> None:
         if ctx.world_size > 1:
             dist.barrier()  # no rank writes to the run dir before rank 0 holds it
         run_dir.mkdir(parents=True, exist_ok=True)
+        changed = []
         if ctx.rank == 0:
+            changed = _changes_since_last_start(run_dir / "config.toml", cfg)
             write_toml(cfg, run_dir / "config.toml")
         logger = setup_logging(run_dir, ctx.rank)
+        if changed:
+            logger.info(
+                "config: %d field(s) changed since this run dir's previous start: %s",
+                len(changed),
+                "; ".join(changed),
+            )
         logger.info(
             "rank %d/%d on %s (%s), %d CPU thread(s)",
             ctx.rank,
@@ -92,6 +100,17 @@ def run_training(cfg: Config) -> None:
             footprint.remove()
         if lock is not None:
             lock.release()
+
+
+def _changes_since_last_start(path: Path, cfg: Config) -> list[str]:
+    """What `cfg` changes in the run dir's config.toml (none for a first start, or one that
+    cannot be read: it is rewritten anyway)."""
+    import tomllib
+
+    try:
+        return config_changes(tomllib.loads(path.read_text()), cfg)
+    except (OSError, ValueError):
+        return []
 
 
 def _drop_frames(error: BaseException) -> None:

@@ -1,0 +1,71 @@
+"""Every example config passes `distrain train --check` at the world size its first line states
+(with the fields that name a user's files blanked), and the CPU end-to-end script runs: prepare,
+train, status, generate, export."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_in_process
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The fields that point at the user's own files (data, tokenizer, Hugging Face weights).
+USER_FILES = ["--data.path", "", "--data.tokenizer", "bytes", "--model.init_from", ""]
+
+
+def _world_size(path: Path) -> int:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# world-size: "), f"{path.name}: state the world size first"
+    return int(first.removeprefix("# world-size: "))
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_example_config_checks_at_its_world_size(path, tmp_path, capsys):
+    world = _world_size(path)
+    result = cli_in_process(
+        capsys, "train", "--check", "--world-size", str(world), "--config", str(path),
+        "--run-dir", str(tmp_path / "run"), *USER_FILES,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"config ok for {world} rank(s)" in result.stdout
+
+
+def test_every_example_is_in_the_readme():
+    readme = (EXAMPLES / "README.md").read_text()
+    for path in EXAMPLES.iterdir():
+        if path.name != "README.md":
+            assert f"]({path.name})" in readme, path.name
+
+
+def test_cpu_end_to_end_script(tmp_path):
+    env = dict(os.environ, DISTRAIN=f"{sys.executable} -m distrain", PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "cpu-end-to-end.sh"), str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "finished 4 steps" in result.stdout + result.stderr
+    assert (tmp_path / "work" / "hf" / "config.json").is_file()
+    # A second start with another setting names what changed, then resumes from the step
+    # asked for (here the newest: nothing newer to delete).
+    again = subprocess.run(
+        [sys.executable, "-m", "distrain", "train", "--nproc", "1", "--run-dir",
+         str(tmp_path / "work" / "run"), "--model.preset", "llama-tiny",
+         "--data.path", str(tmp_path / "work" / "train.bin"), "--training.steps", "6",
+         "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
+         "--training.seq_len", "64", "--training.eval_interval_steps", "0",
+         "--training.compile", "false", "--resume-from", "4"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "field(s) changed since this run dir's previous start: training.steps: 4 -> 6" in out
+    assert "resumed from checkpoint step-00000004" in out and "finished 6 steps" in out
