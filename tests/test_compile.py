@@ -13,7 +13,7 @@ from helpers import one_rank_group
 
 from distrain.models.gpt.model import GPT, ModelArgs, init_weights, next_token_loss
 from distrain.parallel.compile import apply_compile, use_persistent_compile_cache
-from distrain.train.resolve import resolve_compile
+from distrain.parallel.device import resolve_compile
 
 
 def test_explicit_compile_is_kept_and_auto_compiles_on_cuda_only():

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import losses, train_in_process
 
-from distrain.parallel.device import cpu_has_native_bf16
-from distrain.train.resolve import resolve_precision
+from distrain.parallel.device import cpu_has_native_bf16, resolve_precision
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma avx512f\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -26,9 +25,9 @@ def test_explicit_precision_is_kept_and_auto_follows_the_device(monkeypatch):
     cpu = torch.device("cpu")
     for p in ("fp32", "bf16", "fp16"):
         assert resolve_precision(p, cpu) == p
-    monkeypatch.setattr("distrain.train.resolve.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("distrain.parallel.device.cpu_has_native_bf16", lambda: True)
     assert resolve_precision("auto", cpu) == "bf16"
-    monkeypatch.setattr("distrain.train.resolve.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("distrain.parallel.device.cpu_has_native_bf16", lambda: False)
     assert resolve_precision("auto", cpu) == "fp32"
     cuda = torch.device("cuda", 0)
     for native, expected in ((True, "bf16"), (False, "fp32")):

@@ -2,8 +2,10 @@
 (`pick_device`: CUDA with NCCL when present, else CPU with gloo: the one place that choice is
 made), joining torchrun's group (`init_distributed`), the collective timeout every group gets,
 the groups of checkpoints (`checkpoint_group`) and stop signals (`host_group`), and `teardown`,
-the one way process groups end. With parallel/mesh.py it makes every process group of a training
-run; the planner, outside any run, forms its own (plan/memory.py's fake world,
+the one way process groups end; and what "auto" means on a device: `resolve_precision` and
+`resolve_compile` (a run decides them once, in train/resolve.py; the planner's fake builds on
+the CPU decide compile here too). With parallel/mesh.py it makes every process group of a
+training run; the planner, outside any run, forms its own (plan/memory.py's fake world,
 plan/collectives.py's calibration processes) and destroys them.
 """
 
@@ -161,3 +163,25 @@ def teardown(*, synchronize: bool) -> None:
     if synchronize and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """training.precision with "auto" decided for `device`: bf16 where its matmuls run bf16
+    natively (CUDA with bf16 support, or a CPU per `cpu_has_native_bf16`), else fp32."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = cpu_has_native_bf16()
+    return "bf16" if native else "fp32"
+
+
+def resolve_compile(requested: bool | str, device: torch.device) -> bool:
+    """training.compile with "auto" decided for `device`: compile on CUDA, where fusing the
+    elementwise work around the matmuls is the usual win (no GPU run measured it here yet);
+    eager on CPU, where the default job's step measured only 1.1-1.3x faster compiled, not
+    worth a cold compile of minutes (README, Benchmarks)."""
+    if requested != "auto":
+        return bool(requested)
+    return device.type == "cuda"

@@ -43,7 +43,7 @@ from distrain.parallel.data_parallel import (
     install_comm_hook,
     settle_bucket_layout,
 )
-from distrain.parallel.device import DistContext
+from distrain.parallel.device import DistContext, resolve_compile
 from distrain.parallel.local import copy_from_flat
 from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
@@ -413,7 +413,7 @@ def build_parallel_model(
         apply_activation_checkpointing(
             blocks, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
         )
-        if cfg.training.compile:  # decided for the device (train/resolve.py)
+        if resolve_compile(cfg.training.compile, device):
             plain = dims.world_size == dims.dp_size and dims.ep == 1
             whole = plain and dims.dp_wrapper != "fsdp" and moe_settings is None
             compile_whole = whole and cfg.training.activation_checkpointing == "none"

@@ -22,7 +22,7 @@ from distrain.config.batch import BatchSizes
 from distrain.config.schema import Config
 from distrain.layout.rules import validate as validate_layout
 from distrain.models.gpt.model import ModelArgs
-from distrain.parallel.device import cpu_has_native_bf16
+from distrain.parallel.device import resolve_compile, resolve_precision
 from distrain.parallel.mesh import ParallelDims
 
 
@@ -73,25 +73,3 @@ def resolve(cfg: Config, device: torch.device, world_size: int, logger: logging.
         batch=batch,
         auto_micro_batch=auto_micro,
     )
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """training.precision with "auto" decided for `device`: bf16 where its matmuls run bf16
-    natively (CUDA with bf16 support, or a CPU per `cpu_has_native_bf16`), else fp32."""
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-    else:
-        native = cpu_has_native_bf16()
-    return "bf16" if native else "fp32"
-
-
-def resolve_compile(requested: bool | str, device: torch.device) -> bool:
-    """training.compile with "auto" decided for `device`: compile on CUDA, where fusing the
-    elementwise work around the matmuls is the usual win (no GPU run measured it here yet);
-    eager on CPU, where the default job's step measured only 1.1-1.3x faster compiled, not
-    worth a cold compile of minutes (README, Benchmarks)."""
-    if requested != "auto":
-        return bool(requested)
-    return device.type == "cuda"
