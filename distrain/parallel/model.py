@@ -365,82 +365,39 @@ def build_parallel_model(
     if meta_model is None:
         with torch.device("meta"):
             meta_model = spec.build(args)
-    model = meta_model
     moe_settings = spec.moe_settings(args)
-    stage_ids, num_stages, microbatches = [0], 1, 1
-    if dims.pp > 1:
-        from distrain.parallel.pipeline import split_model, stage_ids_for_rank
-
-        p = cfg.parallel
-        num_stages = dims.pp * p.pp_stages_per_rank
-        stage_ids = stage_ids_for_rank(
-            mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
-        )
-        parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
-        microbatches = p.pp_microbatches if p.pp_microbatches > 0 else batch.accumulation
-    else:
-        parts = [model]
-    expert_mesh = None
-    if dims.ep > 1:
-        from distrain.parallel.experts import apply_expert_parallel
-
-        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
-        expert_mesh = ep_mesh["dp_mod_ep"]
-    compile_whole = False
+    parts, stage_ids, num_stages, microbatches = _cut_stages(
+        meta_model, cfg, dims, mesh, spec, batch
+    )
+    ep_mesh = (
+        dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
+        if dims.ep > 1
+        else None
+    )
+    # Whole-model compile only where nothing inside the model would be traced across blocks.
+    plain = dims.world_size == dims.dp_size and dims.ep == 1
+    compile_whole = (
+        resolve_compile(t.compile, device)
+        and plain
+        and dims.dp_wrapper != "fsdp"
+        and moe_settings is None
+        and t.activation_checkpointing == "none"
+    )
     for part in parts:
-        blocks = getattr(part, spec.blocks)
-        if dims.cp > 1:
-            if spec.attention_modules is None:
-                raise ConfigError(
-                    f"parallel.cp: the {spec.name!r} model family has no attention for context "
-                    "parallelism to split; set parallel.cp = 1"
-                )
-            apply_context_parallel(
-                part,
-                spec.attention_modules(part),
-                mesh["cp"],
-                cfg.parallel.cp_method,
-                stage_seq_len=cfg.training.seq_len if dims.pp > 1 else None,
-            )
-        if dims.tp > 1:
-            from distrain.parallel.tensor import apply_tensor_parallel
-
-            apply_tensor_parallel(
-                part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
-            )
-        if dims.ep > 1:
-            apply_expert_parallel(spec.moe_layers(part), ep_mesh["ep"], stats=comm_stats)
-        apply_activation_checkpointing(
-            blocks, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
-        )
-        if resolve_compile(cfg.training.compile, device):
-            plain = dims.world_size == dims.dp_size and dims.ep == 1
-            whole = plain and dims.dp_wrapper != "fsdp" and moe_settings is None
-            compile_whole = whole and cfg.training.activation_checkpointing == "none"
-            apply_compile(part, whole=compile_whole, blocks=blocks)
+        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, device, compile_whole)
     if dims.dp_wrapper == "fsdp":
         parts = [
             apply_fsdp(
                 part,
                 mesh,
                 dims,
-                precision=cfg.training.precision,
+                precision=t.precision,
                 blocks=getattr(part, spec.blocks),
-                expert_mesh=expert_mesh,
+                expert_mesh=None if ep_mesh is None else ep_mesh["dp_mod_ep"],
             )
             for part in parts
         ]
-    source = None
-    if cfg.model.init_from:
-        if spec.pretrained_source is None:
-            raise ConfigError(
-                f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
-                "remove model.init_from"
-            )
-        source = spec.pretrained_source(cfg.model.init_from, args)
-    for part in parts:
-        part.to_empty(device=device)
-        spec.init_weights(part, args, cfg.training.seed, source=source)
+    _materialize(parts, args, cfg, spec, device)
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
@@ -453,7 +410,7 @@ def build_parallel_model(
         dims=dims,
         mesh=mesh,
         batch=batch,
-        precision=cfg.training.precision,
+        precision=t.precision,
         pp_schedule=cfg.parallel.pp_schedule,
         device=device,
         stage_ids=stage_ids,
@@ -468,22 +425,7 @@ def build_parallel_model(
     )
     model.loss_in_model = compile_whole and spec.loss_in_forward
     if dims.dp_wrapper == "ddp":
-        (ddp,) = parts
-        tokens = torch.zeros(
-            cfg.training.micro_batch_size, cfg.training.seq_len, dtype=torch.long, device=device
-        )
-        settle_bucket_layout(
-            ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss)
-        )
-        hooked = install_comm_hook(
-            ddp,
-            dp_mesh,
-            comm=cfg.comm,
-            stats=comm_stats,
-            local_world_size=ctx.local_world_size,
-            timeout_s=cfg.comm.collective_timeout_s,
-        )
-        model.allreduce_payload = None if hooked else allreduce_payload(ddp)
+        _settle_ddp(model, cfg, dp_mesh, comm_stats, ctx)
     model.comm_stats = comm_stats
     if moe_settings is not None:
         model.moe_stats = MoEStats(
@@ -498,3 +440,113 @@ def build_parallel_model(
 
             join_balancing_losses(parts, model.moe_stats)
     return model
+
+
+def _cut_stages(
+    model: nn.Module,
+    cfg: Config,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    spec: ModelSpec,
+    batch: BatchSizes,
+) -> tuple[list[nn.Module], list[int], int, int]:
+    """(parts, their stage ids, stages in all, pipeline microbatches): the whole model as one
+    part without a pipeline, else the stages this pp rank holds, cut by the family's spec."""
+    if dims.pp == 1:
+        return [model], [0], 1, 1
+    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+
+    p = cfg.parallel
+    num_stages = dims.pp * p.pp_stages_per_rank
+    stage_ids = stage_ids_for_rank(
+        mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
+    )
+    parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else batch.accumulation
+    return parts, stage_ids, num_stages, microbatches
+
+
+def _apply_layout(
+    part: nn.Module,
+    cfg: Config,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    ep_mesh: DeviceMesh | None,
+    spec: ModelSpec,
+    comm_stats: CommStats,
+    device: torch.device,
+    compile_whole: bool,
+) -> None:
+    """Context, tensor and expert parallelism, activation checkpointing and compile, in that
+    order, on one part still on the meta device."""
+    t = cfg.training
+    blocks = getattr(part, spec.blocks)
+    if dims.cp > 1:
+        if spec.attention_modules is None:
+            raise ConfigError(
+                f"parallel.cp: the {spec.name!r} model family has no attention for context "
+                "parallelism to split; set parallel.cp = 1"
+            )
+        apply_context_parallel(
+            part,
+            spec.attention_modules(part),
+            mesh["cp"],
+            cfg.parallel.cp_method,
+            stage_seq_len=t.seq_len if dims.pp > 1 else None,
+        )
+    if dims.tp > 1:
+        from distrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(
+            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
+        )
+    if ep_mesh is not None:
+        from distrain.parallel.experts import apply_expert_parallel
+
+        apply_expert_parallel(spec.moe_layers(part), ep_mesh["ep"], stats=comm_stats)
+    apply_activation_checkpointing(blocks, t.activation_checkpointing, every=t.ac_every_layers)
+    if resolve_compile(t.compile, device):
+        apply_compile(part, whole=compile_whole, blocks=blocks)
+
+
+def _materialize(
+    parts: list[nn.Module], args: Any, cfg: Config, spec: ModelSpec, device: torch.device
+) -> None:
+    """Storage on `device` for every part, then the family's seeded init (the same values on
+    every layout), from model.init_from's pretrained weights when it names them."""
+    source = None
+    if cfg.model.init_from:
+        if spec.pretrained_source is None:
+            raise ConfigError(
+                f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
+                "remove model.init_from"
+            )
+        source = spec.pretrained_source(cfg.model.init_from, args)
+    for part in parts:
+        part.to_empty(device=device)
+        spec.init_weights(part, args, cfg.training.seed, source=source)
+
+
+def _settle_ddp(
+    model: ParallelModel,
+    cfg: Config,
+    dp_mesh: DeviceMesh,
+    comm_stats: CommStats,
+    ctx: DistContext,
+) -> None:
+    """DDP's buckets settled by one throwaway forward/backward (so a restarted process reduces
+    exactly as the run it continues), then its communication hook installed; without a hook
+    the model counts DDP's plain all-reduce itself."""
+    (ddp,) = model.parts
+    t = cfg.training
+    tokens = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device=ctx.device)
+    settle_bucket_layout(ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss))
+    hooked = install_comm_hook(
+        ddp,
+        dp_mesh,
+        comm=cfg.comm,
+        stats=comm_stats,
+        local_world_size=ctx.local_world_size,
+        timeout_s=cfg.comm.collective_timeout_s,
+    )
+    model.allreduce_payload = None if hooked else allreduce_payload(ddp)
