@@ -264,10 +264,10 @@ class OneBitConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    name: Literal["adamw", "onebit_adam"] = doc(
+    name: Literal["adamw", "onebit_adam", "sgd"] = doc(
         "adamw",
-        "Optimizer: adamw, or onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2; under "
-        "tp/pp ZeRO 0).",
+        "Optimizer: adamw, onebit_adam (Tang et al. 2021; data parallel, ZeRO 0-2; under "
+        "tp/pp ZeRO 0), or sgd (plain SGD: no momentum, weight decay as AdamW's; ZeRO 0, 2, 3).",
     )
     lr: float = doc(2e-3, "Peak learning rate.", POSITIVE)
     min_lr_ratio: float = doc(
@@ -284,6 +284,29 @@ class OptimConfig:
         1.0, "Clip gradients to this global norm (0 = no clipping).", AT_LEAST_0
     )
     onebit: OneBitConfig = field(default_factory=OneBitConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class DiLoCoConfig:
+    """DiLoCo (Douillard et al. 2023): each site, a parallel.dp_replicate group, takes
+    inner_steps optimizer steps on its own; then the sites average their pseudo-gradients
+    (global minus local weights) and an outer SGD step updates the global weights, which every
+    site continues from."""
+
+    inner_steps: int = doc(
+        0,
+        "Inner optimizer steps between outer steps (H; 0 = off). On: parallel.dp_replicate >= 2 "
+        "sites, parallel.zero_stage 2 or 3 (FSDP2 inside a site, over parallel.dp_shard).",
+        AT_LEAST_0,
+    )
+    outer_lr: float = doc(0.7, "Learning rate of the outer SGD step.", POSITIVE)
+    outer_momentum: float = doc(0.9, "Momentum of the outer SGD step (0 = none).", BETA)
+    nesterov: bool = doc(True, "Nesterov momentum in the outer step.")
+    sync_dtype: Literal["fp32", "bf16"] = doc(
+        "fp32",
+        "Precision the pseudo-gradients are averaged in over the sites (bf16: half the bytes; "
+        "the outer step and the global weights stay fp32).",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -491,6 +514,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

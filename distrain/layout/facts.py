@@ -125,6 +125,32 @@ class Facts:
         return next((name for name, on in conflicts.items() if on), "")
 
     @property
+    def inner_steps(self) -> int:
+        """diloco.inner_steps: DiLoCo's H (0 = off)."""
+        return self.cfg.diloco.inner_steps
+
+    @property
+    def diloco_conflict(self) -> str:
+        """The first setting DiLoCo does not compose with, and why ("" when none, or when
+        DiLoCo is off)."""
+        if not self.inner_steps:
+            return ""
+        conflicts = {
+            f"optim.name = {self.cfg.optim.name!r} (it averages its momentum over every "
+            "data-parallel rank, across sites)": self.optimizer.exchanges_momentum,
+            f"parallel.ep = {self.p.ep} (expert weights are sharded over a mesh that spans the "
+            "sites)": self.p.ep > 1,
+            f"an MoE model (model.moe.num_experts = {self.num_experts}; its load statistics are "
+            "reduced over every site; not supported yet)": self.num_experts > 0,
+            "training.oom_recovery (not supported yet)": self.t.oom_recovery,
+            "training.precision = 'fp16' (not supported yet)": self.t.precision == "fp16",
+            "debug.check_replicas (the sites' weights differ between outer steps)": (
+                self.cfg.debug.check_replicas
+            ),
+        }
+        return next((name for name, on in conflicts.items() if on), "")
+
+    @property
     def dp_divisors(self) -> str:
         return ", ".join(str(d) for d in divisors(self.dp))
 

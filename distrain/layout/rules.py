@@ -119,6 +119,29 @@ RULES: tuple[Rule, ...] = (
         "training.oom_recovery off",
     ),
     Rule(
+        "sgd_without_zero1",
+        "config",
+        lambda f: f.cfg.optim.name == "sgd" and f.p.zero_stage == 1,
+        "optim.name = 'sgd' has no ZeRO-1 (its state is empty: there is nothing to shard); set "
+        "parallel.zero_stage to 0, 2 or 3",
+    ),
+    Rule(
+        "diloco_needs_fsdp",
+        "config",
+        lambda f: f.inner_steps > 0 and f.p.zero_stage <= 1,
+        "diloco.inner_steps = {f.inner_steps} needs parallel.zero_stage 2 or 3: FSDP2 then "
+        "reduces the gradients inside each site (over parallel.dp_shard) and leaves "
+        "parallel.dp_replicate to the outer step, where DDP (zero_stage {f.p.zero_stage}) would "
+        "average them over every site; set parallel.zero_stage = 2",
+    ),
+    Rule(
+        "diloco_composes",
+        "config",
+        lambda f: f.diloco_conflict != "",
+        "diloco.inner_steps = {f.inner_steps} does not compose with {f.diloco_conflict}; drop "
+        "that setting or set diloco.inner_steps = 0",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -341,6 +364,14 @@ RULES: tuple[Rule, ...] = (
         "of processes",
     ),
     Rule(
+        "diloco_needs_sites",
+        "dims",
+        lambda f: f.inner_steps > 0 and f.dims.dp_replicate < 2,
+        "diloco.inner_steps = {f.inner_steps} averages over sites, the parallel.dp_replicate "
+        "groups, but this layout has {f.dims.dp_replicate}; set "
+        "parallel.dp_replicate to 2 or more, or diloco.inner_steps = 0",
+    ),
+    Rule(
         "ddp_detail_debug_on_gloo",
         "dims",
         lambda f: f.ddp_detail_on_gloo,
@@ -395,7 +426,10 @@ def validate(cfg: Config, world_size: int | None) -> Layout:
     facts = replace(facts, world_size=world_size)
     _check(facts, "world")
     dims = ParallelDims.from_config(
-        cfg.parallel, world_size, optimizer_averages=facts.optimizer.replaces_wrapper
+        cfg.parallel,
+        world_size,
+        optimizer_averages=facts.optimizer.replaces_wrapper,
+        diloco=cfg.diloco.inner_steps > 0,
     )
     facts = replace(facts, dims=dims)
     _check(facts, "dims")

@@ -1,7 +1,7 @@
 """Optimizer construction: parameter groups (no weight decay on norms and biases), AdamW (fused
 where the device has it), ZeRO-1 for tp/pp layouts or torch's ZeroRedundancyOptimizer under DDP,
-and 1-bit Adam (plain, and sharded under ZeRO-1/2), each with the gradient plan it declares
-(gradient_plan.py)."""
+1-bit Adam (plain, and sharded under ZeRO-1/2) and plain SGD, each with the gradient plan it
+declares (gradient_plan.py)."""
 
 from __future__ import annotations
 
@@ -69,12 +69,16 @@ def build_optimizers(
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
     comm_stats: CommStats | None = None,
+    *,
+    site: dist.ProcessGroup | None = None,
 ) -> tuple[list[torch.optim.Optimizer], GradientPlan]:
     """`build_optimizer` for each model part, on the groups the layout `dims` decides:
     gradients averaged over dp (dp x cp under context parallelism), ZeRO-1's state split over
     `ParallelDims.zero1_mesh`, 1-bit Adam's gradients reduce-scattered over the averaging
     group when it shards them (ZeRO-2, no wrapper); and the `GradientPlan` the trainer asks
-    in every step, as the optimizers' capability has it."""
+    in every step, as the optimizers' capability has it. Under DiLoCo (`dims.diloco`) each
+    site's gradient is normed and clipped over that site's ranks, `site`
+    (parallel/mesh.py's `site_group`)."""
     capability = optimizer_capability(cfg, zero_stage=dims.zero_stage, tp=dims.tp, pp=dims.pp)
     grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
     zero1_group = dims.zero1_mesh(mesh, dp_mesh).get_group() if dims.zero_stage == 1 else None
@@ -92,6 +96,10 @@ def build_optimizers(
         for part in parts
     ]
     holders = dims.world_size // dims.pp
+    if site is not None:  # DiLoCo: AdamW or SGD (layout rules)
+        return optimizers, GradientPlan(
+            parts, holders=holders // dims.dp_replicate, norm_group=site
+        )
     if not capability.exchanges_momentum:
         return optimizers, GradientPlan(parts, holders=holders)
     if zero1_group is None and zero2_group is None:  # OneBitAdam
@@ -138,6 +146,8 @@ def build_optimizer(
             **extra,
         )
     groups = by_tensor_kind(groups)
+    if cfg.name == "sgd":  # no ZeRO-1 (a layout rule)
+        return torch.optim.SGD(groups, lr=cfg.lr, foreach=True)
     # foreach=True keeps the update a handful of fused kernels on GPU and CPU alike.
     options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "foreach": True}
     options = adamw_kernel(groups, options)

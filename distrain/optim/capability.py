@@ -34,14 +34,15 @@ class OptimizerCapability:
 
 
 ADAMW = OptimizerCapability()
-"""AdamW, plain or ZeRO-1: the wrapper (DDP, FSDP2) averages the gradients in backward."""
+"""AdamW, plain or ZeRO-1, and SGD: the wrapper (DDP, FSDP2) averages the gradients in
+backward."""
 
 
 def optimizer_capability(
     optim: OptimConfig, *, zero_stage: int, tp: int, pp: int
 ) -> OptimizerCapability:
     """The capability `optim` declares under ZeRO stage `zero_stage` with degrees tp and pp."""
-    if optim.name == "adamw":
+    if optim.name in ("adamw", "sgd"):
         return ADAMW
     # 1-bit Adam (onebit_adam.py; under ZeRO-1/2 onebit_zero.py).
     return OptimizerCapability(

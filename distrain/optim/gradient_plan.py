@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distrain.optim.onebit_adam import OneBitAdam
@@ -24,14 +25,27 @@ class GradientPlan:
     """The wrapper (DDP, FSDP2; or one replica) averages the gradients in backward, and the
     global norm over every shard and stage clips them (AdamW, plain or ZeRO-1)."""
 
-    def __init__(self, parts: list[nn.Module], *, holders: int):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        holders: int,
+        norm_group: dist.ProcessGroup | None = None,
+    ):
         self.parts = parts
         self.holders = holders
-        """Ranks that hold a parameter: the world size over the pipeline degree."""
+        """Ranks that hold a parameter: those of `norm_group` over the pipeline degree."""
+        self.norm_group = norm_group
+        """The ranks whose gradient the norm is taken of: None, the world; a DiLoCo site's
+        group, whose gradient is its own (`ParallelDims.diloco`)."""
 
     def sync_in_backward(self) -> bool:
         """Whether backward averages the gradients over the data-parallel ranks this step."""
         return True
+
+    def norm_agreed(self) -> bool:
+        """Whether every rank of the world holds the same gradient norm this step."""
+        return self.sync_in_backward() and self.norm_group is None
 
     def before_clip(self) -> None:
         """What the optimizers do to the (unscaled) gradients before they are clipped."""
@@ -46,6 +60,7 @@ class GradientPlan:
             holders=1 if local else self.holders,
             local=local,
             counted_elsewhere=counted_elsewhere,
+            group=self.norm_group,
         )
 
     def named_gradients(self) -> Iterator[Named]:

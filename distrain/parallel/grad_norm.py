@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from distrain.parallel.local import local_tensor
 
 
-def _local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
+def local_square_sum(grad: torch.Tensor, holders: int) -> torch.Tensor:
     """Sum of squares of this rank's share of `grad`, divided by how many ranks hold that share.
 
     `holders` is the number of ranks that have this parameter at all (a pipeline stage's ranks).
@@ -48,9 +48,11 @@ def clip_grad_norm(
     holders: int,
     local: bool = False,
     counted_elsewhere: Collection[torch.nn.Parameter] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip in place to `max_norm` (math.inf: measure only); returns the total norm (a tensor
-    on the gradients' device, no host sync). `holders` = world size / pipeline degree.
+    on the gradients' device, no host sync). `holders` = the ranks of `group` (None: the
+    world) / pipeline degree; a DiLoCo site's gradient is normed over the site's `group`.
     local=True: the gradients were not synchronized (1-bit Adam's compressed phase), so each
     rank clips its own gradient by its own norm. `counted_elsewhere`: parameters clipped but
     left out of the norm, as another rank holds a copy of the same gradient (a tied embedding's
@@ -61,9 +63,9 @@ def clip_grad_norm(
     skipped = {id(p) for p in counted_elsewhere}
     for param in params:
         if param.grad is not None and id(param) not in skipped:
-            total_sq += _local_square_sum(param.grad, holders)
-    if not local and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total_sq)
+            total_sq += local_square_sum(param.grad, holders)
+    if not local and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()
     if max_norm != math.inf:
         coef = clip_coefficient(total, max_norm)

@@ -1,8 +1,8 @@
 """The device mesh: `ParallelDims` turns the `[parallel]` config and the world size into named
 axis degrees and builds the DeviceMesh (and the expert-parallel mesh); whether the degrees fit
 the world size is one of layout/rules.py's rules, checked before this module sees them.
-`node_groups` makes the groups of the hierarchical all-reduce and `embedding_group` that of a
-tied embedding split across pipeline stages.
+`node_groups` makes the groups of the hierarchical all-reduce, `embedding_group` that of a
+tied embedding split across pipeline stages and `site_group` that of a DiLoCo site.
 """
 
 from __future__ import annotations
@@ -55,15 +55,20 @@ class ParallelDims:
     the gradients itself (its capability says so: optim/capability.py)."""
     ep: int = 1
     cp: int = 1
+    diloco: bool = False
+    """DiLoCo (diloco.inner_steps > 0): each dp_replicate group is a site that trains on its
+    own between outer steps, so FSDP2 reduces over the site's dp_shard (x cp) ranks only
+    (`fsdp_mesh`) and the outer step averages over dp_replicate."""
 
     @classmethod
     def from_config(
-        cls, p: ParallelConfig, world_size: int, *, optimizer_averages: bool
+        cls, p: ParallelConfig, world_size: int, *, optimizer_averages: bool, diloco: bool = False
     ) -> ParallelDims:
         """The degrees `cfg` gives `world_size` ranks, -1 standing for what is left over
         (layout/rules.py's validate has checked that they fit). `optimizer_averages`: the optimizer
         averages the data-parallel gradients itself (`OptimizerCapability.replaces_wrapper`),
-        so no wrapper shards the parameters: they are whole on every dp rank."""
+        so no wrapper shards the parameters: they are whole on every dp rank. `diloco`: the
+        dp_replicate groups are DiLoCo sites (`ParallelDims.diloco`)."""
         dp = data_parallel_size(p, world_size)
         replicate, shard = p.dp_replicate, p.dp_shard
         if p.zero_stage <= 1 or optimizer_averages:  # the parameters are whole on every dp rank
@@ -91,6 +96,7 @@ class ParallelDims:
             dp_wrapper=wrapper,
             ep=p.ep,
             cp=p.cp,
+            diloco=diloco,
         )
 
     @property
@@ -103,6 +109,7 @@ class ParallelDims:
             f"zero_stage={self.zero_stage}"
             + (f" ep={self.ep}" if self.ep > 1 else "")
             + (f" cp={self.cp}" if self.cp > 1 else "")
+            + (" diloco" if self.diloco else "")
         )
 
     def build_mesh(
@@ -135,11 +142,13 @@ class ParallelDims:
         return self.gradient_mesh(mesh, dp_mesh) if self.dp_wrapper == "ddp" else dp_mesh
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP); under context
-        parallelism the cp axis joins the shard axis (dp_shard x cp, flattened by `build_mesh`),
-        so gradients are averaged over the cp ranks too, as torchtitan does."""
+        """The mesh FSDP2 shards over: dp_shard (with dp_replicate for HSDP, but not between
+        DiLoCo sites); under context parallelism the cp axis joins the shard axis (dp_shard x
+        cp, flattened by `build_mesh`), so gradients are averaged over the cp ranks too, as
+        torchtitan does."""
         shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
-        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+        hsdp = self.dp_replicate > 1 and not self.diloco
+        return mesh["dp_replicate", shard] if hsdp else mesh[shard]
 
     def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:
         """The expert-parallel mesh, axes pp, dp_mod_ep, ep, tp (size-1 axes kept).
@@ -179,6 +188,22 @@ def embedding_group(mesh: DeviceMesh, *, timeout_s: float = 0.0) -> dist.Process
         group = dist.new_group(members, timeout=collective_timeout(timeout_s))
         if me in members:
             mine = group
+    return mine
+
+
+def site_group(mesh: DeviceMesh, *, timeout_s: float = 0.0) -> dist.ProcessGroup:
+    """The ranks of this rank's DiLoCo site: every rank of its dp_replicate index (all pp,
+    dp_shard, cp and tp coordinates). Every rank creates every site's group, in the same order,
+    as `new_group` requires. Collective."""
+    ranks = mesh.mesh.transpose(0, 1).reshape(mesh.size(1), -1)
+    me = dist.get_rank()
+    mine = None
+    for row in ranks:
+        members = [int(r) for r in row]
+        group = dist.new_group(members, timeout=collective_timeout(timeout_s))
+        if me in members:
+            mine = group
+    assert mine is not None
     return mine
 
 

@@ -1,8 +1,9 @@
 """Assembling a run: `build_trainer` resolves the config once (resolve.py) and builds every part
 the loop runs, in dependency order, each from its own section of the resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
-choice, the checkpointer and its policy, the metrics sink, the stop-signal agreement, fault
-injection and the step observers. Nothing is built later, and nothing here runs a step."""
+choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink, the
+stop-signal agreement, fault injection and the step observers. Nothing is built later, and
+nothing here runs a step."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
 from distrain.observe.stragglers import Stragglers
 from distrain.optim.builder import build_optimizers
+from distrain.optim.diloco import DiLoCo
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, host_group
-from distrain.parallel.mesh import ParallelDims
+from distrain.parallel.mesh import ParallelDims, site_group
 from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
 from distrain.train.faults import Faults
 from distrain.train.loop import Trainer
-from distrain.train.observers import CommMetrics, MoEMetrics, ReplicaCheck
+from distrain.train.observers import CommMetrics, DiLoCoMetrics, MoEMetrics, ReplicaCheck
 from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
 
@@ -60,8 +62,10 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     model = build_parallel_model(
         plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats, spec=family_of(plan.model)
     )
+    timeout_s = cfg.comm.collective_timeout_s
+    site = site_group(mesh, timeout_s=timeout_s) if dims.diloco else None
     optimizers, gradient_plan = build_optimizers(
-        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats
+        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats, site=site
     )
     metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
     if plan.auto_micro_batch:
@@ -86,6 +90,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         plan.batch.micro,
     )
 
+    outer = _outer(cfg, dims, mesh, model) if dims.diloco else None
     checkpointer = _checkpointer(cfg, run_dir, dims, metrics, logger)
     nonfinite = NonFiniteGuard(
         t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
@@ -94,6 +99,8 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     observers = _observers(
         cfg, ctx, run_dir, model, mesh, comm_stats, nonfinite, metrics, phase_ranges, logger
     )
+    if outer is not None:
+        observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
     return Trainer(
         plan=plan,
         ctx=ctx,
@@ -117,6 +124,22 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         faults=Faults(cfg.debug, rank=ctx.rank, logger=logger),
         observers=observers,
         phase_ranges=phase_ranges,
+        outer=outer,
+    )
+
+
+def _outer(cfg: Config, dims: ParallelDims, mesh: DeviceMesh, model: ParallelModel) -> DiLoCo:
+    """DiLoCo's outer optimizer over this rank's shards, its sites the dp_replicate axis."""
+    sites = mesh["dp_replicate"]
+    return DiLoCo(
+        model.parts,
+        cfg.diloco,
+        sites=sites.get_group(),
+        site=sites.get_local_rank(),
+        total_steps=cfg.training.steps,
+        holders=dims.world_size // dims.pp,
+        bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        counted_elsewhere=model.counted_elsewhere,
     )
 
 

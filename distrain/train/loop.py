@@ -1,12 +1,12 @@
 """The training loop: data -> step -> observe -> checkpoint, until training.steps.
 
 A step is forward/backward over this rank's micro-batches (accumulated, mixed precision, with
-out-of-memory recovery when asked), clipping, the optimizer update and the loss scale. At logged
-steps the loss and gradient norm are read (the loop's only host syncs outside fp16 and health
-checks) and the metrics row goes through the observers (observe/observer.py); evaluation and
-checkpoints follow when due; a stop signal agreed by every rank ends the run with a preempt
-checkpoint. The parts are assembled once by `build_trainer` (build.py); fault injection goes
-through `Faults` (faults.py).
+out-of-memory recovery when asked), clipping, the optimizer update and the loss scale, and under
+DiLoCo the outer step when it is due (optim/diloco.py). At logged steps the loss and gradient
+norm are read (the loop's only host syncs outside fp16 and health checks) and the metrics row goes
+through the observers (observe/observer.py); evaluation and checkpoints follow when due; a stop
+signal agreed by every rank ends the run with a preempt checkpoint. The parts are assembled once
+by `build_trainer` (build.py); fault injection goes through `Faults` (faults.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from distrain.observe.health import NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
 from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges
+from distrain.optim.diloco import DiLoCo
 from distrain.optim.gradient_plan import GradientPlan
 from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext
@@ -41,7 +42,14 @@ from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
 from distrain.train.faults import Faults
 from distrain.train.resolve import RunPlan
-from distrain.train.state import ModelState, OptimizerState, RNGState
+from distrain.train.state import (
+    GlobalWeights,
+    ModelState,
+    OptimizerState,
+    OuterState,
+    RNGState,
+    SiteState,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -77,6 +85,8 @@ class Trainer:
     observers: list[StepObserver]
     """Called in this order on every rank; the metrics writer and the progress display last."""
     phase_ranges: PhaseRanges
+    outer: DiLoCo | None = None
+    """DiLoCo's outer optimizer (diloco.inner_steps > 0)."""
     step: int = 0
     started: bool = False
     """True once the loop begins: an error before that is a failed start (see worker.py)."""
@@ -97,13 +107,22 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        state = {
-            "model": ModelState(self.model.parts),
-            "optim": OptimizerState(self.model.parts, self.optimizers),
-            "trainer": self.step_state,
-            "data": self.loader,
-            "rng": RNGState(),
-        }
+        # The model's entries before the optimizer's: asking FSDP2 for them reshards the
+        # parameters that an evaluation's forward left gathered (ZeRO-2), which the optimizer's
+        # state is keyed by.
+        model = ModelState(self.model.parts)
+        optim = OptimizerState(self.model.parts, self.optimizers)
+        if self.outer is None:
+            state = {"model": model, "optim": optim}
+        else:
+            site = self.outer.site
+            state = {
+                "model": GlobalWeights(self.outer),
+                "site_model": SiteState(model, site),
+                "optim": SiteState(optim, site),
+                "outer": OuterState(self.outer),
+            }
+        state.update(trainer=self.step_state, data=self.loader, rng=RNGState())
         if self.scaler.is_enabled():
             state["scaler"] = self.scaler
         return state
@@ -164,7 +183,7 @@ class Trainer:
             grad_norm,
             step=self.step + 1,
             named_params=plan.named_gradients(),
-            agreed=synced,
+            agreed=plan.norm_agreed(),
         )
         if update:
             for optimizer in self.optimizers:
@@ -175,6 +194,8 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if self.model.moe_stats is not None:
             self.model.moe_stats.after_step(updated=update)
+        if self.outer is not None:
+            self.outer.after_step(self.step + 1)
         return loss, grad_norm
 
     def _update_scale(self) -> None:

@@ -1,13 +1,15 @@
 """The trainer's observers over what the parallel layer counts: gradient-communication bytes
-(`CommMetrics`), mixture-of-experts load statistics (`MoEMetrics`) and the cross-replica
-consistency check of debug.check_replicas (`ReplicaCheck`). Each is a `StepObserver` (see
-observe/observer.py); the others (health, stragglers, profiler, progress) live in observe/."""
+(`CommMetrics`), DiLoCo's outer steps (`DiLoCoMetrics`), mixture-of-experts load statistics
+(`MoEMetrics`) and the cross-replica consistency check of debug.check_replicas
+(`ReplicaCheck`). Each is a `StepObserver` (see observe/observer.py); the others (health,
+stragglers, profiler, progress) live in observe/."""
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.observe.observer import Row, StepObserver
+from distrain.optim.diloco import DiLoCo
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.moe_stats import MoEStats
@@ -34,6 +36,23 @@ class CommMetrics(StepObserver):
         # from its bucket sizes, untimed, so a window without a timed collective reports none.
         if snap["inflight_s"]:
             row["comm_inflight_s"] = snap["inflight_s"] / steps
+
+
+class DiLoCoMetrics(StepObserver):
+    """DiLoCo: outer steps taken so far, the bytes this rank's outer steps sent per step over
+    the window (as `CommMetrics` counts an all-reduce), and, once an outer step ran, the norm
+    of the last averaged pseudo-gradient and the sites' drift from it (optim/diloco.py)."""
+
+    def __init__(self, outer: DiLoCo):
+        self.outer = outer
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        outer = self.outer
+        row["diloco_outer_steps"] = outer.outer_steps
+        row["diloco_bytes"] = outer.take_bytes() / steps
+        if outer.pseudo_grad_norm is not None and outer.drift is not None:
+            row["diloco_pseudo_grad_norm"] = float(outer.pseudo_grad_norm)
+            row["diloco_drift"] = float(outer.drift)
 
 
 class MoEMetrics(StepObserver):

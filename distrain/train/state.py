@@ -1,6 +1,10 @@
 """What a checkpoint holds of the model, its optimizers and the RNGs, as DCP `Stateful`s: weights
 and optimizer state under the full model's parameter names (so any layout loads them), and the
-RNG states."""
+RNG states.
+
+Under DiLoCo the sites' weights and inner optimizer states differ between outer steps: each
+site keeps its own (`SiteState`), the model's entries are the global weights (what export and
+inference read), and the outer momentum and step count are `OuterState`'s."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distrain.optim.diloco import DiLoCo
 from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.train.rng import rng_state, set_rng_state
 
@@ -80,6 +85,57 @@ class OptimizerState(Stateful):
                 else state
             )
             load_optimizer_state_dict(part, optimizer, own)
+
+
+class SiteState(Stateful):
+    """`inner`'s entries for DiLoCo site `site`: its tensors under `site<site>.<key>`, so each
+    site saves and loads its own; the other entries (the optimizer's group hyperparameters,
+    alike on every site, which DCP saves from one rank only) under their own keys."""
+
+    def __init__(self, inner: Stateful, site: int):
+        self.inner, self.prefix = inner, f"site{site}."
+
+    def state_dict(self) -> dict:
+        return {
+            f"{self.prefix}{k}" if isinstance(v, torch.Tensor) else k: v
+            for k, v in self.inner.state_dict().items()
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict({k.removeprefix(self.prefix): v for k, v in state.items()})
+
+
+class GlobalWeights(Stateful):
+    """DiLoCo's global weights under the parameters' names, placed as the parameters (so any
+    layout of a site loads them), in place of the model's entries."""
+
+    def __init__(self, outer: DiLoCo):
+        self.outer = outer
+
+    def state_dict(self) -> dict:
+        return self.outer.named(self.outer.global_weights)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outer.load_named(self.outer.global_weights, state)
+
+
+class OuterState(Stateful):
+    """DiLoCo's outer momentum (`momentum.<param name>`) and its count of outer steps."""
+
+    def __init__(self, outer: DiLoCo):
+        self.outer = outer
+
+    def state_dict(self) -> dict:
+        momentum = self.outer.named(self.outer.momentum)
+        return {
+            **{f"momentum.{k}": v for k, v in momentum.items()},
+            "outer_steps": torch.tensor(self.outer.outer_steps),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        momentum = {k.removeprefix("momentum."): v for k, v in state.items() if k != "outer_steps"}
+        self.outer.load_named(self.outer.momentum, momentum)
+        self.outer.outer_steps = int(state["outer_steps"])
 
 
 class RNGState(Stateful):
