@@ -130,7 +130,9 @@ def test_h4_trains_at_the_single_process_level(batched, request, tmp_path):
     per_step = sum(r["diloco_bytes"] for r in logged) / len(logged)
     params = 4 * sum(v.numel() for k, v in _checkpoint(run).items() if k.startswith("model."))
     assert per_step == params / 4
-    assert all(r["diloco_drift"] > 0 for r in logged if r["diloco_outer_steps"])
+    # The sites' pseudo-gradients differ (each read its own share of the batch).
+    drift = {r["step"]: r["diloco_drift"] for r in logged if "diloco_drift" in r}
+    assert sorted(drift) == [4, 8, 12, 16, 20, 24] and min(drift.values()) > 0
     # The last step ends with an outer step: both sites hold the global weights.
     state = _checkpoint(run)
     for key, value in state.items():
@@ -167,7 +169,7 @@ def test_resume_is_bit_for_bit(batch_pool, tmp_path):
     )
     interrupted = batch_pool.result(pool_name(__name__, "test_resume_is_bit_for_bit:interrupted"))
     assert interrupted.error is not None and "fail_at_step" in interrupted.error
-    resumed = train_cli(interrupted.run_dir, 2, **RUN, **SITES, **H4, **INTERRUPTED)
+    resumed = train_cli(interrupted.run_dir, 2, **{**RUN, **SITES, **H4, **INTERRUPTED})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step-00000006" in resumed.stderr
     want, got = _rows(uninterrupted), _rows(interrupted.run_dir)

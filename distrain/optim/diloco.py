@@ -68,10 +68,12 @@ class DiLoCo:
         self.bytes_sent = 0.0
         """Bytes this rank sent for outer steps since `take_bytes` last read them."""
         self.pseudo_grad_norm: torch.Tensor | None = None
-        """The norm of the averaged pseudo-gradient at the last outer step (a device tensor)."""
+        """The norm of the averaged pseudo-gradient at the last outer step (a device tensor),
+        until `take_last_step` reads it."""
         self.drift: torch.Tensor | None = None
         """At the last outer step, the root mean square over sites of the distance between a
-        site's pseudo-gradient and their average: 0 when every site moved alike."""
+        site's pseudo-gradient and their average (0 when every site moved alike), until
+        `take_last_step` reads it."""
 
     def due(self, step: int) -> bool:
         return step % self.cfg.inner_steps == 0 or step == self.total_steps
@@ -85,6 +87,15 @@ class DiLoCo:
         """The bytes sent since the last call, and start counting again."""
         sent, self.bytes_sent = self.bytes_sent, 0.0
         return sent
+
+    def take_last_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(pseudo-gradient norm, drift) of the last outer step if one ran since the last call,
+        else None."""
+        if self.pseudo_grad_norm is None or self.drift is None:
+            return None
+        taken = (self.pseudo_grad_norm, self.drift)
+        self.pseudo_grad_norm = self.drift = None
+        return taken
 
     @torch.no_grad()
     def outer_step(self) -> None:

@@ -40,8 +40,9 @@ class CommMetrics(StepObserver):
 
 class DiLoCoMetrics(StepObserver):
     """DiLoCo: outer steps taken so far, the bytes this rank's outer steps sent per step over
-    the window (as `CommMetrics` counts an all-reduce), and, once an outer step ran, the norm
-    of the last averaged pseudo-gradient and the sites' drift from it (optim/diloco.py)."""
+    the window (as `CommMetrics` counts an all-reduce), and, when the window holds an outer
+    step, the norm of its averaged pseudo-gradient and the sites' drift from it (the last
+    one's; optim/diloco.py)."""
 
     def __init__(self, outer: DiLoCo):
         self.outer = outer
@@ -50,9 +51,9 @@ class DiLoCoMetrics(StepObserver):
         outer = self.outer
         row["diloco_outer_steps"] = outer.outer_steps
         row["diloco_bytes"] = outer.take_bytes() / steps
-        if outer.pseudo_grad_norm is not None and outer.drift is not None:
-            row["diloco_pseudo_grad_norm"] = float(outer.pseudo_grad_norm)
-            row["diloco_drift"] = float(outer.drift)
+        last = outer.take_last_step()
+        if last is not None:
+            row["diloco_pseudo_grad_norm"], row["diloco_drift"] = (float(x) for x in last)
 
 
 class MoEMetrics(StepObserver):
