@@ -8,6 +8,7 @@ that fails on purpose goes last, and its resumption is one more launch.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from pathlib import Path
 
@@ -212,7 +213,22 @@ def _outer_steps_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> 
             results.append(
                 (weights, float(outer.pseudo_grad_norm), float(outer.drift), outer.take_bytes())
             )
-        queue.put((rank, results, outer.outer_steps))
+        outer_steps = outer.outer_steps
+        # bf16 averaging: half the bytes; the hand's values are exact in bf16's 8 bits only
+        # to ~0.4%, so the weights are compared at that precision.
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        cfg = dataclasses.replace(OUTER, sync_dtype="bf16")
+        outer = DiLoCo(
+            [model], cfg, sites=dist.group.WORLD, site=rank, total_steps=100, holders=2,
+            bucket_cap_mb=25,
+        )  # fmt: skip
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(_local_step(0, rank))
+        outer.after_step(2)
+        bf16 = ([p.detach().clone() for p in model.parameters()], outer.take_bytes())
+        queue.put((rank, results, outer_steps, bf16))
     finally:
         dist.destroy_process_group()
 
@@ -224,9 +240,9 @@ def test_outer_step_matches_a_hand_computation():
     procs = [context.Process(target=_outer_steps_on_rank, args=(r, port, queue)) for r in (0, 1)]
     for proc in procs:
         proc.start()
-    got = {}
+    got, bf16 = {}, {}
     for _ in procs:
-        rank, results, steps = queue.get(timeout=60)
+        rank, results, steps, bf16[rank] = queue.get(timeout=60)
         got[rank] = (results, steps)
     for proc in procs:
         proc.join(timeout=30)
@@ -252,3 +268,10 @@ def test_outer_step_matches_a_hand_computation():
             assert norm == pytest.approx(mean * numel**0.5, rel=1e-5)
             assert drift == pytest.approx(spread * numel**0.5, rel=1e-4)
             assert sent == 4 * numel  # fp32, ring all-reduce on 2 ranks: its input once
+    first = (
+        -OUTER.outer_lr * (1 + OUTER.outer_momentum) * (_local_step(0, 0) + _local_step(0, 1)) / 2
+    )
+    for weights, sent in bf16.values():
+        assert sent == 2 * numel
+        for w, w0 in zip(weights, start, strict=True):
+            torch.testing.assert_close(w, w0 + first, rtol=0, atol=4e-3)
