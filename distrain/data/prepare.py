@@ -135,9 +135,12 @@ def _results(
         _init_worker(*setup)
         yield from map(_tokenize_unit, units)
         return
-    # fork: workers inherit the imported modules instead of importing torch again (spawn costs
-    # seconds per worker); they touch no torch or thread state of the parent.
-    ctx = multiprocessing.get_context("fork")
+    # forkserver, with this module preloaded in the server: workers are forked from a process
+    # that has imported what they need (spawn would import torch again in each, seconds apiece)
+    # but has started no thread, so none of the caller's threads' locks (logging, tqdm's
+    # monitor, tokenizers' and Arrow's pools, a process group's) can be held in a worker.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     with ctx.Pool(workers, initializer=_init_worker, initargs=setup) as pool:
         yield from pool.imap(_tokenize_unit, units, chunksize=4)
 
