@@ -8,9 +8,10 @@ on another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -75,3 +76,27 @@ def is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     nothing has: an optimizer can only be one if its module is loaded."""
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+@contextlib.contextmanager
+def device_meshes_under_fake_mode() -> Iterator[None]:
+    """DeviceMeshes can be made inside a FakeTensorMode for this block. torch 2.13's
+    `DeviceMesh.__init__` finds this rank's coordinate with `nonzero` on its mesh tensor
+    (`_compute_coordinate_on_dim`), an op with a data-dependent shape that fake tensors refuse
+    (DynamicOutputShapeException); FSDP2 makes such a mesh (`DeviceMesh._concatenate` of the
+    dp and tp meshes) for every DTensor parameter it shards, so tp x FSDP could not be built on
+    fake tensors. The mesh tensor comes from the mesh's real rank map: the coordinate is
+    computed on it with the fake mode set aside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = DeviceMesh._compute_coordinate_on_dim
+
+    def compute(self: DeviceMesh) -> tuple[int, ...] | None:
+        with unset_fake_temporarily():
+            return original(self)
+
+    DeviceMesh._compute_coordinate_on_dim = compute
+    try:
+        yield
+    finally:
+        DeviceMesh._compute_coordinate_on_dim = original
