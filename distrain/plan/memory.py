@@ -43,7 +43,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
 from distrain.parallel.model import ParallelModel, build_parallel_model
-from distrain.torch_compat import device_meshes_under_fake_mode
+from distrain.torch_compat import device_meshes_under_fake_mode, forget_dtensor_meshes
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,8 @@ def held_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """Torch's fake process group of `world_size` ranks, as rank `rank`, for this block; it must
-    be the only default group of this process (the planner runs before any real one)."""
+    be the only default group of this process (the planner runs before any real one). DTensor's
+    caches forget its meshes when it ends."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -144,6 +145,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_dtensor_meshes()
 
 
 def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
