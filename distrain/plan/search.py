@@ -6,9 +6,8 @@ keeps in flight) and its step time (timing.py); layouts that fit come first, fas
 the ones that do not fit with the reason, a layout whose build fails among them.
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
-in it), a deep model is planned from two shallow builds (depth.py), and of a pipeline's ranks
-only the first of those holding alike stages is built (the others keep no more microbatches in
-flight). `exhaustive` builds every layout's model at full depth and every pipeline rank.
+in it), and of a pipeline's ranks only the first of those holding alike stages is built (the
+others keep no more microbatches in flight); `exhaustive` builds every pipeline rank.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from distrain.models.presets import model_args, num_params
 from distrain.optim.builder import param_groups
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
-from distrain.plan.depth import block_period, by_depth
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
@@ -133,9 +131,7 @@ def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> M
         base = memory_of(zero0, world_size, cache, exhaustive=exhaustive)
         dp = world_size // (p.tp * p.pp)
         return dataclasses.replace(base, optimizer=-(-base.optimizer // dp))
-    if exhaustive:
-        return estimate_memory(cfg, world_size)
-    return by_depth(cfg, lambda shallow: estimate_memory(shallow, world_size))
+    return estimate_memory(cfg, world_size)
 
 
 def zero1_largest_share(cfg: Config, world_size: int) -> float:
@@ -180,13 +176,7 @@ def _pipeline_row(cfg: Config, world_size: int, exhaustive: bool) -> dict[str, i
     if not exhaustive:
         ranks = [world_size // p.pp * s for s in distinct_stage_ranks(cfg)]
     worst = max(
-        (
-            estimate_pipeline_memory(cfg, world_size, rank=r)
-            if exhaustive
-            else by_depth(cfg, lambda c, r=r: estimate_pipeline_memory(c, world_size, rank=r))
-            for r in ranks
-        ),
-        key=lambda m: m.peak,
+        (estimate_pipeline_memory(cfg, world_size, rank=r) for r in ranks), key=lambda m: m.peak
     )
     return {
         "params": worst.params,
@@ -203,19 +193,28 @@ def distinct_stage_ranks(cfg: Config) -> list[int]:
     what a lower one does and, under every schedule, no more microbatches in flight."""
     from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
 
-    p, period = cfg.parallel, block_period(cfg)
+    p, args = cfg.parallel, validate(cfg, None).model
     num_stages = p.pp * p.pp_stages_per_rank
-    layers = stage_layer_ranges(validate(cfg, None).model.n_layers, num_stages)
+    layers = stage_layer_ranges(args.n_layers, num_stages)
     seen, found = set(), []
     for rank in range(p.pp):
         stages = stage_ids_for_rank(rank, p.pp, p.pp_stages_per_rank, p.pp_schedule)
         held = tuple(
-            (s == 0, s == num_stages - 1, tuple(i % period for i in layers[s])) for s in stages
+            (s == 0, s == num_stages - 1, tuple(_block_kind(cfg, args, i) for i in layers[s]))
+            for s in stages
         )
         if held not in seen:
             seen.add(held)
             found.append(rank)
     return found
+
+
+def _block_kind(cfg: Config, args: Any, index: int) -> tuple[bool, bool]:
+    """What block `index` is: an MoE layer or not, checkpointed apart from the others or not
+    (selective checkpointing, as parallel/activation_checkpointing.py picks its blocks)."""
+    t = cfg.training
+    apart = t.activation_checkpointing == "selective" and index % t.ac_every_layers == 0
+    return args.moe.is_moe_layer(index), apart
 
 
 def candidates(
