@@ -47,6 +47,7 @@ def tiny_config(*, stage: int = 0, ac: str = "none", world_size: int = 1) -> Con
     cfg.training.global_batch_size = world_size
     cfg.training.activation_checkpointing = ac
     cfg.parallel.zero_stage = stage
+    cfg.training.compile = False  # as training resolves "auto" on the CPU (the planner: eager)
     return cfg
 
 
