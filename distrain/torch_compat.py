@@ -8,9 +8,10 @@ on another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,3 +88,45 @@ def is_zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     nothing has: an optimizer can only be one if its module is loaded."""
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+@contextlib.contextmanager
+def device_meshes_under_fake_mode() -> Iterator[None]:
+    """DeviceMeshes can be made and read inside a FakeTensorMode for this block. torch 2.13's
+    DeviceMesh finds this rank's place with `nonzero` on its rank tensors (the `mesh` property,
+    on a mesh cut from a larger one; `_compute_coordinate_on_dim`, in `__init__`), an op with a
+    data-dependent shape that fake tensors refuse (DynamicOutputShapeException); FSDP2 makes
+    such a mesh (`DeviceMesh._concatenate` of the dp and tp meshes) for every DTensor parameter
+    it shards, so tp x FSDP could not be built on fake tensors. Those tensors come from the
+    mesh's real rank map: both are computed on them with the fake mode set aside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    mesh, coordinate = DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim
+
+    def real_mesh(self: DeviceMesh) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return mesh.fget(self)
+
+    def real_coordinate(self: DeviceMesh) -> tuple[int, ...] | None:
+        with unset_fake_temporarily():
+            return coordinate(self)
+
+    DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = property(real_mesh), real_coordinate
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = mesh, coordinate
+
+
+def forget_dtensor_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans
+    (`torch.distributed.tensor.debug._clear_sharding_prop_cache`,
+    `_redistribute.clear_redistribute_planner_cache`). Their keys compare meshes by layout
+    alone, so after the process group is destroyed and another made (the planner's fake world
+    per layout) a cached spec hands back a mesh of the old group: its collectives name a
+    process group that no longer exists, and its coordinate is the old rank's."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()

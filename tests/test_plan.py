@@ -2,6 +2,7 @@
 on real tensors (one rank, in this process; two ranks through benchmarks/memory.py), the ZeRO
 paper's accounting as a cross-check at 2 and 4 ranks, and `distrain plan` end to end."""
 
+import io
 import json
 import math
 import subprocess
@@ -22,10 +23,18 @@ from distrain.optim.builder import build_optimizer
 from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import build_parallel_model
+from distrain.plan import search
 from distrain.plan.calibrate import calibrate
-from distrain.plan.command import DEFAULT_PEAK_FLOPS, cluster_of, parse, plan_command
+from distrain.plan.command import (
+    DEFAULT_PEAK_FLOPS,
+    cluster_of,
+    parse,
+    plan_command,
+    progress_printer,
+)
 from distrain.plan.memory import estimate_memory, fake_world, measure_step
-from distrain.plan.search import memory_of, zero1_largest_share
+from distrain.plan.search import memory_of, plan, zero1_largest_share
+from distrain.plan.timing import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +48,7 @@ def tiny_config(*, stage: int = 0, ac: str = "none", world_size: int = 1) -> Con
     cfg.training.global_batch_size = world_size
     cfg.training.activation_checkpointing = ac
     cfg.parallel.zero_stage = stage
+    cfg.training.compile = False  # as training resolves "auto" on the CPU (the planner: eager)
     return cfg
 
 
@@ -128,6 +138,20 @@ def test_onebit_adam_under_zero_is_planned_as_its_optimizer_holds(stage):
     assert optimizer.frozen_denom is not None
     assert planned.optimizer == held
     assert planned.grads == measured_one_rank(tiny_config()).grads
+
+
+def test_tp_by_fsdp_is_planned():
+    """tp 2 x FSDP 2 (ZeRO-3) on 4 ranks: model states per rank as the ZeRO paper's at 4 ranks
+    (the fake build once failed in fully_shard: the DeviceMesh FSDP2 makes for a DTensor
+    parameter finds its coordinate with nonzero). training.compile's "auto" is planned eager."""
+    cfg = tiny_config(stage=3, world_size=4)
+    cfg.parallel.tp = 2
+    mem = estimate_memory(cfg, 4)
+    want = zero_theory(num_params(model_args(cfg.model)), 3, 4)
+    # 5%: AdamW's step scalars, and the norms each tp rank holds whole.
+    for kind, value in want.items():
+        assert getattr(mem, kind) == pytest.approx(value, rel=0.05), kind
+    assert mem.per_sample > 0
 
 
 def test_checkpointing_saves_activation_memory():
@@ -257,3 +281,65 @@ def test_unreadable_quantities_name_the_option():
     with pytest.raises(ConfigError, match="--interconnect"):
         cluster_of(parse(["--interconnect", "fast"]))
     assert cluster_of(parse(["--gpu-memory", "80GB"])).memory_bytes == 80e9
+
+
+def small_cluster(gpus: int, memory_bytes: float) -> Cluster:
+    return Cluster(
+        nodes=1,
+        gpus_per_node=gpus,
+        memory_bytes=memory_bytes,
+        peak_flops=1e12,
+        efficiency=1.0,
+        intra_bw=1e9,
+        inter_bw=1e8,
+    )
+
+
+def test_fast_search_ranks_and_plans_as_the_exhaustive_one():
+    """8 blocks on 4 ranks, pp 4 among the layouts: its two middle ranks hold alike stages, and
+    the search builds the first only; every row's memory and the ranking equal those of the
+    search that builds every pp rank."""
+    cfg = tiny_config(world_size=8)
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 8, 2, 64
+    cfg.training.seq_len, cfg.training.eval_batches = 16, 8
+    kwargs = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)
+    fast = plan(cfg, small_cluster(4, 9e5), **kwargs)
+    full = plan(cfg, small_cluster(4, 9e5), exhaustive=True, **kwargs)
+    assert {r.candidate.pp for r in fast} == {1, 2, 4}
+    assert True in {r.fits for r in fast} and False in {r.fits for r in fast}
+    assert [(r.candidate, r.fits) for r in fast] == [(r.candidate, r.fits) for r in full]
+    assert [r.memory for r in fast] == [r.memory for r in full]
+    assert not [r.reason for r in fast if r.reason.startswith("not evaluated")]
+
+
+def test_a_layout_that_cannot_be_built_is_a_row_with_the_reason(monkeypatch):
+    built = search.estimate_memory
+
+    def fails_under_tp(cfg, world_size, **kwargs):
+        if cfg.parallel.tp > 1:
+            raise RuntimeError("no kernel for this\nsecond line")
+        return built(cfg, world_size, **kwargs)
+
+    monkeypatch.setattr(search, "estimate_memory", fails_under_tp)
+    cfg = tiny_config(world_size=2)
+    rows = plan(cfg, small_cluster(2, 1e9), stages=(3,), checkpointing=("none",), max_micro_batch=1)
+    failed = [r for r in rows if r.candidate.tp == 2]
+    assert failed and all(
+        r.reason == "not evaluated: RuntimeError: no kernel for this" and not r.fits for r in failed
+    )
+    assert [r for r in rows if r.candidate.tp == 1 and r.fits]
+    assert "not evaluated" in search.table(rows, 10)
+
+
+def test_progress_only_on_a_terminal(capsys):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_printer(io.StringIO()) is None
+    stream = Terminal()
+    show = progress_printer(stream)
+    show(1, 2)
+    assert stream.getvalue() == "\revaluated 1/2 layouts"
+    show(2, 2)
+    assert stream.getvalue().endswith("\r")

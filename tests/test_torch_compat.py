@@ -41,6 +41,21 @@ def test_flatten_mesh_names_one_axis_of_all(one_rank):
     assert flat.mesh_dim_names == ("dp",) and flat.size() == 1
 
 
+def test_device_meshes_under_fake_mode_find_their_coordinate(one_rank):
+    """FSDP2 concatenates the dp and tp meshes for each DTensor parameter; under FakeTensorMode
+    the new mesh's coordinate (a nonzero) fails unless computed outside it."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(DynamicOutputShapeException):
+            DeviceMesh._concatenate([mesh["dp"], mesh["tp"]])
+        with torch_compat.device_meshes_under_fake_mode():
+            both = DeviceMesh._concatenate([mesh["dp"], mesh["tp"]])
+    assert tuple(both.get_coordinate()) == (0, 0)
+
+
 def test_dcp_metadata_path_is_where_dcp_wrote_it(tmp_path: Path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path)
     path = torch_compat.dcp_metadata_path(FileSystemReader(tmp_path), None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from distrain.config.args import CommandParser
 from distrain.config.io import load_config
@@ -74,6 +76,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=int, default=10, help="Rows shown (each of fit / no fit).")
     p.add_argument("--json", action="store_true", help="Print JSON rows instead of a table.")
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="Build every layout's model at full depth and every pipeline rank (slow; the "
+        "default search ranks the same from shallow builds).",
+    )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p
 
@@ -120,6 +128,20 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
     )
 
 
+def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
+    """'evaluated 37/120 layouts' on one line of `stream` while the plan works, cleared at the
+    end; None (nothing printed) when `stream` is not a terminal."""
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        line = f"evaluated {done}/{total} layouts"
+        stream.write("\r" + (line if done < total else " " * len(line) + "\r"))
+        stream.flush()
+
+    return show
+
+
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.calibrate import calibrate
@@ -142,5 +164,7 @@ def plan_command(argv: list[str]) -> None:
         bytes_per_value=4 if cfg.training.precision == "fp32" else 2,
         stages=tuple(int(s) for s in ns.zero.split(",")),
         checkpointing=tuple(ns.checkpointing.split(",")),
+        exhaustive=ns.exhaustive,
+        progress=progress_printer(sys.stderr),
     )
     print(to_json(rows, ns.top) if ns.json else table(rows, ns.top))

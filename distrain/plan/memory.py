@@ -44,6 +44,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
 from distrain.parallel.model import ParallelModel, build_parallel_model
+from distrain.torch_compat import device_meshes_under_fake_mode, forget_dtensor_meshes
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def held_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """Torch's fake process group of `world_size` ranks, as rank `rank`, for this block; it must
-    be the only default group of this process (the planner runs before any real one)."""
+    be the only default group of this process (the planner runs before any real one). DTensor's
+    caches forget its meshes when it ends."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -144,6 +146,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_dtensor_meshes()
 
 
 def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +155,12 @@ def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor
 
 
 def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
-    """Memory of rank `rank` when `cfg` trains on `world_size` ranks, from a fake step."""
+    """Memory of rank `rank` when `cfg` trains on `world_size` ranks, from a fake step. The step
+    runs eager: compiled kernels cannot run on fake tensors (training.compile is planned as off,
+    whatever it says)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
     layout = validate(cfg, world_size)
     dims = layout.dims
     assert dims is not None
@@ -169,7 +175,7 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
         mesh, dp_mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
             meta_model = GPT(layout.model)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
             return _fake_step(cfg, layout.model, dims, mesh, dp_mesh, ctx, meta_model)
 
 

@@ -39,6 +39,7 @@ from distrain.plan.memory import (
     held_optimizer_state_bytes,
     local_bytes,
 )
+from distrain.torch_compat import device_meshes_under_fake_mode
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             meta = GPT(args)
         # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
         parts = [split_model(meta, s, num_stages, spec=GPT_SPEC) for s in stage_ids]
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
             for part in parts:
                 _parallelize_stage(part, cfg, dims, mesh)
             parts = [_shard(part, cfg, dims, mesh) for part in parts]

@@ -147,7 +147,10 @@ def _median_time(fn: Any, repeats: int) -> float:
 
 
 def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -> Probe:
-    """This layout's rank-0 step on this machine (see the module docstring)."""
+    """This layout's rank-0 step on this machine (see the module docstring). It runs on the
+    CPU, where training.compile "auto" means eager (parallel/device.py's resolve_compile)."""
+    compile_ = cfg.training.compile is True
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=compile_))
     layout = validate(cfg, world_size)
     dims = layout.dims
     assert dims is not None

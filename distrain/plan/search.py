@@ -3,7 +3,11 @@ shard, tp inside a node, pp with the 1F1B schedule, ZeRO stage, activation check
 micro-batch), its memory from the fake build (memory.py; pipeline_memory.py for pp, whose
 schedule does not build on fake tensors, from the stage modules and the microbatches the schedule
 keeps in flight) and its step time (timing.py); layouts that fit come first, fastest first, then
-the ones that do not fit with the reason.
+the ones that do not fit with the reason, a layout whose build fails among them.
+
+The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
+in it), and of a pipeline's ranks only the first of those holding alike stages is built (the
+others keep no more microbatches in flight); `exhaustive` builds every pipeline rank.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +80,21 @@ def candidate_config(base: Config, c: Candidate) -> Config:
     return cfg
 
 
-def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
+def _cached(cache: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+    """cache[key], computed once; a build that failed fails again at once, with its error."""
+    if key not in cache:
+        try:
+            cache[key] = compute()
+        except Exception as error:  # noqa: BLE001 - the layout's row reports it (plan)
+            cache[key] = error
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+def memory_of(
+    cfg: Config, world_size: int, cache: dict, *, exhaustive: bool = False
+) -> MemoryEstimate:
     """estimate_memory, shared between candidates that differ only in the micro-batch.
 
     Two wrappers read tensor data while they are built, so they cannot run on fake tensors, and
@@ -87,30 +106,32 @@ def memory_of(cfg: Config, world_size: int, cache: dict) -> MemoryEstimate:
     the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
-    if key not in cache:
-        capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
-        own_sharding = capability.shards_state  # 1-bit Adam under ZeRO-1/2
-        if (p.zero_stage <= 1 or own_sharding) and p.tp == p.pp == 1 and world_size > 1:
-            single = dataclasses.replace(
-                cfg,
-                parallel=dataclasses.replace(p, zero_stage=0),
-                training=dataclasses.replace(t, global_batch_size=t.micro_batch_size),
-            )
-            base = memory_of(single, 1, cache)
-            optimizer = base.optimizer
-            if own_sharding:
-                optimizer = held_state_bytes(num_params(model_args(cfg.model)), world_size)
-            elif p.zero_stage == 1:
-                optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))
-            cache[key] = dataclasses.replace(base, optimizer=optimizer)
+    return _cached(cache, key, lambda: _memory_of(cfg, world_size, cache, exhaustive))
+
+
+def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> MemoryEstimate:
+    p, t = cfg.parallel, cfg.training
+    capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
+    own_sharding = capability.shards_state  # 1-bit Adam under ZeRO-1/2
+    if (p.zero_stage <= 1 or own_sharding) and p.tp == p.pp == 1 and world_size > 1:
+        single = dataclasses.replace(
+            cfg,
+            parallel=dataclasses.replace(p, zero_stage=0),
+            training=dataclasses.replace(t, global_batch_size=t.micro_batch_size),
+        )
+        base = memory_of(single, 1, cache, exhaustive=exhaustive)
+        optimizer = base.optimizer
+        if own_sharding:
+            optimizer = held_state_bytes(num_params(model_args(cfg.model)), world_size)
         elif p.zero_stage == 1:
-            zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
-            base = memory_of(zero0, world_size, cache)
-            dp = world_size // (p.tp * p.pp)
-            cache[key] = dataclasses.replace(base, optimizer=-(-base.optimizer // dp))
-        else:
-            cache[key] = estimate_memory(cfg, world_size)
-    return cache[key]
+            optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))
+        return dataclasses.replace(base, optimizer=optimizer)
+    if p.zero_stage == 1:
+        zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
+        base = memory_of(zero0, world_size, cache, exhaustive=exhaustive)
+        dp = world_size // (p.tp * p.pp)
+        return dataclasses.replace(base, optimizer=-(-base.optimizer // dp))
+    return estimate_memory(cfg, world_size)
 
 
 def zero1_largest_share(cfg: Config, world_size: int) -> float:
@@ -127,13 +148,15 @@ def zero1_largest_share(cfg: Config, world_size: int) -> float:
     return max(held) / sum(held)
 
 
-def memory_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
+def memory_row(
+    cfg: Config, world_size: int, cache: dict, *, exhaustive: bool = False
+) -> dict[str, int]:
     """Bytes per rank of one candidate: params, grads, optimizer, activations, peak. A pipeline
     is planned per micro-batch (it sets the number of microbatches in flight) for the rank
     whose peak is largest."""
     p, mb = cfg.parallel, cfg.training.micro_batch_size
     if p.pp == 1:
-        mem = memory_of(cfg, world_size, cache)
+        mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive)
         return {
             "params": mem.params,
             "grads": mem.grads,
@@ -143,21 +166,55 @@ def memory_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
         }
     key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
     key += (cfg.training.activation_checkpointing,)
-    if key not in cache:
-        # Ranks of one pp coordinate hold the same stages: plan the first rank of each stage.
-        ranks = [world_size // p.pp * s for s in range(p.pp)]
-        worst = max(
-            (estimate_pipeline_memory(cfg, world_size, rank=r) for r in ranks),
-            key=lambda m: m.peak,
+    return _cached(cache, key, lambda: _pipeline_row(cfg, world_size, exhaustive))
+
+
+def _pipeline_row(cfg: Config, world_size: int, exhaustive: bool) -> dict[str, int]:
+    p = cfg.parallel
+    # Ranks of one pp coordinate hold the same stages: plan the first rank of each stage.
+    ranks = [world_size // p.pp * s for s in range(p.pp)]
+    if not exhaustive:
+        ranks = [world_size // p.pp * s for s in distinct_stage_ranks(cfg)]
+    worst = max(
+        (estimate_pipeline_memory(cfg, world_size, rank=r) for r in ranks), key=lambda m: m.peak
+    )
+    return {
+        "params": worst.params,
+        "grads": worst.grads,
+        "optimizer": worst.optimizer,
+        "activations": worst.activations + worst.comm_buffers,
+        "peak": worst.peak,
+    }
+
+
+def distinct_stage_ranks(cfg: Config) -> list[int]:
+    """The pp ranks whose stages differ from every lower rank's (the first stage holds the
+    embedding, the last the head, and a stage its share of the blocks): each other rank holds
+    what a lower one does and, under every schedule, no more microbatches in flight."""
+    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
+
+    p, args = cfg.parallel, validate(cfg, None).model
+    num_stages = p.pp * p.pp_stages_per_rank
+    layers = stage_layer_ranges(args.n_layers, num_stages)
+    seen, found = set(), []
+    for rank in range(p.pp):
+        stages = stage_ids_for_rank(rank, p.pp, p.pp_stages_per_rank, p.pp_schedule)
+        held = tuple(
+            (s == 0, s == num_stages - 1, tuple(_block_kind(cfg, args, i) for i in layers[s]))
+            for s in stages
         )
-        cache[key] = {
-            "params": worst.params,
-            "grads": worst.grads,
-            "optimizer": worst.optimizer,
-            "activations": worst.activations + worst.comm_buffers,
-            "peak": worst.peak,
-        }
-    return cache[key]
+        if held not in seen:
+            seen.add(held)
+            found.append(rank)
+    return found
+
+
+def _block_kind(cfg: Config, args: Any, index: int) -> tuple[bool, bool]:
+    """What block `index` is: an MoE layer or not, checkpointed apart from the others or not
+    (selective checkpointing, as parallel/activation_checkpointing.py picks its blocks)."""
+    t = cfg.training
+    apart = t.activation_checkpointing == "selective" and index % t.ac_every_layers == 0
+    return args.moe.is_moe_layer(index), apart
 
 
 def candidates(
@@ -209,11 +266,14 @@ def plan(
     max_micro_batch: int = 16,
     stages: tuple[int, ...] = STAGES,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
+    exhaustive: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[PlanRow]:
-    """Every valid candidate with its memory and time, ranked (fitting and fastest first)."""
+    """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
+    candidate whose memory cannot be evaluated is a row that does not fit, with the error as
+    its reason. `progress(done, total)` is called after each candidate."""
     args = validate(base, None).model
-    cache: dict = {}
-    rows = []
+    layouts = []
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
         if c.micro_batch_size > max_micro_batch or (c.dp_replicate > 1 and c.dp_shard > 1):
             continue  # HSDP is searched through its pure forms; micro-batches past the cap
@@ -222,14 +282,10 @@ def plan(
             validate(cfg, cluster.world_size)
         except ConfigError:
             continue
-        memory = memory_row(cfg, cluster.world_size, cache)
-        peak = memory["peak"]
-        fits = peak <= cluster.memory_bytes
-        reason = (
-            ""
-            if fits
-            else (f"peak {peak / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB per device")
-        )
+        layouts.append((c, cfg))
+    cache: dict = {}
+    rows = []
+    for done, (c, cfg) in enumerate(layouts, 1):
         time = step_time(
             c,
             args,
@@ -238,9 +294,30 @@ def plan(
             seq_len=base.training.seq_len,
             bytes_per_value=bytes_per_value,
         )
-        rows.append(PlanRow(c, memory, time, fits, reason))
+        try:
+            memory = memory_row(cfg, cluster.world_size, cache, exhaustive=exhaustive)
+        except Exception as error:  # noqa: BLE001 - a layout that cannot be built is a row
+            rows.append(PlanRow(c, {}, time, False, f"not evaluated: {one_line(error)}"))
+        else:
+            peak = memory["peak"]
+            fits = peak <= cluster.memory_bytes
+            reason = (
+                ""
+                if fits
+                else f"peak {peak / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB per device"
+            )
+            rows.append(PlanRow(c, memory, time, fits, reason))
+        if progress is not None:
+            progress(done, len(layouts))
     rows.sort(key=lambda r: (not r.fits, r.time.step_s))
     return rows
+
+
+def one_line(error: Exception) -> str:
+    """`Type: first line of the message`, at most 200 characters."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def table(rows: list[PlanRow], top: int) -> str:
@@ -254,7 +331,7 @@ def table(rows: list[PlanRow], top: int) -> str:
     for i, r in enumerate(shown, 1):
         c, m, t = r.candidate, r.memory, r.time
         kinds = ("params", "grads", "optimizer", "activations", "peak")
-        gib = [f"{m[k] / GIB:7.2f}" for k in kinds]
+        gib = [f"{m[k] / GIB:7.2f}" if k in m else f"{'-':>7}" for k in kinds]
         lines.append(
             f"{i:>3} {c.dp_replicate:>6} {c.dp_shard:>6} {c.tp:>3} {c.pp:>3} {c.zero_stage:>4} "
             f"{c.activation_checkpointing:>4} {c.micro_batch_size:>3} {' '.join(gib)} "
