@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from harness import is_worker, launch_self, worker_session, write_json
 
-from distrain.checkpoint.checkpointer import committed
+from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
 from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext

@@ -132,7 +132,8 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
 def _rewind(cfg: Config, step: int) -> None:
     """`train --resume-from STEP`: delete this run's checkpoints newer than STEP so that the
     workers resume from it (and a restart later resumes from the run's own newest again)."""
-    from distrain.checkpoint.checkpointer import checkpoint_storage, rewind
+    from distrain.checkpoint.checkpointer import checkpoint_storage
+    from distrain.checkpoint.manifest import rewind
     from distrain.launch.rundir import RunDirLock
 
     run_dir = Path(cfg.run.dir)

@@ -18,10 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import train_in_process
 
-from distrain.checkpoint import checkpointer as checkpoint
-from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint import checkpointer, manifest
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import OptimConfig
+from distrain.errors import CheckpointError
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
 from distrain.optim.state_dict import optimizer_state_dict
@@ -70,7 +72,7 @@ def test_save_torn_before_manifest_is_ignored(tmp_path, monkeypatch):
     def crash(*_args, **_kwargs):
         raise KeyboardInterrupt("killed before the manifest")
 
-    monkeypatch.setattr(checkpoint, "write_manifest", crash)
+    monkeypatch.setattr(checkpointer, "write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(2, _state(2.0), permanent=False)
     assert (tmp_path / "step-00000002" / ".metadata").exists()  # data there, never committed
@@ -202,7 +204,7 @@ def test_failed_saves_are_reported_removed_and_stop_the_run(tmp_path, monkeypatc
     assert re.fullmatch(_disk_full_message(2, tmp_path), failures[0][1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # torn dirs removed
     assert ckpt.newest_committed == 1
-    with pytest.raises(checkpoint.CheckpointError) as stopped:
+    with pytest.raises(CheckpointError) as stopped:
         ckpt.save(4, _state(4.0), permanent=False)  # the third failure in a row
     assert re.match(_disk_full_message(4, tmp_path), str(stopped.value))
     assert "3 saves in a row failed (checkpoint.max_failed_saves = 3)" in str(stopped.value)
@@ -318,7 +320,7 @@ def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
         shutil.rmtree(disk / "a")
 
         run = tmp_path / "stops"
-        with pytest.raises(checkpoint.CheckpointError) as stopped:
+        with pytest.raises(CheckpointError) as stopped:
             train_in_process(
                 run, **fields, checkpoint__dir=disk / "b", checkpoint__max_failed_saves=2
             )
@@ -326,7 +328,7 @@ def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
         assert str(stopped.value).endswith("newest committed checkpoint: step-00000002")
         assert sorted(p.name for p in (disk / "b").iterdir()) == ["OWNER.json", "step-00000002"]
         (intact,) = committed(Storage(str(disk / "b")))
-        assert intact.step == 2 and checkpoint.verify(Storage(str(disk / "b")), intact) is None
+        assert intact.step == 2 and manifest.verify(Storage(str(disk / "b")), intact) is None
 
 
 # --- two ranks: ZeRO-1 shards, shared verification, a failure on one rank ------------------
@@ -429,7 +431,7 @@ def test_two_ranks_zero1_shards_shared_verification_and_one_rank_failing(tmp_pat
     # The shards load as one plain AdamW state, equal to a plain AdamW trained alike.
     got = optimizer_state_dict(*_adamw_pair(zero=False))
     step3 = str(tmp_path / "ckpt" / "step-00000003")
-    checkpoint.load(Storage(str(tmp_path / "ckpt")), step3, {"optim": got})
+    checkpointer.load(Storage(str(tmp_path / "ckpt")), step3, {"optim": got})
     for key in want:
         if key.startswith("state."):
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)

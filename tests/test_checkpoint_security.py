@@ -20,9 +20,10 @@ import torch
 from helpers import train_in_process
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from distrain.checkpoint import checkpointer as checkpoint
-from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint import manifest
+from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.checkpoint.load import load
+from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.metadata import ALLOWED, decode_metadata
 from distrain.checkpoint.storage import Storage
 from distrain.errors import CheckpointError, ConfigError
@@ -334,7 +335,7 @@ def test_a_second_run_is_refused_and_never_touches_the_first_runs_checkpoints(tm
 def test_another_runs_checkpoint_is_not_resumed_unless_named(tmp_path, caplog):
     shared = tmp_path / "shared"
     _checkpointer(shared, run_id="run-a").save(3, _state(3.0), permanent=False)
-    assert not (shared / checkpoint.OWNER).exists()  # as a location from before owners were
+    assert not (shared / manifest.OWNER).exists()  # as a location from before owners were
     with caplog.at_level(logging.WARNING, logger=LOG.name):
         assert _checkpointer(shared, run_id="run-b").restore_latest(_state(0.0)) is None
     assert "belongs to another run (run id run-a)" in caplog.text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from distrain.checkpoint.checkpointer import MANIFEST, rewind, step_name
+from distrain.checkpoint.manifest import MANIFEST, rewind, step_name
 from distrain.checkpoint.storage import Storage
 from distrain.cli import COMMANDS, EXPORT_DTYPES, EXPORT_SHARD_MB, main
 from distrain.config.io import config_changes, default_config_toml, help_text, load_config

@@ -20,7 +20,8 @@ import torch
 from batch import Run, pool_name
 from helpers import SMALL_RUN, losses, overrides, start_train, train_cli, train_in_process
 
-from distrain.checkpoint.checkpointer import Checkpointer, committed, verify
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.manifest import committed, verify
 from distrain.checkpoint.storage import Storage
 from distrain.config.io import load_config
 from distrain.errors import ConfigError

@@ -23,7 +23,8 @@ from s3 import (  # noqa: F401  (s3: the module-scoped fixture)
     through_gateway,
 )
 
-from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.observe.metrics import read_metrics
 

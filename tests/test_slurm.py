@@ -15,7 +15,7 @@ import pytest
 from helpers import SMALL_RUN, cli_in_process, losses, overrides
 from slurm import multiple_slurmd_supported, slurm, slurm_cluster, slurm_unavailable  # noqa: F401
 
-from distrain.checkpoint.checkpointer import committed
+from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.errors import ConfigError
 from distrain.launch.preempt import EXIT_PREEMPTED

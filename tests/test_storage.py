@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from distrain.checkpoint.checkpointer import Checkpointer, committed
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage, StorageError
 from distrain.errors import CheckpointError
 

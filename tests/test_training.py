@@ -11,7 +11,7 @@ import pytest
 from batch import Batches, Run
 from helpers import cli_in_process, losses, run_cli, train_cli, train_in_process
 
-from distrain.checkpoint import checkpointer as checkpoint
+from distrain.checkpoint import checkpointer, manifest
 from distrain.checkpoint.storage import Storage
 from distrain.observe.metrics import read_metrics
 from distrain.train.faults import InjectedFailure
@@ -60,7 +60,7 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
         raise Crash("simulated crash before the manifest")
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "write_manifest", crash)
+        patch.setattr(checkpointer, "write_manifest", crash)
         with pytest.raises(Crash, match="before the manifest"):
             train_in_process(run, **fields)
     assert (run / "checkpoints" / "step-00000004" / ".metadata").exists()
@@ -173,7 +173,7 @@ def test_cli_generate_skips_a_corrupt_checkpoint_and_errors_without_any(cli_run,
 
 
 def _committed_steps(run) -> list[int]:
-    return [e.step for e in checkpoint.committed(Storage(str(run / "checkpoints")))]
+    return [e.step for e in manifest.committed(Storage(str(run / "checkpoints")))]
 
 
 def _error_lines(result) -> list[str]:

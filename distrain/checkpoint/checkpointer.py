@@ -1,4 +1,5 @@
-"""Checkpoints: sharded DCP saves in <checkpoint dir>/step-<NNNNNNNN>/, committed by a manifest.
+"""Checkpoints: sharded DCP saves in <checkpoint dir>/step-<NNNNNNNN>/, committed by a manifest
+(the layout and the manifest: manifest.py).
 
 Protocol (the same for a local folder and an object store):
 1. every rank writes its DCP shards (synchronously, or in a background thread with `async`),
@@ -25,7 +26,6 @@ import contextlib
 import json
 import logging
 import posixpath
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,23 +40,29 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import distrain
-from distrain.checkpoint.load import load, read_metadata, root_cause
-from distrain.checkpoint.metadata import plain_file_name
+from distrain.checkpoint.load import load, root_cause
+from distrain.checkpoint.manifest import (
+    MANIFEST,
+    OWNER,
+    STEP_PREFIX,
+    UNREADABLE,
+    Entry,
+    committed,
+    manifest_problem,
+    rank_record,
+    remove_checkpoint,
+    scan,
+    step_name,
+    step_of,
+    verify,
+    write_manifest,
+)
 from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
 from distrain.parallel.device import checkpoint_group
-
-MANIFEST = "MANIFEST.json"
-UNREADABLE: dict[str, Any] = {"unreadable": True}
-"""The manifest of an Entry whose MANIFEST.json is not a readable JSON object."""
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-STEP_PREFIX = "step-"
-OWNER = "OWNER.json"
-"""At the root of a checkpoint location: the run that writes there."""
-DCP_METADATA = ".metadata"
 
 
 def checkpoint_storage(cfg: Config) -> Storage:
@@ -84,130 +90,6 @@ def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) 
             f"{run_dir / 'config.toml'} keeps checkpoints at {named[:200]!r}, outside the run "
             f"folder; pass --checkpoint-dir {named[:200]!r} to read them there"
         )
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def _step_of(name: str) -> int | None:
-    suffix = name.removeprefix(STEP_PREFIX)
-    return int(suffix) if name.startswith(STEP_PREFIX) and suffix.isdigit() else None
-
-
-def _rank_record(rank: int) -> str:
-    return f"rank{rank}.json"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A committed checkpoint."""
-
-    step: int
-    path: str
-    manifest: dict[str, Any]
-
-    @property
-    def permanent(self) -> bool:
-        """Never pruned: a permanent save, or a preempt save at a step a permanent one was due."""
-        return bool(self.manifest.get("permanent", self.manifest.get("kind") == "permanent"))
-
-    @property
-    def kind(self) -> str:
-        return self.manifest.get("kind", "temporary")
-
-
-def scan(storage: Storage) -> tuple[list[Entry], list[str]]:
-    """Every checkpoint with a manifest, oldest first (not yet verified), and the names of the
-    step folders without one (torn saves, deleted manifests)."""
-    found, torn = [], []
-    for name in storage.listdir():
-        step = _step_of(name)
-        if step is None:
-            continue
-        path = storage.path(name)
-        if not storage.exists(f"{path}/{MANIFEST}"):
-            torn.append(name)
-            continue
-        try:
-            manifest = json.loads(storage.read_text(f"{path}/{MANIFEST}"))
-        except (OSError, ValueError):  # not StorageError: an unreachable store is no verdict
-            manifest = None
-        found.append(Entry(step, path, manifest if isinstance(manifest, dict) else UNREADABLE))
-    return sorted(found, key=lambda e: e.step), torn
-
-
-def committed(storage: Storage) -> list[Entry]:
-    """Every checkpoint with a manifest, oldest first (not yet verified)."""
-    return scan(storage)[0]
-
-
-def manifest_problem(entry: Entry) -> str | None:
-    """Why `entry`'s manifest cannot be trusted to describe its folder, or None. A manifest is
-    data from storage: its names must stay inside the folder and its entries be well formed."""
-    manifest = entry.manifest
-    if manifest is UNREADABLE:
-        return "manifest unreadable"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return "manifest lists no files"
-    for name, info in files.items():
-        if not plain_file_name(name):
-            return f"manifest names {str(name)[:80]!r}, which is not a file in the checkpoint"
-        if not (
-            isinstance(info, dict)
-            and type(info.get("size")) is int
-            and info["size"] >= 0
-            and isinstance(info.get("sha256"), str)
-            and _SHA256.fullmatch(info["sha256"])
-        ):
-            return f"manifest entry {name!r} is malformed (needs a size and a SHA-256)"
-    if DCP_METADATA not in files:
-        return f"manifest lists no {DCP_METADATA}"
-    if manifest.get("step") != entry.step:
-        return f"manifest says step {str(manifest.get('step'))[:20]}, its folder {entry.step}"
-    return None
-
-
-def verify(storage: Storage, entry: Entry, names: list[str] | None = None) -> str | None:
-    """None if the files `names` (default: all the manifest lists) are there with their size and
-    checksum, else why not. The `.metadata` among them is also decoded (it may not ask for
-    anything a checkpoint may not contain) and must point only at files the manifest lists,
-    within their sizes. Raises StorageError only when the storage cannot be read."""
-    problem = manifest_problem(entry)
-    if problem is not None:
-        return problem
-    files = entry.manifest["files"]
-    for name in sorted(files) if names is None else names:
-        size = files[name]["size"]
-        path = f"{entry.path}/{name}"
-        if not storage.exists(path):
-            return f"{name} is missing"
-        if storage.size(path) != size:
-            return f"{name} has {storage.size(path)} bytes, manifest says {size}"
-        if storage.sha256(path, max_bytes=size) != files[name]["sha256"]:
-            return f"{name} fails its SHA-256 checksum"
-        if name == DCP_METADATA:
-            try:
-                problem = _metadata_problem(read_metadata(storage, path), files)
-            except StorageError:
-                raise
-            except CheckpointError as e:
-                return str(e)
-            if problem is not None:
-                return f"{name}: {problem}"
-    return None
-
-
-def _metadata_problem(metadata: Any, files: dict[str, Any]) -> str | None:
-    """Whether the decoded metadata reads only files of the manifest, within their sizes."""
-    for info in (metadata.storage_data or {}).values():
-        listed = files.get(info.relative_path)
-        if listed is None:
-            return f"points at {info.relative_path!r}, which the manifest does not list"
-        if info.offset + info.length > listed["size"]:
-            return f"reads past the end of {info.relative_path}"
-    return None
 
 
 def _rank() -> int:
@@ -361,7 +243,7 @@ class Checkpointer:
         if error is None:
             try:
                 self.storage.write_text_atomic(
-                    f"{path}/{_rank_record(self.rank)}", json.dumps(writer.written)
+                    f"{path}/{rank_record(self.rank)}", json.dumps(writer.written)
                 )
             except Exception as e:
                 error = e
@@ -435,7 +317,7 @@ class Checkpointer:
         self._check_owner()
         files: dict[str, Any] = {}
         for r in range(self.world_size):
-            files.update(json.loads(self.storage.read_text(f"{path}/{_rank_record(r)}")))
+            files.update(json.loads(self.storage.read_text(f"{path}/{rank_record(r)}")))
         manifest = {
             "step": step,
             "run_id": self.run_id,
@@ -463,7 +345,7 @@ class Checkpointer:
         for step, (path, *_) in sorted(self.uncommitted.items()):
             try:
                 names = set(self.storage.listdir(path))
-                if all(_rank_record(r) in names for r in range(self.world_size)):
+                if all(rank_record(r) in names for r in range(self.world_size)):
                     self._commit(step)
             except Exception as e:
                 self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
@@ -496,7 +378,7 @@ class Checkpointer:
         newest_step = max((e.step for e in entries), default=-1)
         committed_steps = {e.step for e in found}
         for name in self.storage.listdir():
-            step = _step_of(name)
+            step = step_of(name)
             if (
                 step is not None
                 and step < newest_step
@@ -637,7 +519,7 @@ class Checkpointer:
     def _restore_from(self, location: str, state: dict[str, Any]) -> int:
         """Collective: start from another run's checkpoint folder (checkpoint.resume_from)."""
         parent, name = posixpath.split(location.rstrip("/"))
-        step = _step_of(name)
+        step = step_of(name)
         if step is None:
             raise CheckpointError(
                 f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
@@ -686,39 +568,3 @@ class Checkpointer:
                 f"cannot verify checkpoint {storage.url_of(entry.path)}: {fatal[0]}"
             )
         return next((v[0] for v in verdicts if v[0] is not None), None)
-
-
-def rewind(storage: Storage, step: int) -> list[str]:
-    """Make `step` the newest committed checkpoint of `storage` (`distrain train --resume-from
-    STEP`, before the workers start): delete the newer ones, refusing when one is permanent.
-    Returns the names deleted."""
-    entries = committed(storage)
-    if not any(e.step == step for e in entries):
-        steps = ", ".join(str(e.step) for e in entries) or "none"
-        raise CheckpointError(
-            f"--resume-from {step}: no complete checkpoint of step {step} under {storage.url} "
-            f"(steps there: {steps})"
-        )
-    newer = [e for e in entries if e.step > step]
-    permanent = [step_name(e.step) for e in newer if e.permanent]
-    if permanent:
-        raise CheckpointError(
-            f"--resume-from {step}: the newer checkpoint(s) {', '.join(permanent)} are permanent "
-            "and would be deleted; move them out of the run, or start a new run dir with "
-            f"--resume-from {storage.url_of(storage.path(step_name(step)))}"
-        )
-    for entry in reversed(newer):
-        remove_checkpoint(storage, entry.path)
-    return [step_name(e.step) for e in newer]
-
-
-def remove_checkpoint(storage: Storage, path: str) -> None:
-    """Manifest first: a removal cut short leaves a torn save (ignored and later pruned), never
-    a committed checkpoint with files missing."""
-    storage.remove(f"{path}/{MANIFEST}")
-    storage.remove(path)
-
-
-def write_manifest(storage: Storage, path: str, manifest: dict[str, Any]) -> None:
-    """The commit point: nothing refers to a checkpoint before its manifest exists."""
-    storage.write_text_atomic(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))

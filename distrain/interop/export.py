@@ -24,14 +24,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from distrain.checkpoint.checkpointer import (
-    Entry,
-    checkpoint_storage,
-    committed,
-    read_checkpoints_of,
-    verify,
-)
+from distrain.checkpoint.checkpointer import checkpoint_storage, read_checkpoints_of
 from distrain.checkpoint.load import _safe_reader, load
+from distrain.checkpoint.manifest import Entry, committed, verify
 from distrain.config.io import load_config, run_config_file
 from distrain.config.schema import Config
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer

@@ -27,7 +27,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from distrain.checkpoint.checkpointer import committed, step_name
+from distrain.checkpoint.manifest import committed, step_name
 from distrain.checkpoint.storage import Storage
 from distrain.errors import DistrainError
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from distrain.checkpoint.checkpointer import step_name
+from distrain.checkpoint.manifest import step_name
 from distrain.checkpoint.storage import Storage
 from distrain.config.debug import DebugConfig
 from distrain.observe.heartbeat import attempt_number

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from distrain.checkpoint.checkpointer import Checkpointer, step_name
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.manifest import step_name
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, val_batches
