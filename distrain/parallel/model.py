@@ -375,16 +375,17 @@ def build_parallel_model(
         else None
     )
     # Whole-model compile only where nothing inside the model would be traced across blocks.
+    compiled = resolve_compile(t.compile, device)
     plain = dims.world_size == dims.dp_size and dims.ep == 1
     compile_whole = (
-        resolve_compile(t.compile, device)
+        compiled
         and plain
         and dims.dp_wrapper != "fsdp"
         and moe_settings is None
         and t.activation_checkpointing == "none"
     )
     for part in parts:
-        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, device, compile_whole)
+        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, compiled, compile_whole)
     if dims.dp_wrapper == "fsdp":
         parts = [
             apply_fsdp(
@@ -474,7 +475,7 @@ def _apply_layout(
     ep_mesh: DeviceMesh | None,
     spec: ModelSpec,
     comm_stats: CommStats,
-    device: torch.device,
+    compiled: bool,
     compile_whole: bool,
 ) -> None:
     """Context, tensor and expert parallelism, activation checkpointing and compile, in that
@@ -505,7 +506,7 @@ def _apply_layout(
 
         apply_expert_parallel(spec.moe_layers(part), ep_mesh["ep"], stats=comm_stats)
     apply_activation_checkpointing(blocks, t.activation_checkpointing, every=t.ac_every_layers)
-    if resolve_compile(t.compile, device):
+    if compiled:
         apply_compile(part, whole=compile_whole, blocks=blocks)
 
 

@@ -49,7 +49,7 @@ from distrain.models.gpt.model import GPT, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
-from distrain.parallel.device import DistContext
+from distrain.parallel.device import DistContext, resolve_compile
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.model import build_parallel_model
 from distrain.plan.collectives import LinkCost
@@ -149,7 +149,7 @@ def _median_time(fn: Any, repeats: int) -> float:
 def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -> Probe:
     """This layout's rank-0 step on this machine (see the module docstring). It runs on the
     CPU, where training.compile "auto" means eager (parallel/device.py's resolve_compile)."""
-    compile_ = cfg.training.compile is True
+    compile_ = resolve_compile(cfg.training.compile, torch.device("cpu"))
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=compile_))
     layout = validate(cfg, world_size)
     dims = layout.dims
