@@ -71,7 +71,8 @@ def safe_open() -> Any:
         from safetensors import safe_open
     except ImportError as e:
         raise ConfigError(
-            "model.init_from needs the safetensors package: pip install 'distrain[hf]'"
+            "model.init_from needs the safetensors package: pip install safetensors (or "
+            'distrain\'s hf extra: pip install -e ".[hf]" in a checkout)'
         ) from e
     return safe_open
 
