@@ -36,13 +36,13 @@ EVAL_DIR = "eval"
 
 
 def metrics_row(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`eval/TASK/METRIC` for each task's numeric metrics (the harness's "acc,none" is `acc`;
-    another filter than none is appended: `exact_match_strict`), stderr left out."""
+    """`eval/TASK/METRIC` for each task's metrics (the harness's "acc,none" is `acc`; another
+    filter than none is appended: `exact_match_strict`), stderr and sample counts left out."""
     row: dict[str, Any] = {"step": step}
     for task, metrics in results.items():
         for key, value in metrics.items():
-            metric, _, filt = key.partition(",")
-            if "stderr" in metric or isinstance(value, bool) or not isinstance(value, int | float):
+            metric, comma, filt = key.partition(",")
+            if not comma or "stderr" in metric or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             if not math.isfinite(value):
                 continue

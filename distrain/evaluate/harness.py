@@ -31,7 +31,7 @@ class DistrainLM(LM):
         self.tokenizer = tokenizer
         self.batch_size_per_call = batch_size
         self.max_length = model.args.max_seq_len
-        self.device = next(model.parameters()).device
+        self._device = next(model.parameters()).device
         # What an empty context is conditioned on (the byte tokenizer has no end-of-text).
         self.prefix = tokenizer.encode("\n")
 
@@ -63,12 +63,12 @@ class DistrainLM(LM):
             for row, i in enumerate(chunk):
                 tokens = windows[i][0]
                 inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-            logits = self.model(inputs.to(self.device))[..., :vocab].float()
+            logits = self.model(inputs.to(self._device))[..., :vocab].float()
             logprobs = torch.log_softmax(logits, dim=-1).cpu()
             for row, i in enumerate(chunk):
                 tokens, n = windows[i]
                 end = len(tokens) - 1
-                targets = torch.tensor(tokens[-n:])
+                targets = torch.tensor(tokens[len(tokens) - n :], dtype=torch.long)
                 picked = logprobs[row, end - n : end]
                 total = picked.gather(1, targets[:, None]).sum().item()
                 greedy = bool((picked.argmax(dim=-1) == targets).all())
