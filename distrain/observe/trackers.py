@@ -18,6 +18,7 @@ wandb_tracker.py).
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import logging
 import math
@@ -290,8 +291,6 @@ class BackgroundTracker:
 
 def check_trackers_installed(metrics: MetricsConfig) -> None:
     """One line naming the field and the fix when a configured tracker's library is missing."""
-    import importlib.util
-
     wanted = []
     if metrics.mlflow.tracking_uri:
         wanted.append(("metrics.mlflow.tracking_uri", "mlflow"))
