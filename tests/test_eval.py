@@ -18,6 +18,7 @@ import pytest
 from helpers import cli_in_process, train_in_process
 
 from distrain.observe.metrics import read_metrics
+from distrain.observe.trackers import read_ids
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -77,8 +78,11 @@ def task(tmp_path_factory) -> tuple[Path, Path]:
 def trained_run(task, tmp_path_factory) -> Path:
     """A run with a checkpoint after step 1 and one after step STEPS."""
     corpus, _ = task
-    run = tmp_path_factory.mktemp("eval") / "run"
+    root = tmp_path_factory.mktemp("eval")
+    run = root / "run"
     fields = {
+        # A local MLflow store (the tracking server itself is tests/test_tracking.py's).
+        "metrics__mlflow__tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
         "data__path": str(corpus),
         "training__global_batch_size": 16,
         "training__micro_batch_size": 16,
@@ -107,6 +111,15 @@ def test_eval_scores_the_trained_checkpoint_above_chance(trained_run, task, caps
     assert acc >= TRAINED_BOUND, acc
     rows = [r for r in read_metrics(trained_run / "metrics.jsonl") if f"eval/{TASK}/acc" in r]
     assert rows[-1] == {"step": STEPS, f"eval/{TASK}/acc": acc, "attempt": 1}
+    # The training run's MLflow run (trackers.json) got the result and the results file.
+    client = pytest.importorskip("mlflow").MlflowClient(
+        f"sqlite:///{trained_run.parent / 'mlflow.db'}"
+    )
+    run_id = read_ids(trained_run)["mlflow"]
+    history = client.get_metric_history(run_id, f"eval/{TASK}/acc")
+    assert [(m.step, m.value) for m in history] == [(STEPS, acc)]
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == [f"eval/{path.name}"]
+    assert client.get_run(run_id).info.status == "FINISHED"  # as training left it
 
 
 def test_eval_of_the_first_step_and_of_a_broken_wrapper_are_at_chance(trained_run, task):

@@ -26,6 +26,8 @@ class MlflowBackend:
         self.run_name = cfg.run_name or default_name
         self.client: Any = None
         self.run_id: str | None = None
+        self.status_before = "RUNNING"
+        """The run's status when this client continued it."""
 
     def _connect(self) -> Any:
         if self.client is None:
@@ -58,6 +60,7 @@ class MlflowBackend:
             run = client.create_run(experiment_id, run_name=self.run_name)
         else:
             logged = dict(run.data.params)
+            self.status_before = run.info.status
             client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         # Params are immutable in MLflow: a resumed run adds only the ones it did not have.
@@ -87,3 +90,5 @@ class MlflowBackend:
     def finish(self, *, completed: bool | None) -> None:
         if completed is not None:
             self.client.set_terminated(self.run_id, status="FINISHED" if completed else "KILLED")
+        elif self.status_before != "RUNNING":  # back to what training left
+            self.client.set_terminated(self.run_id, status=self.status_before)
