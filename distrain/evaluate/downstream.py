@@ -42,7 +42,12 @@ def metrics_row(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]
     for task, metrics in results.items():
         for key, value in metrics.items():
             metric, comma, filt = key.partition(",")
-            if not comma or "stderr" in metric or isinstance(value, bool) or not isinstance(value, int | float):
+            if (
+                not comma
+                or "stderr" in metric
+                or isinstance(value, bool)
+                or not isinstance(value, int | float)
+            ):
                 continue
             if not math.isfinite(value):
                 continue
