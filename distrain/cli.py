@@ -196,6 +196,58 @@ def cmd_generate(argv: list[str]) -> None:
     print(text)
 
 
+def eval_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(
+        prog="distrain eval",
+        description="Run lm-evaluation-harness tasks on a run's checkpoint (any layout); results "
+        "go to RUN_DIR/eval/step-NNNNNNNN.json, a metrics.jsonl row (eval/TASK/METRIC) and the "
+        "run's trackers. Needs `pip install distrain[eval]`.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
+    parser.add_argument(
+        "--tasks", required=True, help="Comma-separated task names (lm-evaluation-harness's)."
+    )
+    parser.add_argument(
+        "--step", type=int, default=None, help="The checkpoint's step (default: the newest)."
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="At most this many examples per task (default: all).",
+    )
+    parser.add_argument(
+        "--include-path",
+        default=None,
+        help="A folder of task YAML files (with their local data) to take the tasks from instead "
+        "of the harness's own list.",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="Requests scored in one forward pass."
+    )
+    parser.add_argument("--checkpoint-dir", default=None, help=CHECKPOINT_DIR_HELP)
+    return parser
+
+
+def cmd_eval(argv: list[str]) -> None:
+    ns = eval_parser().parse_args(argv)
+    from distrain.evaluate.downstream import run_eval
+
+    path, row = run_eval(
+        Path(ns.run_dir),
+        tasks=[t.strip() for t in ns.tasks.split(",") if t.strip()],
+        step=ns.step,
+        limit=ns.limit,
+        include_path=Path(ns.include_path) if ns.include_path else None,
+        batch_size=ns.batch_size,
+        checkpoint_dir=ns.checkpoint_dir,
+    )
+    for key, value in row.items():
+        if key != "step":
+            print(f"{key} = {value:.4f}")
+    print(path)
+
+
 def prepare_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="distrain prepare",
@@ -437,6 +489,7 @@ COMMANDS: dict[str, Command] = {
         cmd_train,
     ),
     "generate": Command("Sample text from a run's checkpoint.", generate_parser, cmd_generate),
+    "eval": Command("Run lm-evaluation-harness tasks on a checkpoint.", eval_parser, cmd_eval),
     "presets": Command("List the model presets and their sizes.", presets_parser, cmd_presets),
     "slurm": Command("Write and submit an sbatch script for a run.", _slurm_parser, cmd_slurm),
     "diagnose": Command("Explain what happened to a run.", diagnose_parser, cmd_diagnose),

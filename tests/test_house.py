@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "inference": 6,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
     "interop": 6,  # exports from a run dir and its checkpoint through the family's mapping
     "layout": 7,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
+    "evaluate": 7,  # lm-evaluation-harness over interop/'s checkpoint loading, inference's sampler
     "plan": 8,  # checks layouts with layout/ and builds their optimizers (optim/)
     "train": 9,
     "distrain": 10,  # the package root's Python API (function-local imports of config and train)

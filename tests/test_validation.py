@@ -580,7 +580,7 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, presets, slurm, diagnose, status, plot, prepare, export, plan, init-config"
+        "generate, eval, presets, slurm, diagnose, status, plot, prepare, export, plan, init-config"
     ]
 
 

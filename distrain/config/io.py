@@ -31,6 +31,8 @@ def _describe(tp: Any) -> str:
         return " | ".join(dict.fromkeys(names))
     if tp is type(None):
         return "none"
+    if origin is tuple:
+        return f"array of {typing.get_args(tp)[0].__name__} tables"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -41,6 +43,8 @@ def _field_types(section: Any) -> dict[str, Any]:
 def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
     """Check `value` against the annotation `tp`; from_text parses command-line strings."""
     origin = typing.get_origin(tp)
+    if origin is tuple:
+        return _coerce_tables(name, typing.get_args(tp)[0], value, from_text=from_text)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if type(None) in options and (value is None or (from_text and value in ("none", "None"))):
@@ -88,6 +92,46 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
         if isinstance(value, str):
             return value
     raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
+
+
+def _coerce_tables(name: str, table: type, value: Any, *, from_text: bool) -> tuple:
+    """A tuple of `table` dataclasses from TOML's array of tables, or from the command line's
+    NAME=PATH[,NAME=PATH...] (the first two fields of `table`)."""
+    if from_text and isinstance(value, str):
+        first, second = (f.name for f in dataclasses.fields(table)[:2])
+        items = []
+        for part in (p for p in value.split(",") if p.strip()):
+            key, sep, rest = part.partition("=")
+            if not sep:
+                raise ConfigError(
+                    f"{name}: expected {first.upper()}={second.upper()}, got {part!r}"
+                )
+            items.append({first: key.strip(), second: rest.strip()})
+        value = items
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{name}: expected an array of tables ([[{name}]]), got {value!r}")
+    hints = typing.get_type_hints(table)
+    out = []
+    for i, item in enumerate(value):
+        if dataclasses.is_dataclass(item):
+            out.append(item)
+            continue
+        if not isinstance(item, dict):
+            raise ConfigError(f"{name}[{i}]: expected a table, got {item!r}")
+        unknown = sorted(set(item) - set(hints))
+        if unknown:
+            raise ConfigError(
+                f"{name}[{i}]: unknown key {unknown[0]!r}; the keys are {', '.join(hints)}"
+            )
+        out.append(
+            table(
+                **{
+                    k: _coerce(f"{name}[{i}].{k}", hints[k], v, from_text=from_text)
+                    for k, v in item.items()
+                }
+            )
+        )
+    return tuple(out)
 
 
 # Fields that moved to another section: their old name is refused with the new one.
@@ -213,6 +257,8 @@ def load_config(
 def _without_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, tuple):  # an array of tables
+        return [_without_none(v) for v in value]
     return value
 
 

@@ -10,6 +10,7 @@ A config is resolved in three layers (see io.py): the dataclass defaults, then a
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,6 +138,23 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalSetConfig:
+    """A named validation set evaluated at each validation pass besides the training data's
+    own held-out split (`[[data.eval_sets]]` in TOML): read whole, with the run's tokenizer."""
+
+    name: str = doc("", "Name in the metrics: val/NAME/loss and val/NAME/ppl.")
+    path: str = doc("", "A text file, a folder of text files, or a token file (.bin / .npy).")
+    format: Literal["auto", "text", "tokens"] = doc(
+        "auto", "How to read path: auto decides by suffix (.bin/.npy = tokens)."
+    )
+    glob: str = doc("**/*", "Files to read when path is a folder.")
+    max_bytes: int = doc(0, "Read at most this many bytes of text (0 = all).", AT_LEAST_0)
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     path: str = doc(
         "",
@@ -170,6 +188,14 @@ class DataConfig:
         FRACTION,
     )
     skew_action: Literal["warn", "error"] = doc("warn", "What a data-skew above max_skew does.")
+    eval_sets: tuple[EvalSetConfig, ...] = doc(
+        (),
+        "More validation sets, each evaluated like the held-out split (training.eval_batches "
+        "micro-batches per rank, its first sequences) at every validation pass: TOML "
+        "[[data.eval_sets]] tables with name, path and optionally format, glob, max_bytes; on "
+        "the command line NAME=PATH[,NAME=PATH...]. Read with data.tokenizer (a token file "
+        "must be prepared with it) and data.token_dtype.",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -466,9 +492,54 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MLflowConfig:
+    """An MLflow tracking server (or store URI) that rank 0 logs the run to."""
+
+    tracking_uri: str = doc(
+        "",
+        "MLflow tracking URI (http://host:port, or a local store such as sqlite:///mlflow.db); "
+        "empty = no MLflow. Params = the resolved config, metrics at each logged step, "
+        "artifacts at the end (config.toml, plots, summary.json). Needs `pip install "
+        "distrain[track]`.",
+    )
+    experiment: str = doc("distrain", "MLflow experiment the run goes to (created when missing).")
+    run_name: str = doc("", "MLflow run name; empty = the run directory's name.")
+
+
+@dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases, which rank 0 logs the run to."""
+
+    mode: Literal["disabled", "online", "offline"] = doc(
+        "disabled",
+        "disabled = no W&B; online = log to the W&B server (WANDB_API_KEY, WANDB_BASE_URL); "
+        "offline = write the W&B run files only (upload later with `wandb sync`). Needs `pip "
+        "install distrain[track]`.",
+    )
+    project: str = doc("distrain", "W&B project.")
+    entity: str = doc("", "W&B entity (team or user); empty = the account's default.")
+    dir: str = doc("", "Folder W&B writes its run files under; empty = the run directory.")
+    run_name: str = doc("", "W&B run name; empty = the run directory's name.")
+
+
+@dataclass(kw_only=True, slots=True)
 class MetricsConfig:
     tensorboard: bool = doc(True, "Write TensorBoard event files under <run_dir>/tb/.")
     progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
+    tracker_queue_rows: int = doc(
+        10000,
+        "Metric rows an experiment tracker (MLflow, W&B) may hold while it is slow or down; "
+        "past that the oldest are dropped (with a warning). Training never waits for a tracker.",
+        AT_LEAST_1,
+    )
+    tracker_close_timeout_s: float = doc(
+        30.0,
+        "At the end of the run, how long rank 0 waits for the trackers to send what they "
+        "hold (rows, artifacts) before it gives up on them with a warning.",
+        AT_LEAST_0,
+    )
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -550,9 +621,28 @@ def validate(cfg: Config) -> None:
         # A word ("auto") is a choice of the field's type, not a number to range-check.
         if valid is not None and isinstance(value, int | float) and value not in valid:
             raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
+    _validate_eval_sets(cfg.data.eval_sets)
     t = cfg.training
     if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"training.micro_batch_size ({t.micro_batch_size})"
         )
+
+
+def _validate_eval_sets(eval_sets: tuple[EvalSetConfig, ...]) -> None:
+    seen: set[str] = set()
+    for i, e in enumerate(eval_sets):
+        where = f"data.eval_sets[{i}]"
+        if not EVAL_SET_NAME.fullmatch(e.name):
+            raise ConfigError(
+                f"{where}.name = {e.name!r}: give each eval set a name of letters, digits, "
+                "'_', '.' or '-' (it names the metrics val/NAME/loss)"
+            )
+        if e.name in seen:
+            raise ConfigError(f"{where}.name = {e.name!r} is used twice; names must be unique")
+        seen.add(e.name)
+        if not e.path:
+            raise ConfigError(f"{where} ({e.name}) has no path; set the file or folder to read")
+        if e.max_bytes < 0:
+            raise ConfigError(f"{where}.max_bytes = {e.max_bytes} is out of range: it must be >= 0")

@@ -1,4 +1,5 @@
-"""Train/validation split of a token stream, and fixed-length samples drawn from each split.
+"""Train/validation split of a token stream, fixed-length samples drawn from each split, and the
+named validation sets of data.eval_sets (each read whole).
 
 Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
 file is never copied: samples are sliced out of it by index when a batch is built.
@@ -6,6 +7,7 @@ file is never copied: samples are sliced out of it by index when a batch is buil
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -105,3 +107,27 @@ def build_datasets(
             "(data.path, data.max_bytes), a smaller training.seq_len or another data.val_fraction"
         )
     return train, val
+
+
+def build_eval_sets(
+    cfg: DataConfig, seq_len: int, *, vocab_size: int | None = None
+) -> dict[str, TokenDataset]:
+    """name -> dataset of every data.eval_sets entry, in order: its whole token stream in
+    windows of seq_len + 1, read with the run's tokenizer and token dtype."""
+    sets = {}
+    for e in cfg.eval_sets:
+        source = dataclasses.replace(
+            cfg, path=e.path, format=e.format, glob=e.glob, max_bytes=e.max_bytes, eval_sets=()
+        )
+        try:
+            tokens = read_corpus(source, vocab_size=vocab_size)
+        except DataError as err:
+            raise DataError(f"data.eval_sets {e.name!r}: {err}") from None
+        dataset = TokenDataset(tokens, [(0, len(tokens))], seq_len)
+        if len(dataset) == 0:
+            raise DataError(
+                f"data.eval_sets {e.name!r}: {len(tokens)} tokens in {e.path!r} give no sample "
+                f"of {seq_len + 1} tokens; give it more text or use a shorter training.seq_len"
+            )
+        sets[e.name] = dataset
+    return sets

@@ -1,7 +1,8 @@
 """Cheap checks of the places a run reads and writes, made by `distrain train` before it starts
-any worker: the data path exists (and a prepared token file's sidecar names data.tokenizer), the
-run directory and a local checkpoint directory can take files (a probe file written and
-deleted), and an object-store URL's filesystem is installed.
+any worker: the data path and the eval sets' paths exist (and a prepared token file's sidecar
+names data.tokenizer), the run directory and a local checkpoint directory can take files (a
+probe file written and deleted), an object-store URL's filesystem is installed, and so is each
+configured experiment tracker's library.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -23,6 +24,7 @@ from distrain.data.corpus import is_token_data
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError
+from distrain.observe.trackers import check_trackers_installed
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -36,6 +38,10 @@ def preflight(cfg: Config) -> None:
         sidecar = read_sidecar(Path(cfg.data.path))  # a small JSON file: cheap to read here
         if sidecar is not None:
             check_tokenizer(Path(cfg.data.path), sidecar, load_tokenizer(cfg.data.tokenizer))
+    for e in cfg.data.eval_sets:
+        if not Path(e.path).exists():
+            raise ConfigError(f"data.eval_sets {e.name!r}: no such file or folder {e.path!r}")
+    check_trackers_installed(cfg.metrics)
     check_writable("run.dir", Path(cfg.run.dir))
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:

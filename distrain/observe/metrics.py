@@ -6,23 +6,42 @@ steps since its checkpoint, so the rows of a later attempt carry its number (`"a
 no field means the first attempt) and begin with a `{"step": S, "resumed_from": S, "attempt": k}`
 row. `read_metrics` uses
 those to give one curve: the rows of earlier attempts past S are dropped (`all_attempts=True`
-keeps them)."""
+keeps them).
+
+A `RowSink` (the experiment trackers, observe/trackers.py) gets every row written, and is
+closed with the writer."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from distrain.observe.observer import Row, StepObserver
 
 NOT_SCALARS = ("step", "attempt")
 
 
+class RowSink(Protocol):
+    def log_row(self, row: Row) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter(StepObserver):
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        sink: RowSink | None = None,
+        new_attempt: bool = True,
+    ):
+        """`new_attempt=False` appends rows to the last attempt (an evaluation after training)."""
         self.enabled = enabled
         self.attempt = 0
+        self.sink = sink
         self._file = None
         self._tb = None
         if not enabled:
@@ -31,7 +50,8 @@ class MetricsWriter(StepObserver):
         if path.exists():
             _drop_torn_last_line(path)
             earlier = read_metrics(path, all_attempts=True)
-            self.attempt = max((r.get("attempt", 0) for r in earlier), default=-1) + 1
+            last = max((r.get("attempt", 0) for r in earlier), default=-1)
+            self.attempt = last + 1 if new_attempt else max(last, 0)
         self._file = open(path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -50,6 +70,8 @@ class MetricsWriter(StepObserver):
         if self.attempt:
             row = {**row, "attempt": self.attempt}
         self._file.write(json.dumps(row) + "\n")
+        if self.sink is not None:
+            self.sink.log_row(row)
         if self._tb is not None:
             step = row["step"]
             for key, value in row.items():
@@ -60,6 +82,8 @@ class MetricsWriter(StepObserver):
         self.log(row)
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         if self._file is not None:
             self._file.close()
         if self._tb is not None:

@@ -1,9 +1,9 @@
 """Assembling a run: `build_trainer` resolves the config once (resolve.py) and builds every part
 the loop runs, in dependency order, each from its own section of the resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
-choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink, the
-stop-signal agreement, fault injection and the step observers. Nothing is built later, and
-nothing here runs a step."""
+choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink (with
+rank 0's experiment trackers), the stop-signal agreement, fault injection and the step
+observers. Nothing is built later, and nothing here runs a step."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.config.schema import Config
-from distrain.data import DistributedBatchLoader, build_datasets, check_data_skew
+from distrain.data import (
+    DistributedBatchLoader,
+    build_datasets,
+    build_eval_sets,
+    check_data_skew,
+)
 from distrain.data.dataset import TokenDataset
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
@@ -29,6 +34,7 @@ from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
 from distrain.observe.stragglers import Stragglers
+from distrain.observe.trackers import Trackers
 from distrain.optim.builder import build_optimizers
 from distrain.optim.diloco import DiLoCo
 from distrain.parallel.compress import CommStats
@@ -57,6 +63,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     seed_everything(t.seed, deterministic=t.deterministic)
 
     train_set, val_set, loader = _data(plan, dp_rank, dp_group, ctx, logger)
+    eval_sets = build_eval_sets(cfg.data, t.seq_len, vocab_size=plan.model.vocab_size)
 
     comm_stats = CommStats()
     model = build_parallel_model(
@@ -67,7 +74,13 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     optimizers, gradient_plan = build_optimizers(
         model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats, site=site
     )
-    metrics = MetricsWriter(run_dir, enabled=ctx.rank == 0, tensorboard=cfg.metrics.tensorboard)
+    trackers = Trackers(cfg, run_dir, logger) if ctx.rank == 0 else None
+    metrics = MetricsWriter(
+        run_dir,
+        enabled=ctx.rank == 0,
+        tensorboard=cfg.metrics.tensorboard,
+        sink=trackers or None,
+    )
     if plan.auto_micro_batch:
         choice = autobatch.choose(
             model,
@@ -111,6 +124,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         grad_group=dims.gradient_mesh(mesh, dp_mesh).get_group(),
         loader=loader,
         val_set=val_set,
+        eval_sets=eval_sets,
         model=model,
         optimizers=optimizers,
         gradient_plan=gradient_plan,

@@ -70,6 +70,8 @@ class Trainer:
     """Its micro-batch size is the run's current one (autobatch's choice, halved by
     out-of-memory recovery): training and evaluation both read it there."""
     val_set: Dataset
+    eval_sets: dict[str, Dataset]
+    """data.eval_sets by name, evaluated after val_set at every validation pass."""
     model: ParallelModel
     optimizers: list[torch.optim.Optimizer]
     gradient_plan: GradientPlan
@@ -275,15 +277,16 @@ class Trainer:
         return values / self.ctx.world_size
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over a fixed set of batches; leaves the model in train mode.
+    def evaluate(self, dataset: Dataset | None = None) -> float:
+        """Mean loss over a fixed set of batches of `dataset` (default: the validation split);
+        leaves the model in train mode.
 
         The set is training.eval_batches batches of the run's decided micro-batch size, the same
         sequences throughout the run; they are evaluated in micro-batches of the loader's
         current size, which out-of-memory recovery may have halved."""
         self.model.train(False)
         batches = val_batches(
-            self.val_set,
+            self.val_set if dataset is None else dataset,
             num_batches=self.cfg.training.eval_batches,
             micro_batch_size=self.plan.batch.micro,
             dp_rank=self.dp_rank,
@@ -341,9 +344,7 @@ class Trainer:
                 (t.eval_interval_steps and step % t.eval_interval_steps == 0) or finished
             ):
                 heartbeat.mark("eval")
-                val_loss = self.evaluate()
-                self.metrics.log({"step": step, "val_loss": val_loss})
-                self.log.info("step %d: val_loss %.4f", step, val_loss)
+                self._validation_pass(step)
             kind = self.checkpoint_policy.due(step, sync_point=logged)
             if kind is not None or stopping:
                 heartbeat.mark("checkpoint")
@@ -368,6 +369,21 @@ class Trainer:
             self.step,
             "none" if newest is None else step_name(newest),
         )
+
+    def _validation_pass(self, step: int) -> None:
+        """The validation split's loss and perplexity (val_loss, val_ppl), then each named
+        set's (val/NAME/loss, val/NAME/ppl), and the pass's wall time (eval_s): one row."""
+        start = time.perf_counter()
+        val_loss = self.evaluate()
+        row = {"step": step, "val_loss": val_loss, "val_ppl": _perplexity(val_loss)}
+        for name, dataset in self.eval_sets.items():
+            loss = self.evaluate(dataset)
+            row[f"val/{name}/loss"] = loss
+            row[f"val/{name}/ppl"] = _perplexity(loss)
+        row["eval_s"] = time.perf_counter() - start
+        self.metrics.log(row)
+        named = "".join(f", {name} {row[f'val/{name}/loss']:.4f}" for name in self.eval_sets)
+        self.log.info("step %d: val_loss %.4f%s", step, val_loss, named)
 
     def _log_window(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, elapsed: float, steps: int
@@ -395,3 +411,8 @@ class Trainer:
         self.phase_ranges.close()
         heartbeat.unlisten(self.phase_ranges)
         self.stop_signals.close()
+
+
+def _perplexity(loss: float) -> float:
+    """exp(mean loss); inf past what a float holds."""
+    return math.exp(loss) if loss < 700 else math.inf

@@ -1,0 +1,56 @@
+"""The Weights & Biases client behind a `BackgroundTracker` (trackers.py): a run in
+metrics.wandb.project, online or offline (metrics.wandb.mode), continued by id on resume.
+
+Metrics are logged against their own `step` key (`define_metric`), not W&B's internal step, so
+a resumed run that redoes steps since its checkpoint is accepted. W&B's console capture and
+system-metrics sampling are off: the training process's output and CPU stay its own. `wandb`
+is imported when the tracker first connects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distrain.config.schema import WandbConfig
+
+
+class WandbBackend:
+    name = "wandb"
+
+    def __init__(self, cfg: WandbConfig, *, run_dir: Path, default_name: str):
+        self.cfg = cfg
+        self.dir = Path(cfg.dir) if cfg.dir else run_dir
+        self.run_name = cfg.run_name or default_name
+        self.run: Any = None
+
+    def open(self, *, run_id: str | None, params: dict[str, str]) -> str:
+        import wandb
+
+        if self.run is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(
+                project=self.cfg.project,
+                entity=self.cfg.entity or None,
+                dir=str(self.dir),
+                name=self.run_name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                mode=self.cfg.mode,
+                config=params,
+                allow_val_change=True,
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
+            self.run.define_metric("step")
+            self.run.define_metric("*", step_metric="step")
+        return self.run.id
+
+    def log_rows(self, rows: list[tuple[int, float, dict[str, float]]]) -> None:
+        for step, _, numbers in rows:
+            self.run.log({**numbers, "step": step})
+
+    def log_artifact(self, path: Path, *, folder: str) -> None:
+        base = path.parent.parent if folder else path.parent
+        self.run.save(str(path), base_path=str(base), policy="now")
+
+    def finish(self, *, completed: bool | None) -> None:
+        self.run.finish(exit_code=0 if completed is not False else 1)
