@@ -54,6 +54,8 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
         if len(errors) > 1:  # e.g. int | Literal["auto"]: name every choice
             raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
         raise errors[0]
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return _tables(name, typing.get_args(tp)[0], value, from_text=from_text)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value in allowed:
@@ -88,6 +90,33 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
         if isinstance(value, str):
             return value
     raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
+
+
+def _tables(name: str, cls: Any, value: Any, *, from_text: bool) -> tuple:
+    """A TOML array of tables (`[[data.sources]]`) as a tuple of `cls`, each key checked."""
+    if from_text or not isinstance(value, list | tuple):
+        raise ConfigError(f"{name}: write it as [[{name}]] tables in the --config TOML file")
+    items = []
+    for i, table in enumerate(value):
+        if dataclasses.is_dataclass(table):
+            table = dataclasses.asdict(table)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name}[{i}]: expected a table, got {table!r}")
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(table) - set(hints))
+        if unknown:
+            raise ConfigError(
+                f"{name}[{i}]: unknown key {unknown[0]!r}; a table has {', '.join(hints)}"
+            )
+        items.append(
+            cls(
+                **{
+                    k: _coerce(f"{name}[{i}].{k}", hints[k], v, from_text=False)
+                    for k, v in table.items()
+                }
+            )
+        )
+    return tuple(items)
 
 
 # Fields that moved to another section: their old name is refused with the new one.
@@ -213,6 +242,8 @@ def load_config(
 def _without_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, tuple):
+        return [_without_none(v) for v in value]
     return value
 
 
