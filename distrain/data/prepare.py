@@ -24,8 +24,9 @@ from typing import Any, Literal
 import numpy as np
 from tqdm import tqdm
 
+from distrain.data.corpus import INDEX_NAME
 from distrain.data.shard_writer import ShardWriter
-from distrain.data.shards import INDEX_NAME, ShardIndex
+from distrain.data.shards import ShardIndex
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
 from distrain.errors import ConfigError

@@ -26,8 +26,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from distrain.data.corpus import DataError
-from distrain.data.shards import INDEX_NAME, MAX_INDEX_BYTES, Shard, ShardIndex, parse_index
+from distrain.data.corpus import INDEX_NAME, DataError
+from distrain.data.shards import MAX_INDEX_BYTES, Shard, ShardIndex, parse_index
 
 Call = Callable[..., Any]
 """call(what, fn, *args) -> fn(*args), retried while its error may pass."""
@@ -38,11 +38,6 @@ _CHUNK = 8 << 20
 
 def _direct(what: str, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
-
-
-def is_sharded(path: str) -> bool:
-    """`path` is a URL, or a local folder holding an index.json."""
-    return "://" in path or (Path(path) / INDEX_NAME).is_file()
 
 
 class ShardStore:

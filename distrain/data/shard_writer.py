@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from distrain.data.shards import INDEX_NAME, Shard, ShardIndex, shard_name
+from distrain.data.corpus import INDEX_NAME
+from distrain.data.shards import Shard, ShardIndex, shard_name
 from distrain.errors import ConfigError
 
 WRITER_THREADS = 2

@@ -21,7 +21,6 @@ import numpy as np
 
 from distrain.data.corpus import DataError
 
-INDEX_NAME = "index.json"
 FORMAT = "distrain-shards"
 VERSION = 1
 MAX_INDEX_BYTES = 64 << 20
