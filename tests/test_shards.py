@@ -277,8 +277,9 @@ def test_an_s3_dataset_streams_through_a_bounded_cache(tmp_path, datasets, remot
     mixture, _ = build_mixture(far, SEQ, seed=3)
     store = mixture.sources[0].store
     assert store is not None and not store.local
-    # A download cut off in an earlier run, under its temporary name: removed, never read.
-    (store.cache / ".shard-00000.bin.1234.partial").write_bytes(b"x" * 10)
+    # A download cut off in an earlier run (its process is gone), under its temporary name:
+    # removed, never read.
+    (store.cache / ".shard-00000.bin.99999999.0a1b.partial").write_bytes(b"x" * 10)
     mixture, _ = build_mixture(far, SEQ, seed=3)
     store = mixture.sources[0].store
     assert not list(store.cache.glob("*.partial"))
@@ -323,3 +324,60 @@ def test_a_shard_that_differs_from_its_index_is_refused(tmp_path, s3, datasets):
     assert not (store.cache / name).exists() and not list(store.cache.glob("*.partial"))
     assert store.local_path(store.by_name["shard-00000.bin"]).is_file()
     store.close()
+
+
+def test_a_download_rides_out_an_outage_under_the_storage_retry_rules(tmp_path, s3, remote):  # noqa: F811
+    import threading
+
+    from s3 import _clear_s3fs_cache, through_gateway
+
+    from distrain.checkpoint.storage import Storage
+
+    with through_gateway(s3) as (relayed, gateway):
+        saved = dict(os.environ)
+        os.environ.update(relayed.env)
+        _clear_s3fs_cache()
+        try:
+            patient = ShardStore(
+                remote, cache_dir=str(tmp_path / "a"), cache_bytes=1 << 30,
+                call=Storage(remote, retry_s=30).call,
+            )  # fmt: skip
+            gateway.cut()
+            threading.Timer(0.5, gateway.restore).start()
+            path = patient.local_path(patient.by_name["shard-00000.bin"])
+            assert gateway.refused > 0
+            index = patient.index
+            assert path.stat().st_size == index.shard_bytes(index.shards[0])
+            patient.close()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            _clear_s3fs_cache()
+
+
+def test_sources_are_tables_in_the_config_file(tmp_path, datasets):
+    from distrain.config.io import load_config
+    from distrain.errors import ConfigError
+
+    toml = tmp_path / "mix.toml"
+    toml.write_text(
+        f'[[data.sources]]\npath = "{datasets["web"]}"\nweight = 2\n'
+        f'[[data.sources]]\npath = "{datasets["math"]}"\nname = "m"\n'
+    )
+    cfg = load_config(toml)
+    assert [(s.path, s.weight, s.name) for s in cfg.data.sources] == [
+        (str(datasets["web"]), 2.0, ""),
+        (str(datasets["math"]), 1.0, "m"),
+    ]
+    for overrides, message in [
+        ([("data.path", "x.bin")], "data.path .* and data.sources are both set"),
+        ([("data.sources", "a")], r"write it as \[\[data.sources\]\] tables"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(toml, overrides)
+    toml.write_text('[[data.sources]]\npath = "a"\nwieght = 2\n')
+    with pytest.raises(ConfigError, match=r"data.sources\[0\]: unknown key 'wieght'"):
+        load_config(toml)
+    toml.write_text('[[data.sources]]\npath = "a"\nweight = 0\n')
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight = 0.0 must be > 0"):
+        load_config(toml)

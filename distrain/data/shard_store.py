@@ -5,9 +5,11 @@ A remote shard is fetched by a background thread ahead of need (`prefetch`), or 
 (`local_path`). It is downloaded under a temporary name, its size and SHA-256 are checked against
 the index, and only then renamed to its own name: a partial or corrupt download is never read.
 Above `cache_bytes` the least recently used shards that are not wanted now are deleted (a reader
-that has one open keeps reading it: the file goes when it is closed). Every storage call goes
-through `call(what, fn, *args)`, the caller's retry policy (training passes the one checkpoints
-use, see checkpoint/storage.py).
+that has one open keeps reading it: the file goes when it is closed). The ranks of a node may
+share the folder: each counts its own downloads against `cache_bytes`, a shard another evicted is
+fetched again, and a download under way (a `.partial` file of a live process) is left alone.
+Every storage call goes through `call(what, fn, *args)`, the caller's retry policy (training
+passes the one checkpoints use, see checkpoint/storage.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ Call = Callable[..., Any]
 
 FETCH_THREADS = 4
 _CHUNK = 8 << 20
+
+
+def _downloading(name: str) -> bool:
+    """`name` is a download under way: a `.partial` file of a process still alive (the ranks of
+    a node share a cache folder)."""
+    parts = name.rsplit(".", 3)
+    if len(parts) != 4 or parts[3] != "partial" or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _direct(what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -85,8 +102,8 @@ class ShardStore:
             shard = self.by_name.get(path.name)
             if shard is not None and path.stat().st_size == self.index.shard_bytes(shard):
                 self._cached[path.name] = path.stat().st_size
-            else:
-                path.unlink()  # a partial download, a stale shard, or anything else
+            elif shard is not None or not _downloading(path.name):
+                path.unlink(missing_ok=True)  # a cut-off download, a stale shard, anything else
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shard-fetch")
 
     def _read_index(self) -> ShardIndex:
@@ -137,6 +154,11 @@ class ShardStore:
                 return self.cache / shard.name
         return self._fetch(shard.name).result()
 
+    def forget(self, shard: Shard) -> None:
+        """The shard's file is gone (another process sharing the cache evicted it)."""
+        with self._lock:
+            self._cached.pop(shard.name, None)
+
     def _fetch(self, name: str) -> Future[Path]:
         with self._lock:
             if name in self._cached:
@@ -154,7 +176,7 @@ class ShardStore:
         url = f"{self.url}/{shard.name}"
         size = self.index.shard_bytes(shard)
         final = self.cache / shard.name
-        tmp = self.cache / f".{shard.name}.{uuid.uuid4().hex}.partial"
+        tmp = self.cache / f".{shard.name}.{os.getpid()}.{uuid.uuid4().hex}.partial"
 
         def get() -> None:
             h = hashlib.sha256()

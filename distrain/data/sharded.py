@@ -46,8 +46,14 @@ class ShardedTokens:
             if fd is not None:
                 self._open.move_to_end(k)
                 return fd
-        path = self.store.local_path(self.index.shards[k])
-        fd = os.open(path, os.O_RDONLY)
+        shard = self.index.shards[k]
+        try:
+            fd = os.open(self.store.local_path(shard), os.O_RDONLY)
+        except FileNotFoundError:
+            if self.store.local:
+                raise
+            self.store.forget(shard)  # evicted by another process sharing the cache
+            fd = os.open(self.store.local_path(shard), os.O_RDONLY)
         with self._lock:
             self._open[k] = fd
             while len(self._open) > MAX_OPEN_SHARDS:
