@@ -381,3 +381,5 @@ def test_sources_are_tables_in_the_config_file(tmp_path, datasets):
     toml.write_text('[[data.sources]]\npath = "a"\nweight = 0\n')
     with pytest.raises(ConfigError, match=r"data.sources\[0\].weight = 0.0 must be > 0"):
         load_config(toml)
+    with pytest.raises(ConfigError, match="'s3://b/web' is remote: set data.cache_dir"):
+        load_config(None, [("data.path", "s3://b/web")])

@@ -587,6 +587,11 @@ def source_names(data: DataConfig) -> list[str]:
 
 
 def _validate_sources(data: DataConfig) -> None:
+    remote = [p for p in [data.path, *(s.path for s in data.sources)] if "://" in p]
+    if remote and not data.cache_dir:
+        raise ConfigError(
+            f"data: {remote[0]!r} is remote: set data.cache_dir to a local folder for its shards"
+        )
     if not data.sources:
         return
     if data.path:
