@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +155,9 @@ class ShardWriter:
         stop = (unit, offset_in_unit)
         self._pending.append(self._pool.submit(self._write, name, tokens, lengths, stop))
         self._tokens, self._lengths, self._count = [], [], 0
+        # At most a few shards in memory: tokenizing waits for the writers, not the reverse.
+        while sum(not f.done() for f in self._pending) > 2 * WRITER_THREADS:
+            wait([f for f in self._pending if not f.done()], return_when="FIRST_COMPLETED")
 
     def _write(
         self, name: str, tokens: np.ndarray, lengths: np.ndarray, stop: tuple[int, int]
@@ -179,13 +182,7 @@ class ShardWriter:
             self._pool.shutdown()
         if not self.shards:
             raise ConfigError("prepare: the inputs hold no tokens")
-        full = ShardIndex(
-            **{k: getattr(index, k) for k in ("tokenizer", "tokenizer_sha256", "vocab_size")},
-            dtype=index.dtype,
-            eos_id=index.eos_id,
-            shard_tokens=self.shard_tokens,
-            shards=tuple(self.shards),
-        )
+        full = replace(index, shard_tokens=self.shard_tokens, shards=tuple(self.shards))
         tmp = self.folder / f"{INDEX_NAME}.tmp"
         tmp.write_text(full.to_json())
         os.replace(tmp, self.folder / INDEX_NAME)

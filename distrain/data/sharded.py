@@ -55,6 +55,9 @@ class ShardedTokens:
             self.store.forget(shard)  # evicted by another process sharing the cache
             fd = os.open(self.store.local_path(shard), os.O_RDONLY)
         with self._lock:
+            if k in self._open:  # another thread opened it meanwhile
+                os.close(fd)
+                return self._open[k]
             self._open[k] = fd
             while len(self._open) > MAX_OPEN_SHARDS:
                 os.close(self._open.popitem(last=False)[1])
