@@ -79,6 +79,11 @@ class TokenDataset:
         r = np.searchsorted(self._offsets, idx, side="right") - 1
         return self._range_starts[r] + (idx - self._offsets[r]) * self.seq_len
 
+    def windows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """int64 [len(indices), seq_len + 1]: the samples' token windows, in numpy only (no
+        torch op, so a loader thread does not share torch's intra-op threads with the step)."""
+        return self._windows(self._window_starts(indices))
+
     def _windows(self, starts: np.ndarray) -> np.ndarray:
         if not isinstance(self.tokens, np.ndarray):
             return self.tokens.windows(starts, self.seq_len + 1)

@@ -107,8 +107,7 @@ class DistributedBatchLoader:
         g, share = self.global_batch_size, self.global_batch_size // self.dp_size
         choice = self.mixture.choose(consumed, consumed + g)
         mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
-        inputs = torch.empty((share, self.seq_len), dtype=torch.int64)
-        targets = torch.empty_like(inputs)
+        windows = np.empty((share, self.seq_len + 1), dtype=np.int64)
         after = positions.copy()
         for s, source in enumerate(self.mixture.sources):
             taken = choice == s
@@ -117,9 +116,11 @@ class DistributedBatchLoader:
             source.want_from(int(positions[s]))
             rows = np.flatnonzero(taken[mine])
             if rows.size:
-                indices = source.order.samples(at[mine][rows])
-                x, y = source.dataset.get_batch(indices)
-                inputs[rows], targets[rows] = x, y
+                windows[rows] = source.dataset.windows(source.order.samples(at[mine][rows]))
+        # numpy copies and zero-copy tensors: no torch op runs on this (possibly background)
+        # thread, whose intra-op threads would compete with the step's.
+        inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+        targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
         return (inputs, targets), after
 
     def _produce(self, consumed: int, positions: np.ndarray, out: queue.Queue) -> None:
