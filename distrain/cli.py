@@ -253,10 +253,21 @@ def prepare_parser() -> argparse.ArgumentParser:
         prog="distrain prepare",
         description="Tokenize text files, folders, JSONL files or a saved Hugging Face dataset "
         "into a token file for data.path (DATA.bin, its sidecar DATA.bin.json and document "
-        "boundaries DATA.bin.docs.npy).",
+        "boundaries DATA.bin.docs.npy), or with --shard-tokens into a dataset folder of shards "
+        "and index.json (resumed where it stopped when run again).",
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="Files and folders to read.")
-    parser.add_argument("--out", required=True, help="The token file to write (DATA.bin).")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="The token file to write (DATA.bin), or with --shard-tokens the dataset folder.",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=0,
+        help="Write a sharded dataset folder, each shard at most this many tokens (0 = one file).",
+    )
     parser.add_argument(
         "--tokenizer",
         default="bytes",
@@ -288,6 +299,7 @@ def cmd_prepare(argv: list[str]) -> None:
         eos=ns.eos,
         workers=ns.workers or os.cpu_count() or 1,
         progress=True,
+        shard_tokens=ns.shard_tokens,
     )
     s = result.sidecar
     print(

@@ -95,10 +95,12 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
 
 
 def _coerce_tables(name: str, table: type, value: Any, *, from_text: bool) -> tuple:
-    """A tuple of `table` dataclasses from TOML's array of tables, or from the command line's
-    NAME=PATH[,NAME=PATH...] (the first two fields of `table`)."""
+    """A tuple of `table` dataclasses from TOML's array of tables, or, for a table whose first
+    fields are name and path, from the command line's NAME=PATH[,NAME=PATH...]."""
     if from_text and isinstance(value, str):
         first, second = (f.name for f in dataclasses.fields(table)[:2])
+        if (first, second) != ("name", "path"):
+            raise ConfigError(f"{name}: write it as [[{name}]] tables in the --config TOML file")
         items = []
         for part in (p for p in value.split(",") if p.strip()):
             key, sep, rest = part.partition("=")

@@ -155,11 +155,50 @@ EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass(kw_only=True, slots=True)
+class SourceConfig:
+    """One source of a mixture: a `[[data.sources]]` table."""
+
+    path: str = doc("", "A sharded dataset folder, its fsspec URL, or a token file.")
+    weight: float = doc(1.0, "Its share of the samples (weights are normalised).", POSITIVE)
+    name: str = doc("", "Its name in metrics and logs (default: the last part of its path).")
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     path: str = doc(
         "",
-        "Training data: a text file, a folder of text files, or a token file (.bin raw / .npy). "
-        "Empty: the running Python's standard library source.",
+        "Training data: a text file, a folder of text files, a token file (.bin raw / .npy), "
+        "or a sharded dataset (a folder from `distrain prepare --shard-tokens`, or its fsspec "
+        "URL such as s3://bucket/prefix). Empty: the running Python's standard library source.",
+    )
+    sources: tuple[SourceConfig, ...] = doc(
+        (),
+        "A weighted mixture instead of data.path: [[data.sources]] tables with path (as "
+        "data.path, but data: token files or sharded datasets made with data.tokenizer), weight "
+        "(> 0, normalised) and name (for metrics data/tokens/NAME). The sample order is a "
+        "function of the seed, the sample position and the weights; weights may change between "
+        "runs (each source resumes where it stopped).",
+    )
+    cache_dir: str = doc(
+        "", "Local folder for the shards of a remote (URL) dataset; required for one."
+    )
+    cache_bytes: int = doc(
+        10 << 30,
+        "The most bytes of remote shards kept in data.cache_dir (least recently used first out); "
+        "must hold 2 x data.shuffle_window_shards shards.",
+        AT_LEAST_1,
+    )
+    shuffle_window_shards: int = doc(
+        4,
+        "Sharded data: shards whose samples are shuffled together (each epoch shuffles the "
+        "shards, then the samples within each window of this many); the next window is fetched "
+        "while one is read.",
+        AT_LEAST_1,
+    )
+    prefetch_batches: int = doc(
+        2,
+        "Global batches a background thread prepares ahead of the step (0 = on the step).",
+        AT_LEAST_0,
     )
     format: Literal["auto", "text", "tokens"] = doc(
         "auto", "How to read data.path: auto decides by suffix (.bin/.npy = tokens)."
@@ -613,6 +652,36 @@ def numeric_fields(node: Any, path: str = "") -> list[tuple[str, Any, dataclasse
     return found
 
 
+def source_names(data: DataConfig) -> list[str]:
+    """Each mixture source's name: its own, else the last part of its path."""
+    return [s.name or s.path.rstrip("/").rsplit("/", 1)[-1] for s in data.sources]
+
+
+def _validate_sources(data: DataConfig) -> None:
+    remote = [p for p in [data.path, *(s.path for s in data.sources)] if "://" in p]
+    if remote and not data.cache_dir:
+        raise ConfigError(
+            f"data: {remote[0]!r} is remote: set data.cache_dir to a local folder for its shards"
+        )
+    if not data.sources:
+        return
+    if data.path:
+        raise ConfigError(
+            f"data.path ({data.path!r}) and data.sources are both set; use one (a mixture "
+            "lists every source in [[data.sources]])"
+        )
+    for i, source in enumerate(data.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources[{i}].path is empty; name a dataset")
+        if not source.weight > 0:
+            raise ConfigError(f"data.sources[{i}].weight = {source.weight} must be > 0")
+    names = source_names(data)
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"data.sources have repeated names ({', '.join(names)}); give each a distinct name"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size or the model (layout/rules.py has those):
     every number within its field's range, then the relations between fields."""
@@ -622,6 +691,7 @@ def validate(cfg: Config) -> None:
         if valid is not None and isinstance(value, int | float) and value not in valid:
             raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
     _validate_eval_sets(cfg.data.eval_sets)
+    _validate_sources(cfg.data)
     t = cfg.training
     if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(

@@ -21,6 +21,8 @@ from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import DistrainError
 from distrain.observe.logs import LOGGER_NAME
 
+INDEX_NAME = "index.json"
+"""The file that makes a folder a sharded dataset (shards.py)."""
 _SKIPPED_DIRS = ("site-packages", "dist-packages")
 _TOKEN_SUFFIXES = (".bin", ".npy")
 # Bytes that are no part of text: C0 controls other than tab, newlines, form feed; and DEL.
@@ -48,7 +50,7 @@ def read_corpus(cfg: DataConfig, *, vocab_size: int | None = None) -> np.ndarray
             raise DataError(f"data.path: no such file or folder {cfg.path!r}")
         is_tokens = is_token_data(cfg)
         if is_tokens:
-            tokens = _read_token_file(path, cfg.token_dtype, cfg.tokenizer)
+            tokens = read_token_file(path, cfg.token_dtype, cfg.tokenizer)
         elif path.is_dir():
             files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
             tokens = _read_files(files, cfg.max_bytes)
@@ -141,14 +143,24 @@ def _read_files(files: list[Path], max_bytes: int) -> np.ndarray:
     return np.frombuffer(joined, dtype=np.uint8)
 
 
+def is_sharded(path: str) -> bool:
+    """`path` is a URL (only sharded datasets are read from one), or a local folder holding a
+    sharded dataset's index."""
+    return "://" in path or (path != "" and (Path(path) / INDEX_NAME).is_file())
+
+
 def is_token_data(cfg: DataConfig) -> bool:
-    """data.path names a token file (by data.format, or its suffix when format is auto)."""
-    return cfg.format == "tokens" or (
-        cfg.format == "auto" and cfg.path != "" and Path(cfg.path).suffix in _TOKEN_SUFFIXES
+    """The data is tokens: a mixture, a sharded dataset, or data.path names a token file (by
+    data.format, or its suffix when format is auto)."""
+    return (
+        bool(cfg.sources)
+        or is_sharded(cfg.path)
+        or cfg.format == "tokens"
+        or (cfg.format == "auto" and cfg.path != "" and Path(cfg.path).suffix in _TOKEN_SUFFIXES)
     )
 
 
-def _read_token_file(path: Path, token_dtype: str, tokenizer: str) -> np.ndarray:
+def read_token_file(path: Path, token_dtype: str, tokenizer: str) -> np.ndarray:
     """Memory-map a token file: `.npy` carries its own dtype, a prepared file's sidecar names it
     (and the tokenizer, which must be data.tokenizer), anything else is raw `token_dtype`."""
     if path.is_dir():

@@ -2,14 +2,16 @@
 named validation sets of data.eval_sets (each read whole).
 
 Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
-file is never copied: samples are sliced out of it by index when a batch is built.
+file is never copied: samples are sliced out of it by index when a batch is built. The tokens are
+an array, or a sharded dataset's stream (sharded.py), which reads its windows itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ Ranges = list[tuple[int, int]]
 
 
 def split_tokens(
-    tokens: np.ndarray, val_fraction: float, *, block_tokens: int = 1 << 16
+    tokens: Sized, val_fraction: float, *, block_tokens: int = 1 << 16
 ) -> tuple[Ranges, Ranges]:
     """Deterministic (train_ranges, val_ranges): cut the stream into blocks of `block_tokens` and
     send an evenly spread `val_fraction` of them to validation (block i is val iff
@@ -59,7 +61,7 @@ class TokenDataset:
     """Non-overlapping windows of seq_len + 1 tokens (stride seq_len) inside each range: the model
     reads window[:-1] and predicts window[1:], so each token is a target exactly once."""
 
-    def __init__(self, tokens: np.ndarray, ranges: Ranges, seq_len: int) -> None:
+    def __init__(self, tokens: Any, ranges: Ranges, seq_len: int) -> None:
         if seq_len <= 0:
             raise ValueError(f"training.seq_len must be > 0, got {seq_len}")
         self.tokens = tokens
@@ -79,15 +81,23 @@ class TokenDataset:
         r = np.searchsorted(self._offsets, idx, side="right") - 1
         return self._range_starts[r] + (idx - self._offsets[r]) * self.seq_len
 
+    def windows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """int64 [len(indices), seq_len + 1]: the samples' token windows, in numpy only (no
+        torch op, so a loader thread does not share torch's intra-op threads with the step)."""
+        return self._windows(self._window_starts(indices))
+
+    def _windows(self, starts: np.ndarray) -> np.ndarray:
+        if not isinstance(self.tokens, np.ndarray):
+            return self.tokens.windows(starts, self.seq_len + 1)
+        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        return np.asarray(self.tokens[starts[:, None] + offsets], np.int64)
+
     def __getitem__(self, index: int) -> np.ndarray:
-        start = int(self._window_starts([index])[0])
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        return self._windows(self._window_starts([index]))[0]
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read."""
-        starts = self._window_starts(indices)
-        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
-        windows = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + offsets], np.int64))
+        windows = torch.from_numpy(self._windows(self._window_starts(indices)))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 

@@ -1,22 +1,37 @@
 """The distributed, resumable batch loader and the fixed validation batches.
 
-All ranks agree on one global sample stream: epoch e visits every sample in the order
-`default_rng([seed, e]).permutation(N)`, and epochs follow each other without a gap. Each step takes
-the next global_batch_size samples of that stream and rank r reads the r-th contiguous slice of it.
-The stream does not depend on the layout, so concatenating every rank's micro-batches in rank order
-gives exactly the one-process batch: that is what makes N-rank losses match 1-rank losses, and why a
-checkpoint's single `samples_consumed` resumes on any number of ranks.
+All ranks agree on one global sample stream. Global position g is supplied by the source that the
+mixture picks for it (mixture.py; a single dataset supplies every position), at that source's
+next position, in that source's own order (order.py): for one token file, epoch e visits every
+sample in the order `default_rng([seed, e]).permutation(N)`. Each step takes the next
+global_batch_size positions and rank r reads the r-th contiguous slice of them. The stream does
+not depend on the layout, so concatenating every rank's micro-batches in rank order gives exactly
+the one-process batch: that is what makes N-rank losses match 1-rank losses, and why a
+checkpoint's state, the global position and each source's position, resumes on any number of
+ranks, at once (nothing is replayed).
+
+With data.prefetch_batches > 0 a background thread prepares the next batches while the step runs
+(reading, and for remote shards telling the shard store what comes next); `data_wait_s` is the
+time steps spent waiting for it.
 """
 
 from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
 
 import numpy as np
 import torch
 
 from distrain.data.corpus import DataError
 from distrain.data.dataset import TokenDataset
+from distrain.data.mixture import Mixture
+from distrain.observe.logs import LOGGER_NAME
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+_STOP = object()
 
 
 class DistributedBatchLoader:
@@ -24,13 +39,14 @@ class DistributedBatchLoader:
 
     def __init__(
         self,
-        dataset: TokenDataset,
+        data: TokenDataset | Mixture,
         *,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,
         dp_size: int,
         seed: int,
+        prefetch_batches: int = 0,
     ) -> None:
         if global_batch_size <= 0 or micro_batch_size <= 0 or dp_size <= 0:
             raise ValueError(
@@ -45,61 +61,123 @@ class DistributedBatchLoader:
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
-        if len(dataset) < global_batch_size:
-            raise DataError(
-                f"the data set is too small: the training split holds {len(dataset)} sequences "
-                f"of {dataset.seq_len} tokens, one global batch needs {global_batch_size} "
-                "(training.global_batch_size); use more data (data.path, data.max_bytes), a "
-                "smaller training.global_batch_size or a shorter training.seq_len"
-            )
-        self.dataset = dataset
+        mixture = data if isinstance(data, Mixture) else Mixture.single(data, seed=seed)
+        for source in mixture.sources:
+            of = f" of {source.name!r}" if len(mixture.sources) > 1 else ""
+            if len(source) < global_batch_size:
+                raise DataError(
+                    f"the data set is too small: the training split{of} holds "
+                    f"{len(source)} sequences of {source.dataset.seq_len} tokens, one global "
+                    f"batch needs {global_batch_size} (training.global_batch_size); use more data "
+                    "(data.path, data.max_bytes), a smaller training.global_batch_size or a "
+                    "shorter training.seq_len"
+                )
+        self.mixture = mixture
+        self.dataset = mixture.sources[0].dataset
+        self.seq_len = self.dataset.seq_len
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.prefetch_batches = prefetch_batches
         self.accum_steps = global_batch_size // (micro_batch_size * dp_size)
         self.samples_consumed = 0
-        self._perms: dict[int, np.ndarray] = {}
+        self.positions = np.zeros(len(mixture.sources), dtype=np.int64)
+        """Samples each source has supplied to the batches handed out so far."""
+        self.wait_s = 0.0
+        """Seconds next_batch waited for data since the last `take_wait_s`."""
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
 
     @property
     def samples_per_rank_per_epoch(self) -> int:
         """Samples this rank reads from stream positions [0, N): G/D per full global batch, plus
         its slice of the final partial batch. Ranks past that partial batch's end read fewer, which
         is what the data-skew check reports (every step still gives each rank G/D samples)."""
-        n, share = len(self.dataset), self.global_batch_size // self.dp_size
+        n, share = len(self.mixture), self.global_batch_size // self.dp_size
         partial = n % self.global_batch_size
         in_partial = min(max(partial - self.dp_rank * share, 0), share)
         return (n // self.global_batch_size) * share + in_partial
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perms[epoch] = rng.permutation(len(self.dataset))
-        return self._perms[epoch]
+    def _read(self, consumed: int, positions: np.ndarray) -> tuple[Batch, np.ndarray]:
+        """This rank's share of the global batch at `consumed` (sources at `positions`), and the
+        sources' positions after the whole global batch."""
+        g, share = self.global_batch_size, self.global_batch_size // self.dp_size
+        choice = self.mixture.choose(consumed, consumed + g)
+        mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        windows = np.empty((share, self.seq_len + 1), dtype=np.int64)
+        after = positions.copy()
+        for s, source in enumerate(self.mixture.sources):
+            taken = choice == s
+            at = positions[s] + np.cumsum(taken) - 1
+            after[s] += int(taken.sum())
+            source.want_from(int(positions[s]))
+            rows = np.flatnonzero(taken[mine])
+            if rows.size:
+                windows[rows] = source.dataset.windows(source.order.samples(at[mine][rows]))
+        # numpy copies and zero-copy tensors: no torch op runs on this (possibly background)
+        # thread, whose intra-op threads would compete with the step's.
+        inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+        targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+        return (inputs, targets), after
 
-    def _stream(self, start: int, stop: int) -> np.ndarray:
-        """Dataset indices at global stream positions [start, stop), across epoch boundaries."""
-        n = len(self.dataset)
-        parts = []
-        pos = start
-        while pos < stop:
-            epoch, offset = divmod(pos, n)
-            take = min(stop - pos, n - offset)
-            parts.append(self._perm(epoch)[offset : offset + take])
-            pos += take
-        return np.concatenate(parts)
+    def _produce(self, consumed: int, positions: np.ndarray, out: queue.Queue) -> None:
+        try:
+            while not self._halt.is_set():
+                batch, positions = self._read(consumed, positions)
+                consumed += self.global_batch_size
+                item = (batch, consumed, positions)
+                while not self._halt.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # handed to the step that needs the batch
+            out.put(e)
+
+    def _next_global(self) -> tuple[Batch, int, np.ndarray]:
+        if self.prefetch_batches == 0:
+            batch, after = self._read(self.samples_consumed, self.positions)
+            return batch, self.samples_consumed + self.global_batch_size, after
+        if self._thread is None:
+            self._halt.clear()
+            self._queue = queue.Queue(self.prefetch_batches)
+            self._thread = threading.Thread(
+                target=self._produce,
+                args=(self.samples_consumed, self.positions.copy(), self._queue),
+                name="batch-loader",
+                daemon=True,
+            )
+            self._thread.start()
+        assert self._queue is not None
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
 
     def next_batch(self) -> list[Batch]:
         """accum_steps micro-batches (inputs, targets) of micro_batch_size samples each."""
-        share = self.global_batch_size // self.dp_size
-        start = self.samples_consumed + self.dp_rank * share
-        indices = self._stream(start, start + share)
-        self.samples_consumed += self.global_batch_size
-        current_epoch = self.samples_consumed // len(self.dataset)
-        self._perms = {e: p for e, p in self._perms.items() if e >= current_epoch}
+        start = time.perf_counter()
+        (inputs, targets), self.samples_consumed, self.positions = self._next_global()
+        self.wait_s += time.perf_counter() - start
         m = self.micro_batch_size
-        return [self.dataset.get_batch(indices[i : i + m]) for i in range(0, share, m)]
+        return [(inputs[i : i + m], targets[i : i + m]) for i in range(0, inputs.shape[0], m)]
+
+    def take_wait_s(self) -> float:
+        """The data wait since the last call, and start counting again."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def tokens_per_source(self) -> dict[str, int]:
+        """Target tokens each source has supplied to the run so far."""
+        return {
+            name: int(p) * self.seq_len
+            for name, p in zip(self.mixture.names, self.positions, strict=True)
+        }
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the split of each rank's share (after an out-of-memory step, say); the global
@@ -110,13 +188,51 @@ class DistributedBatchLoader:
         self.micro_batch_size = micro_batch_size
         self.accum_steps = share // micro_batch_size
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        # Tensors only: checkpoints load with weights_only / DCP, which refuse arbitrary objects.
-        return {"samples_consumed": torch.tensor(self.samples_consumed, dtype=torch.int64)}
+    def close(self) -> None:
+        """Stop the background thread; the next batch starts it again where the stream is."""
+        if self._thread is not None:
+            self._halt.set()
+            self._thread.join()
+            self._thread, self._queue = None, None
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def state_dict(self) -> dict:
+        # Tensors only: checkpoints load with weights_only / DCP, which refuse arbitrary objects.
+        state: dict = {"samples_consumed": torch.tensor(self.samples_consumed, dtype=torch.int64)}
+        if len(self.mixture.sources) > 1:
+            state["sources"] = {
+                name: {
+                    "position": torch.tensor(int(p), dtype=torch.int64),
+                    "weight": torch.tensor(float(w), dtype=torch.float64),
+                }
+                for name, p, w in zip(
+                    self.mixture.names, self.positions, self.mixture.weights, strict=True
+                )
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.close()
         self.samples_consumed = int(state_dict["samples_consumed"])
-        self._perms.clear()
+        if len(self.mixture.sources) == 1:
+            self.positions[:] = self.samples_consumed
+            return
+        saved = state_dict["sources"]
+        self.positions = np.array([int(saved[n]["position"]) for n in self.mixture.names])
+        before = np.array([float(saved[n]["weight"]) for n in self.mixture.names])
+        if not np.allclose(before, self.mixture.weights, rtol=0, atol=1e-12):
+            logging.getLogger(LOGGER_NAME).info(
+                "data: mixture weights changed (%s); each source continues where it stopped (%s)",
+                ", ".join(
+                    f"{n} {b:.4g} -> {w:.4g}"
+                    for n, b, w in zip(
+                        self.mixture.names, before, self.mixture.weights, strict=True
+                    )
+                ),
+                ", ".join(
+                    f"{n} at sample {p}"
+                    for n, p in zip(self.mixture.names, self.positions, strict=True)
+                ),
+            )
 
 
 def val_batches(

@@ -1,5 +1,6 @@
 """`distrain prepare`: tokenize text files, folders, JSONL files and saved Hugging Face datasets
-into a prepared token file (see tokfile.py), in parallel worker processes, with a progress bar.
+into a prepared token file (see tokfile.py), or with `shard_tokens` into a sharded dataset folder
+(see shards.py, shard_writer.py), in parallel worker processes, with a progress bar.
 
 The inputs are cut into units of work (a text file, a newline-aligned byte range of a JSONL file,
 a row range of a dataset) in a fixed order; workers tokenize units and the parent writes their
@@ -9,19 +10,23 @@ one document, as are a JSONL line's and a dataset row's `--field` text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from tqdm import tqdm
 
+from distrain.data.corpus import INDEX_NAME
+from distrain.data.shard_writer import ShardWriter
+from distrain.data.shards import ShardIndex
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
 from distrain.errors import ConfigError
@@ -66,12 +71,21 @@ def prepare(
     eos: str | None = None,
     workers: int = 1,
     progress: bool = False,
+    shard_tokens: int = 0,
 ) -> Prepared:
-    """Tokenize `inputs` into `out` (+ its sidecar and document boundaries); see the module doc."""
+    """Tokenize `inputs` into `out` (+ its sidecar and document boundaries), or with
+    `shard_tokens` > 0 into the dataset folder `out`; see the module doc."""
     start_time = time.perf_counter()
     out_path = Path(out)
-    if out_path.suffix != ".bin":
-        raise ConfigError(f"--out {out!r} must end in .bin (training reads .bin as tokens)")
+    if shard_tokens < 0:
+        raise ConfigError(f"--shard-tokens must be >= 0, got {shard_tokens}")
+    if shard_tokens and out_path.suffix == ".bin":
+        raise ConfigError(f"--out {out!r}: with --shard-tokens, --out names a folder, not a .bin")
+    if not shard_tokens and out_path.suffix != ".bin":
+        raise ConfigError(
+            f"--out {out!r} must end in .bin (training reads .bin as tokens), or be a folder "
+            "with --shard-tokens N"
+        )
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     tok = load_tokenizer(tokenizer, "--tokenizer")
@@ -88,6 +102,10 @@ def prepare(
     # pool would otherwise also take every core, in each worker).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup = (tokenizer, field, eos_id, dtype.str)
+    if shard_tokens:
+        return _prepare_shards(
+            units, setup, tok, out_path, shard_tokens, eos_id, workers, progress, start_time
+        )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     lengths: list[np.ndarray] = []
@@ -128,6 +146,63 @@ def prepare(
     return Prepared(sidecar, time.perf_counter() - start_time)
 
 
+def _prepare_shards(
+    units: list[Unit],
+    setup: tuple[str, str, int | None, str],
+    tok: Tokenizer,
+    out: Path,
+    shard_tokens: int,
+    eos_id: int | None,
+    workers: int,
+    progress: bool,
+    start_time: float,
+) -> Prepared:
+    """The sharded variant of `prepare`: units from where an earlier run of this job stopped."""
+    dtype = np.dtype(setup[3])
+    job = hashlib.sha256(
+        json.dumps([[asdict(u) for u in units], tok.fingerprint, setup[1:], shard_tokens]).encode()
+    ).hexdigest()
+    writer = ShardWriter(out, shard_tokens=shard_tokens, job=job, dtype=dtype)
+    todo = units[writer.resume_unit :]
+    bar = tqdm(
+        total=sum(u.weight for u in todo),
+        desc="prepare",
+        unit="B",
+        unit_scale=True,
+        disable=not (progress and sys.stderr.isatty()),
+    )
+    try:
+        with bar:
+            results = _results(todo, setup, workers)
+            for i, (unit, (tokens, lengths)) in enumerate(zip(todo, results, strict=True)):
+                writer.add(writer.resume_unit + i, tokens, lengths)
+                bar.update(unit.weight)
+    except BaseException:
+        writer.abort()
+        raise
+    index = writer.finish(
+        ShardIndex(
+            tokenizer=tok.spec,
+            tokenizer_sha256=tok.fingerprint,
+            vocab_size=tok.vocab_size,
+            dtype=dtype.name,
+            eos_id=eos_id,
+            shard_tokens=shard_tokens,
+            shards=(),
+        )
+    )
+    sidecar = Sidecar(
+        tokenizer=tok.spec,
+        tokenizer_sha256=tok.fingerprint,
+        vocab_size=tok.vocab_size,
+        dtype=dtype.name,
+        num_tokens=index.num_tokens,
+        num_documents=sum(s.num_documents for s in index.shards),
+        eos_id=eos_id,
+    )
+    return Prepared(sidecar, time.perf_counter() - start_time)
+
+
 def _results(
     units: list[Unit], setup: tuple[str, str, int | None, str], workers: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -150,6 +225,10 @@ def _results(
 
 def _units(inputs: list[str], out: Path, *, field: str, glob: str, split: str) -> Iterator[Unit]:
     produced = {p.resolve() for p in (out, docs_path(out), sidecar_path(out))}
+    if out.is_dir():
+        produced |= {
+            p.resolve() for p in out.iterdir() if p.name.startswith(("shard-", INDEX_NAME))
+        }
     for name in inputs:
         path = Path(name).expanduser()
         if not path.exists():

@@ -1,8 +1,9 @@
 """Cheap checks of the places a run reads and writes, made by `distrain train` before it starts
-any worker: the data path and the eval sets' paths exist (and a prepared token file's sidecar
-names data.tokenizer), the run directory and a local checkpoint directory can take files (a
-probe file written and deleted), an object-store URL's filesystem is installed, and so is each
-configured experiment tracker's library.
+any worker: the data path exists (and a prepared token file's sidecar, or a local sharded
+dataset's index, names data.tokenizer; so does each mixture source's), the eval sets' paths
+exist, the run directory and a local checkpoint directory can take files (a probe file written
+and deleted), an object-store URL's filesystem is installed, and so is each configured
+experiment tracker's library.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -19,8 +20,9 @@ from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
-from distrain.config.schema import Config
-from distrain.data.corpus import is_token_data
+from distrain.config.schema import Config, source_names
+from distrain.data.corpus import INDEX_NAME, is_token_data
+from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError
@@ -32,12 +34,15 @@ _LOCAL_PROTOCOLS = (None, "file", "local")
 def preflight(cfg: Config) -> None:
     """Raise ConfigError (one line naming the field, the path and the cause) for the first
     problem found."""
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        raise ConfigError(f"data.path: no such file or folder {cfg.data.path!r}")
-    if is_token_data(cfg.data) and Path(cfg.data.path).is_file():
-        sidecar = read_sidecar(Path(cfg.data.path))  # a small JSON file: cheap to read here
-        if sidecar is not None:
-            check_tokenizer(Path(cfg.data.path), sidecar, load_tokenizer(cfg.data.tokenizer))
+    if cfg.data.sources:
+        for i, (source, name) in enumerate(
+            zip(cfg.data.sources, source_names(cfg.data), strict=True)
+        ):
+            check_data_source(f"data.sources[{i}] ({name!r})", source.path, cfg.data.tokenizer)
+    elif cfg.data.path:
+        check_data_source(
+            "data.path", cfg.data.path, cfg.data.tokenizer, tokens=is_token_data(cfg.data)
+        )
     for e in cfg.data.eval_sets:
         if not Path(e.path).exists():
             raise ConfigError(f"data.eval_sets {e.name!r}: no such file or folder {e.path!r}")
@@ -49,6 +54,29 @@ def preflight(cfg: Config) -> None:
         check_writable(field, Path(checkpoint_storage(cfg).root))
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
+
+
+def check_data_source(field: str, path: str, tokenizer: str, *, tokens: bool = True) -> None:
+    """The data at `path` exists and, where a small local file says so, was made with
+    `tokenizer`; a URL's filesystem is installed (its index is read when workers open it)."""
+    protocol, _ = split_protocol(path)
+    if protocol not in _LOCAL_PROTOCOLS:
+        check_filesystem_installed(field, path, protocol)
+        return
+    local = Path(path)
+    if not local.exists():
+        raise ConfigError(f"{field}: no such file or folder {path!r}")
+    if (local / INDEX_NAME).is_file():
+        index = parse_index((local / INDEX_NAME).read_bytes(), where=f"{field} {path}")
+        if index.tokenizer_sha256 != load_tokenizer(tokenizer).fingerprint:
+            raise ConfigError(
+                f"{field} {path!r} was prepared with tokenizer {index.tokenizer!r} but "
+                f"data.tokenizer is {tokenizer!r}; set data.tokenizer = {index.tokenizer!r}"
+            )
+    elif tokens and local.is_file():
+        sidecar = read_sidecar(local)  # a small JSON file: cheap to read here
+        if sidecar is not None:
+            check_tokenizer(local, sidecar, load_tokenizer(tokenizer))
 
 
 def check_writable(field: str, path: Path) -> None:

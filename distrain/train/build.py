@@ -15,14 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
+from distrain.checkpoint.storage import Storage
 from distrain.config.schema import Config
-from distrain.data import (
-    DistributedBatchLoader,
-    build_datasets,
-    build_eval_sets,
-    check_data_skew,
-)
+from distrain.data import DistributedBatchLoader, build_eval_sets, check_data_skew
 from distrain.data.dataset import TokenDataset
+from distrain.data.shard_store import Call
+from distrain.data.sources import build_mixture
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
 from distrain.models.presets import num_params
@@ -45,7 +43,13 @@ from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
 from distrain.train.faults import Faults
 from distrain.train.loop import Trainer
-from distrain.train.observers import CommMetrics, DiLoCoMetrics, MoEMetrics, ReplicaCheck
+from distrain.train.observers import (
+    CommMetrics,
+    DataMetrics,
+    DiLoCoMetrics,
+    MoEMetrics,
+    ReplicaCheck,
+)
 from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
 
@@ -110,7 +114,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     phase_ranges = PhaseRanges(ctx.device)
     observers = _observers(
-        cfg, ctx, run_dir, model, mesh, comm_stats, nonfinite, metrics, phase_ranges, logger
+        cfg, ctx, run_dir, model, mesh, comm_stats, nonfinite, metrics, phase_ranges, loader, logger
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
@@ -168,20 +172,32 @@ def _data(
     ranks reading unequal shares are reported (or refused) by the skew check."""
     cfg = plan.config
     t = cfg.training
-    train_set, val_set = build_datasets(cfg.data, t.seq_len, vocab_size=plan.model.vocab_size)
+
+    def storage_call(url: str) -> Call:
+        return Storage(url, retry_s=cfg.checkpoint.storage_retry_s).call
+
+    mixture, val_set = build_mixture(
+        cfg.data, t.seq_len, seed=t.seed, vocab_size=plan.model.vocab_size, call_for=storage_call
+    )
     loader = DistributedBatchLoader(
-        train_set,
+        mixture,
         global_batch_size=plan.batch.global_batch,
         micro_batch_size=plan.batch.micro,
         dp_rank=dp_rank,
         dp_size=plan.batch.dp,
         seed=t.seed,
+        prefetch_batches=cfg.data.prefetch_batches,
     )
+    train_set = loader.dataset
     logger.info(
-        "data: %d train / %d val sequences of %d tokens; this rank reads %d per epoch",
-        len(train_set),
+        "data: %d train / %d val sequences of %d tokens (%s); this rank reads %d per epoch",
+        len(mixture),
         len(val_set),
         t.seq_len,
+        ", ".join(
+            f"{s.name} {s.weight / sum(x.weight for x in mixture.sources):.3g}"
+            for s in mixture.sources
+        ),
         loader.samples_per_rank_per_epoch,
     )
     check_data_skew(
@@ -230,6 +246,7 @@ def _observers(
     nonfinite: NonFiniteGuard,
     metrics: MetricsWriter,
     phase_ranges: PhaseRanges,
+    loader: DistributedBatchLoader,
     logger: logging.Logger,
 ) -> list[StepObserver]:
     """The step observers, in the order the loop calls them: the metrics row's producers,
@@ -251,6 +268,7 @@ def _observers(
         LossSpikes(t.loss_spike_factor),
         Stragglers(ctx.device, ratio=cfg.watchdog.straggler_ratio, rank=ctx.rank, logger=logger),
         CommMetrics(comm_stats),
+        DataMetrics(loader),
     ]
     if model.moe_stats is not None:
         observers.append(MoEMetrics(model.moe_stats))

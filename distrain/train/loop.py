@@ -406,6 +406,7 @@ class Trainer:
             observer.logged(row, steps=steps)
 
     def close(self) -> None:
+        self.loader.close()
         for observer in reversed(self.observers):
             observer.close()
         self.phase_ranges.close()

@@ -1,13 +1,15 @@
 """The trainer's observers over what the parallel layer counts: gradient-communication bytes
 (`CommMetrics`), DiLoCo's outer steps (`DiLoCoMetrics`), mixture-of-experts load statistics
 (`MoEMetrics`) and the cross-replica consistency check of debug.check_replicas
-(`ReplicaCheck`). Each is a `StepObserver` (see observe/observer.py); the others (health,
-stragglers, profiler, progress) live in observe/."""
+(`ReplicaCheck`); and over the loader: its data wait and tokens per source (`DataMetrics`).
+Each is a `StepObserver` (see observe/observer.py); the others (health, stragglers, profiler,
+progress) live in observe/."""
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from distrain.data.loader import DistributedBatchLoader
 from distrain.observe.observer import Row, StepObserver
 from distrain.optim.diloco import DiLoCo
 from distrain.parallel.compress import CommStats
@@ -36,6 +38,20 @@ class CommMetrics(StepObserver):
         # from its bucket sizes, untimed, so a window without a timed collective reports none.
         if snap["inflight_s"]:
             row["comm_inflight_s"] = snap["inflight_s"] / steps
+
+
+class DataMetrics(StepObserver):
+    """`data_wait_s`: this rank's mean wait for its batch per step over the logging window (0
+    when the background loader keeps ahead); `data/tokens/NAME`: the target tokens each source
+    has supplied to the run so far (every rank's count, the same on each)."""
+
+    def __init__(self, loader: DistributedBatchLoader):
+        self.loader = loader
+
+    def logged(self, row: Row, *, steps: int) -> None:
+        row["data_wait_s"] = self.loader.take_wait_s() / steps
+        for name, tokens in self.loader.tokens_per_source().items():
+            row[f"data/tokens/{name}"] = tokens
 
 
 class DiLoCoMetrics(StepObserver):
