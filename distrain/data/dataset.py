@@ -1,7 +1,8 @@
 """Train/validation split of a token stream, and fixed-length samples drawn from each split.
 
 Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
-file is never copied: samples are sliced out of it by index when a batch is built.
+file is never copied: samples are sliced out of it by index when a batch is built. With
+data.document_masking a batch also carries the samples' document ids (data/documents.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import torch
 
 from distrain.config.schema import DataConfig
 from distrain.data.corpus import DataError, read_corpus
+from distrain.data.documents import DocumentIndex, document_index, packed_sample
 
 Ranges = list[tuple[int, int]]
+Batch = tuple[torch.Tensor, ...]
+"""(inputs, targets), or (inputs, targets, documents) with document ids: each [B, T]."""
 
 
 def split_tokens(
@@ -55,13 +59,23 @@ def split_tokens(
 
 class TokenDataset:
     """Non-overlapping windows of seq_len + 1 tokens (stride seq_len) inside each range: the model
-    reads window[:-1] and predicts window[1:], so each token is a target exactly once."""
+    reads window[:-1] and predicts window[1:], so each token is a target exactly once. With
+    `documents` a batch also holds the windows' document ids, and a target that starts a
+    document is IGNORE_INDEX (see data/documents.py)."""
 
-    def __init__(self, tokens: np.ndarray, ranges: Ranges, seq_len: int) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        ranges: Ranges,
+        seq_len: int,
+        *,
+        documents: DocumentIndex | None = None,
+    ) -> None:
         if seq_len <= 0:
             raise ValueError(f"training.seq_len must be > 0, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.documents = documents
         counts = [max(0, (end - start - 1) // seq_len) for start, end in ranges]
         self._range_starts = np.array([start for start, _ in ranges], dtype=np.int64)
         # _offsets[r] is the index of range r's first sample; empty ranges repeat an offset.
@@ -81,11 +95,18 @@ class TokenDataset:
         start = int(self._window_starts([index])[0])
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read."""
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read;
+        with document ids (inputs, targets, documents)."""
         starts = self._window_starts(indices)
         offsets = np.arange(self.seq_len + 1, dtype=np.int64)
-        windows = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + offsets], np.int64))
+        windows = np.asarray(self.tokens[starts[:, None] + offsets], np.int64)
+        if self.documents is not None:
+            ids = self.documents.window_ids(starts, windows)
+            return tuple(
+                torch.from_numpy(np.ascontiguousarray(part)) for part in packed_sample(windows, ids)
+            )
+        windows = torch.from_numpy(windows)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
@@ -95,9 +116,10 @@ def build_datasets(
     """(train, val) datasets of the configured corpus; both must hold at least one sample, and
     with `vocab_size` every token id must be below it."""
     tokens = read_corpus(cfg, vocab_size=vocab_size)
+    documents = document_index(cfg, len(tokens)) if cfg.document_masking else None
     train_ranges, val_ranges = split_tokens(tokens, cfg.val_fraction)
-    train = TokenDataset(tokens, train_ranges, seq_len)
-    val = TokenDataset(tokens, val_ranges, seq_len)
+    train = TokenDataset(tokens, train_ranges, seq_len, documents=documents)
+    val = TokenDataset(tokens, val_ranges, seq_len, documents=documents)
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"corpus too small for seq_len {seq_len}: {len(tokens)} tokens give {len(train)} "
