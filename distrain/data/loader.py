@@ -14,9 +14,7 @@ import numpy as np
 import torch
 
 from distrain.data.corpus import DataError
-from distrain.data.dataset import TokenDataset
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+from distrain.data.dataset import Batch, TokenDataset
 
 
 class DistributedBatchLoader:
@@ -91,7 +89,8 @@ class DistributedBatchLoader:
         return np.concatenate(parts)
 
     def next_batch(self) -> list[Batch]:
-        """accum_steps micro-batches (inputs, targets) of micro_batch_size samples each."""
+        """accum_steps micro-batches (inputs, targets[, documents]) of micro_batch_size samples
+        each."""
         share = self.global_batch_size // self.dp_size
         start = self.samples_consumed + self.dp_rank * share
         indices = self._stream(start, start + share)
