@@ -24,6 +24,8 @@ from distrain.config.schema import Config, DataConfig
 from distrain.data.corpus import DataError
 from distrain.data.dataset import TokenDataset, build_datasets
 from distrain.data.documents import IGNORE_INDEX, DocumentIndex
+from distrain.errors import ConfigError
+from distrain.launch.preflight import preflight
 from distrain.layout.rules import validate
 from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.gpt.spec import GPT_SPEC
@@ -276,6 +278,10 @@ def test_prepared_boundaries_are_read_and_their_absence_names_the_fields(tmp_pat
     cfg = DataConfig(path=str(data), format="tokens", document_masking=True)
     with pytest.raises(DataError, match="data.eos_id"):
         build_datasets(cfg, SEQ)
+    run = Config(data=cfg)
+    run.run.dir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match="data.eos_id"):
+        preflight(run)  # before any worker starts
     np.save(tmp_path / "data.npy.docs.npy", boundaries)
     train, _ = build_datasets(cfg, SEQ)
     by_file = train.get_batch([0, 1])[2]

@@ -56,32 +56,43 @@ def packed_sample(windows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, ...
     return windows[:, :-1], targets, ids[:, :-1]
 
 
+def boundaries_file(cfg: DataConfig) -> Path | None:
+    """The DATA.bin.docs.npy beside a token-file data.path, None when there is none."""
+    if not is_token_data(cfg):
+        return None
+    path = docs_path(Path(cfg.path))
+    return path if path.is_file() else None
+
+
+def no_boundaries_message(cfg: DataConfig) -> str:
+    return (
+        f"data.document_masking: data.path {cfg.path!r} has no document boundaries file "
+        "(DATA.bin.docs.npy, which `distrain prepare` writes); set data.eos_id to the token "
+        "that ends each document, or data.document_masking = false"
+    )
+
+
 def document_index(cfg: DataConfig, num_tokens: int) -> DocumentIndex:
     """The document boundaries of the configured corpus (of `num_tokens` tokens) for
     data.document_masking: a prepared file's DATA.bin.docs.npy, else data.eos_id."""
-    if is_token_data(cfg):
-        path = docs_path(Path(cfg.path))
-        if path.is_file():
-            # Data, never code: a plain int64 array, no pickled objects.
-            boundaries = np.load(path, mmap_mode="r", allow_pickle=False)
-            if (
-                boundaries.ndim != 1
-                or not np.issubdtype(boundaries.dtype, np.integer)
-                or boundaries.size < 2
-                or boundaries[0] != 0
-                or boundaries[-1] != num_tokens
-                or np.any(np.diff(boundaries) < 0)
-            ):
-                raise DataError(
-                    f"data.document_masking: {str(path)!r} holds no increasing document "
-                    f"boundaries from 0 to the {num_tokens} tokens of data.path; prepare the "
-                    "data again"
-                )
-            return DocumentIndex(boundaries=np.asarray(boundaries, dtype=np.int64))
+    path = boundaries_file(cfg)
+    if path is not None:
+        # Data, never code: a plain int64 array, no pickled objects.
+        boundaries = np.load(path, mmap_mode="r", allow_pickle=False)
+        if (
+            boundaries.ndim != 1
+            or not np.issubdtype(boundaries.dtype, np.integer)
+            or boundaries.size < 2
+            or boundaries[0] != 0
+            or boundaries[-1] != num_tokens
+            or np.any(np.diff(boundaries) < 0)
+        ):
+            raise DataError(
+                f"data.document_masking: {str(path)!r} holds no increasing document "
+                f"boundaries from 0 to the {num_tokens} tokens of data.path; prepare the "
+                "data again"
+            )
+        return DocumentIndex(boundaries=np.asarray(boundaries, dtype=np.int64))
     if cfg.eos_id is None:
-        raise DataError(
-            f"data.document_masking: data.path {cfg.path!r} has no document boundaries file "
-            "(DATA.bin.docs.npy, which `distrain prepare` writes); set data.eos_id to the token "
-            "that ends each document, or data.document_masking = false"
-        )
+        raise DataError(no_boundaries_message(cfg))
     return DocumentIndex(eos_id=cfg.eos_id)

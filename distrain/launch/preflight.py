@@ -1,7 +1,7 @@
 """Cheap checks of the places a run reads and writes, made by `distrain train` before it starts
-any worker: the data path exists (and a prepared token file's sidecar names data.tokenizer), the
-run directory and a local checkpoint directory can take files (a probe file written and
-deleted), and an object-store URL's filesystem is installed.
+any worker: the data path exists (and a prepared token file's sidecar names data.tokenizer, and
+document masking has boundaries to read), the run directory and a local checkpoint directory can
+take files (a probe file written and deleted), and an object-store URL's filesystem is installed.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -20,6 +20,7 @@ from fsspec.registry import get_filesystem_class, known_implementations
 from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.config.schema import Config
 from distrain.data.corpus import is_token_data
+from distrain.data.documents import boundaries_file, no_boundaries_message
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError
@@ -36,6 +37,8 @@ def preflight(cfg: Config) -> None:
         sidecar = read_sidecar(Path(cfg.data.path))  # a small JSON file: cheap to read here
         if sidecar is not None:
             check_tokenizer(Path(cfg.data.path), sidecar, load_tokenizer(cfg.data.tokenizer))
+    if cfg.data.document_masking and cfg.data.eos_id is None and boundaries_file(cfg.data) is None:
+        raise ConfigError(no_boundaries_message(cfg.data))
     check_writable("run.dir", Path(cfg.run.dir))
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:
