@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import one_rank_group
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights, next_token_loss
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
 from distrain.parallel.compile import apply_compile, use_persistent_compile_cache
 from distrain.parallel.device import resolve_compile
 
@@ -82,7 +82,7 @@ def test_given_targets_the_model_returns_the_loss_it_would_be_scored_by():
     inside.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    outside = next_token_loss(model(inputs), targets)
+    outside = summed_next_token_loss(model(inputs), targets)
     outside.backward()
     assert inside.shape == () and torch.equal(inside, outside)
     for got, p in zip(grads, model.parameters(), strict=True):
@@ -118,7 +118,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
         assert counters["stats"]["unique_graphs"] == 1
         # Inductor fuses and reassociates fp32 sums: rounding only (~1e-7 measured).
         assert abs(got.item() - want.item()) <= 1e-6 * want.item()
-        evaluated = [models[c].eval_loss(batch) for c in (True, False)]
+        evaluated = [models[c].eval_loss(batch)[0] for c in (True, False)]
         # Evaluation (no_grad) ran the compiled model eagerly rather than compile again.
         assert counters["stats"]["unique_graphs"] == 1
         assert abs(evaluated[0].item() - evaluated[1].item()) <= 1e-6 * evaluated[1].item()

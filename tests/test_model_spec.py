@@ -109,7 +109,8 @@ def init_weights(
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    """Summed over the targets, as a spec's loss is (the caller divides by their count)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
 
 
 def tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -171,7 +172,7 @@ def _one_process() -> list[float]:
         micro = _micro(inputs, targets)
         total = 0.0
         for x, y in micro:
-            step_loss = spec.loss(model(x), y)
+            step_loss = spec.loss(model(x), y) / y.numel()
             (step_loss / len(micro)).backward()
             total += step_loss.item()
         optimizer.step()

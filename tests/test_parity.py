@@ -47,6 +47,9 @@ TIED = (("model__tie_embeddings", True),)
 # leaves 6x room and still fails a real bug (1e-3 or more, see the module docstring).
 BF16 = (("training__precision", "bf16"),)
 BF16_REL_TOL = 2e-4
+# Packed samples masked by document, each line of the corpus one document: micro-batches then
+# hold unequally many targets, and the loss is their mean over the global batch.
+DOCUMENTS = (("data__document_masking", True), ("data__eos_id", ord("\n")))
 
 
 LAYOUTS = [
@@ -105,6 +108,14 @@ LAYOUTS = [
     Layout("cp2_dp2", 4, {"parallel__cp": 2, "parallel__zero_stage": 3}),
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
     Layout("cp2_ring", 2, {"parallel__cp": 2, "parallel__cp_method": "ring"}),
+    Layout("dp2_document_masking", 2, {}, DOCUMENTS),
+    Layout("pp2_1f1b_document_masking", 2, {"parallel__pp": 2}, DOCUMENTS),
+    Layout(
+        "cp2_ring_document_masking",
+        2,
+        {"parallel__cp": 2, "parallel__cp_method": "ring"},
+        DOCUMENTS,
+    ),
     Layout(
         "cp2_ring_dp2",
         4,
@@ -225,9 +236,7 @@ def reference(references):
     return references()
 
 
-def assert_parity(
-    got: dict[int, float], want: dict[int, float], rel_tol: float = REL_TOL
-) -> None:
+def assert_parity(got: dict[int, float], want: dict[int, float], rel_tol: float = REL_TOL) -> None:
     assert got.keys() == want.keys()
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     assert worst <= rel_tol, f"relative loss difference {worst:.2e} > {rel_tol}: {got} vs {want}"

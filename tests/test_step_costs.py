@@ -24,7 +24,13 @@ class _Runner:
         self.local_loss, self.broadcasts = local_loss, 0
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, scale: object = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        scale: object = None,
+        *,
+        loss_divisor: object = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         return self.local_loss
 
@@ -36,7 +42,7 @@ class _Runner:
 def _pipeline_model(runner: _Runner) -> ParallelModel:
     model = object.__new__(ParallelModel)
     model.runner, model.device = runner, torch.device("cpu")
-    model.dims, model.autocast = SimpleNamespace(tp=1), contextlib.nullcontext()
+    model.dims, model.autocast = SimpleNamespace(tp=1, cp=1), contextlib.nullcontext()
     model.tied = None  # no tied embedding across stages
     model.sequence_split = None  # no context parallelism
     return model

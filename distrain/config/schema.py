@@ -235,6 +235,19 @@ class DataConfig:
         "the command line NAME=PATH[,NAME=PATH...]. Read with data.tokenizer (a token file "
         "must be prepared with it) and data.token_dtype.",
     )
+    document_masking: bool = doc(
+        False,
+        "Attention never crosses a document boundary inside a packed sample, and a document's "
+        "first token is no target; the loss is then the mean over the global batch's targets. "
+        "Boundaries: the token file's DATA.bin.docs.npy (from `distrain prepare`), else "
+        "data.eos_id.",
+    )
+    eos_id: int | None = doc(
+        None,
+        "For data.document_masking on data without DATA.bin.docs.npy: the token id that ends "
+        "each document (the next token starts a new one).",
+        AT_LEAST_0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

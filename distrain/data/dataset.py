@@ -3,7 +3,8 @@ named validation sets of data.eval_sets (each read whole).
 
 Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
 file is never copied: samples are sliced out of it by index when a batch is built. The tokens are
-an array, or a sharded dataset's stream (sharded.py), which reads its windows itself.
+an array, or a sharded dataset's stream (sharded.py), which reads its windows itself. With
+data.document_masking a batch also carries the samples' document ids (data/documents.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 
 from distrain.config.schema import DataConfig
 from distrain.data.corpus import DataError, read_corpus
+from distrain.data.documents import DocumentIndex, document_index, packed_sample
 
 Ranges = list[tuple[int, int]]
+Batch = tuple[torch.Tensor, ...]
+"""(inputs, targets), or (inputs, targets, documents) with document ids: each [B, T]."""
 
 
 def split_tokens(
@@ -61,11 +65,19 @@ class TokenDataset:
     """Non-overlapping windows of seq_len + 1 tokens (stride seq_len) inside each range: the model
     reads window[:-1] and predicts window[1:], so each token is a target exactly once."""
 
-    def __init__(self, tokens: Any, ranges: Ranges, seq_len: int) -> None:
+    def __init__(
+        self,
+        tokens: Any,
+        ranges: Ranges,
+        seq_len: int,
+        *,
+        documents: DocumentIndex | None = None,
+    ) -> None:
         if seq_len <= 0:
             raise ValueError(f"training.seq_len must be > 0, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.documents = documents
         counts = [max(0, (end - start - 1) // seq_len) for start, end in ranges]
         self._range_starts = np.array([start for start, _ in ranges], dtype=np.int64)
         # _offsets[r] is the index of range r's first sample; empty ranges repeat an offset.
@@ -95,10 +107,20 @@ class TokenDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         return self._windows(self._window_starts([index]))[0]
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read."""
-        windows = torch.from_numpy(self._windows(self._window_starts(indices)))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    def document_ids(self, indices: Sequence[int] | np.ndarray, windows: np.ndarray) -> np.ndarray:
+        """Document ids [B, seq_len + 1] of the samples' `windows` (numpy only, as windows)."""
+        assert self.documents is not None
+        return self.documents.window_ids(self._window_starts(indices), windows)
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """(inputs, targets), each a LongTensor [len(indices), seq_len], gathered in one read;
+        with document ids (inputs, targets, documents)."""
+        windows = self.windows(indices)
+        if self.documents is not None:
+            parts = packed_sample(windows, self.document_ids(indices, windows))
+            return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+        tensor = torch.from_numpy(windows)
+        return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
 
 def build_datasets(
@@ -107,9 +129,10 @@ def build_datasets(
     """(train, val) datasets of the configured corpus; both must hold at least one sample, and
     with `vocab_size` every token id must be below it."""
     tokens = read_corpus(cfg, vocab_size=vocab_size)
+    documents = document_index(cfg, len(tokens)) if cfg.document_masking else None
     train_ranges, val_ranges = split_tokens(tokens, cfg.val_fraction)
-    train = TokenDataset(tokens, train_ranges, seq_len)
-    val = TokenDataset(tokens, val_ranges, seq_len)
+    train = TokenDataset(tokens, train_ranges, seq_len, documents=documents)
+    val = TokenDataset(tokens, val_ranges, seq_len, documents=documents)
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"corpus too small for seq_len {seq_len}: {len(tokens)} tokens give {len(train)} "

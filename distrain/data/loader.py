@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from distrain.data.corpus import DataError
-from distrain.data.dataset import TokenDataset
+from distrain.data.dataset import Batch, TokenDataset
+from distrain.data.documents import packed_sample
 from distrain.data.mixture import Mixture
 from distrain.observe.logs import LOGGER_NAME
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 _STOP = object()
 
 
@@ -108,6 +108,8 @@ class DistributedBatchLoader:
         choice = self.mixture.choose(consumed, consumed + g)
         mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
         windows = np.empty((share, self.seq_len + 1), dtype=np.int64)
+        masked = self.mixture.sources[0].dataset.documents is not None
+        ids = np.empty_like(windows) if masked else None
         after = positions.copy()
         for s, source in enumerate(self.mixture.sources):
             taken = choice == s
@@ -116,12 +118,14 @@ class DistributedBatchLoader:
             source.want_from(int(positions[s]))
             rows = np.flatnonzero(taken[mine])
             if rows.size:
-                windows[rows] = source.dataset.windows(source.order.samples(at[mine][rows]))
+                samples = source.order.samples(at[mine][rows])
+                windows[rows] = source.dataset.windows(samples)
+                if ids is not None:
+                    ids[rows] = source.dataset.document_ids(samples, windows[rows])
+        parts = (windows[:, :-1], windows[:, 1:]) if ids is None else packed_sample(windows, ids)
         # numpy copies and zero-copy tensors: no torch op runs on this (possibly background)
         # thread, whose intra-op threads would compete with the step's.
-        inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
-        targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
-        return (inputs, targets), after
+        return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts), after
 
     def _produce(self, consumed: int, positions: np.ndarray, out: queue.Queue) -> None:
         try:
@@ -160,12 +164,13 @@ class DistributedBatchLoader:
         return item
 
     def next_batch(self) -> list[Batch]:
-        """accum_steps micro-batches (inputs, targets) of micro_batch_size samples each."""
+        """accum_steps micro-batches (inputs, targets[, documents]) of micro_batch_size samples
+        each."""
         start = time.perf_counter()
-        (inputs, targets), self.samples_consumed, self.positions = self._next_global()
+        batch, self.samples_consumed, self.positions = self._next_global()
         self.wait_s += time.perf_counter() - start
         m = self.micro_batch_size
-        return [(inputs[i : i + m], targets[i : i + m]) for i in range(0, inputs.shape[0], m)]
+        return [tuple(p[i : i + m] for p in batch) for i in range(0, batch[0].shape[0], m)]
 
     def take_wait_s(self) -> float:
         """The data wait since the last call, and start counting again."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from distrain.data.corpus import DataError
 from distrain.data.dataset import Ranges, TokenDataset, split_tokens
+from distrain.data.documents import DocumentIndex
 from distrain.data.shard_store import ShardStore
 
 MAX_OPEN_SHARDS = 64
@@ -105,11 +106,18 @@ def shard_samples(dataset: TokenDataset, tokens: ShardedTokens) -> np.ndarray:
 
 
 def sharded_datasets(
-    tokens: ShardedTokens, seq_len: int, val_fraction: float, *, where: str
+    tokens: ShardedTokens,
+    seq_len: int,
+    val_fraction: float,
+    *,
+    where: str,
+    documents: DocumentIndex | None = None,
 ) -> tuple[TokenDataset, TokenDataset]:
     train_ranges, val_ranges = split_tokens(tokens, val_fraction)
-    train = TokenDataset(tokens, cut_at_shards(train_ranges, tokens.shard_starts), seq_len)
-    val = TokenDataset(tokens, cut_at_shards(val_ranges, tokens.shard_starts), seq_len)
+    train, val = (
+        TokenDataset(tokens, cut_at_shards(r, tokens.shard_starts), seq_len, documents=documents)
+        for r in (train_ranges, val_ranges)
+    )
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"{where}: {len(tokens)} tokens give {len(train)} train and {len(val)} validation "

@@ -7,12 +7,14 @@ dataset made with data.tokenizer, with a weight. The validation set is the first
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from distrain.config.schema import DataConfig, SourceConfig, source_names
 from distrain.data.corpus import DataError, check_token_ids, is_sharded, read_token_file
 from distrain.data.dataset import TokenDataset, build_datasets, split_tokens
+from distrain.data.documents import DocumentIndex, document_index
 from distrain.data.mixture import Mixture, Source, salt
 from distrain.data.order import Permutation, ShardWindows
 from distrain.data.shard_store import Call, ShardStore
@@ -90,7 +92,10 @@ def _source(
                 f"{index.vocab_size}"
             )
         tokens = ShardedTokens(store)
-        train, val = sharded_datasets(tokens, seq_len, cfg.val_fraction, where=field)
+        documents = _documents(cfg, spec.path, None, field)
+        train, val = sharded_datasets(
+            tokens, seq_len, cfg.val_fraction, where=field, documents=documents
+        )
         order = ShardWindows(
             shard_samples(train, tokens), seed=seed, window=cfg.shuffle_window_shards, salt=key
         )
@@ -105,8 +110,9 @@ def _source(
     if vocab_size is not None:
         check_token_ids(array, vocab_size, field)
     train_ranges, val_ranges = split_tokens(array, cfg.val_fraction)
-    train = TokenDataset(array, train_ranges, seq_len)
-    val = TokenDataset(array, val_ranges, seq_len)
+    documents = _documents(cfg, spec.path, array.size, field)
+    train = TokenDataset(array, train_ranges, seq_len, documents=documents)
+    val = TokenDataset(array, val_ranges, seq_len, documents=documents)
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"{field}: {array.size} tokens give {len(train)} train and {len(val)} validation "
@@ -114,3 +120,24 @@ def _source(
         )
     order = Permutation(len(train), seed=seed, salt=key)
     return Source(spec.name, spec.weight, train, order), val
+
+
+def _documents(
+    cfg: DataConfig, path: str, num_tokens: int | None, field: str
+) -> DocumentIndex | None:
+    """A source's document boundaries for data.document_masking: a token file's own
+    (num_tokens given) or data.eos_id; a sharded dataset's by data.eos_id."""
+    if not cfg.document_masking:
+        return None
+    if num_tokens is not None:
+        one = dataclasses.replace(cfg, path=path, sources=(), format="tokens")
+        try:
+            return document_index(one, num_tokens)
+        except DataError as e:
+            raise DataError(f"{field}: {e}") from None
+    if cfg.eos_id is None:
+        raise DataError(
+            f"{field}: data.document_masking on a sharded dataset takes its documents from "
+            "data.eos_id (the token that ends each document); set it"
+        )
+    return DocumentIndex(eos_id=cfg.eos_id)

@@ -1,9 +1,9 @@
 """Cheap checks of the places a run reads and writes, made by `distrain train` before it starts
 any worker: the data path exists (and a prepared token file's sidecar, or a local sharded
-dataset's index, names data.tokenizer; so does each mixture source's), the eval sets' paths
-exist, the run directory and a local checkpoint directory can take files (a probe file written
-and deleted), an object-store URL's filesystem is installed, and so is each configured
-experiment tracker's library.
+dataset's index, names data.tokenizer; so does each mixture source's; document masking has
+boundaries to read), the eval sets' paths exist, the run directory and a local checkpoint
+directory can take files (a probe file written and deleted), an object-store URL's filesystem is
+installed, and so is each configured experiment tracker's library.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -12,6 +12,7 @@ data (token ids, text or binary) is the data package's job, when the workers ope
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -21,7 +22,8 @@ from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.config.schema import Config, source_names
-from distrain.data.corpus import INDEX_NAME, is_token_data
+from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
+from distrain.data.documents import boundaries_file, no_boundaries_message
 from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
@@ -47,6 +49,11 @@ def preflight(cfg: Config) -> None:
         if not Path(e.path).exists():
             raise ConfigError(f"data.eval_sets {e.name!r}: no such file or folder {e.path!r}")
     check_trackers_installed(cfg.metrics)
+    if cfg.data.document_masking and cfg.data.eos_id is None:
+        for path in [s.path for s in cfg.data.sources] or [cfg.data.path]:
+            one = dataclasses.replace(cfg.data, path=path, sources=())
+            if is_sharded(path) or boundaries_file(one) is None:
+                raise ConfigError(no_boundaries_message(one))
     check_writable("run.dir", Path(cfg.run.dir))
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:

@@ -27,6 +27,10 @@ every cp rank computed its own share of the loss; so do the optimizers that comm
 Pipeline stages: a schedule calls a stage with its input alone, so `apply_context_parallel`
 gives each stage a hook that passes the global positions of this rank's columns.
 
+Document masking: the kernels take the whole sequence's document ids [B, T] (every cp rank reads
+the full batch before it keeps its columns, so no id travels) and index them by the global
+positions of the queries and of the keys they hold.
+
 torch 2.13's `torch.distributed.tensor.experimental.context_parallel` is not used: on CPU it
 raises "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
 strategy registered" (its ring kernels cover the CUDA flash, efficient and cuDNN ops only).
@@ -93,16 +97,17 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: list[Block]):
+    def forward(ctx, q, k, v, q_pos: torch.Tensor, plan: list[Block], documents):
         dtype = q.dtype
         work = work_dtype(dtype)
         q, k, v = q.to(work), k.to(work), v.to(work)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=work)
         k_pos = torch.arange(k.shape[2], device=q.device)
-        forward_blocks(q, k, v, q_pos, k_pos, plan, out, lse)
+        doc_pair = None if documents is None else (documents[:, q_pos], documents)
+        forward_blocks(q, k, v, q_pos, k_pos, plan, out, lse, doc_pair)
         ctx.save_for_backward(q, k, v, out, lse, q_pos)
-        ctx.plan, ctx.dtype = plan, dtype
+        ctx.plan, ctx.dtype, ctx.doc_pair = plan, dtype, doc_pair
         return out.to(dtype)
 
     @staticmethod
@@ -112,8 +117,8 @@ class _BlockwiseCausalAttention(torch.autograd.Function):
         grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         delta = (grad_out * out).sum(-1)
         k_pos = torch.arange(k.shape[2], device=q.device)
-        backward_blocks(q, k, v, q_pos, k_pos, ctx.plan, grad_out, lse, delta, grads)
-        return *(g.to(ctx.dtype) for g in grads), None, None
+        backward_blocks(q, k, v, q_pos, k_pos, ctx.plan, grad_out, lse, delta, grads, ctx.doc_pair)
+        return *(g.to(ctx.dtype) for g in grads), None, None, None
 
 
 def attend_local(
@@ -124,12 +129,14 @@ def attend_local(
     size: int,
     *,
     block: int = BLOCK,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of rank `rank`'s queries [B, H, 2c, D] (its two chunks) over the whole
-    sequence's keys and values [B, H, T, D]."""
+    sequence's keys and values [B, H, T, D]; with the sequence's document ids [B, T] only
+    within each query's document."""
     q_pos = local_positions(k_seq.shape[2], rank, size, q.device)
     plan = _plan(rank, size, q.shape[2] // 2, block)
-    return _BlockwiseCausalAttention.apply(q, k_seq, v_seq, q_pos, plan)
+    return _BlockwiseCausalAttention.apply(q, k_seq, v_seq, q_pos, plan, documents)
 
 
 class _GatherChunks(torch.autograd.Function):
@@ -159,10 +166,18 @@ class ContextParallelAttention:
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`documents` [B, T]: the whole sequence's document ids, which every cp rank holds
+        (each reads the full batch before taking its columns), so none travel."""
         k_seq = gathered_to_sequence(_GatherChunks.apply(k, self.group), self.size)
         v_seq = gathered_to_sequence(_GatherChunks.apply(v, self.group), self.size)
-        return attend_local(q, k_seq, v_seq, self.rank, self.size)
+        return attend_local(q, k_seq, v_seq, self.rank, self.size, documents=documents)
 
 
 class SequenceSplit:

@@ -13,6 +13,12 @@ and Hugging Face adapter. Nothing here knows a family.
 `ParallelModel` hides what differs between layouts from the trainer: how micro-batches run
 (accumulation loop or pipeline schedule), how gradient sync is deferred, and which loss context
 (vocab-parallel under tp) wraps forward and backward.
+
+The training loss is the mean over the targets of the whole global batch: each micro-batch's
+summed loss is divided by one step-wide `target_share` (the global batch's targets per rank that
+averages gradients), so the gradients are the same whatever the micro-batch, accumulation,
+pipeline or data-parallel split, also when samples hold unequal numbers of targets (document
+masking leaves out the first token of every document; a negative target is no target).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from distrain.parallel.spec import ModelSpec
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""(inputs, targets), or (inputs, targets, documents) with the samples' document ids, [B, T]."""
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -80,7 +87,7 @@ class ParallelModel:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         tied: tuple[dist.ProcessGroup, tuple[str, str]] | None = None,
     ):
-        """`loss_fn`: (output, targets) -> mean loss, the family's (under tp a loss_parallel
+        """`loss_fn`: (output, targets) -> summed loss, the family's (under tp a loss_parallel
         one). `tied`: the group of the first and last pipeline rank and the names of a weight
         the two share (`TiedEmbedding`)."""
         self.parts, self.dims, self.device = parts, dims, device
@@ -168,6 +175,22 @@ class ParallelModel:
             return contextlib.nullcontext()
         return part.no_sync()
 
+    def target_share(
+        self, batches: list[Batch], group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """What this step's summed losses are divided by: the targets (non-negative ones) of the
+        whole global batch per rank that averages gradients, an fp32 device scalar. Counted
+        from the batches before any forward (every cp rank holds whole sequences, hence the
+        division by cp). With `group`, the ranks gradients are averaged over, the counts are
+        summed over it (one all-reduce of an int64 scalar, no host sync); without, this rank's
+        count stands for every rank's: exact when no target is masked."""
+        count = torch.stack([(b[1] >= 0).sum() for b in batches]).sum().to(self.device)
+        ranks = 1
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(count, group=group)
+            ranks = dist.get_world_size(group)
+        return (count.double() / (ranks * self.dims.cp)).float()
+
     def forward_backward(
         self,
         batches: list[Batch],
@@ -177,8 +200,11 @@ class ParallelModel:
         before_micro_batch: Callable[[int], None] | None = None,
         report_loss: bool = True,
         sync_each: bool = False,
+        target_share: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches; the mean loss (a device tensor).
+        """Forward and backward over this rank's micro-batches; this rank's share of the step's
+        loss (a device tensor): its summed loss / `target_share` (default: `target_share`
+        without a group), whose mean over the ranks is the global batch's mean loss.
         With sync=False no gradient leaves the rank: `all_reduce_gradients` must follow (DDP
         layouts only).
 
@@ -192,15 +218,17 @@ class ParallelModel:
         whose schedule runs all micro-batches in one call, `before_micro_batch(0)` runs once,
         before the schedule.
         """
+        if target_share is None:
+            target_share = self.target_share(batches)
         if self.runner is not None:
             if before_micro_batch is not None:
                 before_micro_batch(0)
-            inputs = torch.cat([b[0] for b in batches]).to(self.device)
-            targets = torch.cat([b[1] for b in batches]).to(self.device)
-            inputs, targets = self._columns(inputs, targets)
+            inputs, targets, documents = self._pipeline_batch(batches)
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
-                loss = self.runner.train_step(inputs, targets, scale)
+                loss = self.runner.train_step(
+                    inputs, targets, scale, loss_divisor=target_share, documents=documents
+                )
             if self.tied is not None:
                 self.tied.sum_gradients()
             local = _full_tensor(loss) if loss is not None else None
@@ -208,60 +236,68 @@ class ParallelModel:
                 return self.runner.broadcast_loss(local)
             return local if local is not None else torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
+        for i, batch in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch(i)
             last = sync and i == len(batches) - 1
             with self._sync_context(last or sync_each), self.loss_context():
                 heartbeat.mark("forward")
-                loss = self._loss(inputs, targets)
-                # The reported loss stays the cross-entropy; MoE balancing terms only train.
+                loss = self._loss(batch) / target_share
+                # The reported loss stays the cross-entropy; MoE balancing terms only train
+                # (each micro-batch's term weighs 1 / micro-batches, as before the division
+                # by targets).
                 total = (
                     loss
                     if self.moe_stats is None
-                    else loss + _as_loss(loss, self.moe_stats.after_forward())
+                    else loss + _as_loss(loss, self.moe_stats.after_forward() / len(batches))
                 )
                 heartbeat.mark("backward")
-                scale(total / len(batches)).backward()
+                scale(total).backward()
             loss_sum += _full_tensor(loss.detach())
         if sync and self.allreduce_payload is not None:
             # With sync_each (OOM recovery under cp) DDP all-reduced after every micro-batch.
             for _ in range(len(batches) if sync_each else 1):
                 self._count_allreduce(*self.allreduce_payload)
-        return loss_sum / len(batches)
+        return loss_sum
 
-    def _columns(
-        self, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's columns of a pipeline batch under context parallelism (the stages get
-        their positions from `apply_context_parallel`'s hook)."""
-        if self.sequence_split is None:
-            return inputs, targets
-        inputs, targets, _ = self.sequence_split.shard(inputs, targets)
-        return inputs, targets
+    def _pipeline_batch(
+        self, batches: list[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, targets, documents) of the whole local batch on the device: this rank's
+        columns of the inputs and targets under context parallelism (the stages get their
+        positions from `apply_context_parallel`'s hook), the document ids of whole sequences."""
+        parts = (torch.cat(part).to(self.device) for part in zip(*batches, strict=True))
+        inputs, targets, *documents = parts
+        if self.sequence_split is not None:
+            inputs, targets, _ = self.sequence_split.shard(inputs, targets)
+        return inputs, targets, documents[0] if documents else None
 
-    def _forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the single model part, and the targets they predict (this rank's share
         of the sequence under context parallelism), on the device."""
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
-        kwargs = {}
-        if self.sequence_split is not None:
-            inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
+        inputs, targets, kwargs = self._model_inputs(batch)
         with self.autocast:
             return self.parts[0](inputs, **kwargs), targets
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The training loss of one micro-batch (the single model part's)."""
+    def _model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(inputs, targets, the model's keyword arguments) of one micro-batch on the device:
+        under context parallelism this rank's columns and their positions; with document ids,
+        those of the whole sequences."""
+        inputs, targets, *documents = (t.to(self.device, non_blocking=True) for t in batch)
+        kwargs: dict[str, Any] = {}
+        if self.sequence_split is not None:
+            inputs, targets, kwargs["positions"] = self.sequence_split.shard(inputs, targets)
+        if documents:
+            kwargs["documents"] = documents[0]
+        return inputs, targets, kwargs
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The summed training loss of one micro-batch (the single model part's)."""
         if self.loss_in_model:
+            inputs, targets, kwargs = self._model_inputs(batch)
             with self.autocast:
-                return self.parts[0](
-                    inputs.to(self.device, non_blocking=True),
-                    targets=targets.to(self.device, non_blocking=True),
-                )
-        return self.loss_fn(*self._forward(inputs, targets))
+                return self.parts[0](inputs, targets=targets, **kwargs)
+        return self.loss_fn(*self._forward(batch))
 
     def _count_allreduce(self, numel: int, nbytes: int) -> None:
         """Count an uncompressed all-reduce of `numel` elements in `nbytes`; no hook issued it,
@@ -300,31 +336,38 @@ class ParallelModel:
     @torch.compiler.set_stance("eager_on_recompile")
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
+        """(summed loss, targets) [2] over this rank's share of `batches` (its columns under
+        context parallelism), fp32 on the device: their sums over the ranks give the mean."""
         if self.runner is not None:
             return self._pipeline_eval_loss(batches)
-        total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
+        total = torch.zeros(2, device=self.device)
+        for batch in batches:
             with self.loss_context():
-                logits, targets = self._forward(inputs, targets)
-                total += _full_tensor(self.loss_fn(logits, targets))
-        return total / len(batches)
+                logits, targets = self._forward(batch)
+                total[0] += _full_tensor(self.loss_fn(logits, targets))
+                total[1] += (targets >= 0).sum()
+        return total
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         """A pipeline schedule runs one batch shape only: regroup the evaluation samples into
         training-sized batches (a remainder smaller than one batch is left out; layout/rules.py
         makes sure there is at least one)."""
-        inputs = torch.cat([b[0] for b in batches]).to(self.device)
-        targets = torch.cat([b[1] for b in batches]).to(self.device)
-        inputs, targets = self._columns(inputs, targets)
+        inputs, targets, documents = self._pipeline_batch(batches)
         size = self.train_batch_rows
         chunks = len(inputs) // size
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros(2, device=self.device)
         for i in range(chunks):
             rows = slice(i * size, (i + 1) * size)
             with self.loss_context(), self.autocast:
-                loss = self.runner.eval_loss(inputs[rows], targets[rows])
-            total += self.runner.broadcast_loss(_full_tensor(loss) if loss is not None else None)
-        return total / chunks
+                loss = self.runner.eval_loss(
+                    inputs[rows],
+                    targets[rows],
+                    loss_divisor=1.0,
+                    documents=None if documents is None else documents[rows],
+                )
+            total[0] += self.runner.broadcast_loss(_full_tensor(loss) if loss is not None else None)
+            total[1] += (targets[rows] >= 0).sum()
+        return total
 
 
 def _as_loss(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:

@@ -104,9 +104,14 @@ class PipelineRunner:
     """Runs this rank's pipeline stages through one torch schedule.
 
     Built after the stage modules are materialized, initialized and (optionally) wrapped, so it
-    takes them as given. The schedule's microbatch losses are means; torch's `scale_grads`
-    divides the summed microbatch gradients by n_microbatches, which makes them the gradients of
-    the mean loss over the whole local batch (microbatches hold equally many tokens).
+    takes them as given. A step's loss is the sum of the microbatches' `loss_fn` values divided
+    by a `loss_divisor`: n_microbatches by default (their mean), the step's target share for a
+    loss summed over targets (see parallel/model.py), so that microbatches holding unequally
+    many targets weigh by their targets. The schedule's microbatch loss is loss_fn x
+    n_microbatches / loss_divisor, and torch's `scale_grads` divides the summed microbatch
+    gradients by n_microbatches. Document ids reach every stage as a keyword argument of the
+    schedule's step, which torch splits into microbatches like the inputs and passes to each
+    stage's forward, so no stage needs them from its neighbour.
 
     `stage_modules`/`stage_ids` stay readable for the optimizer and checkpointing;
     `has_first_stage`/`has_last_stage` say whether this rank feeds tokens and gets the loss.
@@ -150,6 +155,8 @@ class PipelineRunner:
         # microbatch losses are kept for reporting (see `_scaled_loss`).
         self._scale: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._unscaled: list[torch.Tensor] = []
+        # n_microbatches / loss_divisor of the step being run (see the class docstring).
+        self._weight: torch.Tensor | float = 1.0
         stages = [
             PipelineStage(module, stage_id, num_stages, device, group=self._group)
             for module, stage_id in zip(stage_modules, stage_ids, strict=True)
@@ -171,7 +178,7 @@ class PipelineRunner:
             ) from err
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(output, target) * self._weight
         if self._scale is None:
             return loss
         self._unscaled.append(loss.detach())
@@ -195,20 +202,34 @@ class PipelineRunner:
             )
 
     def _run(
-        self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        train: bool,
+        loss_divisor: torch.Tensor | float | None,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """One pass over all microbatches; the mean microbatch loss on the last-stage rank.
+        """One pass over all microbatches; the step's loss (the class docstring) on the
+        last-stage rank.
 
-        Every rank passes the targets (cheap to split) but only a first-stage rank passes the
-        inputs: the others receive activations. Outputs are not merged (`return_outputs=False`):
-        the last stage would otherwise keep every microbatch's logits alive for the whole step.
+        Every rank passes the targets (cheap to split) and any document ids (every stage's
+        attention reads them) but only a first-stage rank passes the inputs: the others receive
+        activations. Outputs are not merged (`return_outputs=False`): the last stage would
+        otherwise keep every microbatch's logits alive for the whole step.
         """
         self._check_batch(inputs)
         args = (inputs,) if self.has_first_stage else ()
+        kwargs = {} if documents is None else {"documents": documents}
         losses: list[torch.Tensor] = []
         run = self._schedule.step if train else self._schedule.eval
         self._unscaled = []
-        run(*args, target=targets, losses=losses, return_outputs=False)
+        if loss_divisor is not None:
+            self._weight = self.n_microbatches / loss_divisor
+        try:
+            run(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self._weight = 1.0
         if not self.has_last_stage:
             return None
         # The first step's shape inference calls the loss function once more, on placeholder
@@ -221,23 +242,40 @@ class PipelineRunner:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        loss_divisor: torch.Tensor | float | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Forward and backward over the local batch [B, T]; grads accumulate into .grad.
-        `scale` (fp16 loss scaling) multiplies each microbatch loss before its backward.
+        """Forward and backward over the local batch [B, T]; grads accumulate into .grad, those
+        of the step's loss (the sum of the microbatch losses / `loss_divisor`, default their
+        mean). `scale` (fp16 loss scaling) multiplies each microbatch loss before its backward;
+        `documents` [B, T]: the sequences' document ids.
 
-        Returns the mean loss (detached fp32 scalar) on the rank holding the last stage, else None.
+        Returns the step's loss (detached fp32 scalar) on the rank holding the last stage, else
+        None.
         """
         self._scale = scale
         try:
-            return self._run(inputs, targets, train=True)
+            return self._run(
+                inputs, targets, train=True, loss_divisor=loss_divisor, documents=documents
+            )
         finally:
             self._scale = None
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward only; the mean loss on the last-stage rank, else None. Same batch shape as
-        training (see `_check_batch`)."""
-        return self._run(inputs, targets, train=False)
+    def eval_loss(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        loss_divisor: float | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Forward only; the loss (as `train_step` has it) on the last-stage rank, else None.
+        Same batch shape as training (see `_check_batch`)."""
+        return self._run(
+            inputs, targets, train=False, loss_divisor=loss_divisor, documents=documents
+        )
 
     def broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss on every pp rank, for logging (a collective over the pp group:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from distrain.parallel.attention_blocks import (
     BLOCK,
     Block,
+    Documents,
     backward_blocks,
     chunk_order,
     forward_blocks,
@@ -124,7 +125,7 @@ class _RingCausalAttention(torch.autograd.Function):
     the keys and values [B, H, 2c, D] of every cp rank visiting in turn (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, block: int):
+    def forward(ctx, q, k, v, ring: Ring, block: int, documents):
         dtype, work = q.dtype, work_dtype(q.dtype)
         chunk = q.shape[2] // 2
         q_pos = local_positions(2 * chunk * ring.size, ring.rank, ring.size, q.device)
@@ -133,15 +134,16 @@ class _RingCausalAttention(torch.autograd.Function):
         lse = torch.full(qw.shape[:-1], float("-inf"), device=q.device, dtype=work)
         # Keys and values travel in the input dtype (a bf16 run sends half the bytes).
         for k_held, v_held, k_pos, plan in ring.visits(torch.stack([k, v]), work, chunk, block):
-            forward_blocks(qw, k_held, v_held, q_pos, k_pos, plan, out, lse)
+            doc_pair = _documents(documents, q_pos, k_pos)
+            forward_blocks(qw, k_held, v_held, q_pos, k_pos, plan, out, lse, doc_pair)
         ctx.save_for_backward(q, k, v, out, lse, q_pos)
-        ctx.ring, ctx.block = ring, block
+        ctx.ring, ctx.block, ctx.documents = ring, block, documents
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, q_pos = ctx.saved_tensors
-        ring, block = ctx.ring, ctx.block
+        ring, block, documents = ctx.ring, ctx.block, ctx.documents
         dtype, work, chunk = q.dtype, out.dtype, q.shape[2] // 2
         qw, grad_out = q.to(work), grad_out.to(work)
         delta = (grad_out * out).sum(-1)
@@ -152,7 +154,17 @@ class _RingCausalAttention(torch.autograd.Function):
             # ranks before it is still on its way here.
             dkv = torch.zeros((2, *k_held.shape), dtype=work, device=k_held.device)
             backward_blocks(
-                qw, k_held, v_held, q_pos, k_pos, plan, grad_out, lse, delta, (dq, dkv[0], dkv[1])
+                qw,
+                k_held,
+                v_held,
+                q_pos,
+                k_pos,
+                plan,
+                grad_out,
+                lse,
+                delta,
+                (dq, dkv[0], dkv[1]),
+                _documents(documents, q_pos, k_pos),
             )
             if arriving is not None:
                 ring.wait(arriving[1])
@@ -162,7 +174,15 @@ class _RingCausalAttention(torch.autograd.Function):
             arriving = ring.start(dkv, tag=GRAD_TAG)
         ring.wait(arriving[1])
         dkv = arriving[0]
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None
+
+
+def _documents(
+    documents: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> Documents:
+    """The document ids of this rank's queries and of the visiting keys, read from the whole
+    sequence's ids by their global positions: the ids never travel around the ring."""
+    return None if documents is None else (documents[:, q_pos], documents[:, k_pos])
 
 
 class RingAttention:
@@ -172,5 +192,12 @@ class RingAttention:
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int, *, block: int = BLOCK):
         self.ring, self.block = Ring(group, rank, size), block
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingCausalAttention.apply(q, k, v, self.ring, self.block)
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`documents` [B, T]: the whole sequence's document ids (see parallel/context.py)."""
+        return _RingCausalAttention.apply(q, k, v, self.ring, self.block, documents)

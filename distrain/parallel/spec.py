@@ -64,7 +64,8 @@ class ModelSpec:
     """(model or stage, args, seed, *, source: Source | None) -> None: fill every parameter with
     its seeded value (or `source`'s), keeping only its own slice of a sharded (DTensor) one."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """(output of the last stage, targets) -> the mean loss."""
+    """(output of the last stage, targets) -> the loss summed over the targets, skipping negative
+    ones (cross_entropy's ignore_index); the caller divides by the global batch's target count."""
     blocks: str
     first_stage: tuple[str, ...] = ()
     last_stage: tuple[str, ...] = ()
@@ -74,11 +75,12 @@ class ModelSpec:
     parameter must end up a DTensor. None: the family has no tensor-parallel plan."""
     attention_modules: Callable[[nn.Module], list[nn.Module]] | None = None
     """(model or stage) -> its attention modules, each calling `self.attend(q, k, v)` on
-    [B, H, T, D] with the whole sequence (parallel/context.py swaps the kernel). None: the
-    family has no attention for context parallelism."""
+    [B, H, T, D] with the whole sequence, or `self.attend(q, k, v, documents)` with the
+    sequence's document ids [B, T] under data.document_masking (parallel/context.py swaps the
+    kernel). None: the family has no attention for context parallelism."""
     loss_in_forward: bool = False
-    """`model(inputs, targets=targets)` returns the loss (so compiling the whole model puts the
-    loss in its graph)."""
+    """`model(inputs, targets=targets)` returns the summed loss, as `loss` does (so compiling
+    the whole model puts the loss in its graph)."""
     tied_weights: Callable[[nn.Module], tuple[str, str] | None] = _untied
     """(model) -> (the first stage's name, the last stage's name) of one shared weight, or
     None. Kept tied under tensor parallelism; two copies kept equal across pipeline stages."""

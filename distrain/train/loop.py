@@ -52,7 +52,7 @@ from distrain.train.state import (
     SiteState,
 )
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -164,14 +164,25 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
         the device, without a host sync. The model is in train mode (see `evaluate`). With
         report_loss=False the loss is left where it was computed (see
-        `ParallelModel.forward_backward`): for steps that are not logged."""
+        `ParallelModel.forward_backward`): for steps that are not logged.
+
+        The loss is the mean over the global batch's targets: under data.document_masking
+        samples hold unequally many, so the ranks add up their counts first (one all-reduce of
+        a scalar); otherwise every rank's count is known to be the same."""
         plan = self.gradient_plan
         synced = plan.sync_in_backward()
+        share = self.model.target_share(
+            batches, self.grad_group if self.cfg.data.document_masking else None
+        )
         if self.cfg.training.oom_recovery:
-            loss = self._forward_backward_recovering(batches)
+            loss = self._forward_backward_recovering(batches, share)
         else:
             loss = self.model.forward_backward(
-                batches, self.scaler.scale, sync=synced, report_loss=report_loss
+                batches,
+                self.scaler.scale,
+                sync=synced,
+                report_loss=report_loss,
+                target_share=share,
             )
         heartbeat.mark("optimizer")
         self.faults.after_backward(self.step + 1, self.model.parameters)
@@ -221,7 +232,9 @@ class Trainer:
                 after,
             )
 
-    def _forward_backward_recovering(self, batches: list[Batch]) -> torch.Tensor:
+    def _forward_backward_recovering(
+        self, batches: list[Batch], target_share: torch.Tensor
+    ) -> torch.Tensor:
         """forward_backward that survives out-of-memory errors (see distrain/train/oom.py)."""
         step = self.step + 1
         pipelined = self.dims.pp > 1
@@ -239,6 +252,7 @@ class Trainer:
                         self.scaler.scale,
                         sync_each=True,
                         before_micro_batch=oom.agreed(hook, self.ctx.device),
+                        target_share=target_share,
                     )
                     failed = False
                 except oom.StepAbandoned:
@@ -250,7 +264,11 @@ class Trainer:
             else:
                 try:
                     loss = self.model.forward_backward(
-                        batches, self.scaler.scale, sync=False, before_micro_batch=hook
+                        batches,
+                        self.scaler.scale,
+                        sync=False,
+                        before_micro_batch=hook,
+                        target_share=target_share,
                     )
                     failed = False
                 except torch.OutOfMemoryError:
@@ -278,8 +296,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None) -> float:
-        """Mean loss over a fixed set of batches of `dataset` (default: the validation split);
-        leaves the model in train mode.
+        """Mean loss over the targets of a fixed set of batches of `dataset` (default: the
+        validation split); leaves the model in train mode.
 
         The set is training.eval_batches batches of the run's decided micro-batch size, the same
         sequences throughout the run; they are evaluated in micro-batches of the loader's
@@ -294,9 +312,10 @@ class Trainer:
         )
         if self.loader.micro_batch_size != self.plan.batch.micro:
             batches = oom.split(batches, self.loader.micro_batch_size)
-        loss = self.model.eval_loss(batches)
+        summed, targets = self._world_mean(self.model.eval_loss(batches)).tolist()
         self.model.train(True)
-        return float(self._world_mean(loss))
+        # Every tp and pp rank of a replica holds its replica's sums: the ratio is unchanged.
+        return summed / targets
 
     # --- the loop ----------------------------------------------------------------------------
 

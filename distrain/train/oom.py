@@ -86,11 +86,11 @@ def halve_micro_batch(current: int, *, step: int, logger: logging.Logger) -> int
     return smaller
 
 
-def split(batches: list[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int):
-    """The same samples, in the same order, cut into micro-batches of the new size."""
-    inputs = torch.cat([b[0] for b in batches])
-    targets = torch.cat([b[1] for b in batches])
+def split(batches: list[tuple[torch.Tensor, ...]], micro_batch_size: int):
+    """The same samples, in the same order, cut into micro-batches of the new size (each part
+    of a batch: inputs, targets and any document ids)."""
+    parts = [torch.cat(part) for part in zip(*batches, strict=True)]
     return [
-        (inputs[i : i + micro_batch_size], targets[i : i + micro_batch_size])
-        for i in range(0, len(inputs), micro_batch_size)
+        tuple(part[i : i + micro_batch_size] for part in parts)
+        for i in range(0, len(parts[0]), micro_batch_size)
     ]

@@ -124,9 +124,18 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over q, k, v [B, H, T, D] holding the whole sequence."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention over q, k, v [B, H, T, D] holding the whole sequence; with document ids
+    `documents` [B, T] a query sees only the keys of its own document (a block-diagonal causal
+    mask, an explicit boolean [B, 1, T, T] one)."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    seq = q.shape[2]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & causal)
 
 
 class Attention(nn.Module):
@@ -134,15 +143,18 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.kv_heads * args.head_dim
-        # The attention kernel over [B, H, T, D]: a context-parallel layout swaps in one whose
-        # sequence spans several ranks (parallel/context.py); the model itself stays plain.
+        # The attention kernel over [B, H, T, D] (and the whole sequence's document ids, when
+        # masked by document): a context-parallel layout swaps in one whose sequence spans
+        # several ranks (parallel/context.py); the model itself stays plain.
         self.attend = causal_attention
         self.wq = nn.Linear(args.dim, args.dim, bias=args.bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.bias)
         self.wo = nn.Linear(args.dim, args.dim, bias=args.bias)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, *, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of them.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -156,7 +168,8 @@ class Attention(nn.Module):
             # Query head h reads key/value head h // group (also per tp rank: each holds whole
             # groups). Repeated rather than SDPA's enable_gqa, which not every kernel takes.
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -191,8 +204,10 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, *, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, documents=documents)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         return x + ffn(self.mlp_norm(x))
 
@@ -251,13 +266,16 @@ class GPT(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A pipeline stage may lack the embedding (its input is then hidden states [B, T, D])
         or the head (it then returns hidden states); see spec.py. `positions`
         [T]: the tokens' places in the sequence when they are not 0..T-1 (a context-parallel
-        rank holds a few slices of each sequence). With `targets` [B, T] it returns their mean
-        `next_token_loss` instead of the logits: a model compiled whole then has the loss, its
-        softmax and their backward in its one graph too."""
+        rank holds a few slices of each sequence). `documents` [B, T]: document ids of the
+        whole sequence (in sequence order, also when this rank holds only some of its
+        positions); attention then stays inside each document. With `targets` [B, T] it
+        returns their `summed_next_token_loss` instead of the logits: a model compiled whole
+        then has the loss, its softmax and their backward in its one graph too."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -278,18 +296,25 @@ class GPT(nn.Module):
                 # and each attention takes the rows of the length it sees.
                 rope = self.rope_cache[:seq] if self.tok_emb is not None else self.rope_cache
         for block in self.blocks.values():
-            h = block(h, rope)
+            h = block(h, rope) if documents is None else block(h, rope, documents=documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
             return h
         logits = self.output(h)
-        return logits if targets is None else next_token_loss(logits, targets)
+        return logits if targets is None else summed_next_token_loss(logits, targets)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32."""
+    """Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32; negative
+    targets (cross_entropy's ignore_index -100) are skipped."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+def summed_next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sum of `next_token_loss`'s per-target terms: training divides it once by the global
+    batch's target count, so micro-batches with fewer targets weigh less."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum")
 
 
 def tied_name(name: str, args: ModelArgs) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from distrain.models.gpt.hf import pretrained_source
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights, next_token_loss
+from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.gpt.parallelize import tensor_plan
 from distrain.models.moe import MoEArgs, moe_layers
 from distrain.parallel.spec import ModelSpec
@@ -35,7 +35,7 @@ GPT_SPEC = ModelSpec(
     args_type=ModelArgs,
     build=GPT,
     init_weights=init_weights,
-    loss=next_token_loss,
+    loss=summed_next_token_loss,
     blocks="blocks",
     first_stage=("tok_emb", "pos_emb"),
     last_stage=("norm", "output"),
