@@ -2,8 +2,9 @@
 the loop runs, in dependency order, each from its own section of the resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
 choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink, the
-stop-signal agreement, fault injection and the step observers. Nothing is built later, and
-nothing here runs a step."""
+stop-signal agreement, fault injection, the step observers and, under replica groups, this
+group's seat among them (torchft's manager). Nothing is built later, and nothing here runs a
+step."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from distrain.train import autobatch
 from distrain.train.faults import Faults
 from distrain.train.loop import Trainer
 from distrain.train.observers import CommMetrics, DiLoCoMetrics, MoEMetrics, ReplicaCheck
+from distrain.train.replica_groups import ReplicaGroups
 from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
 
@@ -101,6 +103,11 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
+    replicas = (
+        ReplicaGroups(cfg.fault_tolerance, ctx=ctx, metrics=metrics, logger=logger)
+        if cfg.fault_tolerance.replica_groups
+        else None
+    )
     return Trainer(
         plan=plan,
         ctx=ctx,
@@ -125,6 +132,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         observers=observers,
         phase_ranges=phase_ranges,
         outer=outer,
+        replicas=replicas,
     )
 
 
