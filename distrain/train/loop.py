@@ -367,6 +367,7 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.serve(self._live_state, self._load_live_state, step=self.step)
             self.replicas.quorum(step=self.step, loader=self.loader)
+            self.replicas.check_restart_has_a_source(step=self.step)
         if self.step >= t.steps:
             self.log.info(
                 "run already finished at step %d (training.steps = %d)", self.step, t.steps

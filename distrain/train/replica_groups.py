@@ -36,14 +36,24 @@ from torch import nn
 
 from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
+from distrain.errors import DistrainError
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext, replica_process_group
 
 _STORE_ADDRESS_BYTES = 256
 
 
+class ReplicaGroupAlone(DistrainError):
+    """A restarted replica group found no peer to take the live state from."""
+
+
 class StepNotCommitted(RuntimeError):
     """Some group failed during this step: no group applies it; the survivors redo it."""
+
+
+class _NotFlightRecorder(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,6 +139,10 @@ class ReplicaGroups:
         logger: logging.Logger,
     ):
         from torchft.manager import Manager
+
+        # torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
+        # (absent on gloo; distrain's flight records are its own, observe/flight.py).
+        logging.getLogger("torchft.manager").addFilter(_NotFlightRecorder())
 
         self.cfg, self.ctx, self.metrics, self.log = cfg, ctx, metrics, logger
         self.group = cfg.group
@@ -233,6 +247,18 @@ class ReplicaGroups:
             dp_rank=replica_rank * self.group_size + self.ctx.rank,
             dp_size=participants * self.group_size,
         )
+
+    def check_restart_has_a_source(self, *, step: int) -> None:
+        """A restarted group (torchrun's restart count > 0) at step 0, alone in its first quorum,
+        has neither a peer's live state nor a checkpoint: training from scratch would only make
+        a second run under this group's run dir, so it stops with a one-line error instead."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts and step == 0 and self.manager.current_step() == 0 and self.participants == 1:
+            raise ReplicaGroupAlone(
+                f"replica group {self.group} restarted (restart {restarts}) but no other group is "
+                "in the quorum to fetch the live state from, and it has no checkpoint; start it "
+                "again while the other groups train, or resume the run from a checkpoint"
+            )
 
     def _quorum_groups(self) -> tuple[int, ...]:
         """The replica groups of the current quorum. torchft hands the quorum's members to its
