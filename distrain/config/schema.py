@@ -531,7 +531,9 @@ class FaultToleranceConfig:
     timeout_s: float = doc(
         30.0,
         "Seconds a collective between groups, or a group's vote to commit a step, may take "
-        "before the groups that did not answer are taken for dead or hung and left out.",
+        "before the groups that did not answer are taken for dead or hung and left out. It must "
+        "exceed the time a rejoining group takes to load the live state: a shorter one makes "
+        "every group redo that step once.",
         POSITIVE,
     )
     quorum_timeout_s: float = doc(

@@ -122,6 +122,11 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
                 f"{r['ranks_lost']}): {r['cause']}; done by {r['replica_groups']} group(s) in "
                 f"{r['recovery_s']:.2f} s, {r['steps_lost']} step(s) lost"
             )
+        elif change == "retried":
+            lines.append(
+                f"  step {r['step']}: redone by every replica group ({r['cause']}; "
+                f"{r['recovery_s']:.2f} s), {r['steps_lost']} step(s) lost"
+            )
         elif change == "joined":
             lines.append(
                 f"  step {r['step']}: replica group {r['replica_groups_joined']} joined "

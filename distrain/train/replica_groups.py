@@ -124,6 +124,8 @@ class ReplicaGroups:
       "recovery_s", "steps_lost": 0, "attempts", "replica_groups"}` when a step was redone
       without a failed group: recovery_s runs from the start of the failed attempt to the redone
       step's commit;
+    - `{"step", "replica_change": "retried", "cause", "recovery_s", "steps_lost": 0, ...}` when a
+      step failed but no group was lost (a slow group), and every group redid it;
     - `{"step", "replica_change": "joined", "replica_groups_joined", "replica_groups"}` when a
       group came (back);
     - `{"step", "replica_change": "rejoined", "transfer_s", "state_mb", "replica_groups"}` in the
@@ -299,14 +301,31 @@ class ReplicaGroups:
         if not self._failed:
             return
         started, error = self._failed[0]
-        self._log_lost(
-            step,
-            self._lost,
-            cause=_cause(error),
-            error=error,
-            started=started,
-            attempts=len(self._failed) + 1,
-        )
+        attempts = len(self._failed) + 1
+        if self._lost:
+            cause = _cause(error)
+            self._log_lost(
+                step, self._lost, cause=cause, error=error, started=started, attempts=attempts
+            )
+        else:
+            # Every group is still there: one was slow (a rejoining group loading the live
+            # state for longer than fault_tolerance.timeout_s, say), and all redid the step.
+            seconds = time.perf_counter() - started
+            self.metrics.log(
+                {
+                    "step": step,
+                    "replica_change": "retried",
+                    "cause": _cause(error),
+                    "error": error,
+                    "recovery_s": seconds,
+                    "steps_lost": 0,
+                    "attempts": attempts,
+                    "replica_groups": self.participants,
+                }
+            )
+            self.log.warning(
+                "step %d redone by every replica group (%s): %.2fs", step, _cause(error), seconds
+            )
         self._failed, self._lost = [], set()
 
     def _log_lost(
