@@ -110,7 +110,10 @@ def _group_store(ctx: DistContext) -> tuple[str, int, dist.TCPStore | None]:
         address = f"{socket.gethostname()}:{store.port}".encode()
         buffer[: len(address)] = torch.tensor(list(address), dtype=torch.uint8)
     if ctx.world_size > 1:
-        dist.broadcast(buffer, src=0)
+        # On the default group's device (NCCL broadcasts CUDA tensors only).
+        on_device = buffer.to(ctx.device)
+        dist.broadcast(on_device, src=0)
+        buffer = on_device.cpu()
     host, port = bytes(buffer[buffer != 0].tolist()).decode().rsplit(":", 1)
     return host, int(port), store
 
