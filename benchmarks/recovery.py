@@ -186,7 +186,7 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500
     )
-    steps = kill_step + 40
+    steps = kill_step + 15
     fields = {
         "data.max_bytes": "4000000",
         "training.steps": str(steps),
