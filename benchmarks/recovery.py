@@ -1,4 +1,5 @@
-"""Recovery time of an elastic run: from a rank's death to the first step completed after resume.
+"""Recovery time after a rank's death: the restart path (an elastic run resumes from its checkpoint)
+beside the in-process path (replica groups: the survivors redo the step without the dead group).
 
 Each run is a real `distrain train --nproc 2 --max-restarts 1` (CPU, gloo, `tiny` preset) in which
 rank 1 SIGKILLs itself as step K begins (`debug.fail_mode = kill`), right after the checkpoint of
@@ -14,10 +15,19 @@ The milestones come from clocks on this machine, without changes to the trainer:
 - first step: arrival of step K's row in metrics.jsonl, which this script polls every 5 ms.
 Log timestamps have 1 ms resolution; arrival times are stamped here as lines appear.
 
+The in-process path runs the same 2 ranks as 2 replica groups of 1 rank each
+(`fault_tolerance.replica_groups = 2`, ZeRO-3, one `distrain train --nproc 1 --max-restarts 1`
+per group, a torchft lighthouse in this process). Once group 0 has logged step K-1 this script
+SIGKILLs group 1's worker; it measures the seconds from the kill to the arrival of group 0's
+next completed step, the steps recomputed (training rows group 0 logged twice: none), group 0's
+own `recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds its
+transfer took (its `rejoined` row). The two paths alternate run by run.
+
 Run from the repository root:
 
     python3 benchmarks/recovery.py                 # 3 runs, kill at step 5
     python3 benchmarks/recovery.py --runs 5 --kill-step 9
+    python3 benchmarks/recovery.py --paths restart      # or: inprocess
 
 It prints a table (per run and the median) and writes JSON to --out
 (default benchmarks/results/recovery.json).
@@ -29,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -168,6 +179,104 @@ def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, flo
     }
 
 
+def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, float]:
+    """2 replica groups of 1 rank; SIGKILL group 1's worker once group 0 logged step K-1."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500
+    )
+    steps = kill_step + 15
+    fields = {
+        "data.max_bytes": "4000000",
+        "training.steps": str(steps),
+        "training.global_batch_size": "8",
+        "training.micro_batch_size": "2",
+        "training.seq_len": "64",
+        "training.log_interval_steps": "1",
+        "training.eval_interval_steps": "0",
+        "parallel.zero_stage": "3",
+        "checkpoint.interval_steps": "0",
+        "checkpoint.at_end": "false",
+        "metrics.progress_bar": "false",
+        "metrics.tensorboard": "false",
+        "fault_tolerance.replica_groups": "2",
+        "fault_tolerance.lighthouse": lighthouse.address(),
+        "fault_tolerance.timeout_s": "5",
+        # Paces the steps so that group 0 still trains when group 1's worker is back.
+        "debug.slow_rank": "0",
+        "debug.slow_ms": "200",
+    }
+    procs, pollers = [], []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    try:
+        for group in range(2):
+            run_dir = root / f"group{group}"
+            run_dir.mkdir(parents=True)
+            args = [sys.executable, "-m", "distrain", "train", "--nproc", "1"]
+            args += ["--max-restarts", "1", "--fault_tolerance.group", str(group)]
+            for key, value in {**fields, "run.dir": str(run_dir)}.items():
+                args += [f"--{key}", value]
+            pollers.append(MetricsPoller(run_dir / "metrics.jsonl"))
+            pollers[-1].start()
+            procs.append(
+                subprocess.Popen(
+                    args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+                )
+            )
+        deadline = time.monotonic() + timeout_s
+
+        def trained(group: int) -> list[tuple[float, dict[str, Any]]]:
+            return [(t, r) for t, r in pollers[group].rows if "loss" in r]
+
+        while not any(r["step"] >= kill_step - 1 for _, r in trained(0)) or not trained(1):
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise RuntimeError("group 0 never reached the kill step")
+            time.sleep(POLL_S)
+        victim = _only_worker(procs[1].pid)
+        kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for poller in pollers:
+            poller.done.set()
+            poller.join()
+        lighthouse.shutdown()
+    if procs[0].returncode != 0:
+        raise RuntimeError(f"group 0 exited with {procs[0].returncode}")
+    rows0 = [r for _, r in pollers[0].rows]
+    (lost,) = [r for r in rows0 if r.get("replica_change") == "lost"]
+    rejoined = [r for _, r in pollers[1].rows if r.get("replica_change") == "rejoined"]
+    logged = [r["step"] for r in rows0 if "loss" in r]
+    return {
+        "total": min(t for t, r in trained(0) if t >= kill) - kill,
+        "recovery_s (metrics row)": lost["recovery_s"],
+        "steps recomputed": len(logged) - len(set(logged)),
+        "rejoin transfer": rejoined[-1]["transfer_s"] if rejoined else float("nan"),
+        "state MiB": rejoined[-1]["state_mb"] if rejoined else float("nan"),
+        "steady step": statistics.median(r["step_time_s"] for r in rows0 if "step_time_s" in r),
+    }
+
+
+def _only_worker(agent_pid: int) -> int:
+    """The pid of the one worker under a `distrain train --nproc 1` launcher."""
+    for _ in range(200):
+        children = []
+        for task in Path(f"/proc/{agent_pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+        workers = [
+            c for c in children if b"distrain.train" in Path(f"/proc/{c}/cmdline").read_bytes()
+        ]
+        if workers:
+            return workers[0]
+        time.sleep(0.05)
+    raise RuntimeError("no worker under the launcher")
+
+
 def breakdown(times: dict[str, float]) -> dict[str, float]:
     """Seconds spent in each phase, and the total from the kill to the first completed step."""
     out, start = {}, times["kill"]
@@ -185,24 +294,43 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=5, help="Step at whose start rank 1 dies.")
     parser.add_argument("--timeout-s", type=float, default=180, help="Limit for one run.")
     parser.add_argument("--out", default="benchmarks/results/recovery.json")
+    parser.add_argument(
+        "--paths", default="restart,inprocess", help="Comma-separated: restart, inprocess."
+    )
     ns = parser.parse_args()
+    paths = ns.paths.split(",")
     if ns.kill_step < 2:
         parser.error("--kill-step must be >= 2 (a checkpoint must precede the kill)")
 
     tmp = Path(tempfile.mkdtemp(prefix="distrain-recovery-"))
+    runs: dict[str, list[dict[str, float]]] = {path: [] for path in paths}
     try:
-        runs = [
-            breakdown(one_run(tmp / f"run{i}", kill_step=ns.kill_step, timeout_s=ns.timeout_s))
-            for i in range(ns.runs)
-        ]
+        for i in range(ns.runs):
+            for path in paths:  # interleaved: both paths see the same machine load
+                where = tmp / f"{path}{i}"
+                if path == "restart":
+                    times = one_run(where, kill_step=ns.kill_step, timeout_s=ns.timeout_s)
+                    runs[path].append(breakdown(times))
+                else:
+                    runs[path].append(
+                        inprocess_run(where, kill_step=ns.kill_step, timeout_s=ns.timeout_s)
+                    )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-
-    columns = list(median)
-    print(f"{'run':<8}" + "".join(f"{c:>21}" for c in columns))
-    for name, row in [*((str(i + 1), run) for i, run in enumerate(runs)), ("median", median)]:
-        print(f"{name:<8}" + "".join(f"{row[c]:>20.3f}s" for c in columns))
+    medians = {
+        path: {key: statistics.median(run[key] for run in rows) for key in rows[0]}
+        for path, rows in runs.items()
+    }
+    for path, rows in runs.items():
+        columns = list(medians[path])
+        print(f"\n{path} path")
+        print(f"{'run':<8}" + "".join(f"{c:>26}" for c in columns))
+        for name, row in [
+            *((str(i + 1), r) for i, r in enumerate(rows)),
+            ("median", medians[path]),
+        ]:
+            print(f"{name:<8}" + "".join(f"{row[c]:>26.3f}" for c in columns))
+    median = medians.get("restart", {})
 
     result = {
         "config": {
@@ -219,8 +347,13 @@ def main() -> None:
             "cpus": os.cpu_count(),
         },
         "phases": [phase for phase, _ in PHASES],
-        "runs_s": runs,
+        "runs_s": runs.get("restart", []),
         "median_s": median,
+        "inprocess": {
+            "launch": "2 x distrain train --nproc 1 --max-restarts 1, replica_groups 2, zero 3",
+            "runs": runs.get("inprocess", []),
+            "median": medians.get("inprocess", {}),
+        },
     }
     write_json(ns.out, result)
 

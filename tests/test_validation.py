@@ -25,6 +25,15 @@ from distrain.layout.rules import RULES, LayoutError, validate
 # A 300-token BPE (tokenizers' trainer on json/decoder.py of the stdlib), for the tokenizer rules.
 BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
 
+# Replica groups: 2 groups of ZeRO-3 over 2 ranks, a global batch of 8 in micro-batches of 2.
+FT = {
+    "fault_tolerance.replica_groups": "2",
+    "fault_tolerance.lighthouse": "http://localhost:1",
+    "parallel.zero_stage": "3",
+    "training.global_batch_size": "8",
+    "training.micro_batch_size": "2",
+}
+
 # (rule, overrides, world size, texts the one-line message must hold). Every rule of the table
 # appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present;
 # "env.NAME" sets the environment variable NAME.
@@ -176,6 +185,20 @@ CASES = [
     ("pp_eval_holds_a_batch", {"parallel.pp": "2", "training.eval_batches": "1"}, 2,
      ["= 8 evaluation sequences per rank is less than one pipeline batch (32)",
       "raise training.eval_batches to at least 4"]),
+    ("replica_group_in_range",
+     {**FT, "fault_tolerance.group": "2"}, 2,
+     ["fault_tolerance.group = 2 is not one of the 2 replica groups", "set it to 0 .. 2 - 1"]),
+    ("fault_tolerance_needs_fsdp", {**FT, "parallel.zero_stage": "0"}, 2,
+     ["fault_tolerance.replica_groups = 2 needs parallel.zero_stage 2 or 3",
+      "set parallel.zero_stage = 3"]),
+    ("fault_tolerance_composes", {**FT, "parallel.tp": "2"}, 2,
+     ["does not compose with parallel.tp = 2 (not supported yet)",
+      "set fault_tolerance.replica_groups = 0"]),
+    ("fault_tolerance_needs_lighthouse", {**FT, "fault_tolerance.lighthouse": ""}, 2,
+     ["needs a torchft lighthouse", "or TORCHFT_LIGHTHOUSE"]),
+    ("batch_splits_over_survivors", {**FT, "training.global_batch_size": "4"}, 2,
+     ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 rank(s)",
+      "make it a multiple of 8"]),
 ]  # fmt: skip
 
 

@@ -630,6 +630,44 @@ class WatchdogConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FaultToleranceConfig:
+    """Replica groups that survive each other (train/replica_groups.py): each group is its own
+    torchrun, shards the model with FSDP2 over its ranks, and averages gradients with the other
+    groups through torchft's reconfigurable process group; a group that dies or hangs is left
+    out, the survivors take its micro-batches, and a restarted group fetches the live state."""
+
+    replica_groups: int = doc(
+        0,
+        "Replica groups in the run, each launched as its own torchrun (0 = off: every failure "
+        "restarts the whole job). The global batch is the same whatever the number of groups "
+        "alive: the survivors take a lost group's micro-batches.",
+        Range(low=2, also=(0,), why="one group has no peer to survive it"),
+    )
+    group: int = doc(
+        0, "This torchrun's replica group, 0 .. fault_tolerance.replica_groups - 1.", AT_LEAST_0
+    )
+    lighthouse: str = doc(
+        "",
+        "Address of the torchft lighthouse that forms each step's quorum of groups "
+        "(http://host:port; empty = the TORCHFT_LIGHTHOUSE environment variable).",
+    )
+    timeout_s: float = doc(
+        30.0,
+        "Seconds a collective between groups, or a group's vote to commit a step, may take "
+        "before the groups that did not answer are taken for dead or hung and left out. It must "
+        "exceed the time a rejoining group takes to load the live state: a shorter one makes "
+        "every group redo that step once.",
+        POSITIVE,
+    )
+    quorum_timeout_s: float = doc(
+        120.0,
+        "Seconds a group waits for the lighthouse to form a quorum (a group restarting after a "
+        "failure waits here until the others reach a step boundary).",
+        POSITIVE,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -643,6 +681,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

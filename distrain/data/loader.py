@@ -200,6 +200,20 @@ class DistributedBatchLoader:
             self._thread.join()
             self._thread, self._queue = None, None
 
+    def replan(self, *, dp_rank: int, dp_size: int) -> None:
+        """Read the `dp_rank`-th of `dp_size` slices of each global batch from now on (the
+        ranks alive changed): the global batch, and so the math, stay the same."""
+        if dp_size <= 0 or self.global_batch_size % (self.micro_batch_size * dp_size):
+            raise ValueError(
+                f"training.global_batch_size ({self.global_batch_size}) does not split into "
+                f"micro-batches of {self.micro_batch_size} over {dp_size} data-parallel ranks"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        self.close()  # batches read ahead were this rank's slices of the old split
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.accum_steps = self.global_batch_size // (self.micro_batch_size * dp_size)
+
     def state_dict(self) -> dict:
         # Tensors only: checkpoints load with weights_only / DCP, which refuse arbitrary objects.
         state: dict = {"samples_consumed": torch.tensor(self.samples_consumed, dtype=torch.int64)}

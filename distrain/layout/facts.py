@@ -151,6 +151,66 @@ class Facts:
         return next((name for name, on in conflicts.items() if on), "")
 
     @property
+    def groups(self) -> int:
+        """fault_tolerance.replica_groups (0 = off)."""
+        return self.cfg.fault_tolerance.replica_groups
+
+    @property
+    def fault_tolerance_conflict(self) -> str:
+        """The first setting replica groups that survive each other do not compose with (""
+        when none, or when they are off)."""
+        if not self.groups:
+            return ""
+        conflicts = {
+            f"parallel.dp_replicate = {self.p.dp_replicate} (the replica groups are the "
+            "replicated dimension: each is its own torchrun)": self.p.dp_replicate > 1,
+            f"parallel.tp = {self.p.tp} (not supported yet)": self.p.tp > 1,
+            f"parallel.pp = {self.p.pp} (not supported yet)": self.p.pp > 1,
+            f"parallel.cp = {self.p.cp} (not supported yet)": self.p.cp > 1,
+            f"parallel.ep = {self.p.ep} (not supported yet)": self.p.ep > 1,
+            "diloco.inner_steps (not supported yet)": self.inner_steps > 0,
+            "training.precision = 'fp16' (its loss scale is agreed inside a group only)": (
+                self.t.precision == "fp16"
+            ),
+            "training.oom_recovery (a group's micro-batch split would differ from its peers')": (
+                self.t.oom_recovery
+            ),
+            "training.micro_batch_size = 'auto' (every group must split alike)": (
+                self.auto_micro_batch
+            ),
+            f"comm.gradient_compression = {self.c.gradient_compression!r} (not supported yet)": (
+                self.c.gradient_compression != "none"
+            ),
+        }
+        return next((name for name, on in conflicts.items() if on), "")
+
+    @property
+    def lighthouse_missing(self) -> bool:
+        """Replica groups are on and neither fault_tolerance.lighthouse nor TORCHFT_LIGHTHOUSE
+        says where the lighthouse is."""
+        ft = self.cfg.fault_tolerance
+        return bool(self.groups) and not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"))
+
+    @property
+    def survivor_counts_not_splitting_batch(self) -> str:
+        """The numbers of live replica groups whose ranks cannot split the global batch into
+        whole micro-batches ("" when every count from 1 to fault_tolerance.replica_groups
+        can)."""
+        assert self.dims is not None
+        if not self.groups or self.auto_micro_batch:
+            return ""
+        per_group = self.t.micro_batch_size * self.dims.dp_size
+        bad = [n for n in range(1, self.groups + 1) if self.t.global_batch_size % (per_group * n)]
+        return ", ".join(str(n) for n in bad)
+
+    @property
+    def survivors_batch_unit(self) -> int:
+        """The smallest global batch every live-group count can split: micro-batch x group
+        size x lcm(1 .. replica_groups)."""
+        assert self.dims is not None
+        return self.t.micro_batch_size * self.dims.dp_size * math.lcm(*range(1, self.groups + 1))
+
+    @property
     def dp_divisors(self) -> str:
         return ", ".join(str(d) for d in divisors(self.dp))
 

@@ -142,6 +142,36 @@ RULES: tuple[Rule, ...] = (
         "that setting or set diloco.inner_steps = 0",
     ),
     Rule(
+        "replica_group_in_range",
+        "config",
+        lambda f: f.groups > 0 and f.cfg.fault_tolerance.group >= f.groups,
+        "fault_tolerance.group = {f.cfg.fault_tolerance.group} is not one of the "
+        "{f.groups} replica groups; set it to 0 .. {f.groups} - 1",
+    ),
+    Rule(
+        "fault_tolerance_needs_fsdp",
+        "config",
+        lambda f: f.groups > 0 and f.p.zero_stage <= 1,
+        "fault_tolerance.replica_groups = {f.groups} needs parallel.zero_stage 2 or 3: FSDP2 "
+        "shards inside each group and the groups average its gradient shards; set "
+        "parallel.zero_stage = 3",
+    ),
+    Rule(
+        "fault_tolerance_composes",
+        "config",
+        lambda f: f.fault_tolerance_conflict != "",
+        "fault_tolerance.replica_groups = {f.groups} does not compose with "
+        "{f.fault_tolerance_conflict}; drop that setting or set fault_tolerance.replica_groups "
+        "= 0",
+    ),
+    Rule(
+        "fault_tolerance_needs_lighthouse",
+        "config",
+        lambda f: f.lighthouse_missing,
+        "fault_tolerance.replica_groups = {f.groups} needs a torchft lighthouse: set "
+        "fault_tolerance.lighthouse = 'http://host:port' or TORCHFT_LIGHTHOUSE",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
@@ -362,6 +392,15 @@ RULES: tuple[Rule, ...] = (
         "data-parallel size ({f.dims.dp_size}, from world size {f.world_size}) for "
         "training.micro_batch_size = 'auto' to split it; change the batch size or the number "
         "of processes",
+    ),
+    Rule(
+        "batch_splits_over_survivors",
+        "dims",
+        lambda f: f.survivor_counts_not_splitting_batch != "",
+        "training.global_batch_size ({f.t.global_batch_size}) cannot be split by "
+        "{f.survivor_counts_not_splitting_batch} live replica group(s) of {f.dims.dp_size} "
+        "rank(s) in micro-batches of {f.t.micro_batch_size}; make it a multiple of "
+        "{f.survivors_batch_unit}",
     ),
     Rule(
         "diloco_needs_sites",

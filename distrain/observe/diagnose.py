@@ -1,7 +1,9 @@
 """`distrain diagnose RUN_DIR`: what happened to a run, from its files alone (so it works on a run
 dir copied off a cluster): per attempt, which rank failed first and with what error (the
 traceback's last lines), which rank hung where (hangs.jsonl, written by the watchdog, and the
-stuck rank's stack dump), how far training got, and the last committed checkpoint.
+stuck rank's stack dump), how far training got, the changes of membership of replica groups
+(fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), and the
+last committed checkpoint.
 
 Attempts are told apart in each rank's log by the line every worker writes when it starts
 ("rank R/N on ..."), the first line of each attempt torchrun starts.
@@ -109,6 +111,37 @@ def last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     return {**manifest, "path": str(where)}
 
 
+def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per membership change of the replica groups in a run's metrics rows."""
+    lines = []
+    for r in rows:
+        change = r.get("replica_change")
+        if change == "lost":
+            lines.append(
+                f"  step {r['step']}: lost replica group {r['replica_groups_lost']} (ranks "
+                f"{r['ranks_lost']}): {r['cause']}; done by {r['replica_groups']} group(s) in "
+                f"{r['recovery_s']:.2f} s, {r['steps_lost']} step(s) lost"
+            )
+        elif change == "retried":
+            lines.append(
+                f"  step {r['step']}: redone by every replica group ({r['cause']}; "
+                f"{r['recovery_s']:.2f} s), {r['steps_lost']} step(s) lost"
+            )
+        elif change == "joined":
+            lines.append(
+                f"  step {r['step']}: replica group {r['replica_groups_joined']} joined "
+                f"({r['replica_groups']} group(s))"
+            )
+        elif change == "rejoined":
+            lines.append(
+                f"  step {r['step']}: this group rejoined with a peer's live state "
+                f"({r['state_mb']:.1f} MiB in {r['transfer_s']:.2f} s)"
+            )
+    if lines:
+        lines.insert(0, f"replica groups: {len(lines)} membership change(s)")
+    return lines
+
+
 def diagnose(run_dir: Path) -> str:
     run_dir = Path(run_dir)
     logs = sorted((run_dir / "logs").glob("rank*.log"))
@@ -160,6 +193,7 @@ def diagnose(run_dir: Path) -> str:
         if trained:
             last = trained[-1]
             out.append(f"last logged step {last['step']}: loss {last['loss']:.4f}")
+        out += replica_lines(rows)
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:
         out.append("no committed checkpoint")

@@ -1,6 +1,6 @@
 """`distrain status RUN_DIR`: where a run stands — its last metrics, an ETA from the recent step
 time, its committed checkpoints (kind, step, whether their files match the manifest's sizes) and
-its restarts — from the run dir alone."""
+its restarts and the membership changes of its replica groups — from the run dir alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 from distrain.config.io import run_config_file
-from distrain.observe.diagnose import checkpoint_folder, parse_rank_log
+from distrain.observe.diagnose import checkpoint_folder, parse_rank_log, replica_lines
 
 
 def _checkpoint_lines(folder: Path) -> list[str]:
@@ -62,4 +62,5 @@ def status(run_dir: Path) -> str:
     log = run_dir / "logs" / "rank0.log"
     attempts = parse_rank_log(log) if log.exists() else []
     out.append(f"restarts: {max(len(attempts) - 1, 0)}")
+    out += replica_lines(rows)
     return "\n".join(out)

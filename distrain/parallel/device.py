@@ -1,7 +1,8 @@
 """Devices, backends and the process groups outside the device mesh: where this process runs
 (`pick_device`: CUDA with NCCL when present, else CPU with gloo: the one place that choice is
 made), joining torchrun's group (`init_distributed`), the collective timeout every group gets,
-the groups of checkpoints (`checkpoint_group`) and stop signals (`host_group`), and `teardown`,
+the groups of checkpoints (`checkpoint_group`), stop signals (`host_group`) and replica groups
+(`replica_process_group`, torchft's reconfigurable group between torchruns), and `teardown`,
 the one way process groups end; and what "auto" means on a device: `resolve_precision` and
 `resolve_compile` (a run decides them once, in train/resolve.py; the planner's fake builds on
 the CPU decide compile here too). With parallel/mesh.py it makes every process group of a
@@ -121,6 +122,17 @@ def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistCo
         backend=backend,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
     )
+
+
+def replica_process_group(backend: str, timeout_s: float) -> object:
+    """torchft's reconfigurable process group between replica groups, of this run's backend:
+    its members change at each quorum (train/replica_groups.py). NCCL's runs its collectives
+    on the current stream like any NCCL group; a collective that errs or outlasts `timeout_s`
+    marks the step for the groups to drop, instead of ending the process."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    group = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+    return group(timeout=timedelta(seconds=timeout_s))
 
 
 def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:

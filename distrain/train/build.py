@@ -2,8 +2,9 @@
 the loop runs, in dependency order, each from its own section of the resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
 choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink (with
-rank 0's experiment trackers), the stop-signal agreement, fault injection and the step
-observers. Nothing is built later, and nothing here runs a step."""
+rank 0's experiment trackers), the stop-signal agreement, fault injection, the step observers
+and, under replica groups, this group's seat among them (torchft's manager). Nothing is built
+later, and nothing here runs a step."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from distrain.train.observers import (
     MoEMetrics,
     ReplicaCheck,
 )
+from distrain.train.replica_groups import ReplicaGroups
 from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
 
@@ -118,6 +120,11 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
+    replicas = (
+        ReplicaGroups(cfg.fault_tolerance, ctx=ctx, metrics=metrics, logger=logger)
+        if cfg.fault_tolerance.replica_groups
+        else None
+    )
     return Trainer(
         plan=plan,
         ctx=ctx,
@@ -143,6 +150,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         observers=observers,
         phase_ranges=phase_ranges,
         outer=outer,
+        replicas=replicas,
     )
 
 

@@ -5,8 +5,11 @@ out-of-memory recovery when asked), clipping, the optimizer update and the loss 
 DiLoCo the outer step when it is due (optim/diloco.py). At logged steps the loss and gradient
 norm are read (the loop's only host syncs outside fp16 and health checks) and the metrics row goes
 through the observers (observe/observer.py); evaluation and checkpoints follow when due; a stop
-signal agreed by every rank ends the run with a preempt checkpoint. The parts are assembled once
-by `build_trainer` (build.py); fault injection goes through `Faults` (faults.py).
+signal agreed by every rank ends the run with a preempt checkpoint. Under replica groups
+(fault_tolerance.replica_groups) each step begins with the groups' quorum, its gradients are
+averaged between groups after backward, and a step some group failed is redone by the survivors
+(replica_groups.py). The parts are assembled once by `build_trainer` (build.py); fault injection
+goes through `Faults` (faults.py).
 """
 
 from __future__ import annotations
@@ -42,7 +45,14 @@ from distrain.parallel.model import ParallelModel
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
 from distrain.train.faults import Faults
+from distrain.train.replica_groups import (
+    ReplicaGroups,
+    StepNotCommitted,
+    copy_into,
+    transferable,
+)
 from distrain.train.resolve import RunPlan
+from distrain.train.rng import rng_state, set_rng_state
 from distrain.train.state import (
     GlobalWeights,
     ModelState,
@@ -90,6 +100,8 @@ class Trainer:
     phase_ranges: PhaseRanges
     outer: DiLoCo | None = None
     """DiLoCo's outer optimizer (diloco.inner_steps > 0)."""
+    replicas: ReplicaGroups | None = None
+    """This group's seat among the replica groups (fault_tolerance.replica_groups >= 2)."""
     step: int = 0
     started: bool = False
     """True once the loop begins: an error before that is a failed start (see worker.py)."""
@@ -156,6 +168,33 @@ class Trainer:
             raise CheckpointError(f"checkpoint of step {step} holds step {self.step}")
         self.log.info("resumed from checkpoint step-%08d", self.step)
 
+    # --- live state, for a replica group that rejoins ------------------------------------------
+
+    def _live_state(self) -> dict:
+        """This rank's shards of the model and optimizer, the loader position, the RNG states
+        and the step: what the same rank of a rejoining replica group loads."""
+        return transferable(
+            {
+                "model": ModelState(self.model.parts).state_dict(),
+                "optim": OptimizerState(self.model.parts, self.optimizers).state_dict(),
+                "data": self.loader.state_dict(),
+                "rng": rng_state(),
+                "trainer": {"step": torch.tensor(self.step)},
+            }
+        )
+
+    def _load_live_state(self, received: dict) -> None:
+        model = ModelState(self.model.parts)
+        optim = OptimizerState(self.model.parts, self.optimizers)
+        weights, moments = model.state_dict(), optim.state_dict()
+        copy_into(weights, received["model"], where="model.")
+        copy_into(moments, received["optim"], where="optim.")
+        model.load_state_dict(weights)
+        optim.load_state_dict(moments)
+        self.loader.load_state_dict(received["data"])
+        set_rng_state(received["rng"])
+        self.step = int(received["trainer"]["step"])
+
     # --- one step ----------------------------------------------------------------------------
 
     def train_step(
@@ -186,6 +225,8 @@ class Trainer:
             )
         heartbeat.mark("optimizer")
         self.faults.after_backward(self.step + 1, self.model.parameters)
+        if self.replicas is not None:
+            loss = self.replicas.average(loss, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         plan.before_clip()
@@ -211,6 +252,25 @@ class Trainer:
         if self.outer is not None:
             self.outer.after_step(self.step + 1)
         return loss, grad_norm
+
+    def _replicated_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`train_step` on this group's share of the global batch, redone until every replica
+        group of the quorum commits it: after a failed attempt the loader and the RNG are put
+        back where the step began and the survivors' new quorum re-plans the same global batch
+        over the groups left."""
+        while True:
+            started = time.perf_counter()
+            position, rng = self.loader.state_dict(), torch.get_rng_state()
+            try:
+                result = self.train_step(self.loader.next_batch(), lr, report_loss=True)
+            except StepNotCommitted as error:
+                self.loader.load_state_dict(position)
+                torch.set_rng_state(rng)
+                self.replicas.step_failed(started, error)
+                self.replicas.quorum(step=self.step, loader=self.loader)
+                continue
+            self.replicas.step_committed(self.step + 1)
+            return result
 
     def _update_scale(self) -> None:
         """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
@@ -326,6 +386,10 @@ class Trainer:
             self.checkpointer.storage.check_writable()
         self.maybe_resume()
         self.checkpointer.claim_location()
+        if self.replicas is not None:
+            self.replicas.serve(self._live_state, self._load_live_state, step=self.step)
+            self.replicas.quorum(step=self.step, loader=self.loader)
+            self.replicas.check_restart_has_a_source(step=self.step)
         if self.step >= t.steps:
             self.log.info(
                 "run already finished at step %d (training.steps = %d)", self.step, t.steps
@@ -346,7 +410,10 @@ class Trainer:
             lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
             finished = step == t.steps
             logged = step % t.log_interval_steps == 0 or finished
-            loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
+            if self.replicas is None:
+                loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
+            else:
+                loss, grad_norm = self._replicated_step(lr)
             self.step = step
             window_steps += 1
             for observer in self.observers:
@@ -379,6 +446,8 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             for observer in self.observers:
                 observer.step_end(step)
+            if self.replicas is not None and not finished:
+                self.replicas.quorum(step=self.step, loader=self.loader)
         heartbeat.mark("checkpoint")
         self.checkpointer.wait()
         self.stop.close()
@@ -431,6 +500,8 @@ class Trainer:
         self.phase_ranges.close()
         heartbeat.unlisten(self.phase_ranges)
         self.stop_signals.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def _perplexity(loss: float) -> float:

@@ -1,0 +1,379 @@
+"""Replica groups that survive each other (fault_tolerance.replica_groups = R >= 2), on torchft.
+
+Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3) and reduce the
+gradients among themselves; the groups then average the gradient shards over torchft's
+reconfigurable process group (rank s of every group holds the same shard). Before each step the
+groups form a quorum through torchft's lighthouse; after backward each group votes to commit.
+
+- **A group fails** (a rank dies: the collective between groups errs; a rank hangs: it outlasts
+  fault_tolerance.timeout_s): no group commits the step. The survivors form a new quorum without
+  the failed group and redo the same step: the data loader is rewound and re-planned so that
+  the live groups' ranks split the *same* global batch (each now takes more micro-batches), so
+  the step's loss and update are the uninterrupted run's, up to the order of the fp32 sums. No
+  process restarts and nothing is read from storage.
+- **A group comes back** (its torchrun restarted its workers): it joins a quorum at a step
+  boundary and torchft fetches the live state from a healthy group over HTTP: each rank's
+  model and optimizer shards (its counterpart holds the same ones), the loader position, the
+  RNG states and the step. The transfer is data only (tensors, loaded with weights_only).
+
+Every membership change is a metrics row (see `ReplicaGroups`); the loop calls `quorum` before
+each step and `average` after backward (train/loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrain.config.schema import FaultToleranceConfig
+from distrain.data.loader import DistributedBatchLoader
+from distrain.errors import DistrainError
+from distrain.observe.metrics import MetricsWriter
+from distrain.parallel.device import DistContext, replica_process_group
+
+_STORE_ADDRESS_BYTES = 256
+
+
+class ReplicaGroupAlone(DistrainError):
+    """A restarted replica group found no peer to take the live state from."""
+
+
+class StepNotCommitted(RuntimeError):
+    """Some group failed during this step: no group applies it; the survivors redo it."""
+
+
+class _NotFlightRecorder(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank holds (a DTensor's local shard)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def transferable(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (nested dicts) with each DTensor replaced by its local shard and everything that
+    is not a tensor dropped: what a rank sends to its counterpart in a rejoining group, which
+    holds the same shards."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = transferable(value)
+        elif isinstance(value, torch.Tensor):
+            out[key] = _local(value)
+    return out
+
+
+def copy_into(template: dict[str, Any], received: dict[str, Any], *, where: str = "") -> None:
+    """Copy `received`'s tensors into `template`'s (local shards, in place); a key or shape
+    that does not match is an error naming it."""
+    for key, value in template.items():
+        name = f"{where}{key}"
+        if isinstance(value, dict):
+            copy_into(value, received[key], where=f"{name}.")
+        elif isinstance(value, torch.Tensor):
+            if key not in received:
+                raise KeyError(f"live state from the peer group lacks {name}")
+            local, theirs = _local(value), received[key]
+            if local.shape != theirs.shape:
+                raise ValueError(
+                    f"live state {name}: shape {tuple(theirs.shape)} from the peer group, "
+                    f"{tuple(local.shape)} here"
+                )
+            local.copy_(theirs)
+
+
+def _cause(error: object) -> str:
+    """What the failed step's error says, in one word: a hang (timeout) or a collective error."""
+    text = str(error).lower()
+    return "timeout" if "timeout" in text or "timed out" in text else "collective error"
+
+
+def _group_store(ctx: DistContext) -> tuple[str, int, dist.TCPStore | None]:
+    """A TCP store of this group's own, hosted by its rank 0 (torchft's manager keeps its
+    address there; torchrun's store outlives a restart and would hand a new worker the old
+    manager's address): rank 0 opens it and tells the other ranks where it is."""
+    buffer = torch.zeros(_STORE_ADDRESS_BYTES, dtype=torch.uint8)
+    store = None
+    if ctx.rank == 0:
+        store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+        address = f"{socket.gethostname()}:{store.port}".encode()
+        buffer[: len(address)] = torch.tensor(list(address), dtype=torch.uint8)
+    if ctx.world_size > 1:
+        # On the default group's device (NCCL broadcasts CUDA tensors only).
+        on_device = buffer.to(ctx.device)
+        dist.broadcast(on_device, src=0)
+        buffer = on_device.cpu()
+    host, port = bytes(buffer[buffer != 0].tolist()).decode().rsplit(":", 1)
+    return host, int(port), store
+
+
+class ReplicaGroups:
+    """This group's seat among the replica groups: the quorum before each step, the average of
+    the gradients between groups after backward, and the live state a rejoining group gets.
+
+    Metrics rows (rank 0 of each group writes its own run dir's metrics.jsonl):
+    - `{"step", "replica_change": "lost", "replica_groups_lost", "ranks_lost", "cause",
+      "recovery_s", "steps_lost": 0, "attempts", "replica_groups"}` when a step was redone
+      without a failed group: recovery_s runs from the start of the failed attempt to the redone
+      step's commit;
+    - `{"step", "replica_change": "retried", "cause", "recovery_s", "steps_lost": 0, ...}` when a
+      step failed but no group was lost (a slow group), and every group redid it;
+    - `{"step", "replica_change": "joined", "replica_groups_joined", "replica_groups"}` when a
+      group came (back);
+    - `{"step", "replica_change": "rejoined", "transfer_s", "state_mb", "replica_groups"}` in the
+      rejoining group's own run dir: the live state it fetched.
+    """
+
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        *,
+        ctx: DistContext,
+        metrics: MetricsWriter,
+        logger: logging.Logger,
+    ):
+        from torchft.manager import Manager
+
+        # torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
+        # (absent on gloo; distrain's flight records are its own, observe/flight.py).
+        logging.getLogger("torchft.manager").addFilter(_NotFlightRecorder())
+
+        self.cfg, self.ctx, self.metrics, self.log = cfg, ctx, metrics, logger
+        self.group = cfg.group
+        self.group_size = ctx.world_size
+        host, port, self._store = _group_store(ctx)
+        self._pg = replica_process_group(ctx.backend, cfg.timeout_s)
+        self.manager = Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=cfg.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
+            replica_id=f"group{cfg.group}",
+            # Every group seeds its model alike: nothing to copy before the first step.
+            init_sync=False,
+        )
+        self.members: tuple[int, ...] = ()
+        """The replica groups of the current quorum."""
+        self.participants = 0
+        self._failed: list[tuple[float, str]] = []
+        """(start time, error) of this step's failed attempts."""
+        self._lost: set[int] = set()
+        """The groups this step's failed attempts lost."""
+        self._healed: tuple[float, int] | None = None
+
+    def serve(
+        self,
+        state: Callable[[], dict[str, Any]],
+        load: Callable[[dict[str, Any]], None],
+        *,
+        step: int,
+    ) -> None:
+        """Register how to read this rank's live state and load a peer's (both nested dicts of
+        tensors, from `transferable`), this group being at `step` (0, or the checkpoint it
+        resumed from): a group behind the others' step loads theirs at its first quorum."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+        def timed_load(received: dict[str, Any]) -> None:
+            start = time.perf_counter()
+            load(received)
+            size = sum(t.numel() * t.element_size() for t in _tensors(received))
+            self._healed = (time.perf_counter() - start, size)
+
+        self.manager.register_state_dict_fn("distrain", timed_load, state)
+
+    # --- before each step --------------------------------------------------------------------
+
+    def quorum(self, *, step: int, loader: DistributedBatchLoader) -> None:
+        """Join the quorum for the step after `step` (which loads a peer's live state when this
+        group is behind) and re-plan `loader` over the groups in it."""
+        start = time.perf_counter()
+        self.manager.start_quorum()
+        participants = self.manager.num_participants()
+        replica_rank = self.manager.participating_rank()
+        if replica_rank is None:
+            raise StepNotCommitted("this replica group is not in the quorum")
+        members = self._quorum_groups()
+        lost, joined = set(self.members) - set(members), set(members) - set(self.members)
+        first = not self.members
+        self._lost |= lost if self._failed else set()
+        self.members, self.participants = members, participants
+        if self._healed is not None:
+            load_s, size = self._healed
+            self._healed = None
+            self.metrics.log(
+                {
+                    "step": self.manager.current_step(),
+                    "replica_change": "rejoined",
+                    "transfer_s": time.perf_counter() - start,
+                    "load_s": load_s,
+                    "state_mb": size / 2**20,
+                    "replica_groups": participants,
+                }
+            )
+            self.log.info(
+                "replica group %d rejoined at step %d with the live state of a peer group",
+                self.group,
+                self.manager.current_step(),
+            )
+        elif lost and not self._failed:
+            # A group left between steps: nothing to redo.
+            self._log_lost(step + 1, lost, cause="left the quorum", error="", started=start)
+        elif joined and not first:
+            self.metrics.log(
+                {
+                    "step": step,
+                    "replica_change": "joined",
+                    "replica_groups_joined": ",".join(map(str, sorted(joined))),
+                    "replica_groups": participants,
+                }
+            )
+            self.log.info("replica group(s) %s joined before step %d", sorted(joined), step + 1)
+        loader.replan(
+            dp_rank=replica_rank * self.group_size + self.ctx.rank,
+            dp_size=participants * self.group_size,
+        )
+
+    def check_restart_has_a_source(self, *, step: int) -> None:
+        """A restarted group (torchrun's restart count > 0) at step 0, alone in its first quorum,
+        has neither a peer's live state nor a checkpoint: training from scratch would only make
+        a second run under this group's run dir, so it stops with a one-line error instead."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts and step == 0 and self.manager.current_step() == 0 and self.participants == 1:
+            raise ReplicaGroupAlone(
+                f"replica group {self.group} restarted (restart {restarts}) but no other group is "
+                "in the quorum to fetch the live state from, and it has no checkpoint; start it "
+                "again while the other groups train, or resume the run from a checkpoint"
+            )
+
+    def _quorum_groups(self) -> tuple[int, ...]:
+        """The replica groups of the current quorum. torchft hands the quorum's members to its
+        process group as global ranks (replica number x group size + group rank) and keeps them
+        there (torchft 0.2.0's `_global_ranks`); the replica number is our group's."""
+        ranks = getattr(self._pg, "_global_ranks", None) or []
+        return tuple(sorted({r // self.group_size for r in ranks}))
+
+    # --- after backward ----------------------------------------------------------------------
+
+    def average(
+        self, loss: torch.Tensor, parameters: Callable[[], Iterable[nn.Parameter]]
+    ) -> torch.Tensor:
+        """Average this rank's gradient shards and `loss` over the groups in the quorum and
+        vote to commit the step; returns the groups' mean loss. Raises StepNotCommitted, with
+        the gradients cleared, when some group failed: the caller redoes the step."""
+        grads = [_local(p.grad) for p in parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).float()])
+        self.manager.allreduce(flat).wait()
+        if not self.manager.should_commit():
+            error = self.manager.errored()
+            for p in parameters():
+                p.grad = None
+            raise StepNotCommitted(str(error.original_exception if error else "a peer failed"))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat[-1]
+
+    def step_failed(self, started: float, error: StepNotCommitted) -> None:
+        """Note a failed attempt of the current step (started at `started`, perf_counter)."""
+        self._failed.append((started, str(error)))
+        self.log.warning("step not committed by every replica group (%s): redoing it", error)
+
+    def step_committed(self, step: int) -> None:
+        """`step` committed: report the recovery if it took more than one attempt."""
+        if not self._failed:
+            return
+        started, error = self._failed[0]
+        attempts = len(self._failed) + 1
+        if self._lost:
+            cause = _cause(error)
+            self._log_lost(
+                step, self._lost, cause=cause, error=error, started=started, attempts=attempts
+            )
+        else:
+            # Every group is still there: one was slow (a rejoining group loading the live
+            # state for longer than fault_tolerance.timeout_s, say), and all redid the step.
+            seconds = time.perf_counter() - started
+            self.metrics.log(
+                {
+                    "step": step,
+                    "replica_change": "retried",
+                    "cause": _cause(error),
+                    "error": error,
+                    "recovery_s": seconds,
+                    "steps_lost": 0,
+                    "attempts": attempts,
+                    "replica_groups": self.participants,
+                }
+            )
+            self.log.warning(
+                "step %d redone by every replica group (%s): %.2fs", step, _cause(error), seconds
+            )
+        self._failed, self._lost = [], set()
+
+    def _log_lost(
+        self,
+        step: int,
+        lost: set[int],
+        *,
+        cause: str,
+        error: str,
+        started: float,
+        attempts: int = 1,
+    ) -> None:
+        seconds = time.perf_counter() - started
+        size = self.group_size
+        ranks = [g * size + r for g in sorted(lost) for r in range(size)]
+        self.metrics.log(
+            {
+                "step": step,
+                "replica_change": "lost",
+                "replica_groups_lost": ",".join(map(str, sorted(lost))),
+                "ranks_lost": ",".join(map(str, ranks)),
+                "cause": cause,
+                "error": error,
+                "recovery_s": seconds,
+                "steps_lost": 0,
+                "attempts": attempts,
+                "replica_groups": self.participants,
+            }
+        )
+        self.log.warning(
+            "step %d done by replica group(s) %s without group(s) %s (%s): %.2fs, no step lost",
+            step,
+            list(self.members),
+            sorted(lost),
+            cause,
+            seconds,
+        )
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _tensors(state: dict[str, Any]) -> Iterable[torch.Tensor]:
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from _tensors(value)
+        elif isinstance(value, torch.Tensor):
+            yield value

@@ -1,0 +1,323 @@
+"""Replica groups that survive each other (fault_tolerance.replica_groups, on torchft).
+
+One run of 4 ranks as 2 replica groups x 2 (ZeRO-3 inside each), each group its own
+`distrain train --nproc 2` (torchrun), around a torchft lighthouse this module starts. Two
+failures in a row, from outside: a SIGKILL of a rank of group 1 once step 3 is logged; once
+group 1's restarted workers have rejoined with the live state, a SIGSTOP of one of them (a
+hang), which group 0 detects by fault_tolerance.timeout_s and evicts (the stopped process is
+then killed, as a node's health check would: SIGSTOP has no end of its own). Group 0 is never
+restarted; every step's loss of both groups is the uninterrupted 1-process run's within 1e-6
+(relative; the survivors add the same micro-batch terms in another order), the final weights of
+both groups are bit-identical and within 2e-5 of the 1-process run's (relative to each tensor's
+norm: AdamW amplifies the reorderings in rarely updated elements).
+
+The in-process tests check the loader's re-planning (the survivors read exactly the global
+batch; without it they would read only their own shares) and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import SMALL_RUN, losses, start_train, train_in_process
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from distrain.config.io import load_config
+from distrain.data.dataset import TokenDataset
+from distrain.data.loader import DistributedBatchLoader
+from distrain.errors import ConfigError
+from distrain.observe.metrics import read_metrics
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
+
+STEPS = 60
+REL = 1e-6
+WEIGHTS_REL = 2e-5
+FIELDS = {
+    "training__steps": STEPS,
+    **SMALL_RUN,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": True,
+}
+GROUP_FIELDS = {
+    **FIELDS,
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 2,
+    # Above the time a rejoining group takes to load the live state on a busy 2-core machine
+    # (a shorter one makes both groups redo that step: a "retried" row, still exact).
+    "fault_tolerance__timeout_s": 6,
+    # A rank whose peer in its own group hangs gives up after this, and its group restarts;
+    # longer than fault_tolerance.timeout_s, so that group 0 sees the hang as a timeout.
+    "comm__collective_timeout_s": 12,
+    "checkpoint__preempt_grace_s": 1,
+    # Paces the steps (rank 0 of each group sleeps in each step's data phase) so that group 0
+    # is still training when group 1's workers are back from each failure.
+    "debug__slow_rank": 0,
+    "debug__slow_ms": 600,
+}
+
+
+def _descendants(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _worker(agent_pid: int, rank: int, restart: int) -> int | None:
+    """The pid of the worker of `rank` in the agent's `restart`-th worker group, if running."""
+    wanted = {f"RANK={rank}".encode(), f"TORCHELASTIC_RESTART_COUNT={restart}".encode()}
+    for pid in _descendants(agent_pid):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return pid
+    return None
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait(condition, what: str, procs, limit_s: float = 240) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a group's launcher ended while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{STEPS:08d}", out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+# A group whose processes stop heartbeating for 3 s is out of the next quorum (less evicts live
+# groups of a busy 2-core machine now and then). In a process of
+# its own, as on a cluster (and torchft stays out of the test process, which trains in-process).
+LIGHTHOUSE = """
+import sys
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(
+    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
+)
+print(server.address(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def lighthouse():
+    server = subprocess.Popen(
+        [sys.executable, "-c", LIGHTHOUSE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, RUST_LOG="warn"),
+    )
+    try:
+        yield server.stdout.readline().strip()
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    train_in_process(run, **FIELDS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory, lighthouse) -> dict:
+    root = tmp_path_factory.mktemp("groups")
+    runs = [root / f"group{g}" for g in range(2)]
+    procs = [
+        start_train(
+            runs[g],
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "2",
+            **GROUP_FIELDS,
+            fault_tolerance__group=g,
+            fault_tolerance__lighthouse=lighthouse,
+        )
+        for g in range(2)
+    ]
+    stopped = None
+    try:
+
+        def step_of(g: int) -> int:
+            return max((r["step"] for r in _rows(runs[g]) if "loss" in r), default=0)
+
+        def rejoins() -> int:
+            return sum(r.get("replica_change") == "rejoined" for r in _rows(runs[1]))
+
+        _wait(lambda: step_of(0) >= 3 and step_of(1) >= 3, "step 3 in both groups", procs)
+        survivors = [_worker(procs[0].pid, rank, 0) for rank in (0, 1)]
+        os.kill(_worker(procs[1].pid, 1, 0), signal.SIGKILL)
+        _wait(lambda: rejoins() >= 1, "group 1's first rejoin", procs)
+        rejoined_at = step_of(0)
+        _wait(lambda: step_of(1) >= rejoined_at + 2, "2 steps of the rejoined group", procs)
+        stopped = _worker(procs[1].pid, 1, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        _wait(
+            lambda: sum(r.get("replica_change") == "lost" for r in _rows(runs[0])) >= 2,
+            "group 1's eviction",
+            procs,
+        )
+        os.kill(stopped, signal.SIGKILL)
+        survivors_late = [_worker(procs[0].pid, rank, 0) for rank in (0, 1)]
+        out0, err0 = procs[0].communicate(timeout=300)
+        try:
+            _, err1 = procs[1].communicate(timeout=120)
+        except Exception:
+            err1 = ""
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[0].returncode == 0, err0[-4000:]
+    return {
+        "runs": runs,
+        "survivors": survivors,
+        "survivors_late": survivors_late,
+        "group1_rc": procs[1].returncode,
+        "group1_err": err1,
+    }
+
+
+def test_survivors_keep_their_processes(faulted):
+    assert None not in faulted["survivors"]
+    assert faulted["survivors_late"] == faulted["survivors"]
+    rows = read_metrics(faulted["runs"][0] / "metrics.jsonl", all_attempts=True)
+    assert not any("attempt" in r or "resumed_from" in r for r in rows)
+    assert "resumed from" not in (faulted["runs"][0] / "logs" / "rank0.log").read_text()
+
+
+def test_every_step_matches_the_uninterrupted_run(faulted, reference):
+    want = losses(read_metrics(reference / "metrics.jsonl"))
+    got0 = losses(read_metrics(faulted["runs"][0] / "metrics.jsonl"))
+    # Every step from the first (or the second, when group 0 started late and took step 1's
+    # state from group 1) to the last.
+    assert sorted(got0) == list(range(min(got0), STEPS + 1)) and min(got0) <= 2
+    got1 = losses(read_metrics(faulted["runs"][1] / "metrics.jsonl", all_attempts=True))
+    # Group 1 was out for a while: group 0 alone trained those steps.
+    assert len(got1) < len(got0)
+    for got in (got0, got1):
+        for step, loss in got.items():
+            assert abs(loss - want[step]) <= REL * abs(want[step]), (step, loss, want[step])
+
+
+def test_final_weights_match_the_uninterrupted_run(faulted, reference):
+    want = _final_weights(reference)
+    got, replacement = (_final_weights(run) for run in faulted["runs"])
+    assert got.keys() == want.keys() == replacement.keys()
+    for name in want:
+        # The replacement group holds exactly the survivors' weights.
+        assert torch.equal(replacement[name], got[name]), name
+        # Against the 1-process run: AdamW divides each gradient element by its own running
+        # magnitude, so the fp32 reorderings of the steps one group did alone (losses within
+        # 1e-6) grow in the weights of rarely updated elements (embedding rows): measured
+        # 5.8e-6 relative to the tensor's norm (1.5e-5 in one element) after 60 steps.
+        err = ((got[name] - want[name]).norm() / want[name].norm()).item()
+        assert err <= WEIGHTS_REL, (name, err)
+
+
+def test_membership_changes_are_metrics_rows(faulted):
+    rows = _rows(faulted["runs"][0])
+    lost = [r for r in rows if r.get("replica_change") == "lost"]
+    # The two injected failures, in order. On a saturated machine a group stalled past
+    # fault_tolerance.timeout_s has also been evicted once with no fault injected (each group
+    # then went on alone, still exact): a later row, not counted here.
+    assert [r["cause"] for r in lost[:2]] == ["collective error", "timeout"], lost
+    retried = [r for r in rows if r.get("replica_change") == "retried"]
+    assert all(r["steps_lost"] == 0 and r["replica_groups"] == 2 for r in retried)
+    for row in lost[:2]:
+        assert row["replica_groups_lost"] == "1" and row["ranks_lost"] == "2,3"
+        assert row["steps_lost"] == 0 and row["replica_groups"] == 1
+        assert 0 < row["recovery_s"] < 30
+    assert any(r.get("replica_change") == "joined" for r in rows)
+    (rejoined, *_) = [r for r in _rows(faulted["runs"][1]) if r.get("replica_change") == "rejoined"]
+    assert rejoined["state_mb"] > 1 and rejoined["transfer_s"] > 0
+
+
+def test_status_and_diagnose_show_the_changes(faulted):
+    from distrain.observe.diagnose import diagnose
+    from distrain.observe.status import status
+
+    for report in (status(faulted["runs"][0]), diagnose(faulted["runs"][0])):
+        assert "replica groups: " in report
+        assert "lost replica group 1 (ranks 2,3): collective error" in report
+        assert "lost replica group 1 (ranks 2,3): timeout" in report
+        assert "0 step(s) lost" in report
+    assert "this group rejoined with a peer's live state" in status(faulted["runs"][1])
+
+
+# --- in process --------------------------------------------------------------------------------
+
+
+def _indices(loader: DistributedBatchLoader) -> list[int]:
+    """The samples of this rank's next step (the tokens are 0, 1, 2, ...: a window's first token
+    tells its sample)."""
+    inputs = torch.cat([batch[0] for batch in loader.next_batch()])
+    return (inputs[:, 0] // inputs.shape[1]).tolist()
+
+
+def test_replan_gives_the_survivors_exactly_the_global_batch():
+    tokens = np.arange(65 * 40, dtype=np.int64)
+    dataset = TokenDataset(tokens, [(0, len(tokens))], seq_len=64)
+
+    def loader(dp_rank: int, dp_size: int) -> DistributedBatchLoader:
+        return DistributedBatchLoader(
+            dataset, global_batch_size=8, micro_batch_size=2, dp_rank=dp_rank, dp_size=4, seed=1
+        )
+
+    # 2 groups x 2 ranks: the four slices are the global batch.
+    full = sorted(i for r in range(4) for i in _indices(loader(r, 4)))
+    assert len(full) == 8
+    # Group 1 lost: without re-planning, group 0's ranks read only their half of it.
+    assert sorted(i for r in range(2) for i in _indices(loader(r, 4))) != full
+    survivors = []
+    for rank in range(2):
+        replanned = loader(rank, 4)
+        replanned.replan(dp_rank=rank, dp_size=2)
+        assert replanned.accum_steps == 2
+        survivors += _indices(replanned)
+    assert sorted(survivors) == full
+
+
+def test_one_replica_group_is_refused_in_one_line(tmp_path):
+    fields = {"run.dir": str(tmp_path), "fault_tolerance.replica_groups": "1"}
+    with pytest.raises(ConfigError) as error:
+        load_config(None, list(fields.items()))
+    message = str(error.value)
+    assert "fault_tolerance.replica_groups = 1 is out of range: it must be 0 or >= 2" in message
+    assert "\n" not in message
