@@ -511,6 +511,24 @@ def _streaming_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> No
                 "outer_steps": (outer.outer_steps, again.outer_steps),
                 "in_flight_saved": int(saved["in_flight"]["fragment"]),
             }
+        # More fragments than tensors: fragment 0 holds none, and its outer steps only count.
+        cfg = dataclasses.replace(STREAMING, inner_steps=3, fragments=3)
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        outer = DiLoCo(
+            [model], cfg, sites=dist.group.WORLD, site=rank, total_steps=6, holders=2,
+            bucket_cap_mb=25,
+        )  # fmt: skip
+        for t in range(1, 7):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(_inner_step(t, rank))
+            outer.after_step(t)
+        out["empty"] = (
+            outer.fragments,
+            outer.outer_steps,
+            [p.detach().numpy().copy() for p in model.parameters()],
+        )
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -551,3 +569,9 @@ def test_streaming_matches_a_hand_computation():
     for tau in (0, 1):
         for a, b in zip(got[0][tau]["weights"], got[1][tau]["weights"], strict=True):
             assert (a == b).all()
+    fragments, steps, weights = got[0]["empty"]
+    assert fragments == [[], [0], [1]]
+    # Fragment 0 after steps 3 and 6, 1 after 1, 4 and 6 (the last), 2 after 2, 5 and 6.
+    assert steps == 2 + 3 + 3
+    for a, b in zip(weights, got[1]["empty"][2], strict=True):
+        assert (a == b).all()

@@ -167,9 +167,13 @@ class DiLoCo:
         """Start averaging `fragment`'s pseudo-gradients over the sites, in flat buckets of the
         sync dtype, each all-reduce asynchronous."""
         members = self.fragments[fragment]
-        deltas = torch._foreach_sub(
-            [self.global_weights[i] for i in members],
-            [local_tensor(self.params[i][1]).float() for i in members],
+        deltas = (
+            torch._foreach_sub(
+                [self.global_weights[i] for i in members],
+                [local_tensor(self.params[i][1]).float() for i in members],
+            )
+            if members
+            else []
         )
         flight = _InFlight(fragment, merge_step, deltas, self._square_sum(deltas, members))
         dtype = _SYNC_DTYPES[self.cfg.sync_dtype]
@@ -215,6 +219,9 @@ class DiLoCo:
         # Mean over sites of |d_s|^2 minus |mean d|^2 = mean over sites of |d_s - mean d|^2.
         self.drift = (squares[0] - squares[1]).clamp(min=0).sqrt()
         self.pseudo_grad_norm = squares[1].sqrt()
+        self.outer_steps += 1
+        if not members:  # a fragment of no tensors (fewer tensors than fragments)
+            return
         c = self.cfg
         weights = [self.global_weights[i] for i in members]
         update = deltas
@@ -234,7 +241,6 @@ class DiLoCo:
                 local.copy_(torch.lerp(global_, local.float(), c.overlap_mix))
             else:
                 local.copy_(global_)
-        self.outer_steps += 1
 
     def in_flight_state(self) -> dict[str, torch.Tensor]:
         """The fragment in flight as checkpoint entries, its average waited for (placed as the
