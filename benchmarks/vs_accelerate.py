@@ -47,12 +47,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from harness import is_worker, launch_ranks, worker_session, write_json
+from torch import nn
 
 from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
@@ -170,14 +172,17 @@ def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger
         trainer.close()
 
 
-def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext, fused: bool) -> dict:
+def build_accelerate(
+    cfg: Config, ctx: DistContext, *, fused: bool
+) -> tuple[Callable[[int], torch.Tensor], nn.Module]:
+    """The plain Accelerate DDP loop of `cfg`: (step(i) -> mean loss of step i, the prepared
+    model). Its model starts from distrain's seeded weights, its loader is distrain's."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     # One Accelerator per variant in this process: its state is a singleton, reset between
     # variants (the process group, PartialState's, stays).
     AcceleratorState._reset_state()
-    built = time.perf_counter()
     t, o = cfg.training, cfg.optim
     accum = t.global_batch_size // (t.micro_batch_size * ctx.world_size)
     accelerator = Accelerator(
@@ -222,6 +227,12 @@ def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext, fuse
                 total += loss.detach()
         return total / accum
 
+    return step, model
+
+
+def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext, fused: bool) -> dict:
+    built = time.perf_counter()
+    step, _ = build_accelerate(cfg, ctx, fused=fused)
     return timed(step, args, ctx.device, built)
 
 

@@ -1,6 +1,8 @@
 """DiLoCo (optim/diloco.py): two sites (parallel.dp_replicate = 2, FSDP2 inside each) against
 plain data parallelism and the 1-process curve, the outer step against a hand computation, and
-a run stopped and resumed against an uninterrupted one.
+a run stopped and resumed against an uninterrupted one; streaming DiLoCo (fragments, overlap)
+the same ways; FSDP2 over 2 shards and tp inside a site against the 1-process curve; a
+streaming run preempted by SIGTERM and resumed against the uninterrupted one.
 
 The training runs share the session's 2-rank torchrun launch (tests/batch.py's pool); the run
 that fails on purpose goes last, and its resumption is one more launch.
@@ -10,16 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from batch import Run, pool_name
-from helpers import free_port, losses, train_cli, train_in_process
+from helpers import free_port, losses, start_train, train_cli, train_in_process
+from test_preempt import SIGNAL_AFTER_STEP, assert_preempted, finish, wait_for_step
+from test_preempt import STEPS as PREEMPT_STEPS
 from torch import nn
 
-from distrain.config.schema import DiLoCoConfig
+from distrain.config.schema import Config, DiLoCoConfig
+from distrain.models.gpt.model import GPT
+from distrain.models.presets import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.diloco import DiLoCo
 
@@ -59,6 +67,35 @@ SUMMED = {**H4, "diloco__outer_lr": 1.4}
 LAST_STEPS = 8
 BOUND = 0.03
 
+# Streaming: the H4 run's parameters in 2 fragments (fragment 1's outer steps 2 steps after
+# fragment 0's), staggered, and also with each average in flight for 1 inner step
+# (overlapped). The broken variant sums the staggered fragments' pseudo-gradients over the
+# sites, as SUMMED does. Measured (2 shared cores, torch 2.13), the mean loss of the last 8
+# steps against the 1-process run's 3.225: staggered 3.188 (1.1% below), overlapped 3.310
+# (2.6% above), summed 3.690 (14.4% above): the 3% bound passes the first two and rejects
+# the third. (Overlapped, a merge takes only half of the new global weights, overlap_mix 0.5,
+# which damps the summed error to 0.2%: the overlapped arithmetic is checked against the
+# hand computation below.)
+STAGGERED = {**H4, "diloco__fragments": 2}
+STREAM = {**STAGGERED, "diloco__overlap_steps": 1}
+STAGGERED_SUMMED = {**STAGGERED, "diloco__outer_lr": 1.4}
+
+# Inside a site, on 4 ranks: FSDP2 over 2 shards, or tp over 2 ranks (FSDP2 over 1 shard);
+# each with the H4 budget and its summed variant. Measured: both 3.209 (0.5% below the
+# 1-process run, as the 2-rank H4 run), summed both 3.575 (10.9% above).
+FSDP_SITES = {"parallel__zero_stage": 2, "parallel__dp_replicate": 2, "parallel__dp_shard": 2}
+TP_SITES = {
+    "parallel__zero_stage": 2,
+    "parallel__dp_replicate": 2,
+    "parallel__dp_shard": 1,
+    "parallel__tp": 2,
+}
+COMPOSITIONS = {"fsdp": FSDP_SITES, "tp": TP_SITES}
+
+# Preempted: the streaming run over 20 steps (tests/test_preempt.py's length), stopped by a
+# SIGTERM to the launcher after step 2, resumed, against the same run uninterrupted.
+PREEMPTED = {**RUN, **SITES, **STREAM, "training__steps": PREEMPT_STEPS}
+
 # The interrupted run: a checkpoint at step 6, between outer steps 4 and 8 (the sites' weights
 # and AdamW states differ there), then a crash at step 9.
 INTERRUPTED = {"checkpoint__interval_steps": 6}
@@ -75,7 +112,25 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
         "test_resume_is_bit_for_bit:interrupted": Run(
             2, {**RUN, **SITES, **H4, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
         ),
+        "test_streaming_trains_at_the_single_process_level:streaming": Run(
+            2, {**RUN, **SITES, **STREAM}
+        ),
+        "test_streaming_trains_at_the_single_process_level:staggered": Run(
+            2, {**RUN, **SITES, **STAGGERED}
+        ),
+        "test_streaming_trains_at_the_single_process_level:summed": Run(
+            2, {**RUN, **SITES, **STAGGERED_SUMMED}
+        ),
+        # Fragment 1's average is in flight at the checkpoint (issued at 6, merged at 7).
+        "test_streaming_resume_is_bit_for_bit:interrupted": Run(
+            2, {**RUN, **SITES, **STREAM, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
+        ),
     }
+    for name, sites in COMPOSITIONS.items():
+        test = "test_compositions_train_at_the_single_process_level"
+        runs[f"{test}[{name}]:{name}"] = Run(4, {**RUN, **sites, **H4})
+        runs[f"{test}[{name}]:{name}_summed"] = Run(4, {**RUN, **sites, **SUMMED})
+    runs["test_preempted_streaming_run_resumes_bit_for_bit:reference"] = Run(2, PREEMPTED)
     return {name: run for name, run in runs.items() if name.split(":")[0] in names}
 
 
@@ -110,14 +165,18 @@ def _mean_last(curve: dict[int, float]) -> float:
     return sum(curve[s] for s in steps) / LAST_STEPS
 
 
-@pytest.mark.slow
-def test_h4_trains_at_the_single_process_level(batched, request, tmp_path):
-    reference = losses(
-        train_in_process(
-            tmp_path / "ref", **{**RUN, "training__steps": 24, "training__micro_batch_size": 8}
-        )
+@pytest.fixture(scope="module")
+def single_process_curve(tmp_path_factory) -> dict[int, float]:
+    """The 1-process run of the H4 runs' budget: the whole batch in one micro-batch."""
+    run = tmp_path_factory.mktemp("ref")
+    return losses(
+        train_in_process(run, **{**RUN, "training__steps": 24, "training__micro_batch_size": 8})
     )
-    want = _mean_last(reference)
+
+
+@pytest.mark.slow
+def test_h4_trains_at_the_single_process_level(batched, request, single_process_curve):
+    want = _mean_last(single_process_curve)
     run = batched(request.node, "diloco")
     rows = _rows(run)
     got = _mean_last(losses(rows))
@@ -182,6 +241,76 @@ def test_resume_is_bit_for_bit(batch_pool, tmp_path):
         }, key
 
 
+@pytest.mark.slow
+def test_streaming_trains_at_the_single_process_level(batched, request, single_process_curve):
+    want = _mean_last(single_process_curve)
+    streaming = _rows(batched(request.node, "streaming"))
+    for rows in (streaming, _rows(batched(request.node, "staggered"))):
+        got = _mean_last(losses(rows))
+        assert abs(got - want) <= BOUND * want, (got, want)
+    summed = _mean_last(losses(_rows(batched(request.node, "summed"))))
+    assert abs(summed - want) > BOUND * want, (summed, want)
+    # The peak bandwidth: an outer step sends one fragment, about half of what H4's outer step
+    # sends (the fp32 pseudo-gradients once, 2 ranks), except after the last step, where both
+    # fragments take their outer step so that the sites end on the global weights.
+    whole = 4 * sum(p.numel() for p in GPT(model_args(Config().model)).parameters())
+    sent = {r["step"]: r["diloco_bytes"] for r in streaming if "loss" in r}
+    assert {s for s, b in sent.items() if b} == {2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24}
+    assert max(b for s, b in sent.items() if s < 24) <= 0.55 * whole, (sent, whole)
+    assert sent[24] == whole
+    assert sent[2] + sent[4] == whole  # the fragments partition the parameters
+
+
+@pytest.mark.slow
+def test_streaming_resume_is_bit_for_bit(batch_pool, tmp_path):
+    uninterrupted = batch_pool.trained(
+        pool_name(__name__, "test_streaming_trains_at_the_single_process_level:streaming")
+    )
+    name = "test_streaming_resume_is_bit_for_bit:interrupted"
+    interrupted = batch_pool.result(pool_name(__name__, name))
+    assert interrupted.error is not None and "fail_at_step" in interrupted.error
+    resumed = train_cli(interrupted.run_dir, 2, **{**RUN, **SITES, **STREAM, **INTERRUPTED})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step-00000006" in resumed.stderr
+    want, got = _rows(uninterrupted), _rows(interrupted.run_dir)
+    keys = ("loss", "grad_norm", "diloco_outer_steps", "diloco_pseudo_grad_norm", "diloco_drift")
+    for key in keys:
+        assert {r["step"]: r[key] for r in got if key in r} == {
+            r["step"]: r[key] for r in want if key in r
+        }, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(COMPOSITIONS))
+def test_compositions_train_at_the_single_process_level(
+    batched, request, single_process_curve, name
+):
+    want = _mean_last(single_process_curve)
+    got = _mean_last(losses(_rows(batched(request.node, name))))
+    assert abs(got - want) <= BOUND * want, (got, want)
+    summed = _mean_last(losses(_rows(batched(request.node, f"{name}_summed"))))
+    assert abs(summed - want) > BOUND * want, (summed, want)
+
+
+@pytest.mark.slow
+def test_preempted_streaming_run_resumes_bit_for_bit(batched, request, tmp_path):
+    run = tmp_path / "run"
+    proc = start_train(run, "--nproc", "2", **PREEMPTED)
+    wait_for_step(proc, run, SIGNAL_AFTER_STEP)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, err = finish(proc)
+    step = assert_preempted(run, rc, err)
+    resumed = train_cli(run, 2, **PREEMPTED)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from checkpoint step-{step:08d}" in (run / "logs" / "rank0.log").read_text()
+    want, got = _rows(batched(request.node, "reference")), _rows(run)
+    keys = ("loss", "grad_norm", "diloco_outer_steps", "diloco_pseudo_grad_norm", "diloco_drift")
+    for key in keys:
+        assert {r["step"]: r[key] for r in got if key in r} == {
+            r["step"]: r[key] for r in want if key in r
+        }, key
+
+
 # --- the outer step by hand, on 2 gloo ranks ------------------------------------------------
 
 OUTER = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
@@ -209,7 +338,9 @@ def _outer_steps_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> 
                     p.sub_(_local_step(k, rank))
             outer.after_step(2 * k + 1)  # not due: nothing changes
             outer.after_step(2 * k + 2)
-            weights = [p.detach().clone() for p in model.parameters()]
+            # As numpy arrays: pickled by value (a tensor would be shared through a file
+            # descriptor, which needs this process alive until the parent reads it).
+            weights = [p.detach().numpy().copy() for p in model.parameters()]
             results.append(
                 (weights, float(outer.pseudo_grad_norm), float(outer.drift), outer.take_bytes())
             )
@@ -227,7 +358,7 @@ def _outer_steps_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> 
             for p in model.parameters():
                 p.sub_(_local_step(0, rank))
         outer.after_step(2)
-        bf16 = ([p.detach().clone() for p in model.parameters()], outer.take_bytes())
+        bf16 = ([p.detach().numpy().copy() for p in model.parameters()], outer.take_bytes())
         queue.put((rank, results, outer_steps, bf16))
     finally:
         dist.destroy_process_group()
@@ -264,7 +395,7 @@ def test_outer_step_matches_a_hand_computation():
             weights, norm, drift, sent = results[k]
             assert steps == 3
             for w, w0 in zip(weights, start, strict=True):
-                torch.testing.assert_close(w, w0 + offset, rtol=0, atol=1e-6)
+                torch.testing.assert_close(torch.from_numpy(w), w0 + offset, rtol=0, atol=1e-6)
             assert norm == pytest.approx(mean * numel**0.5, rel=1e-5)
             assert drift == pytest.approx(spread * numel**0.5, rel=1e-4)
             assert sent == 4 * numel  # fp32, ring all-reduce on 2 ranks: its input once
@@ -274,4 +405,173 @@ def test_outer_step_matches_a_hand_computation():
     for weights, sent in bf16.values():
         assert sent == 2 * numel
         for w, w0 in zip(weights, start, strict=True):
-            torch.testing.assert_close(w, w0 + first, rtol=0, atol=4e-3)
+            torch.testing.assert_close(torch.from_numpy(w), w0 + first, rtol=0, atol=4e-3)
+
+
+# --- streaming: staggered fragments, overlapped, by hand on 2 gloo ranks ----------------------
+
+STREAMING = DiLoCoConfig(
+    inner_steps=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True, fragments=2
+)
+STREAM_STEPS = 10
+STREAM_SAVE_AT = 6  # fragment 1's average is in flight there (issued at 6, merged at 7)
+
+
+def _inner_step(t: int, site: int) -> float:
+    """What site `site` subtracts from every weight at inner step `t`."""
+    return 0.01 * (site + 1) * t
+
+
+def _by_hand(cfg: DiLoCoConfig, steps: int) -> list[list[float]]:
+    """Each site's offset from the initial weights per fragment after the run, computed from
+    the algorithm's statement: fragment f's pseudo-gradients are averaged after the steps t
+    with (t - f * H // F) % H == 0 (and after the last), and the outer step runs tau steps
+    later, mixing the site's weights with the new global ones."""
+    h, count, tau = cfg.inner_steps, cfg.fragments, cfg.overlap_steps
+    glob, mom = [0.0] * count, [0.0] * count
+    local = [[0.0] * count for _ in range(2)]
+    pending: tuple[int, int, float] | None = None  # fragment, merge step, averaged delta
+
+    def outer(f: int, delta: float, mix: bool) -> None:
+        mom[f] = cfg.outer_momentum * mom[f] + delta
+        glob[f] -= cfg.outer_lr * (delta + cfg.outer_momentum * mom[f])
+        for s in (0, 1):
+            local[s][f] = glob[f] + (cfg.overlap_mix * (local[s][f] - glob[f]) if mix else 0)
+
+    for t in range(1, steps + 1):
+        for s in (0, 1):
+            local[s] = [x - _inner_step(t, s) for x in local[s]]
+        last = t == steps
+        if pending is not None and (pending[1] == t or last):
+            outer(pending[0], pending[2], mix=True)
+            pending = None
+        due = range(count) if last else [f for f in range(count) if (t - f * h // count) % h == 0]
+        for f in due:
+            delta = sum(glob[f] - local[s][f] for s in (0, 1)) / 2
+            if tau == 0 or last:
+                outer(f, delta, mix=False)
+            else:
+                pending = (f, t + tau, delta)
+    return local
+
+
+def _streaming_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out = {}
+        for tau in (0, 1):
+            cfg = dataclasses.replace(STREAMING, overlap_steps=tau)
+
+            def make(cfg=cfg) -> tuple[nn.Module, DiLoCo]:
+                torch.manual_seed(0)
+                model = nn.Linear(3, 2)
+                outer = DiLoCo(
+                    [model], cfg, sites=dist.group.WORLD, site=rank,
+                    total_steps=STREAM_STEPS, holders=2, bucket_cap_mb=25,
+                )  # fmt: skip
+                return model, outer
+
+            def train(model: nn.Module, outer: DiLoCo, steps: range) -> list[float]:
+                sent = []
+                for t in steps:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.sub_(_inner_step(t, rank))
+                    outer.after_step(t)
+                    sent.append(outer.take_bytes())
+                return sent
+
+            model, outer = make()
+            sent = train(model, outer, range(1, STREAM_SAVE_AT + 1))
+            # A checkpoint's worth of state, with fragment 1's average in flight, into a new
+            # outer optimizer, which goes on from there.
+            saved = {
+                "weights": [p.detach().clone() for p in model.parameters()],
+                "global": outer.named(outer.global_weights),
+                "momentum": outer.named(outer.momentum),
+                "in_flight": outer.in_flight_state(),
+                "outer_steps": outer.outer_steps,
+            }
+            saved = {k: v if isinstance(v, int | list) else {n: t.clone() for n, t in v.items()}
+                     for k, v in saved.items()}  # fmt: skip
+            sent += train(model, outer, range(STREAM_SAVE_AT + 1, STREAM_STEPS + 1))
+            resumed, again = make()
+            with torch.no_grad():
+                for p, w in zip(resumed.parameters(), saved["weights"], strict=True):
+                    p.copy_(w)
+            again.load_named(again.global_weights, saved["global"])
+            again.load_named(again.momentum, saved["momentum"])
+            again.load_in_flight(saved["in_flight"])
+            again.outer_steps = saved["outer_steps"]
+            train(resumed, again, range(STREAM_SAVE_AT + 1, STREAM_STEPS + 1))
+            out[tau] = {
+                "weights": [p.detach().numpy().copy() for p in model.parameters()],
+                "resumed": [p.detach().numpy().copy() for p in resumed.parameters()],
+                "sent": sent,
+                "outer_steps": (outer.outer_steps, again.outer_steps),
+                "in_flight_saved": int(saved["in_flight"]["fragment"]),
+            }
+        # More fragments than tensors: fragment 0 holds none, and its outer steps only count.
+        cfg = dataclasses.replace(STREAMING, inner_steps=3, fragments=3)
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        outer = DiLoCo(
+            [model], cfg, sites=dist.group.WORLD, site=rank, total_steps=6, holders=2,
+            bucket_cap_mb=25,
+        )  # fmt: skip
+        for t in range(1, 7):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(_inner_step(t, rank))
+            outer.after_step(t)
+        out["empty"] = (
+            outer.fragments,
+            outer.outer_steps,
+            [p.detach().numpy().copy() for p in model.parameters()],
+        )
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streaming_matches_a_hand_computation():
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_streaming_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = dict(queue.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in nn.Linear(3, 2).parameters()]  # fragments: weight, bias
+    for tau in (0, 1):
+        want = _by_hand(dataclasses.replace(STREAMING, overlap_steps=tau), STREAM_STEPS)
+        for rank in (0, 1):
+            run = got[rank][tau]
+            for f, (w, w0) in enumerate(zip(run["weights"], start, strict=True)):
+                torch.testing.assert_close(
+                    torch.from_numpy(w), w0 + want[rank][f], rtol=0, atol=1e-6
+                )
+            # Resumed with the fragment in flight: bit for bit.
+            assert run["in_flight_saved"] == (1 if tau else -1)
+            for w, r in zip(run["weights"], run["resumed"], strict=True):
+                assert (w == r).all()
+            # Each outer step sends one fragment (fp32, ring on 2 ranks: its input once):
+            # fragment 1 (the bias, 2 values) after steps 2, 6, 10; fragment 0 (the weight, 6)
+            # after 4 and 8; both once after the last step, 10.
+            assert run["sent"] == [0, 8, 0, 24, 0, 8, 0, 24, 0, 24 + 8]
+            assert run["outer_steps"] == (6, 6)
+    # The last step ends with every fragment's outer step: both sites hold the global weights.
+    for tau in (0, 1):
+        for a, b in zip(got[0][tau]["weights"], got[1][tau]["weights"], strict=True):
+            assert (a == b).all()
+    fragments, steps, weights = got[0]["empty"]
+    assert fragments == [[], [0], [1]]
+    # Fragment 0 after steps 3 and 6, 1 after 1, 4 and 6 (the last), 2 after 2, 5 and 6.
+    assert steps == 2 + 3 + 3
+    for a, b in zip(weights, got[1]["empty"][2], strict=True):
+        assert (a == b).all()

@@ -168,6 +168,14 @@ CASES = [
     ("diloco_composes",
      {"diloco.inner_steps": "4", "parallel.zero_stage": "2", "debug.check_replicas": "true"}, 2,
      ["debug.check_replicas (the sites' weights differ between outer steps)"]),
+    ("diloco_fragments_fit",
+     {"diloco.inner_steps": "2", "parallel.zero_stage": "2", "diloco.fragments": "3"}, 2,
+     ["diloco.fragments = 3 exceeds diloco.inner_steps = 2", "set diloco.fragments to 2 or less"]),
+    ("diloco_overlap_fits",
+     {"diloco.inner_steps": "4", "parallel.zero_stage": "2", "diloco.fragments": "2",
+      "diloco.overlap_steps": "2"}, 2,
+     ["diloco.overlap_steps = 2 must be below diloco.inner_steps // diloco.fragments = 4 // 2",
+      "lower it or raise diloco.inner_steps"]),
     ("diloco_needs_sites", {"diloco.inner_steps": "4", "parallel.zero_stage": "2"}, 2,
      ["averages over sites, the parallel.dp_replicate groups, but this layout has 1",
       "set parallel.dp_replicate to 2 or more"]),
@@ -318,6 +326,16 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"optim.name": "onebit_adam", "parallel.tp": "2"}, 4),
         ({"optim.name": "sgd", "parallel.zero_stage": "2"}, 2),
         ({"diloco.inner_steps": "4", "parallel.zero_stage": "2", "parallel.dp_replicate": "2"}, 2),
+        (
+            {
+                "diloco.inner_steps": "4",
+                "parallel.zero_stage": "2",
+                "parallel.dp_replicate": "2",
+                "diloco.fragments": "2",
+                "diloco.overlap_steps": "1",
+            },
+            2,
+        ),
         (
             {
                 "diloco.inner_steps": "4",

@@ -385,6 +385,28 @@ class DiLoCoConfig:
         "Precision the pseudo-gradients are averaged in over the sites (bf16: half the bytes; "
         "the outer step and the global weights stay fp32).",
     )
+    fragments: int = doc(
+        1,
+        "Streaming DiLoCo (Douillard et al. 2025): the parameters split into this many fragments "
+        "of about equal size, in model order; fragment f's outer step runs every inner_steps "
+        "steps, f * inner_steps // fragments steps after fragment 0's, so each outer step sends "
+        "1/fragments of the pseudo-gradients (1 = DiLoCo's single outer step). At most "
+        "inner_steps.",
+        AT_LEAST_1,
+    )
+    overlap_steps: int = doc(
+        0,
+        "Inner steps a fragment's pseudo-gradient average stays in flight, overlapped with "
+        "them, before its outer step is merged into the site's weights (tau; 0 = wait for it). "
+        "Below inner_steps // fragments, so one fragment is in flight at a time.",
+        AT_LEAST_0,
+    )
+    overlap_mix: float = doc(
+        0.5,
+        "With overlap_steps > 0: a merged fragment's weights = overlap_mix x the site's weights "
+        "(trained on meanwhile) + (1 - overlap_mix) x the new global weights.",
+        FRACTION,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

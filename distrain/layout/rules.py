@@ -172,6 +172,25 @@ RULES: tuple[Rule, ...] = (
         "fault_tolerance.lighthouse = 'http://host:port' or TORCHFT_LIGHTHOUSE",
     ),
     Rule(
+        "diloco_fragments_fit",
+        "config",
+        lambda f: f.inner_steps > 0 and f.cfg.diloco.fragments > f.inner_steps,
+        "diloco.fragments = {f.cfg.diloco.fragments} exceeds diloco.inner_steps = "
+        "{f.inner_steps}: the fragments' outer steps are staggered over the inner steps; set "
+        "diloco.fragments to {f.inner_steps} or less",
+    ),
+    Rule(
+        "diloco_overlap_fits",
+        "config",
+        lambda f: (
+            f.inner_steps > 0
+            and f.cfg.diloco.overlap_steps >= max(1, f.inner_steps // f.cfg.diloco.fragments)
+        ),
+        "diloco.overlap_steps = {f.cfg.diloco.overlap_steps} must be below diloco.inner_steps "
+        "// diloco.fragments = {f.inner_steps} // {f.cfg.diloco.fragments} (one fragment in "
+        "flight at a time); lower it or raise diloco.inner_steps",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",

@@ -120,22 +120,38 @@ class GlobalWeights(Stateful):
 
 
 class OuterState(Stateful):
-    """DiLoCo's outer momentum (`momentum.<param name>`) and its count of outer steps."""
+    """DiLoCo's outer momentum (`momentum.<param name>`; each fragment's under streaming, as
+    the fragments partition the parameters), its count of outer steps and, with
+    diloco.overlap_steps, the fragment in flight (`in_flight.*`, optim/diloco.py)."""
 
     def __init__(self, outer: DiLoCo):
         self.outer = outer
 
     def state_dict(self) -> dict:
         momentum = self.outer.named(self.outer.momentum)
-        return {
+        state = {
             **{f"momentum.{k}": v for k, v in momentum.items()},
             "outer_steps": torch.tensor(self.outer.outer_steps),
         }
+        if self.outer.cfg.overlap_steps:
+            in_flight = self.outer.in_flight_state()
+            state |= {f"in_flight.{k}": v for k, v in in_flight.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        momentum = {k.removeprefix("momentum."): v for k, v in state.items() if k != "outer_steps"}
+        momentum = {
+            k.removeprefix("momentum."): v for k, v in state.items() if k.startswith("momentum.")
+        }
         self.outer.load_named(self.outer.momentum, momentum)
         self.outer.outer_steps = int(state["outer_steps"])
+        if self.outer.cfg.overlap_steps:
+            self.outer.load_in_flight(
+                {
+                    k.removeprefix("in_flight."): v
+                    for k, v in state.items()
+                    if k.startswith("in_flight.")
+                }
+            )
 
 
 class RNGState(Stateful):
