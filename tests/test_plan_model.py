@@ -20,7 +20,7 @@ def base_config() -> Config:
     cfg.run.device = "cpu"
     cfg.model.preset = "tiny"
     cfg.model.n_layers = 6
-    cfg.training.seq_len, cfg.training.global_batch_size = 32, 16
+    cfg.training.seq_len, cfg.training.global_batch_size = 64, 16
     cfg.training.eval_batches = 16
     cfg.training.compile = False
     return cfg
@@ -149,3 +149,10 @@ def test_inter_node_bandwidth_is_read_in_bits_per_node():
     assert link_bandwidth("50GB/s", "x") == pytest.approx(50e9)
     cluster = cluster_of(parse(["--gpus-per-node", "8", "--inter-node-bandwidth", "1Gbit"]))
     assert cluster.inter_bw == pytest.approx(1e9 / 8 / 8)
+
+
+def test_the_command_restates_the_planner_defaults():
+    from distrain.plan import comm_advice, command, search
+
+    assert command.VERIFIED == search.VERIFIED
+    assert command.DEFAULT_LATENCY_S == comm_advice.DEFAULT_LATENCY_S

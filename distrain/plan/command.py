@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 # Dense bf16 peak of the common training GPU (H100 SXM) when nothing is calibrated.
 DEFAULT_PEAK_FLOPS = 989e12
-# The planner's defaults, restated so that --help imports no torch (test_plan.py checks them).
+# The planner's defaults, restated so that --help imports no torch (test_plan_model.py checks).
 VERIFIED = 4
 DEFAULT_LATENCY_S = 1e-4
 
@@ -35,7 +35,7 @@ def quantity(text: str, what: str) -> float:
 
 def link_bandwidth(text: str, what: str) -> float:
     """Bytes/s of a link given in bits ('100Mbit', '1Gbit/s', '400Gbps') or bytes ('50GB/s')."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(?:bit|b)(?:/s|ps)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGTkmgt]?)(?:bit|Bit|b)(?:/s|ps)?\s*", text)
     if m:
         return float(m.group(1)) * UNITS[m.group(2).upper()] / 8
     return quantity(text, what)

@@ -189,6 +189,21 @@ def _meta_model(args: ModelArgs) -> GPT:
         return GPT(args)
 
 
+_SHAPES: dict[str, list[tuple[str, torch.Size, int]]] = {}
+
+
+def _parameter_shapes(args: ModelArgs) -> list[tuple[str, torch.Size, int]]:
+    """(name, shape, identity) of each parameter of GPT(args), a tied one under both names;
+    made once per shape of model (a 7B meta build is a noticeable share of pricing a layout)."""
+    key = repr(args)
+    if key not in _SHAPES:
+        model = _meta_model(args)
+        _SHAPES[key] = [
+            (name, p.shape, id(p)) for name, p in model.named_parameters(remove_duplicate=False)
+        ]
+    return _SHAPES[key]
+
+
 def _tp_local_shape(name: str, shape: torch.Size, tp: int) -> list[int]:
     dims = list(shape)
     if tp == 1 or ".moe." in name or "norm" in name or name.startswith("pos_emb"):
@@ -223,10 +238,9 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
     blocks, first, last = _stage_parts(args, cfg, pp_rank)
     held = {str(i) for i in blocks}
     shard = world_size // (p.tp * p.pp) if p.zero_stage >= 2 else 1
-    model = _meta_model(args)
     params = 0
     seen: set[int] = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, shape, identity in _parameter_shapes(args):
         top = name.split(".", 1)[0]
         if top == "blocks" and name.split(".")[1] not in held:
             continue
@@ -235,10 +249,10 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
         if top in ("norm", "output") and not last:
             continue
         # A tied head is the embedding's weight: once when a rank holds both.
-        if id(param) in seen:
+        if identity in seen:
             continue
-        seen.add(id(param))
-        dims = _tp_local_shape(name, param.shape, p.tp)
+        seen.add(identity)
+        dims = _tp_local_shape(name, shape, p.tp)
         if shard > 1:
             dims[0] = -(-dims[0] // shard)
         params += FP32 * math.prod(dims)
@@ -277,8 +291,8 @@ def modelled_row(
     cfg: Config, world_size: int, coefficients: Callable[[Family], Coefficients]
 ) -> dict[str, int]:
     """Bytes per rank of `cfg` on `world_size` ranks, the keys of search.memory_row:
-    params, grads, optimizer, activations, peak. A pipeline: the largest peak of its first and
-    last ranks (the most microbatches in flight; the head)."""
+    params, grads, optimizer, activations, peak. A pipeline: the largest peak of its ranks (the
+    first keeps the most microbatches in flight, the last the head, a middle one more blocks)."""
     p, t = cfg.parallel, cfg.training
     c = coefficients_for(cfg, coefficients)
     if p.pp == 1:
@@ -297,7 +311,7 @@ def modelled_row(
             "activations": mem.activations(mb),
             "peak": mem.peak(mb),
         }
-    rows = [_pipeline_rank(cfg, world_size, r, c) for r in sorted({0, p.pp - 1})]
+    rows = [_pipeline_rank(cfg, world_size, r, c) for r in range(p.pp)]
     return max(rows, key=lambda r: r["peak"])
 
 
