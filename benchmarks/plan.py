@@ -16,14 +16,24 @@ and their ratio.
 With --measure, the planner's step-time model for this machine (distrain/plan/probe.py) against
 measured steps of small layouts, and its memory against the same runs: see plan_steps.py.
 
+With --speed, how long `distrain plan` takes for the 7B-class presets on 8 nodes x 8 GPUs (the
+command a user runs before renting them): wall seconds, rows, rows built on fake tensors, and
+the load average before and after (the machine's other work slows it), as a table and JSON.
+
     python3 benchmarks/plan.py [--efficiency 0.45]
     python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py
+    python3 benchmarks/plan.py --speed [--speed-out plan_speed.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
@@ -85,6 +95,44 @@ def gpt3_175b(efficiency: float) -> dict[str, float]:
     return {"tflops_per_gpu": flops / time.step_s / 1024 / 1e12, "tflops_published": 138}
 
 
+SPEED_PRESETS = ("7b", "llama3-8b")
+SPEED_ARGS = (
+    "--nodes 8 --gpus-per-node 8 --gpu-memory 80GB --seq-len 4096 --global-batch 1024 --json"
+)
+
+
+def plan_speed(out: str) -> None:
+    """Time `distrain plan` for each of SPEED_PRESETS (one process each, as a user runs it)."""
+    found = []
+    for preset in SPEED_PRESETS:
+        command = [sys.executable, "-m", "distrain", "plan", "--preset", preset]
+        command += SPEED_ARGS.split()
+        load_before = os.getloadavg()[0]
+        start = time.perf_counter()
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        rows = json.loads(done.stdout)
+        found.append(
+            {
+                "preset": preset,
+                "command": "distrain plan --preset " + preset + " " + SPEED_ARGS,
+                "wall_s": wall,
+                "rows_shown": len(rows),
+                "built_rows_shown": sum(r["memory_source"] == "fake build" for r in rows),
+                "best": rows[0]["layout"] if rows else None,
+                "load_before": load_before,
+                "load_after": os.getloadavg()[0],
+            }
+        )
+    print(f"{'preset':<12}{'wall s':>8}{'rows':>6}{'built':>7}{'load before/after':>20}")
+    for r in found:
+        load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
+        print(
+            f"{r['preset']:<12}{r['wall_s']:>8.1f}{r['rows_shown']:>6}{r['built_rows_shown']:>7}{load:>20}"
+        )
+    Path(out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": found}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--efficiency", type=float, default=0.45)
@@ -93,7 +141,14 @@ def main() -> None:
         action="store_true",
         help="Predicted vs measured step time of small layouts on this machine (plan_steps.py).",
     )
+    parser.add_argument(
+        "--speed", action="store_true", help="Time `distrain plan` for 7B-class presets on 8x8."
+    )
+    parser.add_argument("--speed-out", default="plan_speed.json", help="JSON of --speed.")
     ns, rest = parser.parse_known_args()
+    if ns.speed:
+        plan_speed(ns.speed_out)
+        return
     if ns.measure:
         from plan_steps import main as measure_main
 

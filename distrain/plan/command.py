@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 # Dense bf16 peak of the common training GPU (H100 SXM) when nothing is calibrated.
 DEFAULT_PEAK_FLOPS = 989e12
+# The planner's defaults, restated so that --help imports no torch (test_plan_model.py checks).
+VERIFIED = 4
+DEFAULT_LATENCY_S = 1e-4
 
 
 def quantity(text: str, what: str) -> float:
@@ -28,6 +31,14 @@ def quantity(text: str, what: str) -> float:
     if not m:
         raise ConfigError(f"{what}: cannot read {text!r}; write e.g. 80GB, 900GB/s or 989T")
     return float(m.group(1)) * UNITS[m.group(2).upper()]
+
+
+def link_bandwidth(text: str, what: str) -> float:
+    """Bytes/s of a link given in bits ('100Mbit', '1Gbit/s', '400Gbps') or bytes ('50GB/s')."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGTkmgt]?)(?:bit|Bit|b)(?:/s|ps)?\s*", text)
+    if m:
+        return float(m.group(1)) * UNITS[m.group(2).upper()] / 8
+    return quantity(text, what)
 
 
 def interconnect(text: str) -> tuple[float, float]:
@@ -41,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog="distrain plan",
         description="Rank the layouts of a model on a cluster by step time, with memory per "
-        "rank from a fake-tensor run of the real build.",
+        "rank from a memory model calibrated by fake-tensor runs of the real build (the fastest "
+        "layouts built that way), and the data-parallel communication to use for the best.",
     )
     p.add_argument(
         "--config", help="TOML config to plan (its model, batch, precision; default: defaults)."
@@ -68,6 +80,17 @@ def parser() -> argparse.ArgumentParser:
         default="intra=450GB/s,inter=50GB/s",
         help="Bandwidth per device within a node (intra) and between nodes (inter).",
     )
+    p.add_argument(
+        "--inter-node-bandwidth",
+        help="Network bandwidth of one node, shared by its devices, e.g. 100Mbit, 1Gbit, "
+        "400Gbit (or 50GB/s): sets the inter value of --interconnect to it / --gpus-per-node.",
+    )
+    p.add_argument(
+        "--inter-node-latency-us",
+        type=float,
+        default=DEFAULT_LATENCY_S * 1e6,
+        help="Latency of one message between nodes, in microseconds (communication advice).",
+    )
     p.add_argument("--peak", help="Peak FLOP/s per device (default: calibrated, else 989T).")
     p.add_argument("--efficiency", type=float, default=0.45, help="Achieved fraction of peak.")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to search.")
@@ -79,8 +102,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exhaustive",
         action="store_true",
-        help="Build every layout's model at full depth and every pipeline rank (slow; the "
-        "default search ranks the same from shallow builds).",
+        help="Build every layout's model at full depth and every pipeline rank on fake "
+        "tensors (slow; the default prices layouts with the calibrated memory model and builds "
+        "the fastest few).",
+    )
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=VERIFIED,
+        help="Fastest layouts predicted to fit whose memory a fake build then decides.",
     )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p
@@ -110,6 +140,8 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
     from distrain.plan.timing import Cluster
 
     intra, inter = interconnect(ns.interconnect)
+    if ns.inter_node_bandwidth:
+        inter = link_bandwidth(ns.inter_node_bandwidth, "--inter-node-bandwidth") / ns.gpus_per_node
     calibrated = load_calibration()
     if ns.peak:
         peak, efficiency = quantity(ns.peak, "--peak"), ns.efficiency
@@ -145,7 +177,7 @@ def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.calibrate import calibrate
-    from distrain.plan.search import plan, table, to_json
+    from distrain.plan.search import plan, table, to_json, with_advice
 
     if ns.calibrate:
         found = calibrate()
@@ -158,13 +190,23 @@ def plan_command(argv: list[str]) -> None:
             )
         return
     cfg = base_config(ns)
+    cluster = cluster_of(ns)
+    bytes_per_value = 4 if cfg.training.precision == "fp32" else 2
     rows = plan(
         cfg,
-        cluster_of(ns),
-        bytes_per_value=4 if cfg.training.precision == "fp32" else 2,
+        cluster,
+        bytes_per_value=bytes_per_value,
         stages=tuple(int(s) for s in ns.zero.split(",")),
         checkpointing=tuple(ns.checkpointing.split(",")),
         exhaustive=ns.exhaustive,
+        verify=ns.verify,
         progress=progress_printer(sys.stderr),
+    )
+    rows = with_advice(
+        rows,
+        cfg,
+        cluster,
+        bytes_per_value=bytes_per_value,
+        latency_s=ns.inter_node_latency_us * 1e-6,
     )
     print(to_json(rows, ns.top) if ns.json else table(rows, ns.top))

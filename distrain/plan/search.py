@@ -1,14 +1,19 @@
 """The ranked search of `distrain plan`: every layout of the cluster (data-parallel replicate x
 shard, tp inside a node, pp with the 1F1B schedule, ZeRO stage, activation checkpointing,
-micro-batch), its memory from the fake build (memory.py; pipeline_memory.py for pp, whose
-schedule does not build on fake tensors, from the stage modules and the microbatches the schedule
-keeps in flight) and its step time (timing.py); layouts that fit come first, fastest first, then
-the ones that do not fit with the reason, a layout whose build fails among them.
+micro-batch), its step time (timing.py) and its memory; layouts that fit come first, fastest
+first, then the ones that do not fit with the reason, a layout whose build fails among them.
+
+Memory is priced by memory_model.py (arithmetic, calibrated by fake builds of two shallow
+layouts per family) for every layout; walking the layouts fastest first, the first VERIFIED that
+it predicts to fit, and any it puts within MODEL_MARGIN above the device's memory on the way,
+are then built on fake tensors (memory.py; pipeline_memory.py for pp, whose schedule does not
+build on fake tensors, from the stage modules and the microbatches the schedule keeps in
+flight) at 2 and 3 blocks per stage and extrapolated in depth (`built_row`), and that decides.
+`exhaustive` builds every layout at full depth and every pipeline rank instead.
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
 in it), and of a pipeline's ranks only the first of those holding alike stages is built (the
-others keep no more microbatches in flight); `exhaustive` builds every pipeline rank.
-"""
+others keep no more microbatches in flight)."""
 
 from __future__ import annotations
 
@@ -19,24 +24,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT
 from distrain.models.presets import model_args, num_params
-from distrain.optim.builder import param_groups
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, estimate_memory
+from distrain.plan.memory_model import (
+    Coefficients,
+    Family,
+    calibrate_family,
+    modelled_row,
+    states_floor,
+    with_depth,
+    zero1_largest_share,
+)
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "full")
+VERIFIED = 4
+ADVISED = 3
+"""Fitting rows, fastest first, given the communication advice."""
+"""Layouts whose memory a fake build decides: the fastest that the model predicts to fit."""
+MODEL_MARGIN = 0.15
+"""A layout the model puts at most this far above the device's memory is built too when met
+before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
+VERIFY_DEPTHS = (2, 3)
+"""Blocks per pipeline stage of the two fake builds a deeper layout is verified with."""
+SOURCE_LABEL = {"fake build": "built", "model": "model"}
 
 
 @dataclass(frozen=True)
@@ -46,14 +67,20 @@ class PlanRow:
     time: StepTime
     fits: bool
     reason: str
+    memory_source: str = "fake build"
+    """"fake build" (memory.py, pipeline_memory.py) or "model" (memory_model.py)."""
+    communication: CommAdvice | None = None
+    """The data-parallel communication advice (comm_advice.py), for the best rows."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "layout": dataclasses.asdict(self.candidate),
             "memory_bytes": self.memory,
+            "memory_source": self.memory_source,
             "time": self.time.as_dict(),
             "fits": self.fits,
             "reason": self.reason,
+            "communication": None if self.communication is None else self.communication.as_dict(),
         }
 
 
@@ -106,6 +133,7 @@ def memory_of(
     the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
+    key += (cfg.model.n_layers,)  # the memory model's calibration builds are shallower
     return _cached(cache, key, lambda: _memory_of(cfg, world_size, cache, exhaustive))
 
 
@@ -134,20 +162,6 @@ def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> M
     return estimate_memory(cfg, world_size)
 
 
-def zero1_largest_share(cfg: Config, world_size: int) -> float:
-    """The share of the parameter values on the rank that ZeroRedundancyOptimizer gives the most
-    (its state follows them): torch's rule, group by group, each parameter, largest first, to
-    the rank holding the fewest values so far (the first such rank). Whole tensors: 4 ranks of
-    the `tiny` preset hold up to 1.075x an even share."""
-    with torch.device("meta"):
-        model = GPT(model_args(cfg.model))
-    held = [0] * world_size
-    for group in param_groups(model, cfg.optim.weight_decay):
-        for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            held[held.index(min(held))] += param.numel()
-    return max(held) / sum(held)
-
-
 def memory_row(
     cfg: Config, world_size: int, cache: dict, *, exhaustive: bool = False
 ) -> dict[str, int]:
@@ -165,7 +179,7 @@ def memory_row(
             "peak": mem.peak(mb),
         }
     key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
-    key += (cfg.training.activation_checkpointing,)
+    key += (cfg.training.activation_checkpointing, cfg.model.n_layers)
     return _cached(cache, key, lambda: _pipeline_row(cfg, world_size, exhaustive))
 
 
@@ -267,11 +281,16 @@ def plan(
     stages: tuple[int, ...] = STAGES,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
     exhaustive: bool = False,
+    verify: int = VERIFIED,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
     candidate whose memory cannot be evaluated is a row that does not fit, with the error as
-    its reason. `progress(done, total)` is called after each candidate."""
+    its reason. `progress(done, total)` is called after each candidate.
+
+    Memory comes from memory_model.py, and for the `verify` fastest layouts it predicts to fit
+    (and those it cannot tell, within MODEL_MARGIN of the device's memory, met on the way) from
+    fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build."""
     args = validate(base, None).model
     layouts = []
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
@@ -282,10 +301,6 @@ def plan(
             validate(cfg, cluster.world_size)
         except ConfigError:
             continue
-        layouts.append((c, cfg))
-    cache: dict = {}
-    rows = []
-    for done, (c, cfg) in enumerate(layouts, 1):
         time = step_time(
             c,
             args,
@@ -294,23 +309,101 @@ def plan(
             seq_len=base.training.seq_len,
             bytes_per_value=bytes_per_value,
         )
+        layouts.append((c, cfg, time))
+    layouts.sort(key=lambda layout: layout[2].step_s)
+    cache: dict = {}
+    coefficients: dict = {}
+
+    def coefficients_of(family: Family) -> Coefficients:
+        def measure(cfg: Config, world_size: int) -> MemoryEstimate:
+            return memory_of(cfg, world_size, cache)
+
+        return _cached(coefficients, family, lambda: calibrate_family(base, family, measure))
+
+    def built(cfg: Config) -> dict[str, int]:
+        if exhaustive:
+            return memory_row(cfg, cluster.world_size, cache, exhaustive=True)
+        return built_row(cfg, cluster.world_size, cache)
+
+    rows = []
+    verified = 0
+    capacity = cluster.memory_bytes
+    for done, (c, cfg, time) in enumerate(layouts, 1):
+        source = "fake build"
         try:
-            memory = memory_row(cfg, cluster.world_size, cache, exhaustive=exhaustive)
+            if exhaustive:
+                memory = built(cfg)
+            elif sum((floor := states_floor(cfg, cluster.world_size)).values()) > capacity:
+                memory, source = floor, "model"
+            else:
+                memory, source = modelled_row(cfg, cluster.world_size, coefficients_of), "model"
+                peak = memory["peak"]
+                if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
+                    memory, source = built(cfg), "fake build"
         except Exception as error:  # noqa: BLE001 - a layout that cannot be built is a row
-            rows.append(PlanRow(c, {}, time, False, f"not evaluated: {one_line(error)}"))
+            rows.append(PlanRow(c, {}, time, False, f"not evaluated: {one_line(error)}", source))
         else:
-            peak = memory["peak"]
-            fits = peak <= cluster.memory_bytes
+            if "peak" in memory:
+                what, peak = "peak", memory["peak"]
+            else:
+                what, peak = "model states alone", sum(memory.values())
+            fits = peak <= capacity
+            verified += fits and source == "fake build"
             reason = (
-                ""
-                if fits
-                else f"peak {peak / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB per device"
+                "" if fits else f"{what} {peak / GIB:.1f} GiB > {capacity / GIB:.1f} GiB per device"
             )
-            rows.append(PlanRow(c, memory, time, fits, reason))
+            rows.append(PlanRow(c, memory, time, fits, reason, source))
         if progress is not None:
             progress(done, len(layouts))
     rows.sort(key=lambda r: (not r.fits, r.time.step_s))
     return rows
+
+
+def built_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
+    """memory_row from fake builds of VERIFY_DEPTHS blocks per pipeline stage, extrapolated
+    linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
+    lies on one line to the byte); the full build when the model is no deeper."""
+    p = cfg.parallel
+    per_stage = p.pp * p.pp_stages_per_rank
+    n_layers = validate(cfg, None).model.n_layers
+    low, high = (per_stage * d for d in VERIFY_DEPTHS)
+    if n_layers <= high:
+        return memory_row(cfg, world_size, cache)
+    one, two = (memory_row(with_depth(cfg, n), world_size, cache) for n in (low, high))
+    scale = (n_layers - low) / (high - low)
+    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+
+
+def with_advice(
+    rows: list[PlanRow],
+    base: Config,
+    cluster: Cluster,
+    *,
+    bytes_per_value: int,
+    latency_s: float = DEFAULT_LATENCY_S,
+    count: int = ADVISED,
+) -> list[PlanRow]:
+    """`rows` with the communication advice of the first `count` that fit (comm_advice.py;
+    DiLoCo's H at most training.steps, its sync in diloco.sync_dtype)."""
+    args = validate(base, None).model
+    advised, out = 0, []
+    for row in rows:
+        if row.fits and advised < count:
+            advice = advise(
+                row.candidate,
+                args,
+                cluster,
+                global_batch=base.training.global_batch_size,
+                seq_len=base.training.seq_len,
+                bytes_per_value=bytes_per_value,
+                latency_s=latency_s,
+                max_inner_steps=base.training.steps,
+                sync_dtype=base.diloco.sync_dtype,
+            )
+            row = dataclasses.replace(row, communication=advice)
+            advised += 1
+        out.append(row)
+    return out
 
 
 def one_line(error: Exception) -> str:
@@ -324,9 +417,12 @@ def table(rows: list[PlanRow], top: int) -> str:
     header = (
         f"{'#':>3} {'dp_rep':>6} {'dp_shd':>6} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>4} "
         f"{'mb':>3} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'peak':>7} "
-        f"{'step s':>8} {'comm s':>7} {'bubble':>6} {'tok/s':>9} {'MFU':>5}  fits"
+        f"{'step s':>8} {'comm s':>7} {'bubble':>6} {'tok/s':>9} {'MFU':>5} {'memory':>6}  fits"
     )
-    lines = [header + "   (memory GiB per rank)", "-" * len(header)]
+    lines = [
+        header + "   (memory GiB per rank: from a fake build, or the memory model)",
+        "-" * len(header),
+    ]
     shown = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
     for i, r in enumerate(shown, 1):
         c, m, t = r.candidate, r.memory, r.time
@@ -336,8 +432,14 @@ def table(rows: list[PlanRow], top: int) -> str:
             f"{i:>3} {c.dp_replicate:>6} {c.dp_shard:>6} {c.tp:>3} {c.pp:>3} {c.zero_stage:>4} "
             f"{c.activation_checkpointing:>4} {c.micro_batch_size:>3} {' '.join(gib)} "
             f"{t.step_s:8.3f} {t.exposed_comm_s:7.3f} {t.bubble_s:6.3f} {t.tokens_per_s:9.0f} "
-            f"{t.mfu:5.2f}  {'yes' if r.fits else 'no: ' + r.reason}"
+            f"{t.mfu:5.2f} {SOURCE_LABEL[r.memory_source]:>6}  "
+            f"{'yes' if r.fits else 'no: ' + r.reason}"
         )
+    advised = [(i, r) for i, r in enumerate(shown, 1) if r.communication is not None]
+    if advised:
+        lines.append("data-parallel communication (predicted per step):")
+    for i, r in advised:
+        lines.append(f"{i:>3} {r.communication.summary()}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,364 @@
+"""Per-rank memory of a layout by arithmetic, calibrated by a few fake-tensor builds.
+
+The fake build of memory.py costs seconds per block (a 32-block 7B step: ~40 s on a 2-core
+machine), so a search of hundreds of layouts prices each one here instead, and only the
+fastest few are built (search.py):
+
+- model states (`model_states`): each parameter tensor of the model (its shapes on the meta
+  device) held by this rank: the blocks of its pipeline stages, the embedding on the first stage
+  and the norm and head on the last (a tied head: its own copy there); split by tp as the
+  model's Megatron plan splits it (column-parallel weights and their biases along dim 0,
+  row-parallel weights along dim 1, the vocabulary of the embedding and head; norms, learned
+  positions and MoE layers replicated); then, under ZeRO-2/3, dim 0 of that local tensor
+  sharded over dp_shard as FSDP2 does (the first rank holding the rounded-up share). Gradients
+  equal the parameters (sharded under ZeRO-2/3); optimizer state is the calibration build's
+  bytes per parameter byte (AdamW: two fp32 moments and a step scalar per tensor), divided
+  over the data-parallel ranks under ZeRO-1 (the fullest rank of torch's
+  ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under ZeRO-1/2;
+- activations: per sample, a cost per block and a constant (embedding, head, loss), and above
+  the model states a fixed cost per block and a constant (FSDP2's gathered parameters,
+  transient buffers), measured for a *family* of layouts (tp degree, data-parallel wrapper:
+  none/DDP, FSDP2 without or with resharding after forward, activation checkpointing) by two
+  fake builds of the planned model at its real width and 1 and 2 blocks (world: tp, x2 under
+  FSDP2), which hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the
+  byte); every layout of the family then costs arithmetic: its stage depth, micro-batch and,
+  for a pipeline, the microbatches its schedule keeps in flight (pipeline_memory.in_flight) and
+  its receive buffers. A pipeline stage's FSDP2 never reshards after forward, so ZeRO-3 under
+  pp is priced with the ZeRO-2 family.
+
+Checked against full fake builds in tests/test_plan_model.py (within 10% on small layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distrain.config.schema import Config
+from distrain.layout.rules import validate
+from distrain.models.gpt.model import GPT, ModelArgs
+from distrain.models.presets import model_args, num_params
+from distrain.optim.builder import param_groups
+from distrain.optim.capability import optimizer_capability
+from distrain.optim.onebit_zero import held_state_bytes
+from distrain.plan.memory import MemoryEstimate
+from distrain.plan.pipeline_memory import in_flight
+
+FP32 = 4
+COLUMN = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_up", "mlp.w_gate")
+ROW = ("attn.wo", "mlp.w_down")
+CALIBRATION_DEPTHS = (2, 3)
+CALIBRATED_TP = 2
+"""The largest tp degree calibrated on its own under sequence parallelism (`coefficients_for`)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the activation costs depend on besides depth and micro-batch."""
+
+    tp: int
+    wrapper: str  # "plain" (no wrapper or DDP, ZeRO-0/1), "fsdp" (ZeRO-2), "fsdp_reshard"
+    activation_checkpointing: str
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Bytes of one family, measured: per sample (per block, constant), above the model states
+    (per block, constant), and the optimizer state per parameter byte and its step's extra
+    peak per parameter byte."""
+
+    sample_per_block: float
+    sample_const: float
+    fixed_per_block: float
+    fixed_const: float
+    optimizer_per_param_byte: float
+    step_extra_per_param_byte: float
+
+
+def family_of(cfg: Config) -> Family:
+    p = cfg.parallel
+    if p.zero_stage <= 1:
+        wrapper = "plain"
+    else:
+        wrapper = "fsdp_reshard" if p.zero_stage == 3 and p.pp == 1 else "fsdp"
+    return Family(p.tp, wrapper, cfg.training.activation_checkpointing)
+
+
+def coefficients_for(cfg: Config, coefficients: Callable[[Family], Coefficients]) -> Coefficients:
+    """The coefficients of `cfg`'s family. Under sequence parallelism with tp above
+    CALIBRATED_TP they are the tp = CALIBRATED_TP family's with the per-block and fixed terms
+    scaled by CALIBRATED_TP / tp (the 7B step's per-block activations: 45,120 bytes a token at
+    tp 2, 22,560 at tp 4), the constant per sample kept (it shrinks by 5% from tp 2 to 4)."""
+    family = family_of(cfg)
+    if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
+        return coefficients(family)
+    c = coefficients(dataclasses.replace(family, tp=CALIBRATED_TP))
+    scale = CALIBRATED_TP / family.tp
+    return dataclasses.replace(
+        c,
+        sample_per_block=c.sample_per_block * scale,
+        fixed_per_block=c.fixed_per_block * scale,
+        fixed_const=c.fixed_const * scale,
+    )
+
+
+def states_floor(cfg: Config, world_size: int) -> dict[str, int]:
+    """A lower bound of the model states that needs no calibration: parameters and gradients,
+    and AdamW's two fp32 moments per value (shared out over the data-parallel ranks under
+    ZeRO-1); its sum is a lower bound of the peak."""
+    p = cfg.parallel
+    states = model_states(cfg, world_size)
+    moments = 2 * states.params if cfg.optim.name == "adamw" else 0
+    if p.zero_stage == 1:
+        moments //= world_size // (p.tp * p.pp)
+    return {"params": states.params, "grads": states.grads, "optimizer": moments}
+
+
+def with_depth(cfg: Config, n_layers: int) -> Config:
+    """`cfg` with a model of `n_layers` blocks (the rest of its shape as planned)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+
+
+def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
+    """The smallest layout of `family` (tp ranks, x2 data-parallel shards under FSDP2, no pp),
+    one sample per rank, and its world size."""
+    dp = 1 if family.wrapper == "plain" else 2
+    stage = {"plain": 0, "fsdp": 2, "fsdp_reshard": 3}[family.wrapper]
+    cfg = dataclasses.replace(
+        base,
+        parallel=dataclasses.replace(
+            base.parallel,
+            tp=family.tp,
+            pp=1,
+            zero_stage=stage,
+            dp_replicate=1,
+            dp_shard=dp if stage >= 2 else -1,
+        ),
+        training=dataclasses.replace(
+            base.training,
+            micro_batch_size=1,
+            global_batch_size=dp,
+            activation_checkpointing=family.activation_checkpointing,
+        ),
+    )
+    return cfg, family.tp * dp
+
+
+def calibrate_family(
+    base: Config, family: Family, measure: Callable[[Config, int], MemoryEstimate]
+) -> Coefficients:
+    """Two fake builds (1 and 2 blocks) of the family's smallest layout: `measure(cfg, world)`
+    is memory.py's estimate (through the search's cache)."""
+    cfg, world = calibration_layout(base, family)
+    low, high = CALIBRATION_DEPTHS
+    one, two = (measure(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS)
+    states_one = model_states(with_depth(cfg, low), world)
+    states_two = model_states(with_depth(cfg, high), world)
+
+    def above(m: MemoryEstimate, s: ModelStates) -> int:
+        return m.fixed - s.params - s.grads
+
+    sample_block = (two.per_sample - one.per_sample) / (high - low)
+    fixed_block = (above(two, states_two) - above(one, states_one)) / (high - low)
+    step_extra = max(0, one.opt_step_peak - one.model_states)
+    return Coefficients(
+        sample_per_block=sample_block,
+        sample_const=one.per_sample - low * sample_block,
+        fixed_per_block=fixed_block,
+        fixed_const=above(one, states_one) - low * fixed_block,
+        optimizer_per_param_byte=one.optimizer / max(1, one.params),
+        step_extra_per_param_byte=step_extra / max(1, one.params),
+    )
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: int
+    grads: int
+    blocks: int
+    has_head: bool
+
+
+def _meta_model(args: ModelArgs) -> GPT:
+    with torch.device("meta"):
+        return GPT(args)
+
+
+_SHAPES: dict[str, list[tuple[str, torch.Size, int]]] = {}
+
+
+def _parameter_shapes(args: ModelArgs) -> list[tuple[str, torch.Size, int]]:
+    """(name, shape, identity) of each parameter of GPT(args), a tied one under both names;
+    made once per shape of model (a 7B meta build is a noticeable share of pricing a layout)."""
+    key = repr(args)
+    if key not in _SHAPES:
+        model = _meta_model(args)
+        _SHAPES[key] = [
+            (name, p.shape, id(p)) for name, p in model.named_parameters(remove_duplicate=False)
+        ]
+    return _SHAPES[key]
+
+
+def _tp_local_shape(name: str, shape: torch.Size, tp: int) -> list[int]:
+    dims = list(shape)
+    if tp == 1 or ".moe." in name or "norm" in name or name.startswith("pos_emb"):
+        return dims
+    module, kind = name.rsplit(".", 1)
+    if module.endswith(COLUMN) or module in ("tok_emb", "output"):
+        dims[0] = -(-dims[0] // tp)
+    elif module.endswith(ROW) and kind == "weight":
+        dims[1] = -(-dims[1] // tp)
+    return dims
+
+
+def _stage_parts(args: ModelArgs, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """(block indices, holds the embedding, holds the head) of pp rank `pp_rank`."""
+    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return list(range(args.n_layers)), True, True
+    stages = p.pp * p.pp_stages_per_rank
+    layers = stage_layer_ranges(args.n_layers, stages)
+    ids = stage_ids_for_rank(pp_rank, p.pp, p.pp_stages_per_rank, p.pp_schedule)
+    blocks = [i for s in ids for i in layers[s]]
+    return blocks, 0 in ids, stages - 1 in ids
+
+
+def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStates:
+    """Parameter and gradient bytes of the first rank of pipeline rank `pp_rank` (module
+    docstring)."""
+    p = cfg.parallel
+    args = validate(cfg, None).model
+    blocks, first, last = _stage_parts(args, cfg, pp_rank)
+    held = {str(i) for i in blocks}
+    shard = world_size // (p.tp * p.pp) if p.zero_stage >= 2 else 1
+    params = 0
+    seen: set[int] = set()
+    for name, shape, identity in _parameter_shapes(args):
+        top = name.split(".", 1)[0]
+        if top == "blocks" and name.split(".")[1] not in held:
+            continue
+        if top in ("tok_emb", "pos_emb") and not first:
+            continue
+        if top in ("norm", "output") and not last:
+            continue
+        # A tied head is the embedding's weight: once when a rank holds both.
+        if identity in seen:
+            continue
+        seen.add(identity)
+        dims = _tp_local_shape(name, shape, p.tp)
+        if shard > 1:
+            dims[0] = -(-dims[0] // shard)
+        params += FP32 * math.prod(dims)
+    return ModelStates(params=params, grads=params, blocks=len(blocks), has_head=last)
+
+
+def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coefficients) -> int:
+    """This rank's optimizer state: the family's bytes per parameter byte, shared out under
+    ZeRO-1 and by 1-bit Adam's own chunking (as search.memory_of plans the builds)."""
+    p = cfg.parallel
+    capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
+    if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
+        return held_state_bytes(num_params(validate(cfg, None).model), world_size)
+    whole = states.params * c.optimizer_per_param_byte
+    if p.zero_stage == 1 and world_size > 1:
+        if p.tp == p.pp == 1:
+            return math.ceil(whole * zero1_largest_share(cfg, world_size))
+        return math.ceil(whole / (world_size // (p.tp * p.pp)))
+    return math.ceil(whole)
+
+
+def zero1_largest_share(cfg: Config, world_size: int) -> float:
+    """The share of the parameter values on the rank that ZeroRedundancyOptimizer gives the most
+    (its state follows them): torch's rule, group by group, each parameter, largest first, to
+    the rank holding the fewest values so far (the first such rank). Whole tensors: 4 ranks of
+    the `tiny` preset hold up to 1.075x an even share."""
+    model = _meta_model(model_args(cfg.model))
+    held = [0] * world_size
+    for group in param_groups(model, cfg.optim.weight_decay):
+        for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+            held[held.index(min(held))] += param.numel()
+    return max(held) / sum(held)
+
+
+def modelled_row(
+    cfg: Config, world_size: int, coefficients: Callable[[Family], Coefficients]
+) -> dict[str, int]:
+    """Bytes per rank of `cfg` on `world_size` ranks, the keys of search.memory_row:
+    params, grads, optimizer, activations, peak. A pipeline: the largest peak of its ranks (the
+    first keeps the most microbatches in flight, the last the head, a middle one more blocks)."""
+    p, t = cfg.parallel, cfg.training
+    c = coefficients_for(cfg, coefficients)
+    if p.pp == 1:
+        states = model_states(cfg, world_size)
+        mem = estimate_of(states, optimizer_bytes(cfg, world_size, states, c), c)
+        if p.zero_stage == 1 and p.tp == 1:
+            # Planned from the ZeRO-0 build (search.memory_of): its step's peak holds all state.
+            whole = math.ceil(states.params * c.optimizer_per_param_byte)
+            step = estimate_of(states, whole, c).opt_step_peak
+            mem = dataclasses.replace(mem, opt_step_peak=step)
+        mb = t.micro_batch_size
+        return {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "activations": mem.activations(mb),
+            "peak": mem.peak(mb),
+        }
+    rows = [_pipeline_rank(cfg, world_size, r, c) for r in range(p.pp)]
+    return max(rows, key=lambda r: r["peak"])
+
+
+def estimate_of(states: ModelStates, optimizer: int, c: Coefficients) -> MemoryEstimate:
+    """A MemoryEstimate of `states` with the family's activation costs at their depth."""
+    above = c.fixed_const + states.blocks * c.fixed_per_block
+    sample = c.sample_const + states.blocks * c.sample_per_block
+    return MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=optimizer,
+        fixed=round(states.params + states.grads + above),
+        per_sample=round(sample),
+        opt_step_peak=round(
+            states.params + states.grads + optimizer + states.params * c.step_extra_per_param_byte
+        ),
+    )
+
+
+def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) -> dict[str, Any]:
+    """pp rank `pp_rank`: its stages' blocks with as many microbatches in flight as the
+    schedule keeps, the head's cost per sample on the last stage only, and the receive buffers
+    of pipeline_memory.py."""
+    p, t = cfg.parallel, cfg.training
+    args = validate(cfg, None).model
+    states = model_states(cfg, world_size, pp_rank=pp_rank)
+    optimizer = optimizer_bytes(cfg, world_size, states, c)
+    dp = world_size // (p.tp * p.pp * p.cp)
+    local_batch = t.global_batch_size // dp
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
+    rows = local_batch // microbatches
+    kept = in_flight(p.pp_schedule, p.pp, pp_rank, p.pp_stages_per_rank, microbatches)
+    per_sample = states.blocks * c.sample_per_block + (c.sample_const if states.has_head else 0)
+    activations = max(0, round(c.fixed_const + states.blocks * c.fixed_per_block))
+    activations += round(kept * rows * per_sample)
+    stages = p.pp * p.pp_stages_per_rank
+    ids = [pp_rank + i * p.pp for i in range(p.pp_stages_per_rank)]
+    receives = sum((s != 0) + (s != stages - 1) for s in ids)
+    boundary = rows * t.seq_len * args.dim * FP32
+    if p.sequence_parallel and p.tp > 1:
+        boundary //= p.tp
+    comm = receives * microbatches * boundary
+    peak = states.params + states.grads + optimizer + activations + comm
+    return {
+        "params": states.params,
+        "grads": states.grads,
+        "optimizer": optimizer,
+        "activations": activations + comm,
+        "peak": peak,
+    }

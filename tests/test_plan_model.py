@@ -1,0 +1,158 @@
+"""The planner's memory model against full fake builds of the same layouts, and its
+communication advice against the byte formulas it states (in this process, on torch's fake
+process group)."""
+
+import pytest
+
+from distrain.config.schema import Config
+from distrain.models.presets import PRESETS, num_params
+from distrain.plan.comm_advice import advise, predict_methods
+from distrain.plan.command import cluster_of, link_bandwidth, parse
+from distrain.plan.memory_model import calibrate_family, modelled_row
+from distrain.plan.search import candidate_config, memory_of, memory_row
+from distrain.plan.timing import Candidate, Cluster
+
+WORLD = 4
+
+
+def base_config() -> Config:
+    cfg = Config()
+    cfg.run.device = "cpu"
+    cfg.model.preset = "tiny"
+    cfg.model.n_layers = 6
+    cfg.training.seq_len, cfg.training.global_batch_size = 64, 16
+    cfg.training.eval_batches = 16
+    cfg.training.compile = False
+    return cfg
+
+
+# (dp_shard, tp, pp, zero stage, checkpointing, micro-batch) on 4 ranks.
+LAYOUTS = [
+    (4, 1, 1, 0, "full", 4),
+    (4, 1, 1, 1, "none", 4),
+    (4, 1, 1, 2, "full", 4),
+    (4, 1, 1, 3, "none", 1),
+    (2, 2, 1, 0, "none", 2),
+    (2, 2, 1, 3, "none", 2),
+    (2, 1, 2, 3, "none", 2),
+    (1, 1, 4, 0, "none", 1),
+]
+
+
+@pytest.fixture(scope="module")
+def modelled_and_built():
+    base, cache, coefficients = base_config(), {}, {}
+
+    def coefficients_of(family):
+        if family not in coefficients:
+            coefficients[family] = calibrate_family(
+                base, family, lambda cfg, world: memory_of(cfg, world, cache)
+            )
+        return coefficients[family]
+
+    rows = []
+    for shard, tp, pp, stage, ac, mb in LAYOUTS:
+        c = Candidate(1, shard, tp, pp, stage, ac, mb)
+        cfg = candidate_config(base, c)
+        rows.append((c, modelled_row(cfg, WORLD, coefficients_of), memory_row(cfg, WORLD, cache)))
+    return rows
+
+
+def test_model_states_equal_the_fake_builds(modelled_and_built):
+    """Parameters, gradients and optimizer state by arithmetic: equal to the full builds'
+    (within 6%: the norms each tp rank holds whole, counted once by the build's gradients)."""
+    for c, modelled, built in modelled_and_built:
+        for kind in ("params", "grads", "optimizer"):
+            assert modelled[kind] == pytest.approx(built[kind], rel=0.06), (c, kind)
+        assert modelled["params"] == built["params"], c
+
+
+def test_peak_within_ten_percent_of_the_fake_builds(modelled_and_built):
+    """The peak per rank of 8 layouts (DDP, ZeRO-1/2/3, tp 2, pp 2 and 4, with and without
+    checkpointing, micro-batch 1-4) from two shallow builds per family: within 10% of the full
+    6-block builds."""
+    for c, modelled, built in modelled_and_built:
+        assert modelled["peak"] == pytest.approx(built["peak"], rel=0.10), c
+
+
+def test_an_uncalibrated_model_would_miss():
+    """The bound can fail: without the per-sample cost of the blocks (a model that counts
+    only the model states and the constant) the peak of a large micro-batch is far off."""
+    base, cache = base_config(), {}
+    c = Candidate(1, 4, 1, 1, 0, "none", 4)
+    cfg = candidate_config(base, c)
+
+    def no_blocks(family):
+        import dataclasses
+
+        got = calibrate_family(base, family, lambda cfg, world: memory_of(cfg, world, cache))
+        return dataclasses.replace(got, sample_per_block=0.0)
+
+    built = memory_row(cfg, WORLD, cache)
+    assert modelled_row(cfg, WORLD, no_blocks)["peak"] < 0.9 * built["peak"]
+
+
+def two_hosts(bits_per_s: float) -> Cluster:
+    """The 2-host lab: one rank per host, a CPU's rate."""
+    return Cluster(
+        nodes=2,
+        gpus_per_node=1,
+        memory_bytes=16e9,
+        peak_flops=100e9,
+        efficiency=1.0,
+        intra_bw=10e9,
+        inter_bw=bits_per_s / 8,
+    )
+
+
+def small_advice(bits_per_s: float):
+    args = PRESETS["small"]
+    c = Candidate(2, 1, 1, 1, 0, "none", 8)
+    return advise(c, args, two_hosts(bits_per_s), global_batch=32, seq_len=128, bytes_per_value=4)
+
+
+def test_advice_is_diloco_at_100_mbit_and_plain_ddp_at_400_gbit():
+    slow = small_advice(100e6)
+    assert slow.recommended.method == "diloco" and slow.recommended.inner_steps >= 2
+    plain = next(m for m in slow.methods if m.method == "plain")
+    chosen = slow.recommended
+    assert chosen.exposed_comm_s <= 0.1 * (chosen.step_s - chosen.exposed_comm_s)
+    assert plain.exposed_comm_s > chosen.step_s
+    fast = small_advice(400e9)
+    assert fast.recommended.method == "plain"
+    assert fast.recommended.exposed_comm_s == 0.0
+    assert "DiLoCo H=" in slow.summary() and "plain:" in slow.summary()
+
+
+def test_bytes_per_step_follow_the_ring_formulas():
+    """DDP: 2 (n - 1) / n x 4 bytes a gradient value; DiLoCo: the same all-reduce of the
+    pseudo-gradient in its sync dtype once per H steps; bf16: half of DDP's."""
+    args = PRESETS["small"]
+    psi = num_params(args)
+    for n in (2, 4):
+        methods = {
+            m.method: m for m in predict_methods(args, compute_s=1.0, replicas=n, bandwidth=12.5e6)
+        }
+        ddp = 2 * (n - 1) / n * 4 * psi
+        assert methods["plain"].bytes_per_step == pytest.approx(ddp)
+        assert methods["bf16"].bytes_per_step == pytest.approx(ddp / 2)
+        h = methods["diloco"].inner_steps
+        assert methods["diloco"].bytes_per_step == pytest.approx(ddp / h)
+        bf16 = predict_methods(args, compute_s=1.0, replicas=n, bandwidth=12.5e6, sync_dtype="bf16")
+        diloco = next(m for m in bf16 if m.method == "diloco")
+        assert diloco.bytes_per_step == pytest.approx(ddp / 2 / diloco.inner_steps)
+
+
+def test_inter_node_bandwidth_is_read_in_bits_per_node():
+    assert link_bandwidth("100Mbit", "x") == pytest.approx(12.5e6)
+    assert link_bandwidth("400Gbit/s", "x") == pytest.approx(50e9)
+    assert link_bandwidth("50GB/s", "x") == pytest.approx(50e9)
+    cluster = cluster_of(parse(["--gpus-per-node", "8", "--inter-node-bandwidth", "1Gbit"]))
+    assert cluster.inter_bw == pytest.approx(1e9 / 8 / 8)
+
+
+def test_the_command_restates_the_planner_defaults():
+    from distrain.plan import comm_advice, command, search
+
+    assert command.VERIFIED == search.VERIFIED
+    assert command.DEFAULT_LATENCY_S == comm_advice.DEFAULT_LATENCY_S
