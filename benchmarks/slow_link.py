@@ -78,7 +78,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from harness import is_worker, worker_session, write_json  # noqa: E402
-from netlab import IFNAME, NetLab, lab_available, net_lab  # noqa: E402
+from netlab import IFNAME, NetLab, lab_available, net_lab, parse_rate  # noqa: E402
 from vs_accelerate import build_accelerate  # noqa: E402
 
 from distrain.config.schema import Config, validate  # noqa: E402
@@ -88,6 +88,7 @@ from distrain.models.gpt.model import next_token_loss  # noqa: E402
 from distrain.models.presets import model_args  # noqa: E402
 from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402
+from distrain.plan.comm_advice import predict_methods, recommend  # noqa: E402
 from distrain.train.build import build_trainer  # noqa: E402
 from distrain.train.observers import CommMetrics  # noqa: E402
 
@@ -408,9 +409,7 @@ def summarize(
                 "wire_bytes_per_step": [r["wire_bytes_per_step"] for r in reps],
                 "counted_bytes_per_step": [r["counted_bytes_per_step"] for r in reps],
                 "evals": [r["evals"] for r in reps],
-                # What `distrain plan` predicts for this link and method, once it takes the
-                # inter-node bandwidth; until then nothing to compare.
-                "planner_prediction": None,
+                "planner_prediction": None,  # filled below, from the loopback run
             }
         )
     by_key = {(r["link"], r["preset"], r["variant"]): r for r in rows}
@@ -423,7 +422,55 @@ def summarize(
         r["time_to_loss_x_peer"] = peer_time / own if peer_time and own else None
         r["tokens_per_s_x_peer"] = _ratio(r["tokens_per_s"], peer["tokens_per_s"])
         r["val_loss_vs_peer"] = _median(r["final_val_loss"]) / r["target_val_loss"] - 1
+        compute = by_key.get((LOOPBACK, r["preset"], "distrain ddp"))
+        if r["link"] != LOOPBACK and compute is not None:
+            r["planner_prediction"] = planner_prediction(
+                args, r["link"], r["preset"], r["variant"], _median(compute["step_s"])
+            )
     return rows
+
+
+PLANNER_METHODS = {
+    "distrain ddp": "plain",
+    "distrain bf16": "bf16",
+    "distrain powersgd": "powersgd",
+    "distrain onebit": "onebit",
+    "distrain onebit_adam": "onebit_adam",
+}
+
+
+def planner_prediction(
+    args: argparse.Namespace, link: str, preset: str, variant: str, compute_s: float
+) -> dict[str, Any] | None:
+    """What the planner's communication model (distrain.plan.comm_advice) predicts on this link
+    for this variant: its step seconds and bytes per step, and the method it recommends, with
+    distrain ddp's step on loopback as the compute time (2 ranks, one per host, fp32)."""
+    cfg = make_config(argparse.Namespace(**{**vars(args), "preset": preset}), Path("-"), PEER)
+    found = predict_methods(
+        model_args(cfg.model),
+        compute_s=compute_s,
+        replicas=2 * args.procs,
+        bandwidth=parse_rate(link) / 8 / args.procs,
+        sites=2,
+        sync_dtype="bf16",
+        max_inner_steps=args.steps,
+    )
+    by_method = {m.method: m for m in found}
+    recommended = recommend(found).recommended
+    predicted = None
+    if variant in PLANNER_METHODS and PLANNER_METHODS[variant] in by_method:
+        m = by_method[PLANNER_METHODS[variant]]
+        predicted = {"step_s": m.step_s, "bytes_per_step": m.bytes_per_step}
+    elif variant.startswith("distrain diloco h") and "diloco" in by_method:
+        m = by_method["diloco"]  # its outer all-reduce, spread over this variant's H instead
+        h = int(variant.split()[2][1:])
+        outer_s, outer_bytes = m.comm_s * m.inner_steps, m.bytes_per_step * m.inner_steps
+        predicted = {"step_s": compute_s + outer_s / h, "bytes_per_step": outer_bytes / h}
+    return {
+        **(predicted or {}),
+        "recommended": recommended.method,
+        "recommended_inner_steps": recommended.inner_steps,
+    }
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -462,7 +509,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[flo
     header = (
         f"{'link':<9}{'preset':<7}{'variant':<25}{'to loss s':>20}{'x peer':>7}{'tokens/s':>20}"
         f"{'x peer':>7}{'MB/step wire':>20}{'MB/step cnt':>12}{'val loss':>22}{'scaling':>8}"
-        f"{'exposed s':>10}"
+        f"{'exposed s':>10}{'plan s/step':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -479,9 +526,18 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[flo
             f"{_fmt(r['final_val_loss'], spec='.4f'):>22}"
             f"{(f'{scaling:.2f}' if scaling else '-'):>8}"
             f"{(f'{exposed:.3f}' if exposed is not None else '-'):>10}"
+            f"{_planned(r):>12}"
         )
     print("* the recipe for the link; x peer: accelerate ddp's time to loss / this one's, and "
           "tokens/s / accelerate ddp's")  # fmt: skip
+
+
+def _planned(row: dict[str, Any]) -> str:
+    """The planner's predicted s/step beside the measured one ("-" without a prediction)."""
+    plan = row["planner_prediction"] or {}
+    if "step_s" not in plan:
+        return "-"
+    return f"{plan['step_s']:.3f}"
 
 
 def main() -> None:
