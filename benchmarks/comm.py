@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from harness import write_json  # noqa: E402
+from harness import wait_all, write_json  # noqa: E402
 from netlab import NetLab, lab_available, net_lab  # noqa: E402
 
 from distrain.observe.metrics import read_metrics  # noqa: E402
@@ -167,20 +166,6 @@ def run_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def wait_all(procs: list[subprocess.Popen], log: Path) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for proc in procs:
-        try:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            code = None
-        if code != 0:
-            for other in procs:
-                other.kill()
-            tail = log.read_text()[-3000:] if log.exists() else ""
-            raise RuntimeError(f"run failed (exit {code}), log {log}:\n{tail}")
-
-
 def summarize(run_dir: Path, freeze_step: int) -> dict[str, Any]:
     """Medians over the steps after SKIP (and after the freeze step), and the last step's
     loss."""
@@ -210,7 +195,7 @@ def run_loopback(args: argparse.Namespace, method: str, work: Path) -> dict[str,
             stderr=subprocess.STDOUT,
             env=run_env(),
         )
-        wait_all([proc], log)
+        wait_all([proc], log, timeout_s=RUN_TIMEOUT_S)
     return summarize(run_dir, args.freeze_step)
 
 
@@ -231,7 +216,7 @@ def run_solo_pair(args: argparse.Namespace, work: Path) -> float:
                     env=run_env(),
                 )
             )
-        wait_all(procs, log)
+        wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
     return statistics.mean(summarize(d, args.freeze_step)["step_time_s"] for d in dirs)
 
 
@@ -255,7 +240,7 @@ def run_lab(
             )
             for node in range(NUM_RANKS)
         ]
-        wait_all(procs, log)
+        wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
     return summarize(run_dir, args.freeze_step)
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -105,6 +106,22 @@ def bench_config(
         setattr(getattr(cfg, section), field, value)
     validate(cfg)
     return cfg
+
+
+def wait_all(procs: list[subprocess.Popen], log: Path, *, timeout_s: float) -> None:
+    """Wait for every process of a run (at most `timeout_s` in all); on a failure kill the rest
+    and raise with the tail of the run's log."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            for other in procs:
+                other.kill()
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            raise RuntimeError(f"run failed (exit {code}), log {log}:\n{tail}")
 
 
 def write_json(path: str | Path, result: dict[str, Any]) -> None:

@@ -77,7 +77,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import is_worker, worker_session, write_json  # noqa: E402
+from harness import is_worker, wait_all, worker_session, write_json  # noqa: E402
 from netlab import IFNAME, NetLab, lab_available, net_lab, parse_rate  # noqa: E402
 from vs_accelerate import build_accelerate  # noqa: E402
 
@@ -329,20 +329,6 @@ def run_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SLOW_LINK_START": str(time.time())}
 
 
-def wait_all(procs: list[subprocess.Popen], log: Path) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for proc in procs:
-        try:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            code = None
-        if code != 0:
-            for other in procs:
-                other.kill()
-            tail = log.read_text()[-3000:] if log.exists() else ""
-            raise RuntimeError(f"run failed (exit {code}), log {log}:\n{tail}")
-
-
 def run_once(
     args: argparse.Namespace, link: str, lab: NetLab | None, preset: str, variant: str,
     work: Path, port: int,
@@ -359,7 +345,7 @@ def run_once(
                     cmd, env={**os.environ, **run_env()}, stdout=out, stderr=subprocess.STDOUT
                 )
             ]
-            wait_all(procs, log)
+            wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
             wire = None
         else:
             before = tx_bytes(lab, 0)
@@ -376,7 +362,7 @@ def run_once(
                 )
                 for host in (0, 1)
             ]
-            wait_all(procs, log)
+            wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
             wire = (tx_bytes(lab, 0) - before) / args.steps
     return {**json.loads(result.read_text()), "wire_bytes_per_step": wire}
 
