@@ -143,3 +143,27 @@ def start_train(run_dir: Path, *launch_args: str, **fields: object) -> subproces
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
+
+
+def _descendants(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def worker_pid(agent_pid: int, rank: int, *, restart: int = 0) -> int | None:
+    """The pid of the worker of global rank `rank` in a torchrun agent's `restart`-th worker
+    group, if it is running."""
+    wanted = {f"RANK={rank}".encode(), f"TORCHELASTIC_RESTART_COUNT={restart}".encode()}
+    for pid in _descendants(agent_pid):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return pid
+    return None

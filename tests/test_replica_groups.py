@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_RUN, losses, start_train, train_in_process
+from helpers import SMALL_RUN, losses, start_train, train_in_process, worker_pid
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.config.io import load_config
@@ -66,29 +66,6 @@ GROUP_FIELDS = {
     "debug__slow_rank": 0,
     "debug__slow_ms": 600,
 }
-
-
-def _descendants(pid: int) -> list[int]:
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _worker(agent_pid: int, rank: int, restart: int) -> int | None:
-    """The pid of the worker of `rank` in the agent's `restart`-th worker group, if running."""
-    wanted = {f"RANK={rank}".encode(), f"TORCHELASTIC_RESTART_COUNT={restart}".encode()}
-    for pid in _descendants(agent_pid):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if wanted <= environ:
-            return pid
-    return None
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -180,12 +157,12 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
             return sum(r.get("replica_change") == "rejoined" for r in _rows(runs[1]))
 
         _wait(lambda: step_of(0) >= 3 and step_of(1) >= 3, "step 3 in both groups", procs)
-        survivors = [_worker(procs[0].pid, rank, 0) for rank in (0, 1)]
-        os.kill(_worker(procs[1].pid, 1, 0), signal.SIGKILL)
+        survivors = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
+        os.kill(worker_pid(procs[1].pid, 1, restart=0), signal.SIGKILL)
         _wait(lambda: rejoins() >= 1, "group 1's first rejoin", procs)
         rejoined_at = step_of(0)
         _wait(lambda: step_of(1) >= rejoined_at + 2, "2 steps of the rejoined group", procs)
-        stopped = _worker(procs[1].pid, 1, 1)
+        stopped = worker_pid(procs[1].pid, 1, restart=1)
         os.kill(stopped, signal.SIGSTOP)
         _wait(
             lambda: sum(r.get("replica_change") == "lost" for r in _rows(runs[0])) >= 2,
@@ -193,7 +170,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
             procs,
         )
         os.kill(stopped, signal.SIGKILL)
-        survivors_late = [_worker(procs[0].pid, rank, 0) for rank in (0, 1)]
+        survivors_late = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
         out0, err0 = procs[0].communicate(timeout=300)
         try:
             _, err1 = procs[1].communicate(timeout=120)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from batch import Batches, Run, pool_name
-from helpers import SMALL_RUN, losses, overrides, run_cli, start_train
+from helpers import SMALL_RUN, losses, overrides, run_cli, start_train, worker_pid
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.observe.metrics import read_metrics
@@ -77,33 +77,13 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     assert not differing, differing
 
 
-def _descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _worker_pid(agent_pid: int, rank: int) -> int | None:
-    """The pid of the first attempt's worker of global rank `rank` under the agent, if started."""
-    wanted = {f"RANK={rank}".encode(), b"TORCHELASTIC_RESTART_COUNT=0"}
-    for pid in _descendants(agent_pid):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if wanted <= environ:
-            return pid
-    return None
-
-
 def _kill_when_logged(agent, run_dir: Path, *, rank: int, after_step: int) -> None:
     """SIGKILL rank `rank`'s worker from outside once step `after_step` has been logged."""
     deadline = time.monotonic() + 240
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and agent.poll() is None:
         if metrics.exists() and max(logged_steps(run_dir), default=0) >= after_step:
-            pid = _worker_pid(agent.pid, rank)
+            pid = worker_pid(agent.pid, rank)
             assert pid is not None, "worker not found"
             os.kill(pid, signal.SIGKILL)
             return
