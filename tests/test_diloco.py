@@ -1,8 +1,10 @@
 """DiLoCo (optim/diloco.py): two sites (parallel.dp_replicate = 2, FSDP2 inside each) against
 plain data parallelism and the 1-process curve, the outer step against a hand computation, and
-a run stopped and resumed against an uninterrupted one; streaming DiLoCo (fragments, overlap)
-the same ways; FSDP2 over 2 shards and tp inside a site against the 1-process curve; a
-streaming run preempted by SIGTERM and resumed against the uninterrupted one.
+a run stopped and resumed against an uninterrupted one, also inside other sites (FSDP2 over 2
+shards) and at another number of sites, and refused there between outer steps; streaming
+DiLoCo (fragments, overlap) the same ways; FSDP2 over 2 shards and tp inside a site against
+the 1-process curve; a streaming run preempted by SIGTERM, and one whose worker is killed under
+torchrun --max-restarts, resumed against the uninterrupted one.
 
 The training runs share the session's 2-rank torchrun launch (tests/batch.py's pool); the run
 that fails on purpose goes last, and its resumption is one more launch.
@@ -27,7 +29,6 @@ from helpers import (
     free_port,
     losses,
     overrides,
-    run_cli,
     start_train,
     train_cli,
     train_in_process,
@@ -126,6 +127,11 @@ KILL_AFTER_STEP = 6
 # and AdamW states differ there), then a crash at step 9.
 INTERRUPTED = {"checkpoint__interval_steps": 6}
 STREAM_INTERRUPTED = "test_streaming_resume_is_bit_for_bit:interrupted"
+INTERRUPTED_H4 = "test_resume_is_bit_for_bit:interrupted"
+H4_DILOCO = "test_h4_trains_at_the_single_process_level:diloco"
+OTHER_SHARDS = "test_resume_inside_other_sites_continues_the_run"
+OTHER_SITES = "test_resume_at_another_site_count_continues_the_run"
+REFUSED_SITES = "test_resume_at_another_site_count_between_outer_steps_is_refused"
 
 
 # The H4 run keeps checkpoints at step 12 (an outer step: every site holds the global weights)
@@ -134,13 +140,14 @@ H4_RUN = {**RUN, **SITES, **H4, "checkpoint__interval_steps": 12, "checkpoint__a
 FOUR_SITES = {"parallel__zero_stage": 2, "parallel__dp_replicate": 4}
 
 # Resumed inside other sites (FSDP2 over 2 shards) from the 2-rank run's step 6, its loss
-# against the uninterrupted 2-rank run's at every step. Measured: at most MEASURED apart;
-# the bound is 1e-5 of the loss: fp32 sums in another order (each site's batch now split over
-# 2 ranks), a few 1e-7 per step, while resuming without the outer momentum moves the loss by
-# more than 1e-3 after the outer step at 8.
+# against the uninterrupted 2-rank run's at every step: fp32 sums in another order (each site's
+# batch now split over 2 ranks). Measured (torch 2.13): at most 1.1e-6 apart; the same resume
+# with the outer momentum zeroed after loading: 2.6e-3 at step 9, 1.1e-2 at worst. The bound
+# 1e-5 passes the first and rejects the second.
 OTHER_SHARDS_REL = 1e-5
 # The first step after a resume at another site count runs on the global weights on every
-# site, as the uninterrupted run's does: the same 8 samples' mean loss, summed in another order.
+# site, as the uninterrupted run's does: the same 8 samples' mean loss, summed in another
+# order. Measured: 6e-8 apart.
 SAME_WEIGHTS_REL = 1e-6
 
 
@@ -148,9 +155,9 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
     runs = {
         "test_h1_with_sgd_equals_data_parallelism:diloco": Run(2, {**RUN, **SITES, **SGD, **H1}),
         "test_h1_with_sgd_equals_data_parallelism:ddp": Run(2, {**RUN, **SGD}),
-        "test_h4_trains_at_the_single_process_level:diloco": Run(2, H4_RUN),
+        H4_DILOCO: Run(2, H4_RUN),
         "test_h4_trains_at_the_single_process_level:summed": Run(2, {**RUN, **SITES, **SUMMED}),
-        "test_resume_is_bit_for_bit:interrupted": Run(
+        INTERRUPTED_H4: Run(
             2, {**RUN, **SITES, **H4, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
         ),
         "test_streaming_trains_at_the_single_process_level:streaming": Run(
@@ -174,15 +181,23 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
     # within the bound).
     runs[COMPOSED_SUMMED] = Run(4, {**RUN, **FSDP_SITES, **SUMMED})
     runs[PREEMPTED_REFERENCE] = Run(2, PREEMPTED)
-    # Runs that tests read besides their own (each named after the test that checks it).
-    h4, interrupted = (
-        "test_h4_trains_at_the_single_process_level:diloco",
-        "test_resume_is_bit_for_bit:interrupted",
+    # Resumed on 4 ranks, each in a run dir of its own from a 2-rank run's checkpoint.
+    runs[OTHER_SHARDS] = Run(
+        4, {**RUN, **FSDP_SITES, **H4, **INTERRUPTED}, starts_from=(INTERRUPTED_H4, 6)
     )
+    runs[OTHER_SITES] = Run(4, {**H4_RUN, **FOUR_SITES}, starts_from=(H4_DILOCO, 12))
+    runs[REFUSED_SITES] = Run(
+        4,
+        {**RUN, **FOUR_SITES, **STREAM, **INTERRUPTED},
+        fails=True,
+        starts_from=(STREAM_INTERRUPTED, 6),
+    )
+    # Runs that tests read besides their own (each named after the test that checks it).
+    h4 = H4_DILOCO
     reads = {
         "test_resume_is_bit_for_bit": [h4],
-        "test_resume_inside_other_sites_continues_the_run": [h4, interrupted],
-        "test_resume_at_another_site_count_continues_the_run": [h4],
+        OTHER_SHARDS: [h4, INTERRUPTED_H4],
+        OTHER_SITES: [h4],
         "test_resume_at_another_site_count_between_outer_steps_is_refused": [STREAM_INTERRUPTED],
         "test_streaming_resume_is_bit_for_bit": [
             "test_streaming_trains_at_the_single_process_level:streaming"
@@ -313,43 +328,37 @@ def _outer_keys_match(got: list[dict], want: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_resume_inside_other_sites_continues_the_run(batch_pool, tmp_path):
+def test_resume_inside_other_sites_continues_the_run(batch_pool):
     # The same 2 sites, now FSDP2 over 2 shards each (4 ranks), from the 2-rank run's step-6
     # checkpoint, between outer steps: the global weights, the outer momentum, each site's
     # weights and AdamW state are resharded by DCP as the parameters are.
-    run = _interrupted_copy(batch_pool, "test_resume_is_bit_for_bit:interrupted", tmp_path)
-    resumed = train_cli(run, 4, **{**RUN, **FSDP_SITES, **H4, **INTERRUPTED})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from checkpoint step-00000006" in resumed.stderr
-    uninterrupted = _rows(
-        batch_pool.trained(pool_name(__name__, "test_h4_trains_at_the_single_process_level:diloco"))
-    )
-    got, want = losses(_rows(run)), losses(uninterrupted)
+    run = batch_pool.trained(pool_name(__name__, OTHER_SHARDS))
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "resumed from checkpoint step-00000006" in log
+    uninterrupted = _rows(batch_pool.trained(pool_name(__name__, H4_DILOCO)))
+    got = losses(_rows(run))
+    want = {s: v for s, v in losses(uninterrupted).items() if s > 6}
     assert got.keys() == want.keys()
     worst = max(abs(got[s] - want[s]) / want[s] for s in want)
     assert worst <= OTHER_SHARDS_REL, (worst, got, want)
     outer = {r["step"]: r["diloco_outer_steps"] for r in uninterrupted if "loss" in r}
-    assert {r["step"]: r["diloco_outer_steps"] for r in _rows(run) if "loss" in r} == outer
+    assert {r["step"]: r["diloco_outer_steps"] for r in _rows(run) if "loss" in r} == {
+        s: n for s, n in outer.items() if s > 6
+    }
 
 
 @pytest.mark.slow
-def test_resume_at_another_site_count_continues_the_run(batch_pool, tmp_path, single_process_curve):
+def test_resume_at_another_site_count_continues_the_run(batch_pool, single_process_curve):
     # 2 sites -> 4, a new run dir starting from the H4 run's step-12 checkpoint, an outer step:
     # the global weights and momentum carry over, site s takes saved site s mod 2's AdamW state.
-    h4 = batch_pool.trained(
-        pool_name(__name__, "test_h4_trains_at_the_single_process_level:diloco")
-    )
-    run = tmp_path / "run"
-    args = ["train", "--nproc", "4", "--resume-from", str(h4 / "checkpoints" / "step-00000012")]
-    for key, value in overrides(run, **{**H4_RUN, **FOUR_SITES}):
-        args += [f"--{key}", value]
-    resumed = run_cli(*args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from checkpoint step-00000012" in resumed.stderr
-    rows, want = _rows(run), losses(_rows(h4))
+    run = batch_pool.trained(pool_name(__name__, OTHER_SITES))
+    assert "resumed from checkpoint step-00000012" in (run / "logs" / "rank0.log").read_text()
+    rows, want = _rows(run), losses(_rows(batch_pool.trained(pool_name(__name__, H4_DILOCO))))
     got = losses(rows)
     assert sorted(got) == list(range(13, 25))
     assert abs(got[13] - want[13]) <= SAME_WEIGHTS_REL * want[13], (got[13], want[13])
+    # The H4 runs' bound against the 1-process run (the summed control fails it by 10.9%).
+    # Measured: 3.246 against 3.225, 0.7% above.
     mean = _mean_last(got)
     reference = _mean_last(single_process_curve)
     assert abs(mean - reference) <= BOUND * reference, (mean, reference)
@@ -376,14 +385,11 @@ def test_resume_at_another_site_count_between_outer_steps_is_refused(batch_pool,
     assert refused.returncode != 0 and refusal in refused.stderr, refused.stderr[-3000:]
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     # Another run's (checkpoint.resume_from): the workers refuse it as they load it.
-    step_6 = run / "checkpoints" / "step-00000006"
-    other = tmp_path / "other"
-    args = ["train", "--nproc", "4", "--resume-from", str(step_6)]
-    for key, value in overrides(other, **fields):
-        args += [f"--{key}", value]
-    refused = run_cli(*args)
-    assert refused.returncode != 0 and refusal in refused.stderr, refused.stderr[-3000:]
-    assert not (other / "metrics.jsonl").exists() or not _rows(other)
+    outcome = batch_pool.result(pool_name(__name__, REFUSED_SITES))
+    assert outcome.error is not None and outcome.log is not None
+    assert f"distrain: error: {refusal}" in outcome.log.read_text(), outcome.error
+    metrics = outcome.run_dir / "metrics.jsonl"
+    assert not metrics.exists() or not losses(_rows(outcome.run_dir))
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ Protocol (the same for a local folder and an object store):
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
-   step, kind, world size, layout, versions) last and atomically. Only then does the checkpoint
-   exist for resume, and only then does retention delete older temporary checkpoints.
+   step, kind, world size, layout, the state's notes, versions) last and atomically. Only then
+   does the checkpoint exist for resume, and only then does retention delete older temporary
+   checkpoints.
 Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
 checkpoints, and claims its checkpoint location (OWNER.json) so that a second run sent there by
 mistake is refused before its first step rather than deleting the first one's files.
