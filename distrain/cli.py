@@ -62,7 +62,7 @@ def cmd_train(argv: list[str]) -> None:
     if _srun_task_per_process(ns, cfg):
         return
     from distrain.checkpoint.checkpointer import checkpoint_storage
-    from distrain.launch.preflight import preflight
+    from distrain.launch.preflight import check_resume_sites, preflight
     from distrain.launch.torchrun import launch
 
     plan = _launch_plan(ns, cfg)
@@ -73,6 +73,7 @@ def cmd_train(argv: list[str]) -> None:
     preflight(cfg)
     if ns.resume_from is not None and ns.resume_from.isdigit():
         _rewind(cfg, int(ns.resume_from))
+    check_resume_sites(cfg)
     launch(
         plan,
         strip_launch_options(argv),

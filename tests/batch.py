@@ -20,7 +20,7 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -45,6 +45,10 @@ class Run:
     fails: bool = False
     """A run that fails on purpose: its failure ends its launch, so a pool starts it after the
     runs of its world size that finish."""
+    starts_from: tuple[str, int] | None = None
+    """(name of another run of the same module, step): this run starts from that run's
+    checkpoint of that step (checkpoint.resume_from), so the pool has that run's world size,
+    another one, launched first."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,14 @@ class Batches:
             raise KeyError(f"no batched run named {name!r}")
         if name not in self.outcomes:
             nproc = self.runs[name].nproc
-            self._launch_all([n for n, r in self.runs.items() if r.nproc == nproc])
+            names = [n for n, r in self.runs.items() if r.nproc == nproc]
+            for n in names:
+                source = self.runs[n].starts_from
+                if source is not None:
+                    if self.runs[source[0]].nproc == nproc:
+                        raise ValueError(f"{n} starts from {source[0]}, of the same world size")
+                    self.result(source[0])
+            self._launch_all(names)
         return self.outcomes[name]
 
     def trained(self, name: str) -> Path:
@@ -92,8 +103,14 @@ class Batches:
         return outcome.run_dir
 
     def _argv(self, name: str) -> list[str]:
+        run = self.runs[name]
+        fields = dict(run.fields)
+        if run.starts_from is not None:
+            source, step = run.starts_from
+            checkpoint = self.run_dir(source) / "checkpoints" / f"step-{step:08d}"
+            fields["checkpoint__resume_from"] = str(checkpoint)
         argv = []
-        for key, value in overrides(self.run_dir(name), **self.runs[name].fields):
+        for key, value in overrides(self.run_dir(name), **fields):
             argv += [f"--{key}", value]
         return argv
 
@@ -195,5 +212,8 @@ def pool(items: list, root: Path) -> Batches:
         declare = getattr(module, POOL_HOOK, None)
         if declare is not None:
             for name, run in declare(selected_names).items():
+                if run.starts_from is not None:
+                    source, step = run.starts_from
+                    run = replace(run, starts_from=(pool_name(module.__name__, source), step))
                 runs[pool_name(module.__name__, name)] = run
     return Batches(dict(sorted(runs.items(), key=lambda named: named[1].fails)), root)

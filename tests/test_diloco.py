@@ -1,8 +1,10 @@
 """DiLoCo (optim/diloco.py): two sites (parallel.dp_replicate = 2, FSDP2 inside each) against
 plain data parallelism and the 1-process curve, the outer step against a hand computation, and
-a run stopped and resumed against an uninterrupted one; streaming DiLoCo (fragments, overlap)
-the same ways; FSDP2 over 2 shards and tp inside a site against the 1-process curve; a
-streaming run preempted by SIGTERM and resumed against the uninterrupted one.
+a run stopped and resumed against an uninterrupted one, also inside other sites (FSDP2 over 2
+shards) and at another number of sites, and refused there between outer steps; streaming
+DiLoCo (fragments, overlap) the same ways; FSDP2 over 2 shards and tp inside a site against
+the 1-process curve; a streaming run preempted by SIGTERM, and one whose worker is killed under
+torchrun --max-restarts, resumed against the uninterrupted one.
 
 The training runs share the session's 2-rank torchrun launch (tests/batch.py's pool); the run
 that fails on purpose goes last, and its resumption is one more launch.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -20,7 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from batch import Run, pool_name
-from helpers import free_port, losses, start_train, train_cli, train_in_process
+from helpers import (
+    cli_in_process,
+    free_port,
+    losses,
+    overrides,
+    start_train,
+    train_cli,
+    train_in_process,
+    worker_pid,
+)
 from test_preempt import SIGNAL_AFTER_STEP, assert_preempted, finish, wait_for_step
 from test_preempt import STEPS as PREEMPT_STEPS
 from torch import nn
@@ -81,8 +94,9 @@ STREAM = {**STAGGERED, "diloco__overlap_steps": 1}
 STAGGERED_SUMMED = {**STAGGERED, "diloco__outer_lr": 1.4}
 
 # Inside a site, on 4 ranks: FSDP2 over 2 shards, or tp over 2 ranks (FSDP2 over 1 shard);
-# each with the H4 budget and its summed variant. Measured: both 3.209 (0.5% below the
-# 1-process run, as the 2-rank H4 run), summed both 3.575 (10.9% above).
+# each with the H4 budget, and the summed variant with FSDP2. Measured: both 3.209 (0.5% below
+# the 1-process run, as the 2-rank H4 run), summed both 3.575 (10.9% above; tp's within 3e-7
+# of FSDP2's, so one summed run serves both).
 FSDP_SITES = {"parallel__zero_stage": 2, "parallel__dp_replicate": 2, "parallel__dp_shard": 2}
 TP_SITES = {
     "parallel__zero_stage": 2,
@@ -91,25 +105,59 @@ TP_SITES = {
     "parallel__tp": 2,
 }
 COMPOSITIONS = {"fsdp": FSDP_SITES, "tp": TP_SITES}
+COMPOSED = "test_compositions_train_at_the_single_process_level"
+COMPOSED_SUMMED = f"{COMPOSED}:summed"
 
 # Preempted: the streaming run over 20 steps (tests/test_preempt.py's length), stopped by a
 # SIGTERM to the launcher after step 2, resumed, against the same run uninterrupted.
 PREEMPTED = {**RUN, **SITES, **STREAM, "training__steps": PREEMPT_STEPS}
 
+PREEMPTED_TEST = "test_preempted_streaming_run_resumes_bit_for_bit"
+PREEMPTED_REFERENCE = f"{PREEMPTED_TEST}:reference"
+# Elastic: the same run with a checkpoint every 4 steps under torchrun --max-restarts 1, rank
+# 1's worker killed (SIGKILL, from outside) once step KILL_AFTER_STEP is logged; the agent
+# restarts both workers, which resume from the newest checkpoint (step 4 or 8: fragment 0's
+# average in flight there), against the same uninterrupted reference (saving changes no float
+# of the run).
+ELASTIC_TEST = "test_killed_worker_is_restarted_and_resumes_bit_for_bit"
+ELASTIC = {**PREEMPTED, "checkpoint__interval_steps": 4}
+KILL_AFTER_STEP = 6
+
 # The interrupted run: a checkpoint at step 6, between outer steps 4 and 8 (the sites' weights
 # and AdamW states differ there), then a crash at step 9.
 INTERRUPTED = {"checkpoint__interval_steps": 6}
+STREAM_INTERRUPTED = "test_streaming_resume_is_bit_for_bit:interrupted"
+INTERRUPTED_H4 = "test_resume_is_bit_for_bit:interrupted"
+H4_DILOCO = "test_h4_trains_at_the_single_process_level:diloco"
+OTHER_SHARDS = "test_resume_inside_other_sites_continues_the_run"
+OTHER_SITES = "test_resume_at_another_site_count_continues_the_run"
+REFUSED_SITES = "test_resume_at_another_site_count_between_outer_steps_is_refused"
+
+
+# The H4 run keeps checkpoints at step 12 (an outer step: every site holds the global weights)
+# and at the end; the one at 12 is resumed at 4 sites.
+H4_RUN = {**RUN, **SITES, **H4, "checkpoint__interval_steps": 12, "checkpoint__at_end": True}
+FOUR_SITES = {"parallel__zero_stage": 2, "parallel__dp_replicate": 4}
+
+# Resumed inside other sites (FSDP2 over 2 shards) from the 2-rank run's step 6, its loss
+# against the uninterrupted 2-rank run's at every step: fp32 sums in another order (each site's
+# batch now split over 2 ranks). Measured (torch 2.13): at most 1.1e-6 apart; the same resume
+# with the outer momentum zeroed after loading: 2.6e-3 at step 9, 1.1e-2 at worst. The bound
+# 1e-5 passes the first and rejects the second.
+OTHER_SHARDS_REL = 1e-5
+# The first step after a resume at another site count runs on the global weights on every
+# site, as the uninterrupted run's does: the same 8 samples' mean loss, summed in another
+# order. Measured: 6e-8 apart.
+SAME_WEIGHTS_REL = 1e-6
 
 
 def batched_runs(names: set[str]) -> dict[str, Run]:
     runs = {
         "test_h1_with_sgd_equals_data_parallelism:diloco": Run(2, {**RUN, **SITES, **SGD, **H1}),
         "test_h1_with_sgd_equals_data_parallelism:ddp": Run(2, {**RUN, **SGD}),
-        "test_h4_trains_at_the_single_process_level:diloco": Run(
-            2, {**RUN, **SITES, **H4, "checkpoint__at_end": True}
-        ),
+        H4_DILOCO: Run(2, H4_RUN),
         "test_h4_trains_at_the_single_process_level:summed": Run(2, {**RUN, **SITES, **SUMMED}),
-        "test_resume_is_bit_for_bit:interrupted": Run(
+        INTERRUPTED_H4: Run(
             2, {**RUN, **SITES, **H4, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
         ),
         "test_streaming_trains_at_the_single_process_level:streaming": Run(
@@ -122,16 +170,44 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
             2, {**RUN, **SITES, **STAGGERED_SUMMED}
         ),
         # Fragment 1's average is in flight at the checkpoint (issued at 6, merged at 7).
-        "test_streaming_resume_is_bit_for_bit:interrupted": Run(
+        STREAM_INTERRUPTED: Run(
             2, {**RUN, **SITES, **STREAM, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
         ),
     }
     for name, sites in COMPOSITIONS.items():
-        test = "test_compositions_train_at_the_single_process_level"
-        runs[f"{test}[{name}]:{name}"] = Run(4, {**RUN, **sites, **H4})
-        runs[f"{test}[{name}]:{name}_summed"] = Run(4, {**RUN, **sites, **SUMMED})
-    runs["test_preempted_streaming_run_resumes_bit_for_bit:reference"] = Run(2, PREEMPTED)
-    return {name: run for name, run in runs.items() if name.split(":")[0] in names}
+        runs[f"{COMPOSED}[{name}]:{name}"] = Run(4, {**RUN, **sites, **H4})
+    # The broken variant once, with FSDP2 inside the sites, for both compositions: tp's summed
+    # run gave the same loss to 3e-7 (its sites' arithmetic is checked by the tp run itself,
+    # within the bound).
+    runs[COMPOSED_SUMMED] = Run(4, {**RUN, **FSDP_SITES, **SUMMED})
+    runs[PREEMPTED_REFERENCE] = Run(2, PREEMPTED)
+    # Resumed on 4 ranks, each in a run dir of its own from a 2-rank run's checkpoint.
+    runs[OTHER_SHARDS] = Run(
+        4, {**RUN, **FSDP_SITES, **H4, **INTERRUPTED}, starts_from=(INTERRUPTED_H4, 6)
+    )
+    runs[OTHER_SITES] = Run(4, {**H4_RUN, **FOUR_SITES}, starts_from=(H4_DILOCO, 12))
+    runs[REFUSED_SITES] = Run(
+        4,
+        {**RUN, **FOUR_SITES, **STREAM, **INTERRUPTED},
+        fails=True,
+        starts_from=(STREAM_INTERRUPTED, 6),
+    )
+    # Runs that tests read besides their own (each named after the test that checks it).
+    h4 = H4_DILOCO
+    reads = {
+        "test_resume_is_bit_for_bit": [h4],
+        OTHER_SHARDS: [h4, INTERRUPTED_H4],
+        OTHER_SITES: [h4],
+        "test_resume_at_another_site_count_between_outer_steps_is_refused": [STREAM_INTERRUPTED],
+        "test_streaming_resume_is_bit_for_bit": [
+            "test_streaming_trains_at_the_single_process_level:streaming"
+        ],
+        COMPOSED: [COMPOSED_SUMMED],
+        PREEMPTED_TEST: [PREEMPTED_REFERENCE],
+        ELASTIC_TEST: [PREEMPTED_REFERENCE],
+    }
+    wanted = set(names) | {run for name in names for run in reads.get(name.split("[")[0], [])}
+    return {name: run for name, run in runs.items() if {name.split(":")[0], name} & wanted}
 
 
 @pytest.fixture(scope="module")
@@ -227,18 +303,93 @@ def test_resume_is_bit_for_bit(batch_pool, tmp_path):
     uninterrupted = batch_pool.trained(
         pool_name(__name__, "test_h4_trains_at_the_single_process_level:diloco")
     )
-    interrupted = batch_pool.result(pool_name(__name__, "test_resume_is_bit_for_bit:interrupted"))
-    assert interrupted.error is not None and "fail_at_step" in interrupted.error
-    resumed = train_cli(interrupted.run_dir, 2, **{**RUN, **SITES, **H4, **INTERRUPTED})
+    run = _interrupted_copy(batch_pool, "test_resume_is_bit_for_bit:interrupted", tmp_path)
+    resumed = train_cli(run, 2, **{**RUN, **SITES, **H4, **INTERRUPTED})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step-00000006" in resumed.stderr
-    want, got = _rows(uninterrupted), _rows(interrupted.run_dir)
+    _outer_keys_match(_rows(run), _rows(uninterrupted))
+
+
+def _interrupted_copy(batch_pool, name: str, tmp_path: Path) -> Path:
+    """A copy of interrupted pool run `name`'s dir, to resume: the pool's stays as the crash
+    left it for the other tests that resume it."""
+    interrupted = batch_pool.result(pool_name(__name__, name))
+    assert interrupted.error is not None and "fail_at_step" in interrupted.error
+    return Path(shutil.copytree(interrupted.run_dir, tmp_path / "run"))
+
+
+def _outer_keys_match(got: list[dict], want: list[dict]) -> None:
     keys = ("loss", "grad_norm", "diloco_outer_steps", "diloco_pseudo_grad_norm", "diloco_drift")
     for key in keys:
         # A later row for the same step (after the resume) wins.
         assert {r["step"]: r[key] for r in got if key in r} == {
             r["step"]: r[key] for r in want if key in r
         }, key
+
+
+@pytest.mark.slow
+def test_resume_inside_other_sites_continues_the_run(batch_pool):
+    # The same 2 sites, now FSDP2 over 2 shards each (4 ranks), from the 2-rank run's step-6
+    # checkpoint, between outer steps: the global weights, the outer momentum, each site's
+    # weights and AdamW state are resharded by DCP as the parameters are.
+    run = batch_pool.trained(pool_name(__name__, OTHER_SHARDS))
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "resumed from checkpoint step-00000006" in log
+    uninterrupted = _rows(batch_pool.trained(pool_name(__name__, H4_DILOCO)))
+    got = losses(_rows(run))
+    want = {s: v for s, v in losses(uninterrupted).items() if s > 6}
+    assert got.keys() == want.keys()
+    worst = max(abs(got[s] - want[s]) / want[s] for s in want)
+    assert worst <= OTHER_SHARDS_REL, (worst, got, want)
+    outer = {r["step"]: r["diloco_outer_steps"] for r in uninterrupted if "loss" in r}
+    assert {r["step"]: r["diloco_outer_steps"] for r in _rows(run) if "loss" in r} == {
+        s: n for s, n in outer.items() if s > 6
+    }
+
+
+@pytest.mark.slow
+def test_resume_at_another_site_count_continues_the_run(batch_pool, single_process_curve):
+    # 2 sites -> 4, a new run dir starting from the H4 run's step-12 checkpoint, an outer step:
+    # the global weights and momentum carry over, site s takes saved site s mod 2's AdamW state.
+    run = batch_pool.trained(pool_name(__name__, OTHER_SITES))
+    assert "resumed from checkpoint step-00000012" in (run / "logs" / "rank0.log").read_text()
+    rows, want = _rows(run), losses(_rows(batch_pool.trained(pool_name(__name__, H4_DILOCO))))
+    got = losses(rows)
+    assert sorted(got) == list(range(13, 25))
+    assert abs(got[13] - want[13]) <= SAME_WEIGHTS_REL * want[13], (got[13], want[13])
+    # The H4 runs' bound against the 1-process run (the summed control fails it by 10.9%).
+    # Measured: 3.246 against 3.225, 0.7% above.
+    mean = _mean_last(got)
+    reference = _mean_last(single_process_curve)
+    assert abs(mean - reference) <= BOUND * reference, (mean, reference)
+    # Outer steps 1-3 before the checkpoint, 4-6 at 16, 20 and 24 on 4 sites.
+    outer = {r["step"]: r["diloco_outer_steps"] for r in rows if "loss" in r}
+    assert outer == {s: 3 + (s - 12) // 4 for s in range(13, 25)}
+
+
+@pytest.mark.slow
+def test_resume_at_another_site_count_between_outer_steps_is_refused(batch_pool, tmp_path, capsys):
+    # The streaming run's step-6 checkpoint: fragment 1's average in flight, the sites' weights
+    # apart. Their inner steps since the last outer step cannot be split over 4 sites.
+    run = _interrupted_copy(batch_pool, STREAM_INTERRUPTED, tmp_path)
+    fields = {**RUN, **FOUR_SITES, **STREAM, **INTERRUPTED}
+    refusal = (
+        "parallel.dp_replicate = 4: checkpoint step-00000006 was saved by 2 DiLoCo sites "
+        "between outer steps"
+    )
+    # The run's own checkpoint: the launcher refuses, before any worker starts.
+    args = ["train", "--nproc", "4"]
+    for key, value in overrides(run, **fields):
+        args += [f"--{key}", value]
+    refused = cli_in_process(capsys, *args)
+    assert refused.returncode != 0 and refusal in refused.stderr, refused.stderr[-3000:]
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    # Another run's (checkpoint.resume_from): the workers refuse it as they load it.
+    outcome = batch_pool.result(pool_name(__name__, REFUSED_SITES))
+    assert outcome.error is not None and outcome.log is not None
+    assert f"distrain: error: {refusal}" in outcome.log.read_text(), outcome.error
+    metrics = outcome.run_dir / "metrics.jsonl"
+    assert not metrics.exists() or not losses(_rows(outcome.run_dir))
 
 
 @pytest.mark.slow
@@ -266,34 +417,27 @@ def test_streaming_resume_is_bit_for_bit(batch_pool, tmp_path):
     uninterrupted = batch_pool.trained(
         pool_name(__name__, "test_streaming_trains_at_the_single_process_level:streaming")
     )
-    name = "test_streaming_resume_is_bit_for_bit:interrupted"
-    interrupted = batch_pool.result(pool_name(__name__, name))
-    assert interrupted.error is not None and "fail_at_step" in interrupted.error
-    resumed = train_cli(interrupted.run_dir, 2, **{**RUN, **SITES, **STREAM, **INTERRUPTED})
+    run = _interrupted_copy(batch_pool, STREAM_INTERRUPTED, tmp_path)
+    resumed = train_cli(run, 2, **{**RUN, **SITES, **STREAM, **INTERRUPTED})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step-00000006" in resumed.stderr
-    want, got = _rows(uninterrupted), _rows(interrupted.run_dir)
-    keys = ("loss", "grad_norm", "diloco_outer_steps", "diloco_pseudo_grad_norm", "diloco_drift")
-    for key in keys:
-        assert {r["step"]: r[key] for r in got if key in r} == {
-            r["step"]: r[key] for r in want if key in r
-        }, key
+    _outer_keys_match(_rows(run), _rows(uninterrupted))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMPOSITIONS))
 def test_compositions_train_at_the_single_process_level(
-    batched, request, single_process_curve, name
+    batched, batch_pool, request, single_process_curve, name
 ):
     want = _mean_last(single_process_curve)
     got = _mean_last(losses(_rows(batched(request.node, name))))
     assert abs(got - want) <= BOUND * want, (got, want)
-    summed = _mean_last(losses(_rows(batched(request.node, f"{name}_summed"))))
+    summed = _mean_last(losses(_rows(batch_pool.trained(pool_name(__name__, COMPOSED_SUMMED)))))
     assert abs(summed - want) > BOUND * want, (summed, want)
 
 
 @pytest.mark.slow
-def test_preempted_streaming_run_resumes_bit_for_bit(batched, request, tmp_path):
+def test_preempted_streaming_run_resumes_bit_for_bit(batch_pool, tmp_path):
     run = tmp_path / "run"
     proc = start_train(run, "--nproc", "2", **PREEMPTED)
     wait_for_step(proc, run, SIGNAL_AFTER_STEP)
@@ -303,12 +447,28 @@ def test_preempted_streaming_run_resumes_bit_for_bit(batched, request, tmp_path)
     resumed = train_cli(run, 2, **PREEMPTED)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from checkpoint step-{step:08d}" in (run / "logs" / "rank0.log").read_text()
-    want, got = _rows(batched(request.node, "reference")), _rows(run)
-    keys = ("loss", "grad_norm", "diloco_outer_steps", "diloco_pseudo_grad_norm", "diloco_drift")
-    for key in keys:
-        assert {r["step"]: r[key] for r in got if key in r} == {
-            r["step"]: r[key] for r in want if key in r
-        }, key
+    _outer_keys_match(
+        _rows(run), _rows(batch_pool.trained(pool_name(__name__, PREEMPTED_REFERENCE)))
+    )
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_resumes_bit_for_bit(batch_pool, tmp_path):
+    run = tmp_path / "run"
+    proc = start_train(run, "--nproc", "2", "--max-restarts", "1", **ELASTIC)
+    wait_for_step(proc, run, KILL_AFTER_STEP)
+    pid = worker_pid(proc.pid, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    rc, err = finish(proc)
+    assert rc == 0, err[-4000:]
+    resumed = re.findall(
+        r"resumed from checkpoint step-(\d+)", (run / "logs" / "rank0.log").read_text()
+    )
+    assert len(resumed) == 1 and int(resumed[0]) in (4, 8), resumed
+    _outer_keys_match(
+        _rows(run), _rows(batch_pool.trained(pool_name(__name__, PREEMPTED_REFERENCE)))
+    )
 
 
 # --- the outer step by hand, on 2 gloo ranks ------------------------------------------------

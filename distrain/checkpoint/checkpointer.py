@@ -7,8 +7,9 @@ Protocol (the same for a local folder and an object store):
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
-   step, kind, world size, layout, versions) last and atomically. Only then does the checkpoint
-   exist for resume, and only then does retention delete older temporary checkpoints.
+   step, kind, world size, layout, the state's notes, versions) last and atomically. Only then
+   does the checkpoint exist for resume, and only then does retention delete older temporary
+   checkpoints.
 Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
 checkpoints, and claims its checkpoint location (OWNER.json) so that a second run sent there by
 mistake is refused before its first step rather than deleting the first one's files.
@@ -40,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import distrain
-from distrain.checkpoint.load import load, root_cause
+from distrain.checkpoint.load import SavedLayoutAware, load, root_cause
 from distrain.checkpoint.manifest import (
     MANIFEST,
     OWNER,
@@ -147,7 +148,7 @@ class Checkpointer:
         self.group = checkpoint_group(collective_timeout_s)
         self.pending: _Pending | None = None
         # rank 0: step -> (path, kind, permanent)
-        self.uncommitted: dict[int, tuple[str, str, bool]] = {}
+        self.uncommitted: dict[int, tuple[str, str, bool, dict[str, Any]]] = {}
         self.failed_in_a_row = 0
         self.newest_committed: int | None = None
 
@@ -172,12 +173,20 @@ class Checkpointer:
     # --- saving ------------------------------------------------------------------------------
 
     def save(
-        self, step: int, state: dict[str, Any], *, permanent: bool, preempt: bool = False
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        permanent: bool,
+        preempt: bool = False,
+        notes: dict[str, Any] | None = None,
     ) -> None:
         """Collective. Returns once the state is captured (async) or written and committed
         (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
         `preempt`: the save a stop signal asked for (kind "preempt", see `prune`); with
-        `permanent` too it is also kept like a permanent one."""
+        `permanent` too it is also kept like a permanent one. `notes`: facts about the state
+        (JSON values) that the manifest records under "notes", for checks made before loading
+        (`SavedLayoutAware`, the launcher)."""
         self.wait()
         kind = "preempt" if preempt else "permanent" if permanent else "temporary"
         path = self.storage.path(step_name(step))
@@ -215,7 +224,7 @@ class Checkpointer:
             future.add_done_callback(record)
             self.pending = pending
             if self.rank == 0:
-                self.uncommitted[step] = (path, kind, permanent)
+                self.uncommitted[step] = (path, kind, permanent, notes or {})
             self.log.info(
                 "checkpoint step %d (%s) captured in %.2fs", step, kind, time.perf_counter() - start
             )
@@ -231,7 +240,7 @@ class Checkpointer:
                 "checkpoint step %d (%s) written in %.2fs", step, kind, time.perf_counter() - start
             )
             if self.rank == 0:
-                self.uncommitted[step] = (path, kind, permanent)
+                self.uncommitted[step] = (path, kind, permanent, notes or {})
         self._settle(step, path, kind, attempt, free_bytes)
 
     def _finish_part(
@@ -313,7 +322,7 @@ class Checkpointer:
         """Rank 0: write the manifest of a save whose ranks have all recorded their part."""
         if step not in self.uncommitted:
             return  # committed already by commit_ready
-        path, kind, permanent = self.uncommitted[step]
+        path, kind, permanent, notes = self.uncommitted[step]
         self._check_owner()
         files: dict[str, Any] = {}
         for r in range(self.world_size):
@@ -325,6 +334,7 @@ class Checkpointer:
             "permanent": permanent,
             "world_size": self.world_size,
             "layout": self.layout,
+            "notes": notes,
             "distrain_version": distrain.__version__,
             "torch_version": torch.__version__,
             "time": time.time(),
@@ -511,6 +521,9 @@ class Checkpointer:
                 problem,
             )
             return False
+        for part in state.values():
+            if isinstance(part, SavedLayoutAware):
+                part.saved_manifest(entry.manifest)
         load(storage, entry.path, state, process_group=self.group)
         if storage is self.storage:
             self.newest_committed = entry.step

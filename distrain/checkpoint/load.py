@@ -5,6 +5,7 @@ a failed load is one line naming the checkpoint and the first rank's cause."""
 from __future__ import annotations
 
 import io
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from distrain.checkpoint.metadata import MAX_METADATA_BYTES, decode_metadata
 from distrain.checkpoint.storage import CHUNK_BYTES, Storage
@@ -86,6 +88,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             )
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SavedLayoutAware(Stateful):
+    """A checkpoint part whose entries to load depend on the layout that saved them: given the
+    checkpoint's manifest (its `layout`, ParallelDims.describe, and `notes`) before DCP asks it
+    for the entries to load."""
+
+    @abstractmethod
+    def saved_manifest(self, manifest: dict[str, Any]) -> None: ...
 
 
 def load(

@@ -7,6 +7,7 @@ tied embedding split across pipeline stages and `site_group` that of a DiLoCo si
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -111,6 +112,13 @@ class ParallelDims:
             + (f" cp={self.cp}" if self.cp > 1 else "")
             + (" diloco" if self.diloco else "")
         )
+
+    @staticmethod
+    def sites_in(layout: str) -> int | None:
+        """The number of DiLoCo sites of a layout `describe` wrote (a checkpoint manifest's),
+        None for a layout without DiLoCo."""
+        found = re.search(r"\bdp_replicate=(\d+)\b", layout)
+        return int(found.group(1)) if found and layout.endswith(" diloco") else None
 
     def build_mesh(
         self, device_type: str, *, timeout_s: float = 0.0

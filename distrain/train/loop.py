@@ -146,8 +146,9 @@ class Trainer:
         """Save this step's checkpoint: `kind` is what the policy made due ("permanent",
         "temporary" or None); `preempt` marks the save a stop signal asked for."""
         self.step_state["step"].fill_(self.step)
+        notes = None if self.outer is None else self.outer.manifest_notes()
         self.checkpointer.save(
-            self.step, self._state(), permanent=kind == "permanent", preempt=preempt
+            self.step, self._state(), permanent=kind == "permanent", preempt=preempt, notes=notes
         )
         if self.faults.damages_checkpoint(self.step):
             self.checkpointer.wait()

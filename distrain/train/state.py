@@ -8,6 +8,8 @@ inference read), and the outer momentum and step count are `OuterState`'s."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -16,8 +18,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distrain.optim.diloco import DiLoCo
+from distrain.checkpoint.load import SavedLayoutAware
+from distrain.errors import CheckpointError
+from distrain.optim.diloco import DiLoCo, site_change_problem
 from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
+from distrain.parallel.mesh import ParallelDims
 from distrain.train.rng import rng_state, set_rng_state
 
 
@@ -87,13 +92,20 @@ class OptimizerState(Stateful):
             load_optimizer_state_dict(part, optimizer, own)
 
 
-class SiteState(Stateful):
+class SiteState(SavedLayoutAware):
     """`inner`'s entries for DiLoCo site `site`: its tensors under `site<site>.<key>`, so each
     site saves and loads its own; the other entries (the optimizer's group hyperparameters,
-    alike on every site, which DCP saves from one rank only) under their own keys."""
+    alike on every site, which DCP saves from one rank only) under their own keys. From a
+    checkpoint of another number of sites, site s loads saved site s mod that number's."""
 
     def __init__(self, inner: Stateful, site: int):
-        self.inner, self.prefix = inner, f"site{site}."
+        self.inner, self.site = inner, site
+        self.prefix = f"site{site}."
+
+    def saved_manifest(self, manifest: dict[str, Any]) -> None:
+        saved = ParallelDims.sites_in(str(manifest.get("layout", "")))
+        if saved is not None:
+            self.prefix = f"site{self.site % saved}."
 
     def state_dict(self) -> dict:
         return {
@@ -119,13 +131,19 @@ class GlobalWeights(Stateful):
         self.outer.load_named(self.outer.global_weights, state)
 
 
-class OuterState(Stateful):
+class OuterState(SavedLayoutAware):
     """DiLoCo's outer momentum (`momentum.<param name>`; each fragment's under streaming, as
     the fragments partition the parameters), its count of outer steps and, with
-    diloco.overlap_steps, the fragment in flight (`in_flight.*`, optim/diloco.py)."""
+    diloco.overlap_steps, the fragment in flight (`in_flight.*`, optim/diloco.py). A checkpoint
+    of another number of sites loads only as `site_change_problem` allows."""
 
     def __init__(self, outer: DiLoCo):
         self.outer = outer
+
+    def saved_manifest(self, manifest: dict[str, Any]) -> None:
+        problem = site_change_problem(manifest, self.outer.num_sites)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     def state_dict(self) -> dict:
         momentum = self.outer.named(self.outer.momentum)
