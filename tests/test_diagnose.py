@@ -4,6 +4,7 @@ status RUN_DIR` on the same failing run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,51 @@ def test_diagnose_refuses_a_folder_without_logs(tmp_path):
         DistrainError, match="not a distrain run directory .it has no logs/rank<N>.log"
     ):
         diagnose(tmp_path)
+
+
+def test_diagnose_names_a_damaged_checkpoint_and_skipped_nonfinite_steps(tmp_path):
+    start = "2026-01-01 10:0{m}:00,000 [rank0] INFO rank 0/1 on cpu (gloo)"
+    _log(
+        tmp_path / "logs" / "rank0.log",
+        [
+            start.format(m=0),
+            "2026-01-01 10:00:05,000 [rank0] ERROR rank 0 failed",
+            start.format(m=1),
+            "2026-01-01 10:01:01,000 [rank0] WARNING checkpoint /x/checkpoints/step-00000006 is "
+            "damaged (__0_0.distcp fails its SHA-256 checksum); skipping it for the previous one",
+            "2026-01-01 10:02:00,000 [rank0] INFO finished 8 steps",
+        ],
+    )
+    rows = [{"step": s, "loss": 1.0, "nonfinite_skipped": int(s >= 3)} for s in range(1, 5)]
+    # After a resume from step 2 the count starts again: step 3 is skipped once more.
+    rows += [{"step": s, "loss": 1.0, "nonfinite_skipped": int(s >= 3)} for s in range(3, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    report = diagnose(tmp_path).splitlines()
+    assert (
+        "attempt 1: resume skipped checkpoint step-00000006 is damaged (__0_0.distcp fails its "
+        "SHA-256 checksum)" in report
+    )
+    assert "attempt 1: finished" in report
+    assert "non-finite gradients: update skipped at step(s) 3" in report
+    # A run without either says nothing of them.
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert not any("non-finite" in line for line in diagnose(tmp_path).splitlines())
+
+
+def test_diagnose_names_a_rank_that_ended_without_an_error(tmp_path):
+    """A SIGKILLed rank logs nothing; its peer logs the connection reset: the silent rank is
+    named beside the one that failed first, and not when every rank logged its error."""
+    start = "2026-01-01 10:00:00,000 [rank{r}] INFO rank {r}/2 on cpu (gloo)"
+    _log(tmp_path / "logs" / "rank0.log", [start.format(r=0)])
+    _log(
+        tmp_path / "logs" / "rank1.log",
+        [start.format(r=1), "2026-01-01 10:00:05,100 [rank1] ERROR Connection reset by peer"],
+    )
+    report = diagnose(tmp_path)
+    assert "attempt 0: rank 1 failed first" in report
+    assert "  rank 0 ended without an error in its log (killed from outside?)" in report
+    _log(
+        tmp_path / "logs" / "rank0.log",
+        [start.format(r=0), "2026-01-01 10:00:05,200 [rank0] ERROR rank 0 failed"],
+    )
+    assert "ended without an error" not in diagnose(tmp_path)

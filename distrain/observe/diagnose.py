@@ -1,7 +1,9 @@
 """`distrain diagnose RUN_DIR`: what happened to a run, from its files alone (so it works on a run
 dir copied off a cluster): per attempt, which rank failed first and with what error (the
-traceback's last lines), which rank hung where (hangs.jsonl, written by the watchdog, and the
-stuck rank's stack dump), how far training got, the changes of membership of replica groups
+traceback's last lines) and which ranks ended without an error (killed from outside), which
+rank hung where (hangs.jsonl, written by the watchdog, and the
+stuck rank's stack dump), the damaged checkpoints a resume skipped, the steps whose update was
+skipped for non-finite gradients, how far training got, the changes of membership of replica groups
 (fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), and the
 last committed checkpoint.
 
@@ -23,6 +25,7 @@ from distrain.config.io import not_a_run_dir
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] (\w+) (.*)$")
 _START = re.compile(r"^rank \d+/(\d+) on ")
+_DAMAGED = re.compile(r"^checkpoint \S*?(step-\d+ is damaged \(.*\)); skipping it")
 TRACEBACK_LINES = 8
 
 
@@ -40,6 +43,8 @@ class Attempt:
     failures: dict[int, Failure] = field(default_factory=dict)
     finished: bool = False
     hang: str | None = None
+    damaged: list[str] = field(default_factory=list)
+    """Checkpoints this attempt's resume found damaged and skipped (the loader's warnings)."""
 
 
 def parse_rank_log(path: Path) -> list[Attempt]:
@@ -63,6 +68,9 @@ def parse_rank_log(path: Path) -> list[Attempt]:
         attempt = attempts[-1]
         if message.startswith("finished "):
             attempt.finished = True
+        if level == "WARNING" and _DAMAGED.match(message):
+            attempt.damaged.append(_DAMAGED.match(message).group(1))
+            continue
         if level == "ERROR" and message.startswith("hang: "):
             attempt.hang = attempt.hang or message
             continue
@@ -142,6 +150,20 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def nonfinite_lines(trained: list[dict[str, Any]]) -> list[str]:
+    """The steps whose update was skipped for non-finite gradients (training.nonfinite = skip):
+    where a row's running count (nonfinite_skipped) grew."""
+    steps, before = [], 0
+    for r in trained:
+        count = r.get("nonfinite_skipped", before)
+        if count > before:
+            steps.append(str(r["step"]))
+        before = count
+    if not steps:
+        return []
+    return [f"non-finite gradients: update skipped at step(s) {', '.join(dict.fromkeys(steps))}"]
+
+
 def diagnose(run_dir: Path) -> str:
     run_dir = Path(run_dir)
     logs = sorted((run_dir / "logs").glob("rank*.log"))
@@ -156,11 +178,14 @@ def diagnose(run_dir: Path) -> str:
     num_attempts = max(len(a) for a in per_rank.values())
     out = [f"run {run_dir}: {len(per_rank)} rank log(s), {num_attempts} attempt(s)"]
     for i in range(num_attempts):
-        attempts = [a[i] for a in per_rank.values() if len(a) > i]
+        by_rank = {rank: a[i] for rank, a in per_rank.items() if len(a) > i}
+        attempts = list(by_rank.values())
         failures = sorted(
             (f for a in attempts for f in a.failures.values()), key=lambda f: (f.time, f.rank)
         )
         hang = next((a.hang for a in attempts if a.hang), None)
+        for damaged in dict.fromkeys(d for a in attempts for d in a.damaged):
+            out.append(f"attempt {i}: resume skipped checkpoint {damaged}")
         if hang is not None:
             out.append(f"attempt {i}: {hang}")
             for rank in hangs.get(hang, {}).get("stuck", []):
@@ -178,6 +203,14 @@ def diagnose(run_dir: Path) -> str:
             others = sorted({f.rank for f in failures[1:]})
             if others:
                 out.append(f"  then errors on ranks {', '.join(map(str, others))}")
+            silent = [r for r, a in sorted(by_rank.items()) if not a.failures and not a.finished]
+            if silent:
+                # A rank killed from outside (SIGKILL, the OOM killer, a lost node) logs
+                # nothing: the others' errors (a peer's connection reset) are its absence.
+                out.append(
+                    f"  rank {', '.join(map(str, silent))} ended without an error in its log "
+                    "(killed from outside?): the errors above may follow from its loss"
+                )
         elif attempts and all(a.finished for a in attempts):
             out.append(f"attempt {i}: finished")
         else:
@@ -193,6 +226,7 @@ def diagnose(run_dir: Path) -> str:
         if trained:
             last = trained[-1]
             out.append(f"last logged step {last['step']}: loss {last['loss']:.4f}")
+        out += nonfinite_lines(trained)
         out += replica_lines(rows)
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:
