@@ -25,7 +25,8 @@ lm_eval = pytest.importorskip("lm_eval")
 TASK = "kv_choice"
 PAIRS = 24
 QUESTIONS_PER_KEY = 4
-STEPS = 150
+# 40 steps already score 0.99 (60 and more: 1.0); 60 leave a margin above TRAINED_BOUND.
+STEPS = 60
 CHANCE_BOUND = 0.45  # P(acc >= 0.45) at chance (binomial 96, 1/4) is about 1e-5
 TRAINED_BOUND = 0.8
 

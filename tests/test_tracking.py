@@ -53,12 +53,15 @@ class MlflowServer:
 
     def start(self) -> None:
         mlflow_cli = Path(sys.executable).with_name("mlflow")
+        # Without the job runner: a third process (huey's consumer, importing mlflow again)
+        # that no test uses, competing for CI's 2 cores with each start of the server.
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         self.proc = subprocess.Popen(
             [str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--artifacts-destination", str(self.root / "artifacts")],
             stdout=subprocess.DEVNULL, stderr=open(self.root / "server.log", "ab"),
-            start_new_session=True,
+            start_new_session=True, env=env,
         )  # fmt: skip
 
     def wait_ready(self) -> None:
@@ -69,7 +72,7 @@ class MlflowServer:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
                         return
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError(f"mlflow server not ready in {STARTUP_TIMEOUT_S}s")
 
     def kill(self) -> None:
@@ -77,11 +80,13 @@ class MlflowServer:
         self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[MlflowServer]:
+@pytest.fixture(scope="module", autouse=True)
+def starting_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    """The module's server, started when the module begins and not waited for: its start (two
+    interpreters importing mlflow, the store's migrations: ~15 s on CI's 2 cores) overlaps the
+    reference run and the W&B test, which come first."""
     s = MlflowServer(tmp_path_factory.mktemp("mlflow"))
     s.start()
-    s.wait_ready()
     yield s
     if s.proc.poll() is None:
         s.kill()
@@ -93,10 +98,39 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return losses(train_in_process(tmp_path_factory.mktemp("ref") / "run", **FIELDS))
 
 
+@pytest.fixture(scope="module")
+def server(starting_server) -> MlflowServer:
+    """The server, ready."""
+    starting_server.wait_ready()
+    return starting_server
+
+
 def _history(client, run_id: str, key: str) -> dict[int, float]:
     """step -> value; the last one logged for a step (a resumed attempt's) wins."""
     points = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
     return {m.step: m.value for m in points}
+
+
+def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference, tmp_path):
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    fields = dict(FIELDS, metrics__wandb__mode="offline", metrics__wandb__project="tracking")
+    with pytest.raises(Exception, match="debug.fail_at_step"):
+        train_in_process(run, **fields, debug__fail_at_step=6)
+    run_id = read_ids(run)["wandb"]
+    rows = train_in_process(run, **fields)
+    assert read_ids(run)["wandb"] == run_id
+    files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # one per attempt, the same run id: `wandb sync` joins them
+    first, second = (read_run(f) for f in files)
+    assert first["run_id"] == second["run_id"] == run_id
+    assert (first["exit_code"], second["exit_code"]) == (1, 0)
+    assert second["config"]["training.steps"] == str(STEPS)
+    history = {h["step"]: h["loss"] for h in first["history"] + second["history"] if "loss" in h}
+    assert history == losses(rows) == pytest.approx(reference)
+    val = [h for h in second["history"] if "val_loss" in h]
+    assert [h["step"] for h in val] == [8] and val[0]["val_loss"] == rows[-1]["val_loss"]
+    assert {"config.toml", "summary.json", "plots/metrics.png"} <= set(second["files"])
 
 
 def test_mlflow_run_logs_config_metrics_artifacts_and_resumes_the_same_run(
@@ -173,28 +207,6 @@ def test_training_outlives_a_killed_tracking_server(server, reference, tmp_path)
     run_id = read_ids(run)["mlflow"]
     assert _history(client, run_id, "loss") == losses(rows)
     assert client.get_run(run_id).info.status == "FINISHED"
-
-
-def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference, tmp_path):
-    pytest.importorskip("wandb")
-    run = tmp_path / "run"
-    fields = dict(FIELDS, metrics__wandb__mode="offline", metrics__wandb__project="tracking")
-    with pytest.raises(Exception, match="debug.fail_at_step"):
-        train_in_process(run, **fields, debug__fail_at_step=6)
-    run_id = read_ids(run)["wandb"]
-    rows = train_in_process(run, **fields)
-    assert read_ids(run)["wandb"] == run_id
-    files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-    assert len(files) == 2  # one per attempt, the same run id: `wandb sync` joins them
-    first, second = (read_run(f) for f in files)
-    assert first["run_id"] == second["run_id"] == run_id
-    assert (first["exit_code"], second["exit_code"]) == (1, 0)
-    assert second["config"]["training.steps"] == str(STEPS)
-    history = {h["step"]: h["loss"] for h in first["history"] + second["history"] if "loss" in h}
-    assert history == losses(rows) == pytest.approx(reference)
-    val = [h for h in second["history"] if "val_loss" in h]
-    assert [h["step"] for h in val] == [8] and val[0]["val_loss"] == rows[-1]["val_loss"]
-    assert {"config.toml", "summary.json", "plots/metrics.png"} <= set(second["files"])
 
 
 def test_a_missing_tracker_library_is_refused_before_launch(monkeypatch):
