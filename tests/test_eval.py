@@ -93,8 +93,12 @@ def trained_run(task, tmp_path_factory) -> Path:
         "optim__warmup_steps": 10,
         "checkpoint__interval_steps": 0,
     }
-    train_in_process(run, training__steps=1, **fields)
-    train_in_process(run, training__steps=STEPS, **fields)  # resumes after step 1
+    # A local store keeps artifacts in the working directory's ./mlruns (MLflow's default
+    # artifact root, fixed in the experiment when it is created): here, in the test's folder.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        train_in_process(run, training__steps=1, **fields)
+        train_in_process(run, training__steps=STEPS, **fields)  # resumes after step 1
     return run
 
 
