@@ -16,9 +16,11 @@ and their ratio.
 With --measure, the planner's step-time model for this machine (distrain/plan/probe.py) against
 measured steps of small layouts, and its memory against the same runs: see plan_steps.py.
 
-With --speed, how long `distrain plan` takes for the 7B-class presets on 8 nodes x 8 GPUs (the
-command a user runs before renting them): wall seconds, rows, rows built on fake tensors, and
-the load average before and after (the machine's other work slows it), as a table and JSON.
+With --speed, how long `distrain plan` takes cold (no stored calibration: a fresh cache
+directory) for the 7B-class presets on 8 nodes x 8 GPUs (the command a user runs before renting
+them): wall seconds, CPU seconds (user + system of the command and every process it starts, its
+calibration workers included), rows, rows built on fake tensors, and the load average before and
+after (the machine's other work slows it), as a table and JSON.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
     python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py
@@ -28,10 +30,14 @@ the load average before and after (the machine's other work slows it), as a tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,22 +107,44 @@ SPEED_ARGS = (
 )
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def timed_run(command: list[str], env: dict[str, str]) -> tuple[str, float, float]:
+    """(stdout, wall s, CPU s) of `command`. This process becomes a child subreaper (Linux
+    prctl), so the processes the command leaves behind (the forkserver of its calibration
+    workers, which their CPU time is charged to) are reparented here and waited for, and
+    RUSAGE_CHILDREN counts all of them."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.wait()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return done.stdout, wall, cpu
+
+
 def plan_speed(out: str) -> None:
-    """Time `distrain plan` for each of SPEED_PRESETS (one process each, as a user runs it)."""
+    """Time `distrain plan` for each of SPEED_PRESETS (one process each, as a user runs it),
+    cold: its cache directory is a fresh one."""
     found = []
     for preset in SPEED_PRESETS:
         command = [sys.executable, "-m", "distrain", "plan", "--preset", preset]
         command += SPEED_ARGS.split()
         load_before = os.getloadavg()[0]
-        start = time.perf_counter()
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        rows = json.loads(done.stdout)
+        with tempfile.TemporaryDirectory() as cache:
+            stdout, wall, cpu = timed_run(command, {**os.environ, "XDG_CACHE_HOME": cache})
+        rows = json.loads(stdout)
         found.append(
             {
                 "preset": preset,
                 "command": "distrain plan --preset " + preset + " " + SPEED_ARGS,
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "rows_shown": len(rows),
                 "built_rows_shown": sum(r["memory_source"] == "fake build" for r in rows),
                 "best": rows[0]["layout"] if rows else None,
@@ -124,11 +152,13 @@ def plan_speed(out: str) -> None:
                 "load_after": os.getloadavg()[0],
             }
         )
-    print(f"{'preset':<12}{'wall s':>8}{'rows':>6}{'built':>7}{'load before/after':>20}")
+    header = f"{'preset':<12}{'wall s':>8}{'CPU s':>7}{'rows':>6}{'built':>7}"
+    print(header + f"{'load before/after':>20}")
     for r in found:
         load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
         print(
-            f"{r['preset']:<12}{r['wall_s']:>8.1f}{r['rows_shown']:>6}{r['built_rows_shown']:>7}{load:>20}"
+            f"{r['preset']:<12}{r['wall_s']:>8.1f}{r['cpu_s']:>7.1f}{r['rows_shown']:>6}"
+            f"{r['built_rows_shown']:>7}{load:>20}"
         )
     Path(out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": found}, indent=1))
 

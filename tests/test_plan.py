@@ -301,7 +301,34 @@ def small_cluster(gpus: int, memory_bytes: float) -> Cluster:
     )
 
 
-def test_fast_search_ranks_and_plans_as_the_exhaustive_one():
+FAST_SEARCH = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)
+
+
+def eight_blocks() -> Config:
+    cfg = tiny_config(world_size=8)
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 8, 2, 64
+    cfg.training.seq_len, cfg.training.eval_batches = 16, 8
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def fast_plan():
+    """The fast search of eight_blocks() on 4 ranks, its memory model's families calibrated in
+    this process as layouts need them, and those families."""
+    calibrated = []
+    real = search.calibrate_family
+
+    def recorded(base, family, measure):
+        calibrated.append(family)
+        return real(base, family, measure)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(search, "calibrate_family", recorded)
+        rows = plan(eight_blocks(), small_cluster(4, 9e5), verify=2, workers=1, **FAST_SEARCH)
+    return rows, calibrated
+
+
+def test_fast_search_ranks_and_plans_as_the_exhaustive_one(fast_plan):
     """8 blocks on 4 ranks, pp 4 among the layouts: the fast search prices every layout with the
     calibrated memory model and builds the fastest it predicts to fit (at 2 and 3 blocks a
     stage, extrapolated; pp 4's two middle ranks hold alike stages, and only the first is
@@ -309,12 +336,8 @@ def test_fast_search_ranks_and_plans_as_the_exhaustive_one():
     layout and pp rank at full depth, its built rows' memory within 1% of the full builds' and
     the modelled rows' peaks within 10% (or, where model states alone exceed the device, their
     sum below the peak)."""
-    cfg = tiny_config(world_size=8)
-    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 8, 2, 64
-    cfg.training.seq_len, cfg.training.eval_batches = 16, 8
-    kwargs = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)
-    fast = plan(cfg, small_cluster(4, 9e5), verify=2, **kwargs)
-    full = plan(cfg, small_cluster(4, 9e5), exhaustive=True, **kwargs)
+    fast, _ = fast_plan
+    full = plan(eight_blocks(), small_cluster(4, 9e5), exhaustive=True, **FAST_SEARCH)
     assert {r.candidate.pp for r in fast} == {1, 2, 4}
     assert True in {r.fits for r in fast} and False in {r.fits for r in fast}
     assert [(r.candidate, r.fits) for r in fast] == [(r.candidate, r.fits) for r in full]
@@ -327,6 +350,22 @@ def test_fast_search_ranks_and_plans_as_the_exhaustive_one():
         bound = 0.01 if quick.memory_source == "fake build" else 0.10
         assert quick.memory["peak"] == pytest.approx(built.memory["peak"], rel=bound), quick
     assert not [r.reason for r in fast if r.reason.startswith("not evaluated")]
+
+
+def test_calibration_workers_plan_as_the_planning_process(fast_plan, monkeypatch):
+    """With 2 worker processes calibrating the memory model's families up front, the plan (every
+    row's memory, its source, fit, reason and rank) equals the one whose families calibrate in
+    this process as layouts need them, and no family is left for this process to calibrate."""
+    alone, calibrated = fast_plan
+
+    def not_here(base, family, measure):
+        raise AssertionError(f"{family} calibrated in the planning process")
+
+    monkeypatch.setattr(search, "calibrate_family", not_here)
+    pooled = plan(eight_blocks(), small_cluster(4, 9e5), verify=2, workers=2, **FAST_SEARCH)
+    assert len(set(calibrated)) == 2  # tp 1 and tp 2 (tp 4 is priced from tp 2's)
+    assert [r.as_dict() for r in pooled] == [r.as_dict() for r in alone]
+    assert not [r.reason for r in pooled if r.reason.startswith("not evaluated")]
 
 
 def test_a_layout_that_cannot_be_built_is_a_row_with_the_reason(monkeypatch):

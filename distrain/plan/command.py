@@ -112,6 +112,12 @@ def parser() -> argparse.ArgumentParser:
         default=VERIFIED,
         help="Fastest layouts predicted to fit whose memory a fake build then decides.",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="Processes calibrating the memory model at once (default: the cores this process "
+        "may use; 1: in the planning process).",
+    )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p
 
@@ -177,6 +183,7 @@ def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.calibrate import calibrate
+    from distrain.plan.parallel_calibration import available_cores
     from distrain.plan.search import plan, table, to_json, with_advice
 
     if ns.calibrate:
@@ -189,6 +196,8 @@ def plan_command(argv: list[str]) -> None:
                 f"({c['group_size']} ranks)"
             )
         return
+    if ns.workers is not None and ns.workers < 1:
+        raise ConfigError(f"--workers: {ns.workers} processes; give 1 or more")
     cfg = base_config(ns)
     cluster = cluster_of(ns)
     bytes_per_value = 4 if cfg.training.precision == "fp32" else 2
@@ -200,6 +209,7 @@ def plan_command(argv: list[str]) -> None:
         checkpointing=tuple(ns.checkpointing.split(",")),
         exhaustive=ns.exhaustive,
         verify=ns.verify,
+        workers=ns.workers or available_cores(),
         progress=progress_printer(sys.stderr),
     )
     rows = with_advice(

@@ -89,15 +89,24 @@ def family_of(cfg: Config) -> Family:
     return Family(p.tp, wrapper, cfg.training.activation_checkpointing)
 
 
+def calibrated_family(cfg: Config) -> Family:
+    """The family whose calibration builds price `cfg`: its own, or under sequence parallelism
+    with tp above CALIBRATED_TP the tp = CALIBRATED_TP one (`coefficients_for`)."""
+    family = family_of(cfg)
+    if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
+        return family
+    return dataclasses.replace(family, tp=CALIBRATED_TP)
+
+
 def coefficients_for(cfg: Config, coefficients: Callable[[Family], Coefficients]) -> Coefficients:
     """The coefficients of `cfg`'s family. Under sequence parallelism with tp above
     CALIBRATED_TP they are the tp = CALIBRATED_TP family's with the per-block and fixed terms
     scaled by CALIBRATED_TP / tp (the 7B step's per-block activations: 45,120 bytes a token at
     tp 2, 22,560 at tp 4), the constant per sample kept (it shrinks by 5% from tp 2 to 4)."""
     family = family_of(cfg)
+    c = coefficients(calibrated_family(cfg))
     if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
-        return coefficients(family)
-    c = coefficients(dataclasses.replace(family, tp=CALIBRATED_TP))
+        return c
     scale = CALIBRATED_TP / family.tp
     return dataclasses.replace(
         c,

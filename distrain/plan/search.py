@@ -37,11 +37,13 @@ from distrain.plan.memory_model import (
     Coefficients,
     Family,
     calibrate_family,
+    calibrated_family,
     modelled_row,
     states_floor,
     with_depth,
     zero1_largest_share,
 )
+from distrain.plan.parallel_calibration import calibrate_families
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
@@ -282,6 +284,7 @@ def plan(
     checkpointing: tuple[str, ...] = CHECKPOINTING,
     exhaustive: bool = False,
     verify: int = VERIFIED,
+    workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
@@ -290,7 +293,9 @@ def plan(
 
     Memory comes from memory_model.py, and for the `verify` fastest layouts it predicts to fit
     (and those it cannot tell, within MODEL_MARGIN of the device's memory, met on the way) from
-    fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build."""
+    fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build.
+    `workers` > 1: the memory model's families calibrate first, that many at once, in worker
+    processes (parallel_calibration.py); 1: each in this process when a layout first needs it."""
     args = validate(base, None).model
     layouts = []
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
@@ -328,6 +333,11 @@ def plan(
     rows = []
     verified = 0
     capacity = cluster.memory_bytes
+    if not exhaustive and workers > 1:
+        if progress is not None:
+            progress(0, len(layouts))
+        needed = modelled_families([cfg for _, cfg, _ in layouts], cluster.world_size, capacity)
+        coefficients.update(calibrate_families(base, needed, memory_of, workers=workers))
     for done, (c, cfg, time) in enumerate(layouts, 1):
         source = "fake build"
         try:
@@ -357,6 +367,19 @@ def plan(
             progress(done, len(layouts))
     rows.sort(key=lambda r: (not r.fits, r.time.step_s))
     return rows
+
+
+def modelled_families(configs: list[Config], world_size: int, capacity: float) -> list[Family]:
+    """The calibration families the memory model prices `configs` with: of every layout whose
+    model states alone do not already exceed `capacity` (plan's rule), in order, once each."""
+    found = []
+    for cfg in configs:
+        try:
+            if sum(states_floor(cfg, world_size).values()) <= capacity:
+                found.append(calibrated_family(cfg))
+        except Exception:  # noqa: BLE001, S112 - the layout's own row reports it (plan)
+            continue
+    return list(dict.fromkeys(found))
 
 
 def built_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
