@@ -28,6 +28,7 @@ _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] (\w+)
 _START = re.compile(r"^rank \d+/(\d+) on ")
 _DAMAGED = re.compile(r"^checkpoint \S*?(step-\d+ is damaged \(.*\)); skipping it")
 _UNREACHABLE = re.compile(r"^storage (\S+) unreachable: ")
+_NONFINITE = re.compile(r"^non-finite gradients at step (\d+) on rank\(s\) ([\d, ]+) ")
 _REACHABLE = re.compile(r"^storage (\S+) reachable again: .*; unreachable for ([\d.]+) s$")
 TRACEBACK_LINES = 8
 
@@ -66,6 +67,8 @@ class Attempt:
     damaged: list[str] = field(default_factory=list)
     """Checkpoints this attempt's resume found damaged and skipped (the loader's warnings)."""
     outages: list[Outage] = field(default_factory=list)
+    nonfinite_ranks: dict[int, str] = field(default_factory=dict)
+    """By step: the ranks whose own gradients were non-finite (known where they stay local)."""
 
 
 def parse_rank_log(path: Path) -> list[Attempt]:
@@ -91,6 +94,9 @@ def parse_rank_log(path: Path) -> list[Attempt]:
             attempt.finished = True
         if level == "WARNING" and _DAMAGED.match(message):
             attempt.damaged.append(_DAMAGED.match(message).group(1))
+            continue
+        if level == "WARNING" and (nonfinite := _NONFINITE.match(message)):
+            attempt.nonfinite_ranks[int(nonfinite.group(1))] = nonfinite.group(2)
             continue
         if level == "WARNING" and (down := _UNREACHABLE.match(message)):
             attempt.outages.append(Outage(down.group(1), int(rank)))
@@ -182,14 +188,16 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def nonfinite_lines(trained: list[dict[str, Any]]) -> list[str]:
+def nonfinite_lines(trained: list[dict[str, Any]], ranks: dict[int, str]) -> list[str]:
     """The steps whose update was skipped for non-finite gradients (training.nonfinite = skip):
-    where a row's running count (nonfinite_skipped) grew."""
+    where a row's running count (nonfinite_skipped) grew; with the ranks at fault where the logs
+    name them (`ranks`, by step)."""
     steps, before = [], 0
     for r in trained:
         count = r.get("nonfinite_skipped", before)
         if count > before:
-            steps.append(str(r["step"]))
+            step = r["step"]
+            steps.append(f"{step} (rank(s) {ranks[step]})" if step in ranks else str(step))
         before = count
     if not steps:
         return []
@@ -260,7 +268,13 @@ def diagnose(run_dir: Path) -> str:
         if trained:
             last = trained[-1]
             out.append(f"last logged step {last['step']}: loss {last['loss']:.4f}")
-        out += nonfinite_lines(trained)
+        named = {
+            step: ranks
+            for attempts in per_rank.values()
+            for a in attempts
+            for step, ranks in a.nonfinite_ranks.items()
+        }
+        out += nonfinite_lines(trained, named)
         out += replica_lines(rows)
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:
