@@ -226,3 +226,6 @@ def test_local_gradients_skip_on_every_rank_and_name_the_rank(tmp_path, monkeypa
     rows = [{"step": s, "loss": 1.0, "nonfinite_skipped": int(s >= 2)} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
     assert "non-finite gradients: update skipped at step(s) 2 (rank(s) 1)" in diagnose(tmp_path)
+    # Logged every 3 steps: the row of step 3 counts the skip, the logs date it.
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[-1]) + "\n")
+    assert "non-finite gradients: update skipped at step(s) 2 (rank(s) 1)" in diagnose(tmp_path)

@@ -192,13 +192,16 @@ def nonfinite_lines(trained: list[dict[str, Any]], ranks: dict[int, str]) -> lis
     """The steps whose update was skipped for non-finite gradients (training.nonfinite = skip):
     where a row's running count (nonfinite_skipped) grew; with the ranks at fault where the logs
     name them (`ranks`, by step)."""
-    steps, before = [], 0
+    steps, before, previous = [], 0, 0
     for r in trained:
-        count = r.get("nonfinite_skipped", before)
+        count, step = r.get("nonfinite_skipped", before), r["step"]
         if count > before:
-            step = r["step"]
-            steps.append(f"{step} (rank(s) {ranks[step]})" if step in ranks else str(step))
-        before = count
+            # Rows come at logging steps: the skip happened since the previous row (a resume
+            # starts the steps again).
+            since = previous if previous < step else step - 1
+            named = [f"{s} (rank(s) {ranks[s]})" for s in range(since + 1, step + 1) if s in ranks]
+            steps += named or [str(step)]
+        before, previous = count, step
     if not steps:
         return []
     return [f"non-finite gradients: update skipped at step(s) {', '.join(dict.fromkeys(steps))}"]
