@@ -1,10 +1,10 @@
 """`distrain diagnose RUN_DIR`: what happened to a run, from its files alone (so it works on a run
 dir copied off a cluster): per attempt, which rank failed first and with what error (the
 traceback's last lines) and which ranks ended without an error (killed from outside), which
-rank hung where (hangs.jsonl, written by the watchdog, and the
-stuck rank's stack dump), the storage outages the retries rode out (or did not), the damaged
-checkpoints a resume skipped, the steps whose update was
-skipped for non-finite gradients, how far training got, the changes of membership of replica groups
+rank hung where (hangs.jsonl, written by the watchdog, and the stuck rank's stack dump), the
+storage outages the retries rode out (or did not), the damaged checkpoints a resume skipped, the
+steps whose update was skipped for non-finite gradients (with the ranks at fault where the logs
+name them), how far training got, the changes of membership of replica groups
 (fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), and the
 last committed checkpoint.
 
