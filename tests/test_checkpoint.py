@@ -188,7 +188,7 @@ def _failing_writer(ckpt: Checkpointer, monkeypatch, error: BaseException) -> No
 def _disk_full_message(step: int, where) -> str:
     return (
         rf"checkpoint step-{step:08d} not saved: disk full on {re.escape(str(where))} "
-        r"\([\d.]+ MB free, [\d.]+ MB needed\)"
+        r"\([\d.]+ MB free when the save failed, [\d.]+ MB as it began; [\d.]+ MB needed\)"
     )
 
 
@@ -279,9 +279,34 @@ def test_real_full_disk(small_disk):
     ckpt.save(2, {"w": torch.full((512, 512), 2.0)}, permanent=False)
     assert len(failures) == 1
     assert re.fullmatch(_disk_full_message(2, small_disk), failures[0]), failures[0]
-    free_mb, needed_mb = map(float, re.findall(r"([\d.]+) MB", failures[0]))
-    assert free_mb < needed_mb and needed_mb == pytest.approx(1.0, abs=0.01)
+    failed_mb, began_mb, needed_mb = map(float, re.findall(r"([\d.]+) MB", failures[0]))
+    assert failed_mb <= began_mb < needed_mb and needed_mb == pytest.approx(1.0, abs=0.01)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "step-00000001"]
+    filler.unlink()
+
+    # The disk fills up during the save (another writer): it had room as the save began, and
+    # the report says both.
+    real_writer = ckpt.storage.dcp_writer
+
+    def writer_racing_a_filler(path):
+        writer = real_writer(path)
+        write_data = writer.write_data
+
+        def fill_then_write(*args, **kwargs):
+            filler.write_bytes(b"x" * (shutil.disk_usage(small_disk).free - (64 << 10)))
+            return write_data(*args, **kwargs)
+
+        writer.write_data = fill_then_write
+        return writer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckpt.storage, "dcp_writer", writer_racing_a_filler)
+        ckpt.save(3, {"w": torch.full((512, 512), 3.0)}, permanent=False)
+    assert len(failures) == 2
+    assert re.fullmatch(_disk_full_message(3, small_disk), failures[1]), failures[1]
+    failed_mb, began_mb, needed_mb = map(float, re.findall(r"([\d.]+) MB", failures[1]))
+    assert failed_mb < 0.1 and needed_mb == pytest.approx(1.0, abs=0.01)
+    assert began_mb > needed_mb
     filler.unlink()
     target = {"w": torch.zeros(512, 512)}
     assert _checkpointer(small_disk).restore_latest(target) == 1

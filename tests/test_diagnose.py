@@ -4,14 +4,18 @@ status RUN_DIR` on the same failing run."""
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 from pathlib import Path
 
 import pytest
 from helpers import cli_in_process, train_cli
 
+from distrain.checkpoint.storage import Storage, StorageError
 from distrain.errors import DistrainError
 from distrain.observe.diagnose import diagnose
+from distrain.observe.logs import close_logging, setup_logging
 
 FIELDS = {
     "training__steps": 4,
@@ -125,6 +129,41 @@ def test_diagnose_names_a_damaged_checkpoint_and_skipped_nonfinite_steps(tmp_pat
     # A run without either says nothing of them.
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert not any("non-finite" in line for line in diagnose(tmp_path).splitlines())
+
+
+def test_diagnose_reports_storage_outages_from_the_retry_warnings(tmp_path):
+    """The warnings Storage.call writes to a rank's log, as written (setup_logging's format)."""
+    logger = setup_logging(tmp_path, rank=0)
+    try:
+        logger.info("rank 0/1 on cpu (gloo)")
+        storage = Storage("memory://bucket/run", retry_s=10)
+        refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        failures = iter([refused, refused])
+
+        def flaky() -> str:
+            if error := next(failures, None):
+                raise error
+            return "ok"
+
+        storage.call("listing memory://bucket/run", flaky)  # ridden out
+
+        def refuse() -> str:
+            raise refused
+
+        with pytest.raises(StorageError):  # not ridden out: 0.15 s allows one retry
+            Storage("memory://gone", retry_s=0.15).call("reading", refuse)
+    finally:
+        close_logging(logger)
+    report = diagnose(tmp_path).splitlines()
+    recovered = [line for line in report if "memory://bucket/run unreachable for" in line]
+    assert len(recovered) == 1, report
+    seconds = float(re.search(r"for ([\d.]+) s", recovered[0]).group(1))
+    assert recovered[0] == (
+        f"attempt 0: storage memory://bucket/run unreachable for {seconds:.1f} s (rank 0), "
+        "recovered"
+    )
+    assert 0.3 <= seconds < 5  # backoff 0.1 s, then 0.2 s
+    assert "attempt 0: storage memory://gone unreachable (rank 0), not reached again" in report
 
 
 def test_diagnose_names_a_rank_that_ended_without_an_error(tmp_path):

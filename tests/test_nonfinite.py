@@ -3,6 +3,7 @@ naming the step, the rank and the parameter; loss-spike flags."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -182,3 +183,49 @@ def test_onebit_zero2_stop_names_the_parameter_its_averaged_gradient_holds():
     optimizer.zero_grad()
     assert [n for n, _ in plan.named_gradients()] == [n for n, _ in model.named_parameters()]
     assert all(isinstance(p, torch.nn.Parameter) for _, p in plan.named_gradients())
+
+
+def test_local_gradients_skip_on_every_rank_and_name_the_rank(tmp_path, monkeypatch):
+    """NonFiniteGuard on 2 ranks whose gradients stay local (agreed=False), only rank 1's norm
+    NaN at step 2; each rank's all-reduce (one per step) is played in process: the sum of its
+    own flags and the other rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from distrain.observe.diagnose import diagnose
+    from distrain.observe.health import NonFiniteGuard
+    from distrain.observe.logs import close_logging, setup_logging
+
+    norms = {1: [1.0, 1.0], 2: [2.0, math.nan], 3: [3.0, 3.0]}
+    reduces = []
+    for rank in (0, 1):
+        other = 1 - rank
+        logger = setup_logging(tmp_path, rank)
+        try:
+            logger.info("rank %d/2 on cpu (gloo)", rank)
+            guard = NonFiniteGuard("skip", max_in_a_row=3, rank=rank, world_size=2)
+            updates = []
+            for step, norm in norms.items():
+                others = torch.zeros(2, dtype=torch.int32)
+                others[other] = int(math.isnan(norm[other]))
+
+                def all_reduce(tensor, others=others):
+                    reduces.append(tensor.clone())
+                    tensor.add_(others)  # ReduceOp.SUM, the default
+
+                monkeypatch.setattr(dist, "all_reduce", all_reduce)
+                norm_here = torch.tensor(norm[rank])
+                updates.append(guard.step_ok(norm_here, step=step, named_params=[], agreed=False))
+        finally:
+            close_logging(logger)
+        # Both ranks skip step 2 (else the replicas diverge), though only rank 1's norm was NaN.
+        assert updates == [True, False, True]
+    # One collective per step, each rank filling its own slot only.
+    assert len(reduces) == 6
+    assert [t.tolist() for t in reduces] == [[0, 0], [0, 0], [0, 0], [0, 0], [0, 1], [0, 0]]
+    rows = [{"step": s, "loss": 1.0, "nonfinite_skipped": int(s >= 2)} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    assert "non-finite gradients: update skipped at step(s) 2 (rank(s) 1)" in diagnose(tmp_path)
+    # Logged every 3 steps: the row of step 3 counts the skip, the logs date it.
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[-1]) + "\n")
+    assert "non-finite gradients: update skipped at step(s) 2 (rank(s) 1)" in diagnose(tmp_path)

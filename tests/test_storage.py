@@ -32,12 +32,34 @@ class Flaky:
         return "ok"
 
 
-def test_transient_error_is_retried_until_it_passes(tmp_path):
-    call = Flaky(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), failures=2)
+@pytest.fixture
+def distrain_log(caplog, monkeypatch):
+    """caplog hearing the `distrain` logger, which a run's setup_logging stops propagating."""
+    monkeypatch.setattr(logging.getLogger("distrain"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="distrain"):
+        yield caplog
+
+
+def test_transient_error_is_retried_until_it_passes(tmp_path, distrain_log):
+    caplog = distrain_log
+    call = Flaky(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), failures=3)
     start = time.monotonic()
-    assert Storage(str(tmp_path), retry_s=10).call("listing", call) == "ok"
-    assert call.calls == 3
-    assert time.monotonic() - start >= 0.3  # backoff 0.1 s, then 0.2 s
+    assert Storage(str(tmp_path), retry_s=10).call("listing x", call) == "ok"
+    assert call.calls == 4
+    assert time.monotonic() - start >= 0.7  # backoff 0.1 s, 0.2 s, then 0.4 s
+    # The outage is named twice, as it begins and as it ends, however many retries it took.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"storage {tmp_path} unreachable: listing x failed (ConnectionRefusedError: [Errno 111] "
+        "Connection refused); retrying for up to 10 s (checkpoint.storage_retry_s)",
+        f"storage {tmp_path} reachable again: listing x succeeded after 4 attempts; unreachable "
+        f"for {caplog.records[1].args[-1]:.1f} s",
+    ]
+    assert 0.7 <= caplog.records[1].args[-1] < 5
+
+
+def test_a_call_that_succeeds_at_once_logs_nothing(tmp_path, distrain_log):
+    assert Storage(str(tmp_path), retry_s=10).call("listing", lambda: "ok") == "ok"
+    assert distrain_log.records == []
 
 
 def test_outage_longer_than_the_deadline_is_one_line_naming_the_url():

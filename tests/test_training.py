@@ -70,16 +70,21 @@ def test_resume_is_bit_exact_and_skips_torn_saves(tmp_path, monkeypatch):
     assert resumed == full  # bit for bit: same floats, not merely close
 
 
-def test_corrupted_newest_checkpoint_is_skipped_on_resume(tmp_path):
+def test_corrupted_newest_checkpoint_is_skipped_on_resume(tmp_path, monkeypatch):
     fields = dict(BASE, training__micro_batch_size=4, checkpoint__interval_steps=2)
+    faults = dict(debug__corrupt_checkpoint_step=4, debug__fail_at_step=5)
     full = losses(train_in_process(tmp_path / "full", **fields))
     run = tmp_path / "run"
     with pytest.raises(InjectedFailure):
-        train_in_process(run, **fields, debug__corrupt_checkpoint_step=4, debug__fail_at_step=5)
-    resumed = losses(train_in_process(run, **fields))
+        train_in_process(run, **fields, **faults)
+    # The restart torchrun would make (same config): the faults belong to the first attempt,
+    # so neither the crash nor the damage to the step-4 checkpoint saved again happens.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resumed = losses(train_in_process(run, **fields, **faults))
     log = (run / "logs" / "rank0.log").read_text()
     assert "step-00000004 is damaged" in log and "fails its SHA-256 checksum" in log
     assert "resumed from checkpoint step-00000002" in log
+    assert log.count("debug.corrupt_checkpoint_step: damaged") == 1
     assert resumed == full
 
 

@@ -268,6 +268,7 @@ class Checkpointer:
             error=cause,
             disk_full=disk_full(error, writer),
             planned_bytes=writer.planned_bytes,
+            free_bytes=self.storage.free_bytes(),
         )
 
     def _settle(
@@ -291,8 +292,15 @@ class Checkpointer:
             return
         needed = sum(a.planned_bytes for a in attempts)
         if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
-            free = "?" if free_bytes is None else mb_text(free_bytes)
-            cause = f"disk full on {self.storage.url} ({free} MB free, {mb_text(needed)} MB needed)"
+            # Both moments: space taken by something else during the save leaves the disk
+            # full at the failure although it had room as the save began.
+            after = [a.free_bytes for a in failed if a.free_bytes is not None]
+            began = "?" if free_bytes is None else mb_text(free_bytes)
+            failed_at = mb_text(min(after)) if after else "?"
+            cause = (
+                f"disk full on {self.storage.url} ({failed_at} MB free when the save failed, "
+                f"{began} MB as it began; {mb_text(needed)} MB needed)"
+            )
         else:
             cause = failed[0].error if failed else f"commit failed ({commit_error})"
         self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")

@@ -28,6 +28,9 @@ class Attempt:
     error: str | None = None
     disk_full: bool = False
     planned_bytes: int = 0
+    free_bytes: int | None = None
+    """Free space where this rank writes, measured once its part failed (local storage only):
+    the figure a full disk report needs, since the space may have gone during the save."""
 
 
 def disk_full(error: BaseException | None, writer: HashingWriter) -> bool:

@@ -7,7 +7,10 @@ works on a laptop and on a cluster without code-level options.
 Every storage call goes through one retry policy: an error that may pass (a refused connection,
 a timeout, a 5xx) is retried with exponential backoff until `retry_s` seconds have gone by, then
 raised as a one-line StorageError naming the URL and the cause. Errors that cannot pass by
-waiting (a missing file, no permission, a full disk) are raised at once, unchanged.
+waiting (a missing file, no permission, a full disk) are raised at once, unchanged. An outage
+ridden out is still logged (the `distrain` logger, so the rank's log): one warning at an
+operation's first retry and one when it succeeds after retries, saying for how long the storage
+was unreachable (`distrain diagnose` reports these).
 
 DCP writes through `HashingWriter`s: each file's size and SHA-256 are computed from the bytes as
 they go out, so no rank reads back what it wrote to describe it in the manifest.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import posixpath
 import shutil
@@ -45,6 +49,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from distrain.errors import CheckpointError
+from distrain.observe.logs import LOGGER_NAME
 from distrain.torch_compat import FsspecReader, FsspecWriter
 
 T = TypeVar("T")
@@ -69,6 +74,7 @@ _PERMANENT_TYPES = (
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 _FIRST_DELAY_S = 0.1
 _MAX_DELAY_S = 5.0
+_log = logging.getLogger(LOGGER_NAME)
 
 
 class StorageError(CheckpointError):
@@ -119,7 +125,7 @@ class Storage:
         delay, attempts = _FIRST_DELAY_S, 1
         while True:
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except Exception as e:
                 waited = time.monotonic() - start
                 if not transient(e):
@@ -130,8 +136,28 @@ class Storage:
                         f"{attempts} attempt(s) in {waited:.1f} s (checkpoint.storage_retry_s = "
                         f"{self.retry_s:g})"
                     ) from e
+                if attempts == 1:
+                    _log.warning(
+                        "storage %s unreachable: %s failed (%s); retrying for up to %g s "
+                        "(checkpoint.storage_retry_s)",
+                        self.url,
+                        what,
+                        one_line(e),
+                        self.retry_s,
+                    )
                 time.sleep(delay)
                 delay, attempts = min(2 * delay, _MAX_DELAY_S), attempts + 1
+                continue
+            if attempts > 1:
+                _log.warning(
+                    "storage %s reachable again: %s succeeded after %d attempts; unreachable "
+                    "for %.1f s",
+                    self.url,
+                    what,
+                    attempts,
+                    time.monotonic() - start,
+                )
+            return result
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)

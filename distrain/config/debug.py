@@ -23,14 +23,15 @@ class DebugConfig:
     )
     fail_attempt: int = doc(
         0,
-        "Crash only in this attempt of an elastic run (torchrun's restart count), so the "
-        "restarted workers run on.",
+        "Crash (and hang, and damage debug.corrupt_checkpoint_step) only in this attempt of an "
+        "elastic run (torchrun's restart count), so the restarted workers run on.",
         AT_LEAST_0,
     )
     corrupt_checkpoint_step: int = doc(
         0,
         "Fault injection: after the checkpoint of this step is committed, flip one byte of one "
-        "of its shard files, so the next resume must detect it and fall back (0 = never).",
+        "of its shard files, so the next resume must detect it and fall back (0 = never); in "
+        "attempt debug.fail_attempt only, so the restart's own save of this step stays whole.",
         AT_LEAST_0,
     )
     oom_at_step: int = doc(

@@ -1,9 +1,10 @@
 """`distrain diagnose RUN_DIR`: what happened to a run, from its files alone (so it works on a run
 dir copied off a cluster): per attempt, which rank failed first and with what error (the
 traceback's last lines) and which ranks ended without an error (killed from outside), which
-rank hung where (hangs.jsonl, written by the watchdog, and the
-stuck rank's stack dump), the damaged checkpoints a resume skipped, the steps whose update was
-skipped for non-finite gradients, how far training got, the changes of membership of replica groups
+rank hung where (hangs.jsonl, written by the watchdog, and the stuck rank's stack dump), the
+storage outages the retries rode out (or did not), the damaged checkpoints a resume skipped, the
+steps whose update was skipped for non-finite gradients (with the ranks at fault where the logs
+name them), how far training got, the changes of membership of replica groups
 (fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), and the
 last committed checkpoint.
 
@@ -26,6 +27,9 @@ from distrain.config.io import not_a_run_dir
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank(\d+)\] (\w+) (.*)$")
 _START = re.compile(r"^rank \d+/(\d+) on ")
 _DAMAGED = re.compile(r"^checkpoint \S*?(step-\d+ is damaged \(.*\)); skipping it")
+_UNREACHABLE = re.compile(r"^storage (\S+) unreachable: ")
+_NONFINITE = re.compile(r"^non-finite gradients at step (\d+) on rank\(s\) ([\d, ]+) ")
+_REACHABLE = re.compile(r"^storage (\S+) reachable again: .*; unreachable for ([\d.]+) s$")
 TRACEBACK_LINES = 8
 
 
@@ -38,6 +42,23 @@ class Failure:
 
 
 @dataclass
+class Outage:
+    """Storage a rank could not reach (checkpoint.storage_retry_s): `seconds` is None until the
+    rank logged it reachable again."""
+
+    url: str
+    rank: int
+    seconds: float | None = None
+
+    def line(self) -> str:
+        if self.seconds is None:
+            return f"storage {self.url} unreachable (rank {self.rank}), not reached again"
+        return (
+            f"storage {self.url} unreachable for {self.seconds:.1f} s (rank {self.rank}), recovered"
+        )
+
+
+@dataclass
 class Attempt:
     world_size: int = 0
     failures: dict[int, Failure] = field(default_factory=dict)
@@ -45,6 +66,9 @@ class Attempt:
     hang: str | None = None
     damaged: list[str] = field(default_factory=list)
     """Checkpoints this attempt's resume found damaged and skipped (the loader's warnings)."""
+    outages: list[Outage] = field(default_factory=list)
+    nonfinite_ranks: dict[int, str] = field(default_factory=dict)
+    """By step: the ranks whose own gradients were non-finite (known where they stay local)."""
 
 
 def parse_rank_log(path: Path) -> list[Attempt]:
@@ -70,6 +94,20 @@ def parse_rank_log(path: Path) -> list[Attempt]:
             attempt.finished = True
         if level == "WARNING" and _DAMAGED.match(message):
             attempt.damaged.append(_DAMAGED.match(message).group(1))
+            continue
+        if level == "WARNING" and (nonfinite := _NONFINITE.match(message)):
+            attempt.nonfinite_ranks[int(nonfinite.group(1))] = nonfinite.group(2)
+            continue
+        if level == "WARNING" and (down := _UNREACHABLE.match(message)):
+            attempt.outages.append(Outage(down.group(1), int(rank)))
+            continue
+        if level == "WARNING" and (up := _REACHABLE.match(message)):
+            url = up.group(1)
+            # Several operations (a background save's threads) may retry at once: the
+            # recovery closes the oldest outage of that storage still open.
+            outage = next((o for o in attempt.outages if o.url == url and o.seconds is None), None)
+            if outage is not None:
+                outage.seconds = float(up.group(2))
             continue
         if level == "ERROR" and message.startswith("hang: "):
             attempt.hang = attempt.hang or message
@@ -150,15 +188,20 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def nonfinite_lines(trained: list[dict[str, Any]]) -> list[str]:
+def nonfinite_lines(trained: list[dict[str, Any]], ranks: dict[int, str]) -> list[str]:
     """The steps whose update was skipped for non-finite gradients (training.nonfinite = skip):
-    where a row's running count (nonfinite_skipped) grew."""
-    steps, before = [], 0
+    where a row's running count (nonfinite_skipped) grew; with the ranks at fault where the logs
+    name them (`ranks`, by step)."""
+    steps, before, previous = [], 0, 0
     for r in trained:
-        count = r.get("nonfinite_skipped", before)
+        count, step = r.get("nonfinite_skipped", before), r["step"]
         if count > before:
-            steps.append(str(r["step"]))
-        before = count
+            # Rows come at logging steps: the skip happened since the previous row (a resume
+            # starts the steps again).
+            since = previous if previous < step else step - 1
+            named = [f"{s} (rank(s) {ranks[s]})" for s in range(since + 1, step + 1) if s in ranks]
+            steps += named or [str(step)]
+        before, previous = count, step
     if not steps:
         return []
     return [f"non-finite gradients: update skipped at step(s) {', '.join(dict.fromkeys(steps))}"]
@@ -186,6 +229,8 @@ def diagnose(run_dir: Path) -> str:
         hang = next((a.hang for a in attempts if a.hang), None)
         for damaged in dict.fromkeys(d for a in attempts for d in a.damaged):
             out.append(f"attempt {i}: resume skipped checkpoint {damaged}")
+        for _, attempt in sorted(by_rank.items()):
+            out += [f"attempt {i}: {outage.line()}" for outage in attempt.outages]
         if hang is not None:
             out.append(f"attempt {i}: {hang}")
             for rank in hangs.get(hang, {}).get("stuck", []):
@@ -226,7 +271,13 @@ def diagnose(run_dir: Path) -> str:
         if trained:
             last = trained[-1]
             out.append(f"last logged step {last['step']}: loss {last['loss']:.4f}")
-        out += nonfinite_lines(trained)
+        named = {
+            step: ranks
+            for attempts in per_rank.values()
+            for a in attempts
+            for step, ranks in a.nonfinite_ranks.items()
+        }
+        out += nonfinite_lines(trained, named)
         out += replica_lines(rows)
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:

@@ -2,8 +2,12 @@
 
 `NonFiniteGuard.step_ok` decides whether this step's optimizer update may run. The decision reads
 the global gradient norm, which clip_grad_norm has already all-reduced over every rank, so all
-ranks see the same value and agree without another collective (when gradients stay local, as in
-1-bit Adam's compressed phase, one all-reduce of a flag makes them agree). It costs one host sync
+ranks see the same value and agree without another collective. When gradients stay local, as in
+1-bit Adam's compressed phase, one all-reduce makes them agree: of a vector with one slot per
+rank, each rank setting its own, so that a skip names the ranks whose own gradients were
+non-finite (a warning in the rank logs, which `distrain diagnose` reports). With the norm already
+agreed no rank is named: that would take another collective, and gradients synchronized in
+backward hold a NaN on every rank wherever it arose. It costs one host sync
 per step: skipping torch.optim's update on the device alone would need its fused kernels'
 found_inf path, which not every optimizer here has (ZeRO-1, 1-bit Adam). The sync waits for the
 clipped gradients, which the optimizer's kernels wait for anyway; fp16 runs already pay the same
@@ -12,6 +16,7 @@ sync inside GradScaler.step.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
@@ -19,7 +24,10 @@ import torch
 import torch.distributed as dist
 
 from distrain.errors import DistrainError
+from distrain.observe.logs import LOGGER_NAME
 from distrain.observe.observer import Row, StepObserver
+
+_log = logging.getLogger(LOGGER_NAME)
 
 
 class NonFiniteError(DistrainError):
@@ -64,12 +72,20 @@ class NonFiniteGuard(StepObserver):
     ) -> bool:
         """True if the update may run. `agreed`: grad_norm is the same on every rank."""
         bad = ~torch.isfinite(grad_norm)
+        flags = None
         if not agreed and self.world_size > 1:
-            bad = bad.to(torch.int32)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            flags = torch.zeros(self.world_size, dtype=torch.int32, device=grad_norm.device)
+            flags[self.rank] = bad.to(torch.int32)
+            dist.all_reduce(flags)
+            bad = flags.any()
         if not bool(bad):  # the one host sync (see the module docstring)
             self.in_a_row = 0
             return True
+        if flags is not None:
+            ranks = ", ".join(str(r) for r in flags.nonzero().flatten().tolist())
+            _log.warning(
+                "non-finite gradients at step %d on rank(s) %s (gradients kept local)", step, ranks
+            )
         self.skipped += 1
         self.in_a_row += 1
         if self.action == "stop" or self.in_a_row >= self.max_in_a_row:

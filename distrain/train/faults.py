@@ -9,10 +9,11 @@ points where a real fault would strike:
 - after a save: one shard of the committed checkpoint damaged, as bit rot would;
 - on a stop signal: a delay before the preempt checkpoint commits.
 
-Each acts only at its step, on its rank and, for the crash and the hang, in its attempt of an
-elastic run. `params` is called only when a fault fires, so the checks cost nothing in the other
-steps. The automatic micro-batch search injects its own out-of-memory errors
-(`debug.oom_at_micro_batch`, see autobatch.py): it runs before the first step.
+Each acts only at its step, on its rank and, for the crash, the hang and the damaged
+checkpoint, in its attempt of an elastic run (debug.fail_attempt). `params` is called only when
+a fault fires, so the checks cost nothing in the other steps. The automatic micro-batch search
+injects its own out-of-memory errors (`debug.oom_at_micro_batch`, see autobatch.py): it runs
+before the first step.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ class Faults:
 
     def damages_checkpoint(self, step: int) -> bool:
         """debug.corrupt_checkpoint_step: the checkpoint of `step` is to be damaged once
-        committed (`damage_checkpoint`, on rank 0)."""
-        return self.debug.corrupt_checkpoint_step == step
+        committed (`damage_checkpoint`, on rank 0), in attempt debug.fail_attempt only, so the
+        checkpoint a restarted run saves again at that step stays whole."""
+        d = self.debug
+        return d.corrupt_checkpoint_step == step and attempt_number() == d.fail_attempt
 
     def damage_checkpoint(self, storage: Storage, step: int) -> None:
         """Flip the first byte of one shard file of the committed checkpoint of `step`."""
