@@ -17,11 +17,22 @@ Log timestamps have 1 ms resolution; arrival times are stamped here as lines app
 
 The in-process path runs the same 2 ranks as 2 replica groups of 1 rank each
 (`fault_tolerance.replica_groups = 2`, ZeRO-3, one `distrain train --nproc 1 --max-restarts 1`
-per group, a torchft lighthouse in this process). Once group 0 has logged step K-1 this script
-SIGKILLs group 1's worker; it measures the seconds from the kill to the arrival of group 0's
-next completed step, the steps recomputed (training rows group 0 logged twice: none), group 0's
-own `recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds its
-transfer took (its `rejoined` row). The two paths alternate run by run.
+per group with one CPU thread each, a torchft lighthouse in a process of its own evicting a
+group after 500 ms without heartbeats). Once group 0 has logged step K-1 this script SIGKILLs
+group 1's worker; it measures the seconds from the kill to the arrival of group 0's next
+completed step, the steps recomputed (training rows group 0 logged twice: none), group 0's own
+`recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds its
+transfer took (its `rejoined` row). The phases come from torchft's own logs (RUST_LOG=info, ms
+timestamps), without changes to the trainer:
+- kill->error: to group 0's vote not to commit (its average between groups failed);
+- error->quorum: to group 0's new quorum without group 1 (the lighthouse forms it only once
+  group 1's heartbeats have stopped for the lighthouse's heartbeat timeout;
+  kill->heartbeat lost is when the lighthouse counted one group heartbeating);
+- quorum->redone vote: the process group reconfigured and the step redone by group 0 alone;
+- vote->step row: the optimizer step and the metrics row.
+A steady step before the kill is split the same way: the quorum, the step up to the vote
+(forward, backward, the average between groups) and what follows the vote.
+The two paths alternate run by run.
 
 Run from the repository root:
 
@@ -56,6 +67,11 @@ from harness import write_json
 NUM_RANKS = 2
 LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
 POLL_S = 0.005
+# The in-process path's lighthouse (torchft's defaults: 60000 and 5000).
+JOIN_TIMEOUT_MS = 100
+HEARTBEAT_TIMEOUT_MS = 500
+INPROCESS_STEPS_AFTER_KILL = 80
+TORCHFT_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%f"
 # (phase, milestone that ends it); each phase starts where the previous one ended, at "kill" first.
 PHASES = [
     ("detect death", "detected"),
@@ -181,12 +197,11 @@ def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, flo
 
 def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, float]:
     """2 replica groups of 1 rank; SIGKILL group 1's worker once group 0 logged step K-1."""
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500
-    )
-    steps = kill_step + 15
+    root.mkdir(parents=True)
+    lighthouse = _start_lighthouse(root / "lighthouse.log")
+    address = lighthouse.stdout.readline().strip()
+    # Enough steps after the kill for group 1's worker to restart and rejoin while group 0 trains.
+    steps = kill_step + INPROCESS_STEPS_AFTER_KILL
     fields = {
         "data.max_bytes": "4000000",
         "training.steps": str(steps),
@@ -201,14 +216,13 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
         "metrics.progress_bar": "false",
         "metrics.tensorboard": "false",
         "fault_tolerance.replica_groups": "2",
-        "fault_tolerance.lighthouse": lighthouse.address(),
+        "fault_tolerance.lighthouse": address,
         "fault_tolerance.timeout_s": "5",
-        # Paces the steps so that group 0 still trains when group 1's worker is back.
-        "debug.slow_rank": "0",
-        "debug.slow_ms": "200",
     }
     procs, pollers = [], []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    # One CPU thread per group, as the restart path's 2 ranks have: 2 groups of 2 threads
+    # each would oversubscribe the 2 cores and slow every step.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="info", OMP_NUM_THREADS="1")
     try:
         for group in range(2):
             run_dir = root / f"group{group}"
@@ -219,11 +233,10 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
                 args += [f"--{key}", value]
             pollers.append(MetricsPoller(run_dir / "metrics.jsonl"))
             pollers[-1].start()
-            procs.append(
-                subprocess.Popen(
-                    args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+            with open(root / f"group{group}.stderr", "w") as stderr:
+                procs.append(
+                    subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
                 )
-            )
         deadline = time.monotonic() + timeout_s
 
         def trained(group: int) -> list[tuple[float, dict[str, Any]]]:
@@ -245,21 +258,103 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
         for poller in pollers:
             poller.done.set()
             poller.join()
-        lighthouse.shutdown()
+        lighthouse.kill()
+        lighthouse.wait()
     if procs[0].returncode != 0:
         raise RuntimeError(f"group 0 exited with {procs[0].returncode}")
     rows0 = [r for _, r in pollers[0].rows]
     (lost,) = [r for r in rows0 if r.get("replica_change") == "lost"]
     rejoined = [r for _, r in pollers[1].rows if r.get("replica_change") == "rejoined"]
     logged = [r["step"] for r in rows0 if "loss" in r]
+    first_step = min(t for t, r in trained(0) if t >= kill)
+    nan = float("nan")
     return {
-        "total": min(t for t, r in trained(0) if t >= kill) - kill,
+        **recovery_timeline(root, kill=kill, first_step=first_step),
+        "total": first_step - kill,
         "recovery_s (metrics row)": lost["recovery_s"],
         "steps recomputed": len(logged) - len(set(logged)),
-        "rejoin transfer": rejoined[-1]["transfer_s"] if rejoined else float("nan"),
-        "state MiB": rejoined[-1]["state_mb"] if rejoined else float("nan"),
+        "rejoin transfer": rejoined[-1]["transfer_s"] if rejoined else nan,
+        "state MiB": rejoined[-1]["state_mb"] if rejoined else nan,
         "steady step": statistics.median(r["step_time_s"] for r in rows0 if "step_time_s" in r),
+        **steady_step_parts(root / "group0.stderr", kill=kill),
     }
+
+
+def torchft_times(path: Path, needle: str) -> list[tuple[float, str]]:
+    """(wall-clock time, line) of each torchft log line (Rust, RUST_LOG=info) with `needle`."""
+    out = []
+    for line in path.read_text().splitlines():
+        if needle in line and line[:4].isdigit():
+            stamp = datetime.strptime(line.split(" ", 1)[0], TORCHFT_TIME_FORMAT)
+            out.append((stamp.timestamp(), line))
+    return out
+
+
+def recovery_timeline(root: Path, *, kill: float, first_step: float) -> dict[str, float]:
+    """Seconds of each phase from the kill to group 0's next completed step, from torchft's
+    logs: group 0's manager (its vote, its quorum) and the lighthouse (its heartbeat count). A
+    kill that lands between two steps has no failed vote: its "error" phase is then 0."""
+    log0 = root / "group0.stderr"
+    failed = [t for t, _ in torchft_times(log0, "should_commit=false") if t >= kill]
+    quorums = [
+        t
+        for t, line in torchft_times(log0, "got lighthouse quorum")
+        if t >= kill and 'replica_id: "group1' not in line
+    ]
+    if not quorums:
+        raise RuntimeError("no quorum without group 1 after the kill; did torchft's log change?")
+    quorum = quorums[0]
+    error = failed[0] if failed and failed[0] <= quorum else quorum
+    vote = first_after(
+        [t for t, _ in torchft_times(log0, "should_commit=true")], quorum, "committed vote"
+    )
+    dropped = first_after(
+        [t for t, _ in torchft_times(root / "lighthouse.log", "[1 heartbeating]")], kill, "eviction"
+    )
+    return {
+        "kill->error": error - kill,
+        "error->quorum": quorum - error,
+        "quorum->redone vote": vote - quorum,
+        "vote->step row": first_step - vote,
+        "kill->heartbeat lost": dropped - kill,
+    }
+
+
+def steady_step_parts(log: Path, *, kill: float) -> dict[str, float]:
+    """Medians over group 0's steps before the kill, from its manager's log: the quorum (the
+    lighthouse round trip, and the wait for the other group to reach its step boundary), the
+    step up to the vote (forward, backward, the average between groups) and the rest (optimizer
+    step, metrics) up to the next quorum."""
+    starts = [t for t, _ in torchft_times(log, "Start quorum") if t < kill]
+    finished = [t for t, _ in torchft_times(log, "Finished quorum") if t < kill]
+    votes = [t for t, _ in torchft_times(log, "should_commit request") if t < kill]
+    # The last step before the kill may lack a vote; the first quorum waits for startup.
+    steps = list(zip(starts, finished, votes, starts[1:], strict=False))[1:]
+    return {
+        "step: quorum": statistics.median(f - s for s, f, _, _ in steps),
+        "step: compute+average": statistics.median(v - f for _, f, v, _ in steps),
+        "step: after vote": statistics.median(n - v for _, _, v, n in steps),
+    }
+
+
+def _start_lighthouse(log: Path) -> subprocess.Popen:
+    """A torchft lighthouse in a process of its own, as a real run has it, logging (Rust INFO,
+    ms timestamps) to `log`; its first stdout line is its address."""
+    code = (
+        "import sys; from torchft.coordination import LighthouseServer as L; "
+        f"l = L(bind='[::]:0', min_replicas=1, join_timeout_ms={JOIN_TIMEOUT_MS}, "
+        f"heartbeat_timeout_ms={HEARTBEAT_TIMEOUT_MS}); print(l.address(), flush=True); "
+        "sys.stdin.read()"
+    )
+    with open(log, "w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=dict(os.environ, RUST_LOG="info"),
+        )
 
 
 def _only_worker(agent_pid: int) -> int:
@@ -350,7 +445,13 @@ def main() -> None:
         "runs_s": runs.get("restart", []),
         "median_s": median,
         "inprocess": {
-            "launch": "2 x distrain train --nproc 1 --max-restarts 1, replica_groups 2, zero 3",
+            "launch": "2 x distrain train --nproc 1 --max-restarts 1, replica_groups 2, zero 3, "
+            "OMP_NUM_THREADS=1",
+            "lighthouse": {
+                "join_timeout_ms": JOIN_TIMEOUT_MS,
+                "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+            },
+            "steps_after_kill": INPROCESS_STEPS_AFTER_KILL,
             "runs": runs.get("inprocess", []),
             "median": medians.get("inprocess", {}),
         },
