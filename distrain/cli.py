@@ -62,8 +62,9 @@ def cmd_train(argv: list[str]) -> None:
     if _srun_task_per_process(ns, cfg):
         return
     from distrain.checkpoint.checkpointer import checkpoint_storage
-    from distrain.launch.preflight import check_resume_sites, preflight
+    from distrain.launch.preflight import preflight
     from distrain.launch.torchrun import launch
+    from distrain.optim.diloco_resume import check_resume_sites
 
     plan = _launch_plan(ns, cfg)
     # Whatever depends only on the config and the world size fails here, once, in one line,

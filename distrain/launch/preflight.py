@@ -3,8 +3,7 @@ any worker: the data path exists (and a prepared token file's sidecar, or a loca
 dataset's index, names data.tokenizer; so does each mixture source's; document masking has
 boundaries to read), the eval sets' paths exist, the run directory and a local checkpoint
 directory can take files (a probe file written and deleted), an object-store URL's filesystem is
-installed, and so is each configured experiment tracker's library. Under DiLoCo, the run's
-newest checkpoint can resume at the configured number of sites (`check_resume_sites`).
+installed, and so is each configured experiment tracker's library.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -22,18 +21,14 @@ from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
-from distrain.checkpoint.manifest import committed
-from distrain.checkpoint.storage import StorageError
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.documents import boundaries_file, no_boundaries_message
 from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
-from distrain.errors import CheckpointError, ConfigError
-from distrain.launch.rundir import run_id
+from distrain.errors import ConfigError
 from distrain.observe.trackers import check_trackers_installed
-from distrain.optim.diloco import site_change_problem
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -129,21 +124,3 @@ def check_filesystem_installed(field: str, url: str, protocol: str) -> None:
             f"{field} {url!r}: unknown protocol {protocol}://; use a local folder or an fsspec "
             "URL such as s3://bucket/run"
         ) from None
-
-
-def check_resume_sites(cfg: Config) -> None:
-    """Under DiLoCo, the run's newest checkpoint (the one its workers will resume) can resume at
-    parallel.dp_replicate sites (optim/diloco.py's `site_change_problem`). The workers apply the
-    same rule to the checkpoint they load (checkpoint.resume_from's, or an older one when the
-    newest is damaged); a storage that cannot be listed here is theirs to report."""
-    if cfg.diloco.inner_steps == 0 or cfg.parallel.dp_replicate < 1:
-        return
-    own = run_id(Path(cfg.run.dir), create=False)
-    try:
-        entries = [e for e in committed(checkpoint_storage(cfg)) if e.manifest.get("run_id") == own]
-    except (StorageError, CheckpointError):
-        return
-    if entries:
-        problem = site_change_problem(entries[-1].manifest, cfg.parallel.dp_replicate)
-        if problem is not None:
-            raise ConfigError(problem)

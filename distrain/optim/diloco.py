@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,15 +36,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import DiLoCoConfig
+from distrain.optim.diloco_resume import SITES_SYNCED
 from distrain.parallel.compress import wire_bytes
 from distrain.parallel.grad_norm import local_square_sum
 from distrain.parallel.local import copy_from_flat, local_tensor
-from distrain.parallel.mesh import ParallelDims
 
 _SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SITES_SYNCED = "diloco_sites_synced"
-"""A DiLoCo checkpoint's manifest note (`DiLoCo.manifest_notes`): every site held the global
-weights when it was saved."""
 
 
 @dataclass
@@ -79,26 +75,6 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
         groups[min(fragments - 1, int((before + size / 2) * fragments / total))].append(i)
         before += size
     return groups
-
-
-def site_change_problem(manifest: dict[str, Any], sites: int) -> str | None:
-    """Why a checkpoint with `manifest` cannot resume at `sites` DiLoCo sites, or None.
-
-    The global weights and the outer momentum are shared by all sites, so they carry over to
-    another number of sites; the sites' own weights and inner optimizer states do not, so a
-    checkpoint resumes at another number of sites only where every site held the global
-    weights (site s then takes saved site s mod their number's inner state, train/state.py)."""
-    saved = ParallelDims.sites_in(str(manifest.get("layout", "")))
-    notes = manifest.get("notes")
-    if saved is None or saved == sites or (isinstance(notes, dict) and notes.get(SITES_SYNCED)):
-        return None
-    return (
-        f"parallel.dp_replicate = {sites}: checkpoint step-{manifest.get('step', 0):08d} was "
-        f"saved by {saved} DiLoCo sites between outer steps, where each site's weights "
-        f"differ; resume it with parallel.dp_replicate = {saved}, or change the site count at "
-        "a checkpoint where every site holds the global weights (diloco.fragments = 1, "
-        "diloco.overlap_steps = 0, checkpoint.interval_steps a multiple of diloco.inner_steps)"
-    )
 
 
 class DiLoCo:
@@ -179,7 +155,8 @@ class DiLoCo:
         self.synced = self.in_flight is None and len(due) == len(self.fragments)
 
     def manifest_notes(self) -> dict[str, bool]:
-        """What a checkpoint's manifest records of the outer state, for `site_change_problem`."""
+        """What a checkpoint's manifest records of the outer state (for
+        `diloco_resume.site_change_problem`)."""
         return {SITES_SYNCED: self.synced}
 
     def take_bytes(self) -> float:
