@@ -254,12 +254,15 @@ class Trainer:
             self.outer.after_step(self.step + 1)
         return loss, grad_norm
 
-    def _replicated_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replicated_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """`train_step` on this group's share of the global batch, redone until every replica
-        group of the quorum commits it: after a failed attempt the loader and the RNG are put
-        back where the step began and the survivors' new quorum re-plans the same global batch
-        over the groups left."""
+        group of the quorum commits it; returns (loss, grad norm, learning rate). After a failed
+        attempt the loader and the RNG are put back where the step began and the survivors' new
+        quorum re-plans the same global batch over the groups left. That quorum may also load
+        a peer's live state (this group was cut off while the others went on), which moves
+        `self.step` to the peer's: each attempt takes its step and learning rate from it."""
         while True:
+            lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=self.cfg.training.steps)
             started = time.perf_counter()
             position, rng = self.loader.state_dict(), torch.get_rng_state()
             try:
@@ -271,7 +274,7 @@ class Trainer:
                 self.replicas.quorum(step=self.step, loader=self.loader)
                 continue
             self.replicas.step_committed(self.step + 1)
-            return result
+            return (*result, lr)
 
     def _update_scale(self) -> None:
         """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
@@ -408,13 +411,15 @@ class Trainer:
                 observer.before_step(step)
             heartbeat.mark("data", step=step)
             self.faults.step_runs(step, self.model.parameters)
-            lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
-            finished = step == t.steps
-            logged = step % t.log_interval_steps == 0 or finished
             if self.replicas is None:
+                lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
+                logged = step % t.log_interval_steps == 0 or step == t.steps
                 loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
             else:
-                loss, grad_norm = self._replicated_step(lr)
+                loss, grad_norm, lr = self._replicated_step()
+                step = self.step + 1  # a peer's step, where a failed attempt healed this group
+            finished = step == t.steps
+            logged = step % t.log_interval_steps == 0 or finished
             self.step = step
             window_steps += 1
             for observer in self.observers:

@@ -219,7 +219,9 @@ class ReplicaGroups:
         self.members, self.participants = members, participants
         if self._healed is not None:
             load_s, size = self._healed
-            self._healed = None
+            # This group took a peer's state at the peer's step: its own failed attempts
+            # (cut off from the others) were not a step the quorum redid.
+            self._healed, self._failed, self._lost = None, [], set()
             self.metrics.log(
                 {
                     "step": self.manager.current_step(),
