@@ -1,0 +1,218 @@
+"""Replica groups across 2 hosts of the network lab (tests/netlab.py): 2 groups x 1 rank, group 0
+and the torchft lighthouse on host 0, group 1 on host 1, their gradients averaged by gloo over
+the lab link. Once step 3 is logged, every process of host 1 (its `distrain train` and its
+worker) gets a SIGKILL; host 1's group is then started again (a new `distrain train`, its own run
+dir) and rejoins with group 0's live state. Group 0 is never restarted (same pids), and every
+step's loss of every group is the uninterrupted 1-process run's within 1e-6 (relative; the
+survivor adds the same micro-batch terms in another order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import SMALL_RUN, losses, overrides, train_in_process, worker_pid
+from netlab import lab_available, net_lab
+
+from distrain.observe.metrics import read_metrics
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
+
+STEPS = 24
+REL = 1e-6
+FIELDS = {
+    "training__steps": STEPS,
+    **SMALL_RUN,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+GROUP_FIELDS = {
+    **FIELDS,
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 2,
+    # Above the time a rejoining group takes to load the live state on a busy 2-core machine.
+    "fault_tolerance__timeout_s": 6,
+    # Paces the steps so that group 0 is still training when host 1's group is back.
+    "debug__slow_rank": 0,
+    "debug__slow_ms": 400,
+}
+
+# As in test_replica_groups: a group silent for 3 s is out of the next quorum.
+LIGHTHOUSE = """
+import sys
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(
+    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
+)
+print(server.address(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _step_of(run_dir: Path) -> int:
+    return max((r["step"] for r in _rows(run_dir) if "loss" in r), default=0)
+
+
+def _changes(run_dir: Path, change: str) -> list[dict]:
+    return [r for r in _rows(run_dir) if r.get("replica_change") == change]
+
+
+def _wait(condition, what: str, procs, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a group's launcher ended while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _host_pids(lab, i: int) -> list[int]:
+    out = subprocess.run(
+        ["ip", "netns", "pids", lab.hosts[i].ns], capture_output=True, text=True, timeout=30
+    ).stdout
+    return [int(pid) for pid in out.split()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    train_in_process(run, **FIELDS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def lab_run(tmp_path_factory) -> dict:
+    reason = lab_available()
+    if reason is not None:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("lab-groups")
+    runs = {name: root / name for name in ("group0", "group1", "again")}
+    with net_lab(2, rate="1gbit") as lab:
+        server = lab.run(
+            0,
+            [sys.executable, "-c", LIGHTHOUSE],
+            env={"RUST_LOG": "warn"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        lighthouse = server.stdout.readline().strip()
+
+        def group(name: str, g: int) -> subprocess.Popen:
+            """`distrain train` of replica group g on host g; its stderr in ROOT/NAME.stderr."""
+            argv = [sys.executable, "-m", "distrain", "train", "--nproc", "1"]
+            fields = dict(
+                GROUP_FIELDS, fault_tolerance__group=g, fault_tolerance__lighthouse=lighthouse
+            )
+            for key, value in overrides(runs[name], **fields):
+                argv += [f"--{key}", value]
+            with (root / f"{name}.stderr").open("w") as log:
+                return lab.run(g, argv, env={"PYTHONUNBUFFERED": "1"}, stdout=log, stderr=log)
+
+        first, second = group("group0", 0), group("group1", 1)
+        _wait(
+            lambda: _step_of(runs["group0"]) >= 3 and _step_of(runs["group1"]) >= 3,
+            "step 3 in both groups",
+            [first, second],
+        )
+        survivors = (first.pid, worker_pid(first.pid, 0))
+        killed = _host_pids(lab, 1)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        second.wait(timeout=30)
+        _wait(lambda: not _host_pids(lab, 1), "host 1's processes to end", [first], limit_s=30)
+        again = group("again", 1)
+        _wait(
+            lambda: _changes(runs["again"], "rejoined"), "the new group 1's rejoin", [first, again]
+        )
+        survivors_late = (first.pid, worker_pid(first.pid, 0))
+        first.wait(timeout=180)
+        again.wait(timeout=60)
+        sent = [lab.sent_bytes(i) for i in (0, 1)]
+    return {
+        "runs": runs,
+        "survivors": survivors,
+        "survivors_late": survivors_late,
+        "killed": killed,
+        "returncodes": (first.returncode, again.returncode),
+        "sent": sent,
+        "stderr": {name: (root / f"{name}.stderr").read_text()[-4000:] for name in runs},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.requires("netlab")
+def test_survivor_keeps_its_processes(lab_run):
+    assert lab_run["returncodes"] == (0, 0), lab_run["stderr"]
+    # Host 1 ran its torchrun agent and its worker: both were killed.
+    assert len(lab_run["killed"]) == 2, lab_run["killed"]
+    assert None not in lab_run["survivors"]
+    assert lab_run["survivors_late"] == lab_run["survivors"]
+    rows = read_metrics(lab_run["runs"]["group0"] / "metrics.jsonl", all_attempts=True)
+    assert not any("attempt" in r or "resumed_from" in r for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.requires("netlab")
+def test_every_step_matches_the_uninterrupted_run(lab_run, reference):
+    want = losses(read_metrics(reference / "metrics.jsonl"))
+    runs = lab_run["runs"]
+    got = {name: losses(read_metrics(runs[name] / "metrics.jsonl")) for name in runs}
+    # Every step from the first (or the second, when group 0 started late and took step 1's
+    # state from group 1) to the last.
+    assert sorted(got["group0"]) == list(range(min(got["group0"]), STEPS + 1))
+    assert min(got["group0"]) <= 2
+    # Host 1's first group trained until it was killed; the new one from its rejoin to the end.
+    assert 3 <= max(got["group1"]) < STEPS
+    (rejoined,) = _changes(runs["again"], "rejoined")
+    assert sorted(got["again"]) == list(range(rejoined["step"] + 1, STEPS + 1))
+    for name, curve in got.items():
+        for step, loss in curve.items():
+            assert abs(loss - want[step]) <= REL * abs(want[step]), (name, step, loss, want[step])
+
+
+@pytest.mark.slow
+@pytest.mark.requires("netlab")
+def test_membership_changes_are_metrics_rows(lab_run):
+    rows = _rows(lab_run["runs"]["group0"])
+    lost = [r for r in rows if r.get("replica_change") == "lost"]
+    # The killed group, first. On a saturated machine a group stalled past
+    # fault_tolerance.timeout_s can also be evicted once with no fault injected (it then rejoins,
+    # still exact): a later row, not counted here.
+    assert lost and lost[0]["cause"] == "collective error", lost
+    row = lost[0]
+    assert row["replica_groups_lost"] == "1" and row["ranks_lost"] == "1"
+    assert row["steps_lost"] == 0 and row["replica_groups"] == 1
+    assert 0 < row["recovery_s"] < 30
+    assert any(r.get("replica_change") == "joined" and r["step"] > row["step"] for r in rows)
+    (rejoined,) = _changes(lab_run["runs"]["again"], "rejoined")
+    assert rejoined["state_mb"] > 1 and rejoined["transfer_s"] > 0 and rejoined["step"] > 3
+
+
+@pytest.mark.slow
+@pytest.mark.requires("netlab")
+def test_the_groups_averaged_over_the_lab_link(lab_run):
+    # Each step both groups trained sends at least the tiny model's fp32 gradients (3.4 MB) each
+    # way; host 1's groups trained together with group 0 for at least this many steps.
+    together = len(losses(_rows(lab_run["runs"]["group1"]))) - 1
+    together += len(losses(_rows(lab_run["runs"]["again"])))
+    assert min(lab_run["sent"]) > together * 3_000_000, (lab_run["sent"], together)
