@@ -2,9 +2,12 @@
 and the torchft lighthouse on host 0, group 1 on host 1, their gradients averaged by gloo over
 the lab link. Once step 3 is logged, every process of host 1 (its `distrain train` and its
 worker) gets a SIGKILL; host 1's group is then started again (a new `distrain train`, its own run
-dir) and rejoins with group 0's live state. Group 0 is never restarted (same pids), and every
-step's loss of every group is the uninterrupted 1-process run's within 1e-6 (relative; the
-survivor adds the same micro-batch terms in another order).
+dir) and rejoins with group 0's live state. A few steps later host 1's link is set down with its
+processes alive: group 0 evicts it on the collective's timeout and goes on alone; once group 0
+has done so the link is set up again, and host 1's group, still the same process, rejoins in
+place with group 0's live state and trains on at group 0's step numbers. Group 0 is never
+restarted (same pids), and every step's loss of every group is the uninterrupted 1-process
+run's within 1e-6 (relative; the survivor adds the same micro-batch terms in another order).
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from pathlib import Path
 
 import pytest
 from helpers import SMALL_RUN, losses, overrides, train_in_process, worker_pid
-from netlab import lab_available, net_lab
+from netlab import IFNAME, lab_available, net_lab
 
 from distrain.observe.metrics import read_metrics
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
 
-STEPS = 24
+STEPS = 40
 REL = 1e-6
 FIELDS = {
     "training__steps": STEPS,
@@ -91,6 +94,13 @@ def _host_pids(lab, i: int) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
+def _set_link(lab, i: int, state: str) -> None:
+    """Host i's lab0 "down" or "up"; its processes go on, cut off from the other host."""
+    subprocess.run(
+        ["ip", "-n", lab.hosts[i].ns, "link", "set", IFNAME, state], check=True, timeout=30
+    )
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference")
@@ -145,6 +155,30 @@ def lab_run(tmp_path_factory) -> dict:
             lambda: _changes(runs["again"], "rejoined"), "the new group 1's rejoin", [first, again]
         )
         survivors_late = (first.pid, worker_pid(first.pid, 0))
+        # The cut: host 1's link down with its group alive, until group 0 has evicted it.
+        rejoined_at = _changes(runs["again"], "rejoined")[0]["step"]
+        _wait(
+            lambda: _step_of(runs["again"]) >= rejoined_at + 2,
+            "steps after the rejoin",
+            [first, again],
+        )
+        cut_off = (again.pid, worker_pid(again.pid, 0))
+        evicted_before = len(_changes(runs["group0"], "lost"))
+        _set_link(lab, 1, "down")
+        _wait(
+            lambda: len(_changes(runs["group0"], "lost")) > evicted_before,
+            "group 0 to evict the cut-off group",
+            [first, again],
+            limit_s=60,
+        )
+        _set_link(lab, 1, "up")
+        _wait(
+            lambda: len(_changes(runs["again"], "rejoined")) >= 2,
+            "the cut-off group's rejoin",
+            [first, again],
+        )
+        cut_off_late = (again.pid, worker_pid(again.pid, 0))
+        survivors_after_cut = (first.pid, worker_pid(first.pid, 0))
         first.wait(timeout=180)
         again.wait(timeout=60)
         sent = [lab.sent_bytes(i) for i in (0, 1)]
@@ -152,6 +186,10 @@ def lab_run(tmp_path_factory) -> dict:
         "runs": runs,
         "survivors": survivors,
         "survivors_late": survivors_late,
+        "survivors_after_cut": survivors_after_cut,
+        "cut_off": cut_off,
+        "cut_off_late": cut_off_late,
+        "evicted_before": evicted_before,
         "killed": killed,
         "returncodes": (first.returncode, again.returncode),
         "sent": sent,
@@ -167,6 +205,7 @@ def test_survivor_keeps_its_processes(lab_run):
     assert len(lab_run["killed"]) == 2, lab_run["killed"]
     assert None not in lab_run["survivors"]
     assert lab_run["survivors_late"] == lab_run["survivors"]
+    assert lab_run["survivors_after_cut"] == lab_run["survivors"]
     rows = read_metrics(lab_run["runs"]["group0"] / "metrics.jsonl", all_attempts=True)
     assert not any("attempt" in r or "resumed_from" in r for r in rows)
 
@@ -183,8 +222,14 @@ def test_every_step_matches_the_uninterrupted_run(lab_run, reference):
     assert min(got["group0"]) <= 2
     # Host 1's first group trained until it was killed; the new one from its rejoin to the end.
     assert 3 <= max(got["group1"]) < STEPS
-    (rejoined,) = _changes(runs["again"], "rejoined")
-    assert sorted(got["again"]) == list(range(rejoined["step"] + 1, STEPS + 1))
+    # The new one from its rejoin to the cut, then from its heal to the end at group 0's step
+    # numbers, each step once.
+    rejoined, healed = _changes(runs["again"], "rejoined")
+    logged = [r["step"] for r in _rows(runs["again"]) if "loss" in r]
+    assert len(logged) == len(set(logged)), logged
+    before = [s for s in sorted(logged) if s <= healed["step"]]
+    assert before == list(range(rejoined["step"] + 1, max(before) + 1)), logged
+    assert sorted(logged)[len(before) :] == list(range(healed["step"] + 1, STEPS + 1)), logged
     for name, curve in got.items():
         for step, loss in curve.items():
             assert abs(loss - want[step]) <= REL * abs(want[step]), (name, step, loss, want[step])
@@ -204,8 +249,33 @@ def test_membership_changes_are_metrics_rows(lab_run):
     assert row["steps_lost"] == 0 and row["replica_groups"] == 1
     assert 0 < row["recovery_s"] < 30
     assert any(r.get("replica_change") == "joined" and r["step"] > row["step"] for r in rows)
-    (rejoined,) = _changes(lab_run["runs"]["again"], "rejoined")
+    rejoined, healed = _changes(lab_run["runs"]["again"], "rejoined")
     assert rejoined["state_mb"] > 1 and rejoined["transfer_s"] > 0 and rejoined["step"] > 3
+
+
+@pytest.mark.slow
+@pytest.mark.requires("netlab")
+def test_the_cut_off_group_is_evicted_and_heals_in_place(lab_run):
+    runs = lab_run["runs"]
+    # Host 1's group lived through the cut: the same launcher and worker, no restart.
+    assert None not in lab_run["cut_off"]
+    assert lab_run["cut_off_late"] == lab_run["cut_off"]
+    again = read_metrics(runs["again"] / "metrics.jsonl", all_attempts=True)
+    assert not any("attempt" in r or "resumed_from" in r for r in again)
+    # Group 0 evicted it on the collective's timeout and took it back.
+    evicted = _changes(runs["group0"], "lost")[lab_run["evicted_before"]]
+    assert evicted["cause"] == "timeout", evicted
+    assert evicted["replica_groups_lost"] == "1" and evicted["replica_groups"] == 1
+    assert evicted["steps_lost"] == 0
+    assert any(
+        r.get("replica_change") == "joined" and r["step"] > evicted["step"]
+        for r in _rows(runs["group0"])
+    )
+    # It loaded group 0's live state in place, at group 0's step, and reports no recovery
+    # of its own: the quorum that healed it redid none of its attempts.
+    rejoined, healed = _changes(runs["again"], "rejoined")
+    assert healed["step"] >= evicted["step"] and healed["state_mb"] > 1, healed
+    assert not _changes(runs["again"], "retried"), _rows(runs["again"])
 
 
 @pytest.mark.slow
