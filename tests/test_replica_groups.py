@@ -18,19 +18,19 @@ batch; without it they would read only their own shares) and the one-line refusa
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers import SMALL_RUN, losses, start_train, train_cli, train_in_process, worker_pid
+from replica import LIGHTHOUSE, metrics_rows, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.config.io import load_config
@@ -38,6 +38,8 @@ from distrain.data.dataset import TokenDataset
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import ConfigError
 from distrain.observe.metrics import read_metrics
+
+_wait = functools.partial(wait_until, limit_s=240)
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
@@ -69,42 +71,10 @@ GROUP_FIELDS = {
 }
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def _wait(condition, what: str, procs, limit_s: float = 240) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a group's launcher ended while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     out = run_dir / "final.pt"
     dcp_to_torch_save(run_dir / "checkpoints" / f"step-{STEPS:08d}", out)
     return torch.load(out, weights_only=False)["model"]
-
-
-# A group whose processes stop heartbeating for 3 s is out of the next quorum (less evicts live
-# groups of a busy 2-core machine now and then). In a process of
-# its own, as on a cluster (and torchft stays out of the test process, which trains in-process).
-LIGHTHOUSE = """
-import sys
-from torchft.coordination import LighthouseServer
-server = LighthouseServer(
-    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
-)
-print(server.address(), flush=True)
-sys.stdin.read()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +131,10 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     try:
 
         def step_of(g: int) -> int:
-            return max((r["step"] for r in _rows(runs[g]) if "loss" in r), default=0)
+            return max((r["step"] for r in metrics_rows(runs[g]) if "loss" in r), default=0)
 
         def rejoins() -> int:
-            return sum(r.get("replica_change") == "rejoined" for r in _rows(runs[1]))
+            return sum(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[1]))
 
         _wait(lambda: step_of(0) >= 3 and step_of(1) >= 3, "step 3 in both groups", procs)
         survivors = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
@@ -175,7 +145,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
         stopped = worker_pid(procs[1].pid, 1, restart=1)
         os.kill(stopped, signal.SIGSTOP)
         _wait(
-            lambda: sum(r.get("replica_change") == "lost" for r in _rows(runs[0])) >= 2,
+            lambda: sum(r.get("replica_change") == "lost" for r in metrics_rows(runs[0])) >= 2,
             "group 1's eviction",
             procs,
         )
@@ -243,7 +213,7 @@ def test_final_weights_match_the_uninterrupted_run(faulted, reference, zero3_ref
 
 
 def test_membership_changes_are_metrics_rows(faulted):
-    rows = _rows(faulted["runs"][0])
+    rows = metrics_rows(faulted["runs"][0])
     lost = [r for r in rows if r.get("replica_change") == "lost"]
     # The two injected failures, in order. On a saturated machine a group stalled past
     # fault_tolerance.timeout_s has also been evicted once with no fault injected (each group
@@ -256,7 +226,9 @@ def test_membership_changes_are_metrics_rows(faulted):
         assert row["steps_lost"] == 0 and row["replica_groups"] == 1
         assert 0 < row["recovery_s"] < 30
     assert any(r.get("replica_change") == "joined" for r in rows)
-    (rejoined, *_) = [r for r in _rows(faulted["runs"][1]) if r.get("replica_change") == "rejoined"]
+    (rejoined, *_) = [
+        r for r in metrics_rows(faulted["runs"][1]) if r.get("replica_change") == "rejoined"
+    ]
     assert rejoined["state_mb"] > 1 and rejoined["transfer_s"] > 0
 
 

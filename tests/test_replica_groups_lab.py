@@ -12,20 +12,22 @@ run's within 1e-6 (relative; the survivor adds the same micro-batch terms in ano
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from helpers import SMALL_RUN, losses, overrides, train_in_process, worker_pid
 from netlab import IFNAME, lab_available, net_lab
+from replica import LIGHTHOUSE, metrics_rows, wait_until
 
 from distrain.observe.metrics import read_metrics
+
+_wait = functools.partial(wait_until, limit_s=120)
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
@@ -49,42 +51,13 @@ GROUP_FIELDS = {
     "debug__slow_ms": 400,
 }
 
-# As in test_replica_groups: a group silent for 3 s is out of the next quorum.
-LIGHTHOUSE = """
-import sys
-from torchft.coordination import LighthouseServer
-server = LighthouseServer(
-    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
-)
-print(server.address(), flush=True)
-sys.stdin.read()
-"""
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
 
 def _step_of(run_dir: Path) -> int:
-    return max((r["step"] for r in _rows(run_dir) if "loss" in r), default=0)
+    return max((r["step"] for r in metrics_rows(run_dir) if "loss" in r), default=0)
 
 
 def _changes(run_dir: Path, change: str) -> list[dict]:
-    return [r for r in _rows(run_dir) if r.get("replica_change") == change]
-
-
-def _wait(condition, what: str, procs, limit_s: float = 120) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a group's launcher ended while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return [r for r in metrics_rows(run_dir) if r.get("replica_change") == change]
 
 
 def _host_pids(lab, i: int) -> list[int]:
@@ -225,7 +198,7 @@ def test_every_step_matches_the_uninterrupted_run(lab_run, reference):
     # The new one from its rejoin to the cut, then from its heal to the end at group 0's step
     # numbers, each step once.
     rejoined, healed = _changes(runs["again"], "rejoined")
-    logged = [r["step"] for r in _rows(runs["again"]) if "loss" in r]
+    logged = [r["step"] for r in metrics_rows(runs["again"]) if "loss" in r]
     assert len(logged) == len(set(logged)), logged
     before = [s for s in sorted(logged) if s <= healed["step"]]
     assert before == list(range(rejoined["step"] + 1, max(before) + 1)), logged
@@ -238,7 +211,7 @@ def test_every_step_matches_the_uninterrupted_run(lab_run, reference):
 @pytest.mark.slow
 @pytest.mark.requires("netlab")
 def test_membership_changes_are_metrics_rows(lab_run):
-    rows = _rows(lab_run["runs"]["group0"])
+    rows = metrics_rows(lab_run["runs"]["group0"])
     lost = [r for r in rows if r.get("replica_change") == "lost"]
     # The killed group, first. On a saturated machine a group stalled past
     # fault_tolerance.timeout_s can also be evicted once with no fault injected (it then rejoins,
@@ -269,13 +242,13 @@ def test_the_cut_off_group_is_evicted_and_heals_in_place(lab_run):
     assert evicted["steps_lost"] == 0
     assert any(
         r.get("replica_change") == "joined" and r["step"] > evicted["step"]
-        for r in _rows(runs["group0"])
+        for r in metrics_rows(runs["group0"])
     )
     # It loaded group 0's live state in place, at group 0's step, and reports no recovery
     # of its own: the quorum that healed it redid none of its attempts.
     rejoined, healed = _changes(runs["again"], "rejoined")
     assert healed["step"] >= evicted["step"] and healed["state_mb"] > 1, healed
-    assert not _changes(runs["again"], "retried"), _rows(runs["again"])
+    assert not _changes(runs["again"], "retried"), metrics_rows(runs["again"])
 
 
 @pytest.mark.slow
@@ -283,6 +256,6 @@ def test_the_cut_off_group_is_evicted_and_heals_in_place(lab_run):
 def test_the_groups_averaged_over_the_lab_link(lab_run):
     # Each step both groups trained sends at least the tiny model's fp32 gradients (3.4 MB) each
     # way; host 1's groups trained together with group 0 for at least this many steps.
-    together = len(losses(_rows(lab_run["runs"]["group1"]))) - 1
-    together += len(losses(_rows(lab_run["runs"]["again"])))
+    together = len(losses(metrics_rows(lab_run["runs"]["group1"]))) - 1
+    together += len(losses(metrics_rows(lab_run["runs"]["again"])))
     assert min(lab_run["sent"]) > together * 3_000_000, (lab_run["sent"], together)

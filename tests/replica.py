@@ -1,0 +1,42 @@
+"""What the replica-group tests share: the torchft lighthouse they start in a process of its own
+(as on a cluster; torchft stays out of the test process, which trains in-process), a run's
+metrics rows read while it writes them, and a wait that fails as soon as a group's launcher
+ends."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+# A group whose processes stop heartbeating for 3 s is out of the next quorum (less evicts live
+# groups of a busy 2-core machine now and then).
+LIGHTHOUSE = """
+import sys
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(
+    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
+)
+print(server.address(), flush=True)
+sys.stdin.read()
+"""
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The run's metrics rows so far (a line still being written is left out)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_until(condition, what: str, procs, limit_s: float) -> None:
+    """Poll `condition` until it holds; fail when any of `procs` ends first, or after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a group's launcher ended while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
