@@ -50,6 +50,11 @@ def test_fit_recovers_latency_and_bandwidth():
     through_origin = fit(sizes, [s * 3e-9 - 1e-6 for s in sizes], group_size=2)
     assert through_origin.latency_s == 0.0
     assert through_origin.s_per_byte == pytest.approx(3e-9, rel=1e-3)
+    # Noise that hides the byte term (times falling with size) never makes bytes free.
+    noisy = fit(sizes, [1.3e-3, 1.1e-3, 1.2e-3, 1.0e-3], group_size=2)
+    assert noisy.latency_s == pytest.approx(1.0e-3)
+    assert noisy.s_per_byte == pytest.approx(0.3e-3 / (1e6 - 1e3))
+    assert noisy.seconds(2**24, 2) > noisy.seconds(0, 2)
 
 
 def test_ring_scaling_from_the_measured_group():

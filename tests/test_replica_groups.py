@@ -182,10 +182,12 @@ def test_survivors_keep_their_processes(faulted):
 def test_every_step_matches_the_uninterrupted_run(faulted, reference):
     want = losses(read_metrics(reference / "metrics.jsonl"))
     got0 = losses(read_metrics(faulted["runs"][0] / "metrics.jsonl"))
-    # Every step from the first (or the second, when group 0 started late and took step 1's
-    # state from group 1) to the last.
-    assert sorted(got0) == list(range(min(got0), STEPS + 1)) and min(got0) <= 2
     got1 = losses(read_metrics(faulted["runs"][1] / "metrics.jsonl", all_attempts=True))
+    # Every step from group 0's first to the last. A group that starts late (its launcher is
+    # slower on a busy machine) joins with the state of the group already training: every step
+    # before group 0's first is one group 1 trained alone.
+    assert sorted(got0) == list(range(min(got0), STEPS + 1))
+    assert set(range(1, min(got0))) <= set(got1), (min(got0), sorted(got1)[:5])
     # Group 1 was out for a while: group 0 alone trained those steps.
     assert len(got1) < len(got0)
     for got in (got0, got1):

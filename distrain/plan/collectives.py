@@ -49,12 +49,18 @@ class LinkCost:
 
 def fit(sizes: list[float], seconds: list[float], group_size: int) -> LinkCost:
     """Least-squares line through (bytes, seconds), both coefficients kept >= 0 (a negative
-    intercept is noise on a bandwidth-bound link: refit through the origin)."""
+    intercept is noise on a bandwidth-bound link: refit through the origin). A slope that comes
+    out <= 0 means timing noise on a loaded machine hid the byte term; bytes are never free, so
+    the cheapest time is taken as the latency and the spread of the times across the sizes as
+    the byte term (the steepest line the measurements allow)."""
     n = len(sizes)
     mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
     var = sum((x - mean_x) ** 2 for x in sizes)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var
-    slope = max(0.0, slope)
+    if slope <= 0:
+        latency = min(seconds)
+        slope = (max(seconds) - latency) / (max(sizes) - min(sizes))
+        return LinkCost(latency_s=latency, s_per_byte=slope, group_size=group_size)
     latency = mean_y - slope * mean_x
     if latency < 0:
         latency = 0.0
