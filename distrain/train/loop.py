@@ -404,6 +404,10 @@ class Trainer:
             observer.start(self.step)
         self.model.train(True)
         window_start, window_steps = time.perf_counter(), 0
+
+        def is_logged(step: int) -> bool:
+            return step % t.log_interval_steps == 0 or step == t.steps
+
         while self.step < t.steps:
             step = self.step + 1
             self.faults.step_begins(step)
@@ -413,13 +417,13 @@ class Trainer:
             self.faults.step_runs(step, self.model.parameters)
             if self.replicas is None:
                 lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
-                logged = step % t.log_interval_steps == 0 or step == t.steps
-                loss, grad_norm = self.train_step(self.loader.next_batch(), lr, report_loss=logged)
+                loss, grad_norm = self.train_step(
+                    self.loader.next_batch(), lr, report_loss=is_logged(step)
+                )
             else:
                 loss, grad_norm, lr = self._replicated_step()
                 step = self.step + 1  # a peer's step, where a failed attempt healed this group
-            finished = step == t.steps
-            logged = step % t.log_interval_steps == 0 or finished
+            finished, logged = step == t.steps, is_logged(step)
             self.step = step
             window_steps += 1
             for observer in self.observers:
