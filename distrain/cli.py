@@ -203,7 +203,7 @@ def eval_parser() -> argparse.ArgumentParser:
         prog="distrain eval",
         description="Run lm-evaluation-harness tasks on a run's checkpoint (any layout); results "
         "go to RUN_DIR/eval/step-NNNNNNNN.json, a metrics.jsonl row (eval/TASK/METRIC) and the "
-        "run's trackers. Needs `pip install distrain[eval]`.",
+        'run\'s trackers. Needs the eval extra (`pip install -e ".[eval]"` in a checkout).',
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     parser.add_argument(

@@ -92,3 +92,13 @@ def test_the_readme_is_short_and_its_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+def test_the_architecture_map_names_every_folder_and_root_module():
+    text = (ROOT / "docs/design/architecture.md").read_text()
+    tree = text.split("```text\ndistrain/\n", 1)[1].split("```", 1)[0]
+    named = {line.split()[0] for line in tree.splitlines() if line.strip()}
+    package = ROOT / "distrain"
+    want = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    want |= {p.name for p in package.glob("*.py")}
+    assert named == want

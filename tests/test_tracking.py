@@ -220,7 +220,8 @@ def test_a_missing_tracker_library_is_refused_before_launch(monkeypatch):
         preflight(cfg)
     assert str(info.value) == (
         "metrics.mlflow.tracking_uri is set but the mlflow package is not installed; pip "
-        "install 'distrain[track]' (or mlflow), or unset metrics.mlflow.tracking_uri"
+        "install mlflow (or distrain's track extra: pip install -e \".[track]\" in a checkout), "
+        "or unset metrics.mlflow.tracking_uri"
     )
 
 

@@ -106,7 +106,8 @@ def train_parser(prog: str) -> argparse.ArgumentParser:
         help="Nodes (machines, or agents) in the run. Giving this or any --rdzv-*/--node-rank "
         "option launches through an elastic c10d rendezvous instead of --standalone; with "
         "MIN:MAX the run starts once MIN nodes joined and the world size may change between "
-        "attempts (the global batch stays fixed: accumulation makes up for missing ranks).",
+        "attempts (the global batch stays fixed: accumulation makes up for missing ranks) "
+        "(default: this node alone, --standalone).",
     )
     parser.add_argument(
         "--node-rank",
@@ -129,10 +130,12 @@ def train_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-restarts",
         metavar="N",
-        help="Restart the worker group up to N times after a worker fails (default 0); every rank "
+        help="Restart the worker group up to N times after a worker fails (default: 0); every rank "
         "resumes from the newest complete checkpoint. Works with and without --nnodes.",
     )
-    parser.add_argument("--run-dir", help="Run directory (same as --run.dir).")
+    parser.add_argument(
+        "--run-dir", help="Run directory (same as --run.dir; default: runs/default)."
+    )
     parser.add_argument(
         "--resume",
         action="store_true",

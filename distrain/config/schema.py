@@ -306,7 +306,7 @@ class TrainingConfig:
         "accumulation (same global batch), under every layout. With DDP the gradients are then "
         "all-reduced after the last backward instead of overlapping it; under FSDP2, tp, pp, cp "
         "and ep the ranks agree before every micro-batch. Not with comm.gradient_compression, "
-        "comm.hierarchical or 1-bit Adam.",
+        "comm.hierarchical, 1-bit Adam, DiLoCo or fault_tolerance.replica_groups.",
     )
     log_interval_steps: int = doc(10, "Steps between metric rows and progress updates.", AT_LEAST_1)
     eval_interval_steps: int = doc(
@@ -573,8 +573,8 @@ class MLflowConfig:
         "",
         "MLflow tracking URI (http://host:port, or a local store such as sqlite:///mlflow.db); "
         "empty = no MLflow. Params = the resolved config, metrics at each logged step, "
-        "artifacts at the end (config.toml, plots, summary.json). Needs `pip install "
-        "distrain[track]`.",
+        "artifacts at the end (config.toml, plots, summary.json). Needs the track extra "
+        '(`pip install -e ".[track]"` in a checkout).',
     )
     experiment: str = doc("distrain", "MLflow experiment the run goes to (created when missing).")
     run_name: str = doc("", "MLflow run name; empty = the run directory's name.")
@@ -587,8 +587,8 @@ class WandbConfig:
     mode: Literal["disabled", "online", "offline"] = doc(
         "disabled",
         "disabled = no W&B; online = log to the W&B server (WANDB_API_KEY, WANDB_BASE_URL); "
-        "offline = write the W&B run files only (upload later with `wandb sync`). Needs `pip "
-        "install distrain[track]`.",
+        "offline = write the W&B run files only (upload later with `wandb sync`). Needs the "
+        'track extra (`pip install -e ".[track]"` in a checkout).',
     )
     project: str = doc("distrain", "W&B project.")
     entity: str = doc("", "W&B entity (team or user); empty = the account's default.")

@@ -83,7 +83,8 @@ def run_eval(
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise ConfigError(
-            "distrain eval needs lm-evaluation-harness; pip install 'distrain[eval]'"
+            "distrain eval needs lm-evaluation-harness: pip install lm-eval (or distrain's "
+            'eval extra: pip install -e ".[eval]" in a checkout)'
         ) from None
     from distrain.evaluate.harness import DistrainLM
 

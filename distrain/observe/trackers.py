@@ -299,8 +299,9 @@ def check_trackers_installed(metrics: MetricsConfig) -> None:
     for name, package in wanted:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(
-                f"{name} is set but the {package} package is not installed; pip install "
-                f"'distrain[track]' (or {package}), or unset {name}"
+                f"{name} is set but the {package} package is not installed; pip install {package} "
+                f'(or distrain\'s track extra: pip install -e ".[track]" in a checkout), or unset '
+                f"{name}"
             )
 
 
