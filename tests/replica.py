@@ -1,7 +1,7 @@
 """What the replica-group tests share: the torchft lighthouse they start in a process of its own
 (as on a cluster; torchft stays out of the test process, which trains in-process), a run's
-metrics rows read while it writes them, and a wait that fails as soon as a group's launcher
-ends."""
+metrics rows read while it writes them, the check of a killed group's membership row, and a
+wait that fails as soon as a group's launcher ends."""
 
 from __future__ import annotations
 
@@ -28,6 +28,28 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def check_killed_group_row(rows: list[dict], ranks_lost: str) -> dict:
+    """The survivors' row for a group whose process was killed (the first failure row with the
+    cause "collective error"), checked; returned. The step in flight fails with a collective
+    error, and the survivors redo it over the same global batch with the groups in the next
+    quorum: without the killed group ("lost") when the lighthouse has dropped it by then, or
+    with it ("retried") when its restarted processes were back first and took the live state."""
+    (row, *_) = [
+        r
+        for r in rows
+        if r.get("replica_change") in ("lost", "retried") and r["cause"] == "collective error"
+    ]
+    assert row["steps_lost"] == 0 and 0 < row["recovery_s"] < 30, row
+    if row["replica_change"] == "lost":
+        assert row["replica_groups_lost"] == "1" and row["ranks_lost"] == ranks_lost, row
+        assert row["replica_groups"] == 1, row
+        # The killed group came back later.
+        assert any(r.get("replica_change") == "joined" and r["step"] > row["step"] for r in rows)
+    else:
+        assert row["replica_groups"] == 2, row
+    return row
 
 
 def wait_until(condition, what: str, procs, limit_s: float) -> None:

@@ -220,7 +220,7 @@ def test_a_missing_tracker_library_is_refused_before_launch(monkeypatch):
         preflight(cfg)
     assert str(info.value) == (
         "metrics.mlflow.tracking_uri is set but the mlflow package is not installed; pip "
-        "install mlflow (or distrain's track extra: pip install -e \".[track]\" in a checkout), "
+        'install mlflow (or distrain\'s track extra: pip install -e ".[track]" in a checkout), '
         "or unset metrics.mlflow.tracking_uri"
     )
 
