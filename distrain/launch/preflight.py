@@ -3,7 +3,8 @@ any worker: the data path exists (and a prepared token file's sidecar, or a loca
 dataset's index, names data.tokenizer; so does each mixture source's; document masking has
 boundaries to read), the eval sets' paths exist, the run directory and a local checkpoint
 directory can take files (a probe file written and deleted), an object-store URL's filesystem is
-installed, and so is each configured experiment tracker's library.
+installed, and so is each configured experiment tracker's library; a local
+checkpoint.resume_from that the run would start from is a committed checkpoint folder.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import tempfile
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
+from distrain.checkpoint.manifest import MANIFEST, STEP_PREFIX, step_of
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.documents import boundaries_file, no_boundaries_message
@@ -61,6 +64,32 @@ def preflight(cfg: Config) -> None:
         check_writable(field, Path(checkpoint_storage(cfg).root))
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
+    check_resume_from(cfg)
+
+
+def check_resume_from(cfg: Config) -> None:
+    """checkpoint.resume_from names a step folder; a local one that the run would start from
+    (the run has no committed checkpoint of its own, in a local checkpoint folder) holds a
+    manifest, the mark of a committed checkpoint. The workers still verify what they load."""
+    location = cfg.checkpoint.resume_from
+    if not location:
+        return
+    if step_of(posixpath.basename(location.rstrip("/"))) is None:
+        raise ConfigError(
+            f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
+            f"{STEP_PREFIX}NNNNNNNN (<run>/checkpoints/{STEP_PREFIX}NNNNNNNN)"
+        )
+    own_protocol, _ = split_protocol(cfg.checkpoint.dir)
+    protocol, path = split_protocol(location)
+    if protocol not in _LOCAL_PROTOCOLS or own_protocol not in _LOCAL_PROTOCOLS:
+        return
+    if any(Path(checkpoint_storage(cfg).root).glob(f"{STEP_PREFIX}*/{MANIFEST}")):
+        return  # the run resumes from its own checkpoints; resume_from is not read
+    if not (Path(path) / MANIFEST).is_file():
+        raise ConfigError(
+            f"checkpoint.resume_from = {location!r}: no committed checkpoint there (no "
+            f"{MANIFEST}); give a step folder that `distrain status` lists as committed"
+        )
 
 
 def check_data_source(field: str, path: str, tokenizer: str, *, tokens: bool = True) -> None:
