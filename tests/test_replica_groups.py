@@ -18,6 +18,7 @@ batch; without it they would read only their own shares) and the one-line refusa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -154,11 +155,11 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
         )
         os.kill(stopped, signal.SIGKILL)
         survivors_late = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
-        out0, err0 = procs[0].communicate(timeout=300)
-        try:
-            _, err1 = procs[1].communicate(timeout=120)
-        except Exception:
-            err1 = ""
+        _, err0 = procs[0].communicate(timeout=300)
+        # Group 1's last restart (rejoined, or alone once group 0 has finished) is not what
+        # this test checks; it is given a while to end, then killed below.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[1].communicate(timeout=120)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -170,8 +171,6 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
         "rows_before_stop": rows_before_stop,
         "survivors": survivors,
         "survivors_late": survivors_late,
-        "group1_rc": procs[1].returncode,
-        "group1_err": err1,
     }
 
 
