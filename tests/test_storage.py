@@ -182,3 +182,103 @@ def test_local_save_fsyncs_each_file_and_never_syncs_the_node(tmp_path, monkeypa
     assert shards and shards <= fsynced
     assert str(step / ".metadata.tmp") in fsynced  # renamed to .metadata after its fsync
     assert len(syncs) == 0
+
+
+class StoreOpens:
+    """fsspec's in-memory filesystem with its opens for writing of checkpoint shards (.distcp)
+    and metadata (.metadata*) failing: `failures[kind]` times, with `error(kind)`; `opened`
+    counts the write opens of each kind."""
+
+    def __init__(self, monkeypatch, error, **failures: int):
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        self.error, self.failures = error, failures
+        self.opened = {"shard": 0, "metadata": 0}
+        real_open = MemoryFileSystem._open
+
+        def _open(fs, path, mode="rb", *args, **kwargs):
+            kind = "shard" if path.endswith(".distcp") else "metadata"
+            if "w" in mode and (kind == "shard" or ".metadata" in path):
+                self.opened[kind] += 1
+                if self.failures.get(kind, 0) > 0:
+                    self.failures[kind] -= 1
+                    return self.error(kind, real_open(fs, path, mode, *args, **kwargs))
+            return real_open(fs, path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(MemoryFileSystem, "_open", _open)
+
+
+def _memory_checkpointer(name: str, retry_s: float) -> tuple[Storage, Checkpointer]:
+    storage = Storage(f"memory://{name}-{os.getpid()}-{time.monotonic_ns()}/run", retry_s=retry_s)
+    ckpt = Checkpointer(
+        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+    )
+    return storage, ckpt
+
+
+def _refused(error: BaseException):
+    def fail(kind, stream):
+        stream.close()
+        raise error
+
+    return fail
+
+
+def test_an_object_store_outage_during_dcp_writes_is_ridden_out(monkeypatch, distrain_log):
+    """DCP's shard and metadata writes on an object store go through the retry policy: the
+    save commits, its manifest describes what is there, and each outage is logged."""
+    from distrain.checkpoint.manifest import verify
+
+    opens = StoreOpens(
+        monkeypatch, _refused(ConnectionResetError(errno.ECONNRESET, "reset")), shard=2, metadata=1
+    )
+    storage, ckpt = _memory_checkpointer("outage", retry_s=30)
+    ckpt.save(1, {"w": torch.arange(4.0)}, permanent=False)
+    assert opens.failures == {"shard": 0, "metadata": 0}
+    assert opens.opened == {"shard": 3, "metadata": 2}
+    (entry,) = committed(storage)
+    assert entry.step == 1 and verify(storage, entry) is None
+    assert ckpt.failed_in_a_row == 0
+    log = distrain_log.text
+    assert "writing this rank's checkpoint files failed (ConnectionResetError" in log
+    assert "writing this rank's checkpoint files succeeded after 3 attempts" in log
+    assert "writing the checkpoint's metadata succeeded after 2 attempts" in log
+
+
+class _FullStore:
+    """A write stream of a store that fills up: its writes after the first two raise ENOSPC
+    (torch.save then reports "unexpected pos", a RuntimeError)."""
+
+    def __init__(self, stream):
+        self.stream, self.writes = stream, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.stream.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stream.close()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [_refused(PermissionError(errno.EACCES, "denied")), lambda kind, stream: _FullStore(stream)],
+    ids=["refused open", "full store mid-write"],
+)
+def test_a_permanent_dcp_write_error_is_not_retried(monkeypatch, error):
+    """Not even when torch.save reports the full store as something that might pass: the first
+    error a write hit decides."""
+    opens = StoreOpens(monkeypatch, error, shard=100)
+    storage, ckpt = _memory_checkpointer("permanent", retry_s=30)
+    start = time.monotonic()
+    ckpt.save(1, {"w": torch.arange(4.0)}, permanent=False)
+    assert opens.opened["shard"] == 1 and time.monotonic() - start < 5
+    assert committed(storage) == [] and ckpt.failed_in_a_row == 1

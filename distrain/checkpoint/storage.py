@@ -13,7 +13,10 @@ operation's first retry and one when it succeeds after retries, saying for how l
 was unreachable (`distrain diagnose` reports these).
 
 DCP writes through `HashingWriter`s: each file's size and SHA-256 are computed from the bytes as
-they go out, so no rank reads back what it wrote to describe it in the manifest.
+they go out, so no rank reads back what it wrote to describe it in the manifest. On an object
+store each of DCP's storage phases (creating the folder, writing this rank's files, writing the
+metadata) goes through the same retry policy as a whole: a phase that failed on an error that may
+pass is done again, rewriting the same names (an object is replaced whole by its PUT).
 
 Durability: a local file is fsynced before it counts as written, and a rename is made durable by
 fsyncing its folder. An object is durable once its PUT (or multipart upload) completes, so
@@ -55,6 +58,8 @@ from distrain.torch_compat import FsspecReader, FsspecWriter
 T = TypeVar("T")
 Progress = Callable[[int], None]
 """Told the number of bytes each time some were read or written."""
+Retrying = Callable[..., Any]
+"""`Storage.retrying`: (what, fn[, retryable]) -> fn() under the storage's retry policy."""
 
 CHUNK_BYTES = 1 << 20
 """The most bytes one read or write passes on at a time, so that progress is reported while a
@@ -121,14 +126,23 @@ class Storage:
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` under the retry policy; `what` names the operation in errors."""
+        return self.retrying(what, lambda: fn(*args, **kwargs))
+
+    def retrying(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        retryable: Callable[[BaseException], bool] = transient,
+    ) -> T:
+        """`fn()` under the retry policy, retried while `retryable` says its error may pass."""
         start = time.monotonic()
         delay, attempts = _FIRST_DELAY_S, 1
         while True:
             try:
-                result = fn(*args, **kwargs)
+                result = fn()
             except Exception as e:
                 waited = time.monotonic() - start
-                if not transient(e):
+                if not retryable(e):
                     raise
                 if waited + delay > self.retry_s:
                     raise StorageError(
@@ -275,8 +289,9 @@ class Storage:
         return shutil.disk_usage(probe).free
 
     def dcp_writer(self, path: str) -> HashingWriter:
-        cls = HashingFileSystemWriter if self.local else HashingFsspecWriter
-        return cls(path if self.local else self.url_of(path), self.on_progress)
+        if self.local:
+            return HashingFileSystemWriter(path, self.on_progress)
+        return HashingFsspecWriter(self.url_of(path), self.on_progress, self.retrying)
 
     def dcp_reader_class(self) -> type[FileSystemReader]:
         """DCP's reader for this storage, telling `on_progress` of the bytes it reads."""
@@ -494,8 +509,33 @@ class HashingFileSystemWriter(HashingWriter, FileSystemWriter):
 
 
 class HashingFsspecWriter(HashingWriter, FsspecWriter):
-    def __init__(self, path: str, on_progress: Progress):
+    """DCP's fsspec writer, hashing, with each storage phase retried as a whole by `retrying`
+    (the storage's policy). A failed write is retried only while both the error DCP raised and
+    the first error a write hit may pass: torch.save reports a full store as "unexpected pos"."""
+
+    def __init__(self, path: str, on_progress: Progress, retrying: Retrying):
         # No sync_files: object-store streams have no fileno, so DCP would os.sync() the whole
         # node per file, for objects that are durable once their upload completes.
         super().__init__(path, sync_files=False)
         self._start_hashing(on_progress)
+        self._retrying = retrying
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        prepare = super().prepare_local_plan
+        return self._retrying("creating the checkpoint folder", lambda: prepare(plan))
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        write = super().write_data
+
+        def attempt() -> Any:
+            self.write_error = None
+            return write(plan, planner)
+
+        def retryable(error: BaseException) -> bool:
+            return transient(error) and (self.write_error is None or transient(self.write_error))
+
+        return self._retrying("writing this rank's checkpoint files", attempt, retryable)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        finish = super().finish
+        self._retrying("writing the checkpoint's metadata", lambda: finish(metadata, results))
