@@ -106,8 +106,8 @@ def train_parser(prog: str) -> argparse.ArgumentParser:
         help="Nodes (machines, or agents) in the run. Giving this or any --rdzv-*/--node-rank "
         "option launches through an elastic c10d rendezvous instead of --standalone; with "
         "MIN:MAX the run starts once MIN nodes joined and the world size may change between "
-        "attempts (the global batch stays fixed: accumulation makes up for missing ranks) "
-        "(default: this node alone, --standalone).",
+        "attempts (the global batch stays fixed: accumulation makes up for missing ranks). "
+        "Default: this node alone (--standalone).",
     )
     parser.add_argument(
         "--node-rank",

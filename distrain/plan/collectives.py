@@ -51,8 +51,8 @@ def fit(sizes: list[float], seconds: list[float], group_size: int) -> LinkCost:
     """Least-squares line through (bytes, seconds), both coefficients kept >= 0 (a negative
     intercept is noise on a bandwidth-bound link: refit through the origin). A slope that comes
     out <= 0 means timing noise on a loaded machine hid the byte term; bytes are never free, so
-    the cheapest time is taken as the latency and the spread of the times across the sizes as
-    the byte term (the steepest line the measurements allow)."""
+    the cheapest time is taken as the latency and the spread of the times over the spread of
+    the sizes as the byte term."""
     n = len(sizes)
     mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
     var = sum((x - mean_x) ** 2 for x in sizes)
