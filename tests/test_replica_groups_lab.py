@@ -7,7 +7,11 @@ processes alive: group 0 evicts it on the collective's timeout and goes on alone
 has done so the link is set up again, and host 1's group, still the same process, rejoins in
 place with group 0's live state and trains on at group 0's step numbers. Group 0 is never
 restarted (same pids), and every step's loss of every group is the uninterrupted 1-process
-run's within 1e-6 (relative; the survivor adds the same micro-batch terms in another order).
+run's within 5e-6 (relative). That is this layout's fp32 floor with margin, not the recovery's:
+two 1-rank groups average their gradients in another order than one process sums them, and a
+run measured 1.3e-6 at most, 0 at half the steps, and no drift.
+A lost, skipped or doubled step moves the loss by a step's progress: 1.2e-3 to 0.26
+(median 4.5e-2) from one step to the next of the 1-process run.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the ft extra)", allow_module_level=True)
 
 STEPS = 40
-REL = 1e-6
+REL = 5e-6
 FIELDS = {
     "training__steps": STEPS,
     **SMALL_RUN,
