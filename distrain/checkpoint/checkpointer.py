@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import posixpath
 import threading
 import time
 from collections.abc import Callable
@@ -45,13 +44,13 @@ from distrain.checkpoint.load import SavedLayoutAware, load, root_cause
 from distrain.checkpoint.manifest import (
     MANIFEST,
     OWNER,
-    STEP_PREFIX,
     UNREADABLE,
     Entry,
     committed,
     manifest_problem,
     rank_record,
     remove_checkpoint,
+    resume_from_step,
     scan,
     step_name,
     step_of,
@@ -539,13 +538,7 @@ class Checkpointer:
 
     def _restore_from(self, location: str, state: dict[str, Any]) -> int:
         """Collective: start from another run's checkpoint folder (checkpoint.resume_from)."""
-        parent, name = posixpath.split(location.rstrip("/"))
-        step = step_of(name)
-        if step is None:
-            raise CheckpointError(
-                f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
-                f"{STEP_PREFIX}NNNNNNNN"
-            )
+        parent, step = resume_from_step(location)
         storage = Storage(parent, retry_s=self.storage.retry_s)
         found: tuple[list[Entry], str | None] = ([], None)
         if self.rank == 0:

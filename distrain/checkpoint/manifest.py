@@ -9,6 +9,7 @@ checkpointer.py's.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,18 @@ def step_name(step: int) -> str:
 def step_of(name: str) -> int | None:
     suffix = name.removeprefix(STEP_PREFIX)
     return int(suffix) if name.startswith(STEP_PREFIX) and suffix.isdigit() else None
+
+
+def resume_from_step(location: str) -> tuple[str, int]:
+    """checkpoint.resume_from's parent folder and step, from its step folder's name."""
+    parent, name = posixpath.split(location.rstrip("/"))
+    step = step_of(name)
+    if step is None:
+        raise CheckpointError(
+            f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
+            f"{STEP_PREFIX}NNNNNNNN (<run>/checkpoints/{STEP_PREFIX}NNNNNNNN)"
+        )
+    return parent, step
 
 
 def rank_record(rank: int) -> str:

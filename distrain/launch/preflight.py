@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import posixpath
 import tempfile
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
-from distrain.checkpoint.manifest import MANIFEST, STEP_PREFIX, step_of
+from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.documents import boundaries_file, no_boundaries_message
@@ -74,16 +73,12 @@ def check_resume_from(cfg: Config) -> None:
     location = cfg.checkpoint.resume_from
     if not location:
         return
-    if step_of(posixpath.basename(location.rstrip("/"))) is None:
-        raise ConfigError(
-            f"checkpoint.resume_from = {location!r}: expected a checkpoint folder named "
-            f"{STEP_PREFIX}NNNNNNNN (<run>/checkpoints/{STEP_PREFIX}NNNNNNNN)"
-        )
+    resume_from_step(location)
     own_protocol, _ = split_protocol(cfg.checkpoint.dir)
     protocol, path = split_protocol(location)
     if protocol not in _LOCAL_PROTOCOLS or own_protocol not in _LOCAL_PROTOCOLS:
         return
-    if any(Path(checkpoint_storage(cfg).root).glob(f"{STEP_PREFIX}*/{MANIFEST}")):
+    if committed(checkpoint_storage(cfg)):
         return  # the run resumes from its own checkpoints; resume_from is not read
     if not (Path(path) / MANIFEST).is_file():
         raise ConfigError(
