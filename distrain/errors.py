@@ -1,5 +1,14 @@
-"""Errors a user can fix. The CLI and the worker entry print these as one line and exit non-zero;
-anything else is a bug and keeps its traceback."""
+"""Errors a user can fix, and the install hint their messages give for an optional library. The
+CLI and the worker entry print these as one line and exit non-zero; anything else is a bug and
+keeps its traceback."""
+
+
+def install_hint(package: str, extra: str) -> str:
+    """How to install an optional library: on its own, or through distrain's extra."""
+    return (
+        f"pip install {package} (or distrain's {extra} extra: "
+        f'pip install -e ".[{extra}]" in a checkout)'
+    )
 
 
 class DistrainError(Exception):

@@ -26,7 +26,7 @@ import torch
 from distrain.checkpoint.manifest import step_name
 from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, install_hint
 from distrain.interop.export import load_run_model
 from distrain.observe.logs import LOGGER_NAME
 from distrain.observe.metrics import MetricsWriter
@@ -83,8 +83,7 @@ def run_eval(
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise ConfigError(
-            "distrain eval needs lm-evaluation-harness: pip install lm-eval (or distrain's "
-            'eval extra: pip install -e ".[eval]" in a checkout)'
+            "distrain eval needs lm-evaluation-harness: " + install_hint("lm-eval", "eval")
         ) from None
     from distrain.evaluate.harness import DistrainLM
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from distrain.checkpoint.metadata import plain_file_name
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, install_hint
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
@@ -71,8 +71,7 @@ def safe_open() -> Any:
         from safetensors import safe_open
     except ImportError as e:
         raise ConfigError(
-            "model.init_from needs the safetensors package: pip install safetensors (or "
-            'distrain\'s hf extra: pip install -e ".[hf]" in a checkout)'
+            "model.init_from needs the safetensors package: " + install_hint("safetensors", "hf")
         ) from e
     return safe_open
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from distrain.config.io import to_dict
 from distrain.config.schema import Config, MetricsConfig
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, install_hint
 from distrain.observe.observer import Row
 
 IDS_FILE = "trackers.json"
@@ -299,9 +299,8 @@ def check_trackers_installed(metrics: MetricsConfig) -> None:
     for name, package in wanted:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(
-                f"{name} is set but the {package} package is not installed; pip install {package} "
-                f'(or distrain\'s track extra: pip install -e ".[track]" in a checkout), or unset '
-                f"{name}"
+                f"{name} is set but the {package} package is not installed; "
+                f"{install_hint(package, 'track')}, or unset {name}"
             )
 
 
