@@ -585,36 +585,27 @@ def test_train_refuses_before_launch(fields, expected, tmp_path, capsys, no_laun
 def test_a_resume_from_folder_without_a_checkpoint_is_refused_before_launch(
     tmp_path, capsys, no_launch
 ):
+    def train(run: str, resume_from: Path) -> tuple[int, list[str]]:
+        fields = {"checkpoint.resume_from": str(resume_from)}
+        return _main(capsys, *_train_args(tmp_path / run, **fields))
+
     missing = tmp_path / "other" / "checkpoints" / "step-00000100"
-    rc, lines = _main(
-        capsys, *_train_args(tmp_path / "run", **{"checkpoint.resume_from": str(missing)})
-    )
+    rc, lines = train("run", missing)
     assert (rc, no_launch, len(lines)) == (1, [], 1)
     assert f"checkpoint.resume_from = '{missing}': no committed checkpoint there" in lines[0]
-    rc, lines = _main(
-        capsys, *_train_args(tmp_path / "run", **{"checkpoint.resume_from": str(tmp_path)})
-    )
+    rc, lines = train("run", tmp_path)
     assert (rc, no_launch) == (1, []) and "expected a checkpoint folder named step-" in lines[0]
     # A torn save (no manifest) is no checkpoint either; a committed one launches.
     missing.mkdir(parents=True)
-    assert (
-        _main(capsys, *_train_args(tmp_path / "run", **{"checkpoint.resume_from": str(missing)}))[0]
-        == 1
-    )
+    assert train("run", missing)[0] == 1
     (missing / "MANIFEST.json").write_text("{}")
-    assert (
-        _main(capsys, *_train_args(tmp_path / "run", **{"checkpoint.resume_from": str(missing)}))[0]
-        == 0
-    )
+    assert train("run", missing)[0] == 0
     assert no_launch == [2]
     # A run with a committed checkpoint of its own resumes from it and never reads resume_from.
     own = tmp_path / "run2" / "checkpoints" / "step-00000004"
     own.mkdir(parents=True)
     (own / "MANIFEST.json").write_text("{}")
-    gone = str(tmp_path / "gone" / "step-00000001")
-    assert (
-        _main(capsys, *_train_args(tmp_path / "run2", **{"checkpoint.resume_from": gone}))[0] == 0
-    )
+    assert train("run2", tmp_path / "gone" / "step-00000001")[0] == 0
 
 
 def test_cuda_requested_without_cuda_is_refused_before_launch(
