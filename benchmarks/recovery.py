@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -200,6 +201,10 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
     root.mkdir(parents=True)
     lighthouse = _start_lighthouse(root / "lighthouse.log")
     address = lighthouse.stdout.readline().strip()
+    # The lighthouse's address is this host's name, not loopback: the groups need a run secret.
+    secret = root / "run-secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
     # Enough steps after the kill for group 1's worker to restart and rejoin while group 0 trains.
     steps = kill_step + INPROCESS_STEPS_AFTER_KILL
     fields = {
@@ -218,6 +223,7 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
         "fault_tolerance.replica_groups": "2",
         "fault_tolerance.lighthouse": address,
         "fault_tolerance.timeout_s": "5",
+        "fault_tolerance.secret_file": str(secret),
     }
     procs, pollers = [], []
     # One CPU thread per group, as the restart path's 2 ranks have: 2 groups of 2 threads

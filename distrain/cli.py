@@ -222,7 +222,8 @@ def eval_parser() -> argparse.ArgumentParser:
         "--include-path",
         default=None,
         help="A folder of task YAML files (with their local data) to take the tasks from instead "
-        "of the harness's own list.",
+        "of the harness's own list. The harness imports the Python files such a folder names "
+        "(task hooks, utils.py): give only folders you would run as code.",
     )
     parser.add_argument(
         "--batch-size", type=int, default=16, help="Requests scored in one forward pass."

@@ -1,11 +1,12 @@
 """What the replica-group tests share: the torchft lighthouse they start in a process of its own
 (as on a cluster; torchft stays out of the test process, which trains in-process), a run's
 metrics rows read while it writes them, the check of a killed group's membership row, and a
-wait that fails as soon as a group's launcher ends."""
+wait that fails as soon as a group's launcher ends, and the run secret the groups share."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from pathlib import Path
 
@@ -20,6 +21,15 @@ server = LighthouseServer(
 print(server.address(), flush=True)
 sys.stdin.read()
 """
+
+
+def secret_file(folder: Path) -> str:
+    """A run secret for fault_tolerance.secret_file (the tests' lighthouse is not on a loopback
+    address, so the groups need one): random, owner-only."""
+    path = folder / "run-secret"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return str(path)
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import SMALL_RUN, losses, start_train, train_cli, train_in_process, worker_pid
-from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, wait_until
+from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, secret_file, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.config.io import load_config
@@ -115,6 +115,7 @@ def zero3_reference(tmp_path_factory) -> Path:
 def faulted(tmp_path_factory, lighthouse) -> dict:
     root = tmp_path_factory.mktemp("groups")
     runs = [root / f"group{g}" for g in range(2)]
+    secret = secret_file(root)
     procs = [
         start_train(
             runs[g],
@@ -125,6 +126,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
             **GROUP_FIELDS,
             fault_tolerance__group=g,
             fault_tolerance__lighthouse=lighthouse,
+            fault_tolerance__secret_file=secret,
         )
         for g in range(2)
     ]

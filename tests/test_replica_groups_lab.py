@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from helpers import SMALL_RUN, losses, overrides, train_in_process, worker_pid
 from netlab import IFNAME, lab_available, net_lab
-from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, wait_until
+from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, secret_file, wait_until
 
 from distrain.observe.metrics import read_metrics
 
@@ -92,6 +92,7 @@ def lab_run(tmp_path_factory) -> dict:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("lab-groups")
     runs = {name: root / name for name in ("group0", "group1", "again")}
+    secret = secret_file(root)
     with net_lab(2, rate="1gbit") as lab:
         server = lab.run(
             0,
@@ -108,7 +109,10 @@ def lab_run(tmp_path_factory) -> dict:
             """`distrain train` of replica group g on host g; its stderr in ROOT/NAME.stderr."""
             argv = [sys.executable, "-m", "distrain", "train", "--nproc", "1"]
             fields = dict(
-                GROUP_FIELDS, fault_tolerance__group=g, fault_tolerance__lighthouse=lighthouse
+                GROUP_FIELDS,
+                fault_tolerance__group=g,
+                fault_tolerance__lighthouse=lighthouse,
+                fault_tolerance__secret_file=secret,
             )
             for key, value in overrides(runs[name], **fields):
                 argv += [f"--{key}", value]

@@ -687,6 +687,27 @@ class FaultToleranceConfig:
         "failure waits here until the others reach a step boundary).",
         POSITIVE,
     )
+    secret_file: str = doc(
+        "",
+        "File holding the run secret (at least 16 bytes, readable by its owner only), the same "
+        "on every host: every live-state transfer and every step's exchange between groups is "
+        "authenticated with it (HMAC-SHA256), so a host that reaches the lighthouse cannot join "
+        "the groups, read their state or steer their training. Required unless the lighthouse "
+        "is on a loopback address (every group on one host). See docs/security.md.",
+    )
+    bind: str = doc(
+        "",
+        "Address this group's manager server and live-state server listen on (empty = the "
+        "address of this host's interface toward the lighthouse, never every interface).",
+    )
+    peer_grad_norm_ratio: float = doc(
+        10.0,
+        "A step's exchange is refused (no group commits it) when one group's gradient norm is "
+        "over this many times the median of the others' (0 = no such check); a non-finite "
+        "gradient is always refused. Groups split one global batch alike, so their norms are "
+        "close.",
+        Range(low=1, low_open=True, also=(0,), why="a ratio of 1 or less refuses honest peers"),
+    )
 
 
 @dataclass(kw_only=True, slots=True)

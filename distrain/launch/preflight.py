@@ -3,7 +3,8 @@ any worker: the data path exists (and a prepared token file's sidecar, or a loca
 dataset's index, names data.tokenizer; so does each mixture source's; document masking has
 boundaries to read), the eval sets' paths exist, the run directory and a local checkpoint
 directory can take files (a probe file written and deleted), an object-store URL's filesystem is
-installed, and so is each configured experiment tracker's library; a local
+installed, and so is each configured experiment tracker's library; replica groups' run secret
+file is a private regular file of a usable length; a local
 checkpoint.resume_from that the run would start from is a committed checkpoint folder.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
@@ -23,6 +24,7 @@ from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
+from distrain.config.ft_network import read_secret
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.documents import boundaries_file, no_boundaries_message
@@ -51,6 +53,8 @@ def preflight(cfg: Config) -> None:
         if not Path(e.path).exists():
             raise ConfigError(f"data.eval_sets {e.name!r}: no such file or folder {e.path!r}")
     check_trackers_installed(cfg.metrics)
+    if cfg.fault_tolerance.replica_groups and cfg.fault_tolerance.secret_file:
+        read_secret(cfg.fault_tolerance.secret_file)
     if cfg.data.document_masking and cfg.data.eos_id is None:
         for path in [s.path for s in cfg.data.sources] or [cfg.data.path]:
             one = dataclasses.replace(cfg.data, path=path, sources=())

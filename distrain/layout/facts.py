@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from distrain.config.batch import BatchSizes
+from distrain.config.ft_network import secret_missing, secret_needed
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
 from distrain.models.gpt.model import ModelArgs
@@ -190,6 +191,28 @@ class Facts:
         says where the lighthouse is."""
         ft = self.cfg.fault_tolerance
         return bool(self.groups) and not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"))
+
+    @property
+    def lighthouse(self) -> str:
+        """Where the replica groups' lighthouse is ("" when it is not said)."""
+        ft = self.cfg.fault_tolerance
+        return ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+    @property
+    def secret_missing(self) -> bool:
+        """Replica groups whose lighthouse is not on a loopback address (they may span hosts)
+        and no fault_tolerance.secret_file to authenticate them with."""
+        ft = self.cfg.fault_tolerance
+        return (
+            bool(self.groups)
+            and bool(self.lighthouse)
+            and not ft.secret_file
+            and secret_needed(self.lighthouse)
+        )
+
+    @property
+    def secret_missing_message(self) -> str:
+        return secret_missing(self.lighthouse)
 
     @property
     def survivor_counts_not_splitting_batch(self) -> str:

@@ -172,6 +172,12 @@ RULES: tuple[Rule, ...] = (
         "fault_tolerance.lighthouse = 'http://host:port' or TORCHFT_LIGHTHOUSE",
     ),
     Rule(
+        "fault_tolerance_needs_secret",
+        "config",
+        lambda f: f.secret_missing,
+        "{f.secret_missing_message}",
+    ),
+    Rule(
         "diloco_fragments_fit",
         "config",
         lambda f: f.inner_steps > 0 and f.cfg.diloco.fragments > f.inner_steps,

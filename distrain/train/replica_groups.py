@@ -12,9 +12,16 @@ groups form a quorum through torchft's lighthouse; after backward each group vot
   the step's loss and update are the uninterrupted run's, up to the order of the fp32 sums. No
   process restarts and nothing is read from storage.
 - **A group comes back** (its torchrun restarted its workers): it joins a quorum at a step
-  boundary and torchft fetches the live state from a healthy group over HTTP: each rank's
-  model and optimizer shards (its counterpart holds the same ones), the loader position, the
-  RNG states and the step. The transfer is data only (tensors, loaded with weights_only).
+  boundary and fetches the live state from a healthy group: each rank's model and optimizer
+  shards (its counterpart holds the same ones), the loader position, the RNG states and the
+  step, over distrain's own transport (replica_transport.py: tensors and integers only,
+  authenticated by the run secret, checked against this rank's own schema; never a pickle).
+- **Trust**: every step's exchange carries each group's proof of the run secret and its
+  gradient norm (replica_trust.py); a member that fails it is named and the step is committed
+  by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
+  with one line (`ReplicaPeerRefused`) rather than train with a peer it cannot believe:
+  torchft's lighthouse has no way to evict a member, so an intruder could stall, never steer,
+  the run.
 
 Every membership change is a metrics row (see `ReplicaGroups`); the loop calls `quorum` before
 each step and `average` after backward (train/loop.py).
@@ -22,11 +29,12 @@ each step and `average` after backward (train/loop.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -34,17 +42,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distrain.config.ft_network import read_secret
 from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import DistrainError
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext, replica_process_group
+from distrain.train.replica_trust import (
+    PeerRefused,
+    Round,
+    advertised_host,
+    check_slots,
+    default_bind,
+    slots,
+    url_host,
+)
 
 _STORE_ADDRESS_BYTES = 256
+REFUSALS_BEFORE_STOP = 3
+"""Refused attempts in a row (a peer's state or slot not believed) after which a group stops."""
 
 
 class ReplicaGroupAlone(DistrainError):
     """A restarted replica group found no peer to take the live state from."""
+
+
+class ReplicaPeerRefused(DistrainError):
+    """A peer of the quorum was refused REFUSALS_BEFORE_STOP times in a row: the group stops."""
 
 
 class StepNotCommitted(RuntimeError):
@@ -99,6 +123,25 @@ def _cause(error: object) -> str:
     return "timeout" if "timeout" in text or "timed out" in text else "collective error"
 
 
+@contextlib.contextmanager
+def _manager_server_bound_to(address: str) -> Iterator[None]:
+    """torchft 0.2.0's Manager starts its manager server on `[::]` (every interface) with no
+    option to choose: while it is built, its ManagerServer is given `address` instead."""
+    import torchft.manager
+
+    original = torchft.manager.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})
+
+    torchft.manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
+
+
 def _group_store(ctx: DistContext) -> tuple[str, int, dist.TCPStore | None]:
     """A TCP store of this group's own, hosted by its rank 0 (torchft's manager keeps its
     address there; torchrun's store outlives a restart and would hand a new worker the old
@@ -145,6 +188,8 @@ class ReplicaGroups:
     ):
         from torchft.manager import Manager
 
+        from distrain.train.replica_transport import StateTransport
+
         # torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
         # (absent on gloo; distrain's flight records are its own, observe/flight.py).
         logging.getLogger("torchft.manager").addFilter(_NotFlightRecorder())
@@ -152,26 +197,42 @@ class ReplicaGroups:
         self.cfg, self.ctx, self.metrics, self.log = cfg, ctx, metrics, logger
         self.group = cfg.group
         self.group_size = ctx.world_size
+        lighthouse = cfg.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
+        # Without a secret (the rule table allows it with a loopback lighthouse only) the MACs
+        # are keyed with b"": they prove nothing, the schema and the sanity rules still hold.
+        self.secret = read_secret(cfg.secret_file) if cfg.secret_file else b""
+        bind = cfg.bind or default_bind(lighthouse)
         host, port, self._store = _group_store(ctx)
         self._pg = replica_process_group(ctx.backend, cfg.timeout_s)
-        self.manager = Manager(
-            pg=self._pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=1,
-            use_async_quorum=False,
+        self._state: Callable[[], dict[str, Any]] | None = None
+        self.transport = StateTransport(
+            bind=bind,
+            secret=self.secret,
             timeout=timedelta(seconds=cfg.timeout_s),
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=cfg.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
-            replica_id=f"group{cfg.group}",
-            # Every group seeds its model alike: nothing to copy before the first step.
-            init_sync=False,
+            local_state=lambda: self._state(),  # type: ignore[misc] (set by serve)
+            step_of=lambda state: int(state["trainer"]["step"]),
         )
+        with _manager_server_bound_to(bind):
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=1,
+                use_async_quorum=False,
+                timeout=timedelta(seconds=cfg.timeout_s),
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=lighthouse,
+                hostname=advertised_host(bind),
+                checkpoint_transport=self.transport,
+                replica_id=f"group{cfg.group}",
+                # Every group seeds its model alike: nothing to copy before the first step.
+                init_sync=False,
+            )
         self.members: tuple[int, ...] = ()
         """The replica groups of the current quorum."""
         self.participants = 0
@@ -180,6 +241,8 @@ class ReplicaGroups:
         self._lost: set[int] = set()
         """The groups this step's failed attempts lost."""
         self._healed: tuple[float, int] | None = None
+        self._refusals = 0
+        """Attempts refused in a row (see REFUSALS_BEFORE_STOP)."""
 
     def serve(
         self,
@@ -192,6 +255,7 @@ class ReplicaGroups:
         tensors, from `transferable`), this group being at `step` (0, or the checkpoint it
         resumed from): a group behind the others' step loads theirs at its first quorum."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._state = state
 
         def timed_load(received: dict[str, Any]) -> None:
             start = time.perf_counter()
@@ -283,18 +347,58 @@ class ReplicaGroups:
         vote to commit the step; returns the groups' mean loss. Raises StepNotCommitted, with
         the gradients cleared, when some group failed: the caller redoes the step."""
         grads = [_local(p.grad) for p in parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).float()])
+        flat_grads = torch.cat([g.reshape(-1) for g in grads])
+        round_ = Round(
+            secret=self.secret,
+            # torchft 0.2.0 keeps the quorum's id in this private attribute.
+            quorum_id=self.manager._quorum_id,
+            step=self.manager.current_step(),
+            groups=self.members,
+            members=self.participants,
+            num_groups=self.cfg.replica_groups,
+        )
+        proof = slots(
+            round_,
+            slot=self.manager.participating_rank() or 0,
+            group=self.group,
+            grad_norm=torch.linalg.vector_norm(flat_grads),
+            loss=loss,
+        )
+        flat = torch.cat([flat_grads, loss.detach().reshape(1).float(), proof])
         self.manager.allreduce(flat).wait()
+        if self.manager.errored() is None:
+            # One small read to the host: should_commit below waits for the device anyway.
+            refusal = check_slots(
+                round_, flat[-proof.numel() :].tolist(), ratio=self.cfg.peer_grad_norm_ratio
+            )
+            if refusal:
+                self.log.error("replica groups: %s; the step is not committed", refusal)
+                self.manager.report_error(PeerRefused(refusal))
         if not self.manager.should_commit():
             error = self.manager.errored()
             for p in parameters():
                 p.grad = None
-            raise StepNotCommitted(str(error.original_exception if error else "a peer failed"))
+            cause = error.original_exception if error else None
+            self._note_refusal(cause)
+            raise StepNotCommitted(str(cause or "a peer failed"))
+        self._refusals = 0
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        return flat[-1]
+        return flat[flat_grads.numel()]
+
+    def _note_refusal(self, cause: BaseException | None) -> None:
+        """Count a refused attempt; stop the group at REFUSALS_BEFORE_STOP in a row."""
+        if not isinstance(cause, PeerRefused):
+            return
+        self._refusals += 1
+        if self._refusals >= REFUSALS_BEFORE_STOP:
+            raise ReplicaPeerRefused(
+                f"replica group {self.group} refused {self._refusals} attempts in a row: "
+                f"{cause}; stopping (the last checkpoint is intact); see who reaches the "
+                "lighthouse (docs/security.md)"
+            )
 
     def step_failed(self, started: float, error: StepNotCommitted) -> None:
         """Note a failed attempt of the current step (started at `started`, perf_counter)."""

@@ -1,0 +1,79 @@
+"""Where the replica groups' lighthouse is, whether the run may span hosts and so needs a run
+secret, and reading that secret: decided from the config and the secret file alone, so that the
+launcher refuses a bad setting before any worker starts and the workers read it the same way
+(train/replica_trust.py uses the secret)."""
+
+from __future__ import annotations
+
+import ipaddress
+import stat
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from distrain.errors import ConfigError
+
+MIN_SECRET_BYTES = 16
+
+
+def lighthouse_host(lighthouse: str) -> tuple[str, int]:
+    """(host, port) of a lighthouse address such as http://host:29510."""
+    parts = urlsplit(lighthouse if "//" in lighthouse else f"http://{lighthouse}")
+    if not parts.hostname or parts.port is None:
+        raise ConfigError(
+            f"fault_tolerance.lighthouse = {lighthouse!r} is not http://host:port; give the "
+            "address torchft_lighthouse listens on"
+        )
+    return parts.hostname, parts.port
+
+
+def is_loopback(host: str) -> bool:
+    """`host` names this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def secret_needed(lighthouse: str) -> bool:
+    """A run whose lighthouse is not on a loopback address may span hosts: it needs a secret."""
+    return not is_loopback(lighthouse_host(lighthouse)[0])
+
+
+def read_secret(path: str) -> bytes:
+    """The run secret in `path` (surrounding whitespace stripped), or a one-line ConfigError: the
+    file must be a regular file (not a link), readable by its owner only, of at least
+    MIN_SECRET_BYTES bytes."""
+    field = "fault_tolerance.secret_file"
+    file = Path(path)
+    try:
+        info = file.lstat()
+    except OSError as error:
+        raise ConfigError(
+            f"{field} = {path!r}: {error.strerror}; create it on every host"
+        ) from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{field} = {path!r} is not a regular file; give the file itself")
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"{field} = {path!r} is readable by others (mode {info.st_mode & 0o777:o}); "
+            f"run chmod 600 {path}"
+        )
+    secret = file.read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{field} = {path!r} holds {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}; "
+            "write a random one, e.g. `openssl rand -hex 32 > FILE`"
+        )
+    return secret
+
+
+def secret_missing(lighthouse: str) -> str:
+    """The one-line refusal of a run whose lighthouse may be reached from other hosts and that
+    has no run secret."""
+    return (
+        f"fault_tolerance.lighthouse = {lighthouse!r} is not on a loopback address, so replica "
+        "groups may span hosts: set fault_tolerance.secret_file to a file holding the same "
+        "random secret on every host (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)"
+    )

@@ -1,0 +1,182 @@
+"""The attacks of the network review, end to end: a process using only torchft's public Manager
+joins a live replica group's lighthouse as "group1", without the run secret.
+
+- **ahead**: it claims step 1,000,000 and serves, on torchft's default transport, a state that
+  unpickles to `touch MARKER`. The live group tries to take that state, refuses it (the peer
+  does not speak distrain's authenticated protocol), never unpickles it, and after three refused
+  attempts stops with one line naming the refusal;
+- **poison**: it joins at the live group's step (its own transport fabricates the heal) and
+  adds gradients of 1000 and a loss of 0 to every exchange. The live group's slot check names
+  the member that did not prove the secret (its slot reads as garbage: "group 1000") and
+  commits no step with it; the attacker, having committed its own step, is then ahead, its
+  state is refused as above, and the group stops the same way.
+
+In both, MARKER never exists and every step the group logged is the 1-process run's (within
+1e-6, relative): the attacker changed nothing it trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import SMALL_RUN, losses, start_train, train_in_process
+from replica import LIGHTHOUSE, metrics_rows, secret_file, wait_until
+
+from distrain.config.io import load_config
+from distrain.layout.rules import validate
+from distrain.models.presets import num_params
+from distrain.observe.metrics import read_metrics
+from distrain.train.replica_trust import SLOT_SIZE
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow
+
+STEPS = 200
+FIELDS = {
+    "training__steps": STEPS,
+    **SMALL_RUN,
+    "checkpoint__interval_steps": 0,
+    "checkpoint__at_end": False,
+}
+GROUP_FIELDS = {
+    **FIELDS,
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 2,
+    "fault_tolerance__timeout_s": 5,
+    "debug__slow_rank": 0,
+    "debug__slow_ms": 200,
+}
+
+ATTACKER = """
+import os, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+mode, lighthouse, marker, size, slots = sys.argv[1:6]
+size, slots = int(size), int(slots)
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {marker}",))
+
+
+class Fabricated(HTTPTransport):
+    # 'poison' joins at the quorum's step without the live state: it makes one up.
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        return {"user": {"distrain": {}}, "torchft": {"step": step, "batches_committed": 0}}
+
+
+timeout = timedelta(seconds=5)
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+manager = Manager(
+    pg=ProcessGroupGloo(timeout=timeout),
+    load_state_dict=None,
+    state_dict=None,
+    min_replica_size=1,
+    use_async_quorum=False,
+    timeout=timeout,
+    rank=0,
+    world_size=1,
+    store_addr="127.0.0.1",
+    store_port=store.port,
+    lighthouse_addr=lighthouse,
+    replica_id="group1",
+    checkpoint_transport=(Fabricated if mode == "poison" else HTTPTransport)(timeout, 0),
+    init_sync=False,
+)
+manager.register_state_dict_fn("distrain", lambda state: None, lambda: {"x": Payload()})
+manager.load_state_dict({"step": 1_000_000 if mode == "ahead" else 0, "batches_committed": 0})
+while True:
+    manager.start_quorum()
+    flat = torch.full((size + 1 + slots,), 1000.0)
+    flat[size] = 0.0  # the loss it reports
+    manager.allreduce(flat).wait()
+    manager.should_commit()
+"""
+
+
+@pytest.fixture(scope="module")
+def lighthouse():
+    server = subprocess.Popen(
+        [sys.executable, "-c", LIGHTHOUSE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, RUST_LOG="warn"),
+    )
+    try:
+        yield server.stdout.readline().strip()
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    run = tmp_path_factory.mktemp("reference")
+    return losses(train_in_process(run, **FIELDS))
+
+
+def _attacked(tmp_path, lighthouse: str, mode: str) -> tuple[int, str, list[dict], bool]:
+    """Group 0 trains; once it logged step 3 the attacker joins. Returns group 0's exit code,
+    stderr and rank log, its metrics rows, and whether the attacker's payload ran."""
+    run, marker = tmp_path / "group0", tmp_path / "pwned"
+    fields = dict(
+        GROUP_FIELDS,
+        fault_tolerance__group=0,
+        fault_tolerance__lighthouse=lighthouse,
+        fault_tolerance__secret_file=secret_file(tmp_path),
+    )
+    size = num_params(validate(load_config(None, []), 1).model)
+    group = start_train(run, "--nproc", "1", "--max-restarts", "0", **fields)
+    attacker = None
+    try:
+        step_of = lambda: max((r["step"] for r in metrics_rows(run) if "loss" in r), default=0)  # noqa: E731
+        wait_until(lambda: step_of() >= 3, "step 3 of group 0", [group], limit_s=180)
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", ATTACKER, mode, lighthouse, str(marker), str(size)]
+            + [str(2 * SLOT_SIZE)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, RUST_LOG="error"),
+        )
+        _, err = group.communicate(timeout=240)
+    finally:
+        for proc in (group, attacker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    log = (run / "logs" / "rank0.log").read_text()
+    return group.returncode, err + log, read_metrics(run / "metrics.jsonl"), marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "refusal"),
+    [
+        ("ahead", "not a distrain group with this run's secret"),
+        # The poisoned exchange is refused; the attacker, which commits its own steps, is then
+        # ahead, and its state is refused as in 'ahead'.
+        ("poison", "calling itself group 1000) did not prove the run secret"),
+    ],
+)
+def test_an_intruder_without_the_secret_runs_no_code_and_steers_nothing(
+    tmp_path, lighthouse, reference, mode, refusal
+):
+    code, err, rows, pwned = _attacked(tmp_path, lighthouse, mode)
+    assert not pwned
+    assert code != 0, err[-3000:]
+    assert "refused 3 attempts in a row" in err and refusal in err, err[-3000:]
+    trained = losses(rows)
+    assert 3 <= len(trained) < STEPS
+    for step, loss in trained.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6), (step, loss, reference[step])
