@@ -31,7 +31,6 @@ from distrain.models.presets import num_params
 from distrain.observe.metrics import read_metrics
 from distrain.train.replica_trust import SLOT_SIZE
 
-pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 STEPS = 200

@@ -48,8 +48,6 @@ from distrain.train.replica_trust import (
     slots,
 )
 
-pytest.importorskip("torchft")
-
 SECRET = b"0123456789abcdef0123456789abcdef"
 TIMEOUT = timedelta(seconds=10)
 
