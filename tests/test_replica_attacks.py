@@ -28,6 +28,7 @@ from replica import LIGHTHOUSE, metrics_rows, secret_file, wait_until
 from distrain.config.io import load_config
 from distrain.layout.rules import validate
 from distrain.models.presets import num_params
+from distrain.observe.diagnose import replica_lines
 from distrain.observe.metrics import read_metrics
 from distrain.train.replica_trust import SLOT_SIZE
 
@@ -175,6 +176,10 @@ def test_an_intruder_without_the_secret_runs_no_code_and_steers_nothing(
     assert not pwned
     assert code != 0, err[-3000:]
     assert "refused 3 attempts in a row" in err and refusal in err, err[-3000:]
+    refused = [r for r in rows if r.get("replica_change") == "refused"]
+    assert [r["refusals"] for r in refused] == [1, 2, 3], refused
+    assert any(refusal in r["reason"] for r in refused), refused
+    assert sum("refused a peer" in line for line in replica_lines(rows)) == 3  # diagnose, status
     trained = losses(rows)
     assert 3 <= len(trained) < STEPS
     for step, loss in trained.items():

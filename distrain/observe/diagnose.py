@@ -158,7 +158,8 @@ def last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 
 
 def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per membership change of the replica groups in a run's metrics rows."""
+    """One line per membership change of the replica groups in a run's metrics rows, and per
+    attempt refused because a peer was not believed."""
     lines = []
     for r in rows:
         change = r.get("replica_change")
@@ -183,8 +184,12 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
                 f"  step {r['step']}: this group rejoined with a peer's live state "
                 f"({r['state_mb']:.1f} MiB in {r['transfer_s']:.2f} s)"
             )
+        elif change == "refused":
+            lines.append(f"  step {r['step']}: refused a peer ({r['reason']})")
     if lines:
-        lines.insert(0, f"replica groups: {len(lines)} membership change(s)")
+        refused = sum(r.get("replica_change") == "refused" for r in rows)
+        header = f"replica groups: {len(lines) - refused} membership change(s)"
+        lines.insert(0, header + (f", {refused} refused attempt(s)" if refused else ""))
     return lines
 
 

@@ -176,6 +176,8 @@ class ReplicaGroups:
       group came (back);
     - `{"step", "replica_change": "rejoined", "transfer_s", "state_mb", "replica_groups"}` in the
       rejoining group's own run dir: the live state it fetched.
+    - `{"step", "replica_change": "refused", "reason", "refusals"}` for an attempt no honest
+      group committed because a peer's state or slot was not believed (replica_trust.py).
     """
 
     def __init__(
@@ -393,6 +395,14 @@ class ReplicaGroups:
         if not isinstance(cause, PeerRefused):
             return
         self._refusals += 1
+        self.metrics.log(
+            {
+                "step": self.manager.current_step() + 1,
+                "replica_change": "refused",
+                "reason": str(cause),
+                "refusals": self._refusals,
+            }
+        )
         if self._refusals >= REFUSALS_BEFORE_STOP:
             raise ReplicaPeerRefused(
                 f"replica group {self.group} refused {self._refusals} attempts in a row: "
