@@ -346,8 +346,10 @@ class ReplicaGroups:
         self, loss: torch.Tensor, parameters: Callable[[], Iterable[nn.Parameter]]
     ) -> torch.Tensor:
         """Average this rank's gradient shards and `loss` over the groups in the quorum and
-        vote to commit the step; returns the groups' mean loss. Raises StepNotCommitted, with
-        the gradients cleared, when some group failed: the caller redoes the step."""
+        vote to commit the step; returns the groups' mean loss. The exchange carries every
+        member's slot (replica_trust.py): a member that is not believed makes this group vote
+        against the step. Raises StepNotCommitted, with the gradients cleared, when some group
+        failed or was not believed: the caller redoes the step."""
         grads = [_local(p.grad) for p in parameters() if p.grad is not None]
         flat_grads = torch.cat([g.reshape(-1) for g in grads])
         round_ = Round(
