@@ -1,22 +1,32 @@
 """Where a sharded dataset's files come from: a local folder, read in place, or an fsspec URL
 (`s3://bucket/prefix`) whose shards are downloaded into a bounded local cache.
 
-A remote shard is fetched by a background thread ahead of need (`prefetch`), or when first read
-(`local_path`). It is downloaded under a temporary name, its size and SHA-256 are checked against
-the index, and only then renamed to its own name: a partial or corrupt download is never read.
-Above `cache_bytes` the least recently used shards that are not wanted now are deleted (a reader
-that has one open keeps reading it: the file goes when it is closed). The ranks of a node may
-share the folder: each counts its own downloads against `cache_bytes`, a shard another evicted is
-fetched again, and a download under way (a `.partial` file of a live process) is left alone.
-Every storage call goes through `call(what, fn, *args)`, the caller's retry policy (training
-passes the one checkpoints use, see checkpoint/storage.py).
-"""
+Nothing on disk is believed on its size alone. Before a process first reads a shard, local or
+cached, it checks it (`check_shard`): a regular file (not a symlink), of the index's size, whose
+SHA-256 is the index's and whose token ids are below the index's vocabulary. A local folder's
+shards are checked in the background as they are wanted (`want`), or when first read.
 
+A remote shard is fetched by a background thread ahead of need (`prefetch`), or when first read
+(`local_path`). It is downloaded under a temporary name, checked, and only then renamed to its
+own name: a partial or corrupt download is never read. The cache folder is named after the URL
+and the index's own SHA-256, so a dataset prepared again at the same URL never reuses the
+shards of the old one (whose folder is removed); a file already in the folder is checked like a
+download before it is read, and fetched again when it fails. Above `cache_bytes` the least
+recently used shards that are not wanted now are deleted (a reader that has one open keeps
+reading it: the file goes when it is closed). The ranks of a node may share the folder: each
+counts its own downloads against `cache_bytes`, a shard another evicted is fetched again, and a
+download under way (a `.partial` file of a live process) is left alone. Every storage call goes
+through `call(what, fn, *args)`, the caller's retry policy (training passes the one
+checkpoints use, see checkpoint/storage.py).
+"""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
+import shutil
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -26,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from distrain.data.corpus import INDEX_NAME, DataError
@@ -36,6 +47,51 @@ Call = Callable[..., Any]
 
 FETCH_THREADS = 4
 _CHUNK = 8 << 20
+"""Bytes read at a time when checking a shard (a multiple of every token dtype's size)."""
+
+log = logging.getLogger(__name__)
+
+
+def check_shard(path: Path, shard: Shard, index: ShardIndex, *, where: str) -> None:
+    """Raise DataError (one line) unless `path` is a regular file, not a symlink, holding exactly
+    `shard` as the index describes it: its size, its SHA-256, token ids below the index's
+    vocabulary."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise DataError(f"{where}: {shard.name} is missing; prepare the dataset again") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DataError(
+            f"{where}: {shard.name} is a symlink or not a regular file; only the files inside "
+            "a dataset folder are read: copy the shard in"
+        )
+    size = index.shard_bytes(shard)
+    if info.st_size != size:
+        raise DataError(
+            f"{where}: {shard.name} holds {info.st_size} bytes, the index says {size}; the "
+            "folder is incomplete or changed: prepare it again"
+        )
+    digest, high = hashlib.sha256(), -1
+    with open(path, "rb", opener=_no_follow) as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=index.dtype)
+            if ids.size:
+                high = max(high, int(ids.max()))
+    if digest.hexdigest() != shard.sha256:
+        raise DataError(
+            f"{where}: {shard.name} does not match its index entry (another SHA-256); the "
+            "dataset was changed or damaged: prepare it again"
+        )
+    if high >= index.vocab_size:
+        raise DataError(
+            f"{where}: {shard.name} holds token id {high}, beyond the index's vocabulary of "
+            f"{index.vocab_size}; the dataset is damaged: prepare it again"
+        )
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _downloading(name: str) -> bool:
@@ -73,14 +129,17 @@ class ShardStore:
         self.url, self.call, self.field = url.rstrip("/"), call, field
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.local = isinstance(self.fs, LocalFileSystem)
-        self.index = self._read_index()
+        index_bytes = self._read_index()
+        self.index = parse_index(index_bytes, where=f"{field} {self.url}/{INDEX_NAME}")
         self.by_name = {s.name: s for s in self.index.shards}
         self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._cached: OrderedDict[str, int] = OrderedDict()
         self._wanted: set[str] = set()
         self._fetching: dict[str, Future[Path]] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._verified: set[str] = set()
+        """The shards this process has checked (check_shard)."""
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shard-fetch")
         if self.local:
             self.cache = Path(self.root)
             self._check_local_sizes()
@@ -95,18 +154,23 @@ class ShardStore:
                 f"{url!r} read now and next (the largest is {largest} bytes); set "
                 f"data.cache_bytes >= {need} or a smaller data.shuffle_window_shards"
             )
-        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        self.cache = Path(cache_dir) / digest
+        # The URL and the index's own hash: a dataset prepared again at the same URL (same-size
+        # shards, other contents) gets a folder of its own; the old one's is removed.
+        url_key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.cache = Path(cache_dir) / f"{url_key}-{hashlib.sha256(index_bytes).hexdigest()[:16]}"
+        for old in Path(cache_dir).glob(f"{url_key}*") if Path(cache_dir).is_dir() else ():
+            if old != self.cache:
+                shutil.rmtree(old, ignore_errors=True)
         self.cache.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.cache.iterdir(), key=lambda p: p.stat().st_mtime):
             shard = self.by_name.get(path.name)
             if shard is not None and path.stat().st_size == self.index.shard_bytes(shard):
+                # A candidate only: checked like a download before its first read here.
                 self._cached[path.name] = path.stat().st_size
             elif shard is not None or not _downloading(path.name):
                 path.unlink(missing_ok=True)  # a cut-off download, a stale shard, anything else
-        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shard-fetch")
 
-    def _read_index(self) -> ShardIndex:
+    def _read_index(self) -> bytes:
         where = f"{self.field} {self.url}/{INDEX_NAME}"
         path = posixpath.join(self.root, INDEX_NAME)
 
@@ -115,18 +179,31 @@ class ShardStore:
                 return f.read(MAX_INDEX_BYTES + 1)
 
         try:
-            text = self.call(f"reading {where}", read)
+            return self.call(f"reading {where}", read)
         except FileNotFoundError:
             raise DataError(
                 f"{where}: no such file; point {self.field} at a folder written by "
                 "`distrain prepare --shard-tokens N`"
             ) from None
-        return parse_index(text, where=where)
 
     def _check_local_sizes(self) -> None:
+        """Every shard of a local folder is a regular file of its size (hashes are checked as the
+        shards are first read: a large folder is not read through at every start)."""
+        index_path = Path(self.root) / INDEX_NAME
+        if index_path.is_symlink():
+            raise DataError(
+                f"{self.field} {self.url!r}: {INDEX_NAME} is a symlink; only the files inside "
+                "a dataset folder are read"
+            )
         for shard in self.index.shards:
             path = Path(self.root) / shard.name
-            size = path.stat().st_size if path.is_file() else -1
+            info = path.lstat() if path.is_symlink() or path.exists() else None
+            size = info.st_size if info is not None and stat.S_ISREG(info.st_mode) else -1
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                raise DataError(
+                    f"{self.field} {self.url!r}: {shard.name} is a symlink or not a regular "
+                    "file; only the files inside a dataset folder are read: copy the shard in"
+                )
             if size != self.index.shard_bytes(shard):
                 raise DataError(
                     f"{self.field} {self.url!r}: {shard.name} holds {size} bytes, the index says "
@@ -136,21 +213,20 @@ class ShardStore:
     # --- the cache ---
 
     def want(self, names: Iterable[str]) -> None:
-        """The shards read now or next: fetched in the background, never evicted while wanted."""
+        """The shards read now or next: fetched (or, local, checked) in the background, never
+        evicted while wanted."""
         names = list(names)
         with self._lock:
             self._wanted = set(names)
-        if not self.local:
-            for name in names:
-                self._fetch(name)
+        for name in names:
+            self._fetch(name)
 
     def local_path(self, shard: Shard) -> Path:
-        """The shard's local file; waits for its download when it is not cached yet."""
-        if self.local:
-            return self.cache / shard.name
+        """The shard's local file, checked; waits for its check or download when needed."""
         with self._lock:
-            if shard.name in self._cached:
-                self._cached.move_to_end(shard.name)
+            if shard.name in self._verified and (self.local or shard.name in self._cached):
+                if not self.local:
+                    self._cached.move_to_end(shard.name)
                 return self.cache / shard.name
         return self._fetch(shard.name).result()
 
@@ -158,19 +234,44 @@ class ShardStore:
         """The shard's file is gone (another process sharing the cache evicted it)."""
         with self._lock:
             self._cached.pop(shard.name, None)
+            self._verified.discard(shard.name)
 
     def _fetch(self, name: str) -> Future[Path]:
         with self._lock:
-            if name in self._cached:
+            if name in self._verified and (self.local or name in self._cached):
                 done: Future[Path] = Future()
                 done.set_result(self.cache / name)
                 return done
             future = self._fetching.get(name)
             if future is None:
-                assert self._pool is not None
-                future = self._pool.submit(self._download, self.by_name[name])
+                future = self._pool.submit(self._provide, self.by_name[name])
                 self._fetching[name] = future
             return future
+
+    def _provide(self, shard: Shard) -> Path:
+        """The checked local file of `shard`: the local folder's, a cached one that passes the
+        check, or a fresh download."""
+        path = self.cache / shard.name
+        try:
+            if self.local or shard.name in self._cached:
+                try:
+                    check_shard(path, shard, self.index, where=f"{self.field} {self.url}")
+                except DataError as error:
+                    if self.local:
+                        raise
+                    log.warning("cached %s failed its check (%s): fetching it again", path, error)
+                    with self._lock:
+                        self._cached.pop(shard.name, None)
+                    path.unlink(missing_ok=True)
+                    path = self._download(shard)
+            else:
+                path = self._download(shard)
+            with self._lock:
+                self._verified.add(shard.name)
+            return path
+        finally:
+            with self._lock:
+                self._fetching.pop(shard.name, None)
 
     def _download(self, shard: Shard) -> Path:
         url = f"{self.url}/{shard.name}"
@@ -179,22 +280,18 @@ class ShardStore:
         tmp = self.cache / f".{shard.name}.{os.getpid()}.{uuid.uuid4().hex}.partial"
 
         def get() -> None:
-            h = hashlib.sha256()
             with self.fs.open(posixpath.join(self.root, shard.name), "rb") as src:
-                with open(tmp, "wb") as dst:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with open(fd, "wb") as dst:
                     left = size + 1  # one byte more: a longer object fails the check
                     while left > 0 and (chunk := src.read(min(_CHUNK, left))):
                         dst.write(chunk)
-                        h.update(chunk)
                         left -= len(chunk)
-            got = tmp.stat().st_size
-            if got != size or h.hexdigest() != shard.sha256:
+            try:
+                check_shard(tmp, shard, self.index, where=f"{self.field}: {url}")
+            except DataError:
                 tmp.unlink()
-                raise DataError(
-                    f"{self.field}: {url} does not match its index entry ({got} bytes, "
-                    f"{size} expected, or another SHA-256); the dataset was changed or "
-                    "damaged: prepare and upload it again"
-                )
+                raise
 
         try:
             self._make_room()
@@ -202,8 +299,6 @@ class ShardStore:
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
-            with self._lock:
-                self._fetching.pop(shard.name, None)
         with self._lock:
             self._cached[shard.name] = size
         return final
@@ -229,5 +324,4 @@ class ShardStore:
             return sum(self._cached.values())
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -49,12 +49,12 @@ class ShardedTokens:
                 return fd
         shard = self.index.shards[k]
         try:
-            fd = os.open(self.store.local_path(shard), os.O_RDONLY)
+            fd = os.open(self.store.local_path(shard), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             if self.store.local:
                 raise
             self.store.forget(shard)  # evicted by another process sharing the cache
-            fd = os.open(self.store.local_path(shard), os.O_RDONLY)
+            fd = os.open(self.store.local_path(shard), os.O_RDONLY | os.O_NOFOLLOW)
         with self._lock:
             if k in self._open:  # another thread opened it meanwhile
                 os.close(fd)
