@@ -232,3 +232,35 @@ def test_the_package_and_cli_help_import_no_tracker_or_harness():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_credential_reaches_a_tracker(server, tmp_path):
+    """A tracking URI with a password in it and a secret-named field: MLflow's params and
+    artifacts and every file of the W&B run hold neither; the run's own config.toml keeps
+    them (a resume needs them)."""
+    password, secret_path = "s3cr3t-pw-81", "/run/keys/TOPSECRET-77"
+    run = tmp_path / "run"
+    uri = server.uri.replace("http://", f"http://alice:{password}@")
+    train_in_process(
+        run,
+        **dict(FIELDS, training__steps=2, checkpoint__interval_steps=0),
+        metrics__mlflow__tracking_uri=uri,
+        metrics__mlflow__experiment="redaction",
+        metrics__wandb__mode="offline",
+        metrics__wandb__project="redaction",
+        fault_tolerance__secret_file=secret_path,
+    )
+    assert password in (run / "config.toml").read_text()
+    client = mlflow.MlflowClient(server.uri)
+    got = client.get_run(read_ids(run)["mlflow"])
+    assert got.data.params["metrics.mlflow.tracking_uri"] == server.uri.replace(
+        "http://", "http://***@"
+    )
+    assert got.data.params["fault_tolerance.secret_file"] == "***"
+    shared = Path(client.download_artifacts(got.info.run_id, "config.toml", str(tmp_path)))
+    sent = [shared, *(server.root / "artifacts").rglob("*"), *(run / "wandb").rglob("*")]
+    for path in (p for p in sent if p.is_file()):
+        data = path.read_bytes()
+        assert password.encode() not in data and secret_path.encode() not in data, path
+    assert 'secret_file = "***"' in shared.read_text()
+    assert any((run / "wandb").rglob("*.wandb"))

@@ -19,6 +19,7 @@ import tomli_w
 
 from distrain.config.schema import Config, sections, validate
 from distrain.errors import ConfigError, UsageError
+from distrain.files import write_atomic
 
 
 def _describe(tp: Any) -> str:
@@ -272,7 +273,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def write_toml(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+    write_atomic(path, tomli_w.dumps(to_dict(cfg)))
 
 
 WIDTH = 100

@@ -30,6 +30,7 @@ from distrain.data.shards import ShardIndex
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
 from distrain.errors import ConfigError
+from distrain.files import open_new
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 UNIT_BYTES = 4 << 20
@@ -118,7 +119,7 @@ def prepare(
     )
     num_tokens = 0
     try:
-        with open(tmp, "wb") as sink, bar:
+        with open_new(tmp, "wb") as sink, bar:
             results = _results(units, setup, workers)
             for unit, (tokens, doc_lengths) in zip(units, results, strict=True):
                 tokens.tofile(sink)

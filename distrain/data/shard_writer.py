@@ -13,8 +13,8 @@ shard needs; `index.json` comes last, written aside and renamed.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -24,6 +24,7 @@ import numpy as np
 from distrain.data.corpus import INDEX_NAME
 from distrain.data.shards import Shard, ShardIndex, shard_name
 from distrain.errors import ConfigError
+from distrain.files import write_atomic
 
 WRITER_THREADS = 2
 _HASH_CHUNK = 8 << 20
@@ -43,10 +44,7 @@ def _file_sha256(path: Path) -> str:
 
 def _write_bytes(path: Path, data: bytes) -> str:
     """Write aside, then rename: a file under its own name is whole; returns its SHA-256."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
+    write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -163,10 +161,9 @@ class ShardWriter:
         self, name: str, tokens: np.ndarray, lengths: np.ndarray, stop: tuple[int, int]
     ) -> Shard:
         boundaries = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        docs_tmp = self.folder / f"{name}.docs.tmp.npy"
-        np.save(docs_tmp, boundaries)
-        docs_sha = _file_sha256(docs_tmp)
-        docs_tmp.replace(self.folder / f"{name}.docs.npy")
+        docs = io.BytesIO()
+        np.save(docs, boundaries)
+        docs_sha = _write_bytes(self.folder / f"{name}.docs.npy", docs.getvalue())
         sha = _write_bytes(self.folder / name, tokens.tobytes())
         shard = Shard(name, int(tokens.size), int(lengths.size), sha, docs_sha)
         record = {"job": self.job, "shard": asdict(shard), "stop": list(stop)}
@@ -183,9 +180,7 @@ class ShardWriter:
         if not self.shards:
             raise ConfigError("prepare: the inputs hold no tokens")
         full = replace(index, shard_tokens=self.shard_tokens, shards=tuple(self.shards))
-        tmp = self.folder / f"{INDEX_NAME}.tmp"
-        tmp.write_text(full.to_json())
-        os.replace(tmp, self.folder / INDEX_NAME)
+        write_atomic(self.folder / INDEX_NAME, full.to_json())
         return full
 
     def abort(self) -> None:

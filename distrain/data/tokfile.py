@@ -16,6 +16,7 @@ import numpy as np
 
 from distrain.data.tokenizer import Tokenizer
 from distrain.errors import ConfigError
+from distrain.files import write_atomic
 
 FORMAT = "distrain-tokens"
 VERSION = 1
@@ -48,9 +49,7 @@ def docs_path(data: Path) -> Path:
 
 
 def write_sidecar(data: Path, sidecar: Sidecar) -> None:
-    tmp = sidecar_path(data).with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(sidecar), indent=2) + "\n")
-    tmp.replace(sidecar_path(data))
+    write_atomic(sidecar_path(data), json.dumps(asdict(sidecar), indent=2) + "\n")
 
 
 def read_sidecar(data: Path) -> Sidecar | None:

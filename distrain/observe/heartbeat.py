@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from distrain.files import write_atomic
+
 PHASES = (
     "setup",
     "data",
@@ -85,9 +87,7 @@ class Heartbeat:
             "time": time.time(),
             **extra,
         }
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(record))
 
 
 class PhaseListener(Protocol):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from distrain.files import open_append
+
 LOGGER_NAME = "distrain"
 # `logger.error(..., extra=FILE_ONLY)`: for records stderr already shows another way (a traceback).
 FILE_ONLY = {"file_only": True}
@@ -28,6 +30,13 @@ class _ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
+class _NoFollowFileHandler(logging.FileHandler):
+    """A FileHandler that refuses a symlink planted at the log's name (distrain/files.py)."""
+
+    def _open(self):  # noqa: ANN202 (logging's own signature)
+        return open_append(self.baseFilename)
+
+
 def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     """Configure the `distrain` logger for this process, replacing handlers of an earlier run."""
     logger = logging.getLogger(LOGGER_NAME)
@@ -37,7 +46,7 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s")
-    file_handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+    file_handler = _NoFollowFileHandler(log_dir / f"rank{rank}.log")
     file_handler.setFormatter(fmt)
     logger.addHandler(file_handler)
     if rank == 0:

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from distrain.files import open_append
 from distrain.observe.observer import Row, StepObserver
 
 NOT_SCALARS = ("step", "attempt")
@@ -52,7 +53,7 @@ class MetricsWriter(StepObserver):
             earlier = read_metrics(path, all_attempts=True)
             last = max((r.get("attempt", 0) for r in earlier), default=-1)
             self.attempt = last + 1 if new_attempt else max(last, 0)
-        self._file = open(path, "a", buffering=1)
+        self._file = open_append(path)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -2,8 +2,9 @@
 so that a slow or unreachable tracker never blocks or fails training.
 
 Rank 0's metrics writer hands every row it writes to each `BackgroundTracker`; the tracker's
-thread opens the tracker run (params = the resolved config, flattened), sends the rows' numbers
-in batches and, at `close`, the artifacts (config.toml, a plot of the curves, summary.json)
+thread opens the tracker run (params = the resolved config, flattened, credentials redacted:
+observe/redact.py), sends the rows' numbers in batches and, at `close`, the artifacts
+(config.toml as redacted, written to <run_dir>/tracked/, a plot of the curves, summary.json)
 and the run's end. A call that fails is retried with backoff, reconnecting, while new rows
 queue up; when the queue holds `metrics.tracker_queue_rows` rows the oldest are dropped. Each
 outage and each recovery is one warning line. `close` waits at most
@@ -22,21 +23,27 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import tomli_w
+
 from distrain.config.io import to_dict
 from distrain.config.schema import Config, MetricsConfig
 from distrain.errors import ConfigError, install_hint
+from distrain.files import write_atomic
 from distrain.observe.observer import Row
+from distrain.observe.redact import redacted
 
 IDS_FILE = "trackers.json"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "plots/metrics.png"
+TRACKED_DIR = "tracked"
+"""Where the config the trackers get (credentials redacted) is written for them."""
 NOT_METRICS = ("step", "attempt", "resumed_from")
 BATCH_ROWS = 50
 """Rows sent in one call (MLflow takes up to 1,000 metrics per batch)."""
@@ -63,7 +70,8 @@ class TrackerBackend(Protocol):
 
 
 def flat_params(cfg: Config) -> dict[str, str]:
-    """The resolved config as `section.field -> text` (nested sections dotted; lists as JSON)."""
+    """The resolved config as `section.field -> text` (nested sections dotted; lists as JSON),
+    credentials redacted (observe/redact.py)."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -74,7 +82,7 @@ def flat_params(cfg: Config) -> dict[str, str]:
             else:
                 flat[name] = json.dumps(value) if isinstance(value, list) else str(value)
 
-    walk("", to_dict(cfg))
+    walk("", redacted(to_dict(cfg)))
     return flat
 
 
@@ -106,9 +114,7 @@ def read_ids(run_dir: Path) -> dict[str, str]:
 
 def _write_id(run_dir: Path, name: str, run_id: str) -> None:
     ids = {**read_ids(run_dir), name: run_id}
-    tmp = Path(run_dir) / f".{IDS_FILE}.tmp"
-    tmp.write_text(json.dumps(ids, indent=1) + "\n")
-    os.replace(tmp, Path(run_dir) / IDS_FILE)
+    write_atomic(Path(run_dir) / IDS_FILE, json.dumps(ids, indent=1) + "\n")
 
 
 @dataclass
@@ -355,9 +361,15 @@ class Trackers:
     def close(self) -> None:
         if not self.trackers:
             return
-        artifacts = [(self.run_dir / "config.toml", "")]
+        # The run's config.toml as the trackers may see it (credentials redacted), under its
+        # usual name.
+        config = tomllib.loads((self.run_dir / "config.toml").read_text())
+        shared = self.run_dir / TRACKED_DIR / "config.toml"
+        shared.parent.mkdir(exist_ok=True)
+        write_atomic(shared, tomli_w.dumps(redacted(config)))
+        artifacts = [(shared, "")]
         summary = self.run_dir / SUMMARY_FILE
-        summary.write_text(json.dumps({"step": self.last_step, "last": self.summary}, indent=1))
+        write_atomic(summary, json.dumps({"step": self.last_step, "last": self.summary}, indent=1))
         artifacts.append((summary, ""))
         try:
             from distrain.observe.plots import write_plot

@@ -38,7 +38,11 @@ class WandbBackend:
                 mode=self.cfg.mode,
                 config=params,
                 allow_val_change=True,
-                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+                # No system metadata: it records the command line, which can hold
+                # credentials (the config it carries goes through observe/redact.py).
+                settings=wandb.Settings(
+                    console="off", x_disable_stats=True, x_disable_meta=True, silent=True
+                ),
             )
             self.run.define_metric("step")
             self.run.define_metric("*", step_metric="step")
