@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "distrain"
-ROOT_FILES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "torch_compat.py"}
+ROOT_FILES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "files.py", "torch_compat.py"}
 
 # Each component (a folder, or a root module) and its layer: a module may import from its own
 # component or from one of a lower layer, never from the same layer or above. Derived from the
@@ -26,24 +26,25 @@ ROOT_FILES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "torch_compat
 LAYERS: dict[str, int] = {
     "errors": 0,  # the shared leaves: everyone's one-line errors and torch's API differences
     "torch_compat": 0,
-    "config": 1,
-    "observe": 2,  # logs, metrics and heartbeats read config and nothing else of distrain
-    "data": 3,  # the corpus reader logs through observe
-    "parallel": 3,  # generic mechanisms over any model, beating the heartbeat (observe)
-    "checkpoint": 4,  # saves over parallel/device.py's checkpoint group
-    "models": 5,  # each family owns its parallel plan (parallel/'s spec and styles); Hugging
+    "files": 1,  # writes that refuse planted symlinks raise a one-line error (errors)
+    "config": 2,
+    "observe": 3,  # logs, metrics and heartbeats read config (and write through files)
+    "data": 4,  # the corpus reader logs through observe
+    "parallel": 4,  # generic mechanisms over any model, beating the heartbeat (observe)
+    "checkpoint": 5,  # saves over parallel/device.py's checkpoint group
+    "models": 6,  # each family owns its parallel plan (parallel/'s spec and styles); Hugging
     # Face folders are read through checkpoint/metadata.py's file-name confinement
-    "launch": 5,  # preflight checks the data and the checkpoint folder before workers start
-    "optim": 6,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
-    "inference": 6,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
-    "interop": 6,  # exports from a run dir and its checkpoint through the family's mapping
-    "layout": 7,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
-    "evaluate": 7,  # lm-evaluation-harness over interop/'s checkpoint loading, inference's sampler
-    "plan": 8,  # checks layouts with layout/ and builds their optimizers (optim/)
-    "train": 9,
-    "distrain": 10,  # the package root's Python API (function-local imports of config and train)
-    "cli": 10,
-    "__main__": 11,
+    "launch": 6,  # preflight checks the data and the checkpoint folder before workers start
+    "optim": 7,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
+    "inference": 7,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
+    "interop": 7,  # exports from a run dir and its checkpoint through the family's mapping
+    "layout": 8,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
+    "evaluate": 8,  # lm-evaluation-harness over interop/'s checkpoint loading, inference's sampler
+    "plan": 9,  # checks layouts with layout/ and builds their optimizers (optim/)
+    "train": 10,
+    "distrain": 11,  # the package root's Python API (function-local imports of config and train)
+    "cli": 11,
+    "__main__": 12,
 }
 
 
