@@ -1,7 +1,8 @@
 """Tokenizers and `distrain prepare`: a BPE built with the `tokenizers` library on stdlib source,
 text folders, JSONL and saved `datasets` inputs tokenized into a token file whose counts and
-document boundaries match the tokenizer's own encoding, the sidecar's dtype choice, training on
-the prepared file in this process and generating with the run's tokenizer. All local: no hub."""
+document boundaries match the tokenizer's own encoding, the sidecar's dtype choice, no write
+through a symlink planted at an output's name, training on the prepared file in this process
+and generating with the run's tokenizer. All local: no hub."""
 
 from __future__ import annotations
 
@@ -176,6 +177,31 @@ def test_prepare_refuses_bad_options(bpe, tmp_path) -> None:
         prepare([str(STDLIB / "json")], out=str(tmp_path / "x.bin"), tokenizer=spec, eos="<eos>")
     with pytest.raises(ConfigError, match="no such input file or folder"):
         prepare([str(tmp_path / "missing")], out=str(tmp_path / "x.bin"), tokenizer=spec)
+
+
+def test_prepare_writes_through_no_planted_link(tmp_path) -> None:
+    """Symlinks planted at the token file, its boundaries and its sidecar are replaced, their
+    target untouched; one at the temporary name is refused in one line."""
+    from distrain.files import SymlinkRefused
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("alpha beta gamma " * 50)
+    out = tmp_path / "data.bin"
+    written = (out, docs_path(out), out.with_name("data.bin.json"))
+    for path in written:
+        path.symlink_to(victim)
+    result = prepare([str(text)], out=str(out), tokenizer="bytes")
+    assert victim.read_text() == "precious\n"
+    assert not any(p.is_symlink() for p in written)
+    assert np.load(docs_path(out)).tolist() == [0, result.sidecar.num_tokens]
+    tmp = out.with_name("data.bin.tmp")
+    tmp.symlink_to(victim)
+    with pytest.raises(SymlinkRefused, match="data.bin.tmp is a symlink") as info:
+        prepare([str(text)], out=str(out), tokenizer="bytes")
+    assert "\n" not in str(info.value) and victim.read_text() == "precious\n"
 
 
 def test_data_prepared_with_another_tokenizer_is_refused(bpe, tmp_path) -> None:

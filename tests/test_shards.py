@@ -13,6 +13,8 @@
   positions, the broken variant, does not reproduce it.
 - new weights after a resume: every source continues from its own position, and one log line
   says so; the mixture's shares follow the weights.
+- a source prepared with another tokenizer, or with a vocabulary larger than model.vocab_size,
+  is refused in one line.
 - an S3 dataset (SeaweedFS) read through a cache smaller than the dataset gives the local
   folder's batches bit for bit, never holds more than data.cache_bytes, drops a partial
   download left in the cache, and refuses a shard whose bytes differ from its index entry.
@@ -250,6 +252,14 @@ def test_a_source_of_another_tokenizer_is_refused(datasets):
         Exception, match=r"data.sources\[0\] \('web'\) .* was prepared with tokenizer 'bytes'"
     ):
         build_mixture(cfg, SEQ, seed=7)
+
+
+def test_a_source_beyond_the_model_vocabulary_is_refused(datasets):
+    cfg = DataConfig(sources=(SourceConfig(path=str(datasets["web"]), weight=1.0, name="web"),))
+    message = r"\('web'\) .* holds ids of a 256-token vocabulary, beyond model.vocab_size 128"
+    with pytest.raises(DataError, match=message) as info:
+        build_mixture(cfg, SEQ, seed=7, vocab_size=128)
+    assert "\n" not in str(info.value)
 
 
 @pytest.fixture(scope="module")

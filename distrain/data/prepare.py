@@ -11,6 +11,7 @@ one document, as are a JSONL line's and a dataset row's `--field` text.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ from distrain.data.shards import ShardIndex
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
 from distrain.errors import ConfigError
-from distrain.files import open_new
+from distrain.files import open_new, write_atomic
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 UNIT_BYTES = 4 << 20
@@ -133,7 +134,9 @@ def prepare(
     doc_lengths = np.concatenate(lengths)
     boundaries = np.concatenate([[0], np.cumsum(doc_lengths, dtype=np.int64)])
     tmp.replace(out_path)
-    np.save(docs_path(out_path), boundaries)
+    docs = io.BytesIO()
+    np.save(docs, boundaries)
+    write_atomic(docs_path(out_path), docs.getvalue())
     sidecar = Sidecar(
         tokenizer=tok.spec,
         tokenizer_sha256=tok.fingerprint,

@@ -3,24 +3,26 @@
 
 Nothing on disk is believed on its size alone. Before a process first reads a shard, local or
 cached, it checks it (`check_shard`): a regular file (not a symlink), of the index's size, whose
-SHA-256 is the index's and whose token ids are below the index's vocabulary. A local folder's
-shards are checked in the background as they are wanted (`want`), or when first read.
+SHA-256 is the index's and whose token ids are in [0, the index's vocabulary). A local folder's
+index must be a regular file too, and its shards are checked in the background as they are
+wanted (`want`), or when first read. A shard that passed is not checked again in this process.
 
-A remote shard is fetched by a background thread ahead of need (`prefetch`), or when first read
+A remote shard is fetched by a background thread ahead of need (`want`), or when first read
 (`local_path`). It is downloaded under a temporary name, checked, and only then renamed to its
 own name: a partial or corrupt download is never read. The cache folder is named after the URL
 and the index's own SHA-256, so a dataset prepared again at the same URL never reuses the
-shards of the old one (whose folder is removed); a file already in the folder is checked like a
-download before it is read, and fetched again when it fails. Above `cache_bytes` the least
-recently used shards that are not wanted now are deleted (a reader that has one open keeps
-reading it: the file goes when it is closed). The ranks of a node may share the folder: each
-counts its own downloads against `cache_bytes`, a shard another evicted is fetched again, and a
-download under way (a `.partial` file of a live process) is left alone. Every storage call goes
-through `call(what, fn, *args)`, the caller's retry policy (training passes the one
-checkpoints use, see checkpoint/storage.py).
+shards of the old one (whose folder is removed); it may not be a symlink, and a file already in
+it is checked like a download before it is read, and fetched again when it fails. Above
+`cache_bytes` the least recently used shards that are not wanted now are deleted (a reader that
+has one open keeps reading it: the file goes when it is closed). The ranks of a node may share
+the folder: each counts its own downloads against `cache_bytes`, a shard another evicted is
+fetched again, and a download under way (a `.partial` file of a live process) is left alone.
+Every storage call goes through `call(what, fn, *args)`, the caller's retry policy (training
+passes the one checkpoints use, see checkpoint/storage.py).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -54,8 +56,8 @@ log = logging.getLogger(__name__)
 
 def check_shard(path: Path, shard: Shard, index: ShardIndex, *, where: str) -> None:
     """Raise DataError (one line) unless `path` is a regular file, not a symlink, holding exactly
-    `shard` as the index describes it: its size, its SHA-256, token ids below the index's
-    vocabulary."""
+    `shard` as the index describes it: its size, its SHA-256, token ids in [0, the index's
+    vocabulary)."""
     try:
         info = path.lstat()
     except FileNotFoundError:
@@ -71,27 +73,49 @@ def check_shard(path: Path, shard: Shard, index: ShardIndex, *, where: str) -> N
             f"{where}: {shard.name} holds {info.st_size} bytes, the index says {size}; the "
             "folder is incomplete or changed: prepare it again"
         )
-    digest, high = hashlib.sha256(), -1
+    digest, low, high = hashlib.sha256(), 0, -1
+    signed = np.dtype(index.dtype).kind == "i"
     with open(path, "rb", opener=_no_follow) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             ids = np.frombuffer(chunk, dtype=index.dtype)
             if ids.size:
                 high = max(high, int(ids.max()))
+                if signed:
+                    low = min(low, int(ids.min()))
     if digest.hexdigest() != shard.sha256:
         raise DataError(
             f"{where}: {shard.name} does not match its index entry (another SHA-256); the "
             "dataset was changed or damaged: prepare it again"
         )
-    if high >= index.vocab_size:
+    if low < 0 or high >= index.vocab_size:
         raise DataError(
-            f"{where}: {shard.name} holds token id {high}, beyond the index's vocabulary of "
-            f"{index.vocab_size}; the dataset is damaged: prepare it again"
+            f"{where}: {shard.name} holds token id {low if low < 0 else high}, outside the "
+            f"index's vocabulary [0, {index.vocab_size}); the dataset is damaged: prepare it again"
         )
 
 
 def _no_follow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _read_regular(path: str, limit: int, *, where: str) -> bytes:
+    """Up to `limit` bytes of the local file `path`, refused unless it is a regular file, not a
+    symlink (checked on the open file: a link, a FIFO or a device is never read)."""
+    refused = DataError(
+        f"{where} is a symlink or not a regular file; only the files inside a dataset folder "
+        "are read: copy it in"
+    )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise refused from None
+        raise
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused
+        return f.read(limit)
 
 
 def _downloading(name: str) -> bool:
@@ -161,12 +185,23 @@ class ShardStore:
         for old in Path(cache_dir).glob(f"{url_key}*") if Path(cache_dir).is_dir() else ():
             if old != self.cache:
                 shutil.rmtree(old, ignore_errors=True)
+        if self.cache.is_symlink():
+            raise DataError(
+                f"data.cache_dir: {self.cache} is a symlink; files are deleted and written in the "
+                f"cache folder: remove the link (and check who can write to {cache_dir})"
+            )
         self.cache.mkdir(parents=True, exist_ok=True)
-        for path in sorted(self.cache.iterdir(), key=lambda p: p.stat().st_mtime):
+        found = []
+        for path in self.cache.iterdir():
+            try:
+                found.append((path.lstat(), path))
+            except FileNotFoundError:
+                pass  # evicted or renamed meanwhile by a rank sharing the folder
+        for info, path in sorted(found, key=lambda f: f[0].st_mtime):
             shard = self.by_name.get(path.name)
-            if shard is not None and path.stat().st_size == self.index.shard_bytes(shard):
+            if shard is not None and info.st_size == self.index.shard_bytes(shard):
                 # A candidate only: checked like a download before its first read here.
-                self._cached[path.name] = path.stat().st_size
+                self._cached[path.name] = info.st_size
             elif shard is not None or not _downloading(path.name):
                 path.unlink(missing_ok=True)  # a cut-off download, a stale shard, anything else
 
@@ -179,6 +214,8 @@ class ShardStore:
                 return f.read(MAX_INDEX_BYTES + 1)
 
         try:
+            if self.local:
+                return _read_regular(path, MAX_INDEX_BYTES + 1, where=where)
             return self.call(f"reading {where}", read)
         except FileNotFoundError:
             raise DataError(
@@ -189,12 +226,6 @@ class ShardStore:
     def _check_local_sizes(self) -> None:
         """Every shard of a local folder is a regular file of its size (hashes are checked as the
         shards are first read: a large folder is not read through at every start)."""
-        index_path = Path(self.root) / INDEX_NAME
-        if index_path.is_symlink():
-            raise DataError(
-                f"{self.field} {self.url!r}: {INDEX_NAME} is a symlink; only the files inside "
-                "a dataset folder are read"
-            )
         for shard in self.index.shards:
             path = Path(self.root) / shard.name
             info = path.lstat() if path.is_symlink() or path.exists() else None

@@ -5,9 +5,11 @@ on tokenizing, and resumes an interrupted prepare.
 Shards are cut from the stream in unit order, so the folder does not depend on the number of
 processes. Each finished shard gets a record `shard-NNNNN.bin.done.json` (its index entry, where
 in the stream the next shard starts, and the identity of the job: inputs, tokenizer, options).
-A rerun of the same job verifies the records' shards (size and SHA-256), keeps the longest
-complete prefix, removes what follows it and tokenizes again from the first unit that the next
-shard needs; `index.json` comes last, written aside and renamed.
+A rerun of the same job verifies the records' shards (regular files, not symlinks, of their
+size and SHA-256), keeps the longest complete prefix, removes what follows it and tokenizes
+again from the first unit that the next shard needs; `index.json` comes last, written aside
+and renamed. Every file is written through a fresh temporary name (files.write_atomic), never
+through a symlink planted in the folder.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -32,6 +35,16 @@ _HASH_CHUNK = 8 << 20
 
 def _done_path(folder: Path, name: str) -> Path:
     return folder / f"{name}.done.json"
+
+
+def _regular_size(path: Path) -> int:
+    """The size of `path`, -1 unless it is a regular file (a symlink is not kept: training
+    refuses one)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return -1
+    return info.st_size if stat.S_ISREG(info.st_mode) else -1
 
 
 def _file_sha256(path: Path) -> str:
@@ -88,9 +101,9 @@ class ShardWriter:
         shard = Shard(**record["shard"])
         data = self.folder / shard.name
         docs = self.folder / shard.docs_name
-        if not data.is_file() or data.stat().st_size != shard.num_tokens * self.dtype.itemsize:
+        if _regular_size(data) != shard.num_tokens * self.dtype.itemsize:
             return None
-        if not docs.is_file() or _file_sha256(docs) != shard.docs_sha256:
+        if _regular_size(docs) < 0 or _file_sha256(docs) != shard.docs_sha256:
             return None
         return shard if _file_sha256(data) == shard.sha256 else None
 
