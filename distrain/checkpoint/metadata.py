@@ -106,6 +106,12 @@ def _unknown_opcode(self: _MetadataUnpickler) -> None:
     raise UnsafeCheckpoint("the pickle holds an unknown opcode")
 
 
+def _shown(text: str, limit: int = 100) -> str:
+    """At most `limit` characters of text the pickle chose, anything unprintable escaped: a refusal
+    stays one line (a name holding a newline or a terminal escape would forge log lines)."""
+    return text[:limit].encode("unicode_escape").decode("ascii")
+
+
 def _name_of(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -119,7 +125,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python VM: each opcode 
             return ALLOWED[(module, name)]
         except KeyError:
             raise UnsafeCheckpoint(
-                f"refers to {module[:100]}.{name[:100]}, which a checkpoint may not contain"
+                f"refers to {_shown(module)}.{_shown(name)}, which a checkpoint may not contain"
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
@@ -201,12 +207,15 @@ def decode_metadata(data: bytes) -> dcp_metadata.Metadata:
     # A damaged pickle fails in many ways (truncated, wrong types, bad arguments to an allowed
     # class); each is "unreadable", never code run.
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:200]
+        first = _shown((str(e).splitlines() or [""])[0], 200)
         raise CheckpointError(
             f"not a readable metadata pickle ({type(e).__name__}: {first})"
         ) from e
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"holds a {type(metadata).__name__}, not DCP metadata")
+    # NEWOBJ without BUILD leaves a Metadata with no entry index: readers would fail on it later.
+    if not isinstance(vars(metadata).get("state_dict_metadata"), dict):
+        raise CheckpointError("its entry index is missing or not a mapping")
     check_storage_paths(metadata)
     return metadata
 
