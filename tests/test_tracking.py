@@ -234,13 +234,17 @@ def test_the_package_and_cli_help_import_no_tracker_or_harness():
     assert out.stdout.strip() == "[]"
 
 
-def test_no_credential_reaches_a_tracker(server, tmp_path):
-    """A tracking URI with a password in it and a secret-named field: MLflow's params and
-    artifacts and every file of the W&B run hold neither; the run's own config.toml keeps
-    them (a resume needs them)."""
+def test_no_credential_reaches_a_tracker(server, tmp_path, monkeypatch):
+    """A tracking URI with a password in it and a secret-named field, both on the command line
+    too (as `distrain train` has them): no MLflow param or tag, nothing the server stores (its
+    database, its artifact folder, its log) and no file of the W&B run holds either; the params
+    and the config.toml artifact show them as `***`, and the run's own config.toml keeps them
+    (a resume needs them)."""
     password, secret_path = "s3cr3t-pw-81", "/run/keys/TOPSECRET-77"
     run = tmp_path / "run"
     uri = server.uri.replace("http://", f"http://alice:{password}@")
+    argv = [f"--metrics.mlflow.tracking_uri={uri}", f"--fault_tolerance.secret_file={secret_path}"]
+    monkeypatch.setattr(sys, "argv", ["distrain", "train", *argv])
     train_in_process(
         run,
         **dict(FIELDS, training__steps=2, checkpoint__interval_steps=0),
@@ -250,17 +254,26 @@ def test_no_credential_reaches_a_tracker(server, tmp_path):
         metrics__wandb__project="redaction",
         fault_tolerance__secret_file=secret_path,
     )
-    assert password in (run / "config.toml").read_text()
+    local = (run / "config.toml").read_text()
+    assert uri in local and secret_path in local
     client = mlflow.MlflowClient(server.uri)
     got = client.get_run(read_ids(run)["mlflow"])
     assert got.data.params["metrics.mlflow.tracking_uri"] == server.uri.replace(
         "http://", "http://***@"
     )
     assert got.data.params["fault_tolerance.secret_file"] == "***"
+    told = [*got.data.params.values(), *got.data.tags.values()]
+    assert not [v for v in told if password in v or secret_path in v]
     shared = Path(client.download_artifacts(got.info.run_id, "config.toml", str(tmp_path)))
-    sent = [shared, *(server.root / "artifacts").rglob("*"), *(run / "wandb").rglob("*")]
+    assert 'secret_file = "***"' in shared.read_text()
+    assert shared.read_text() == (run / "tracked" / "config.toml").read_text()
+    wandb_files = [p for p in (run / "wandb").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in wandb_files)
+    (wandb_run,) = (p for p in wandb_files if p.suffix == ".wandb")
+    config = read_run(wandb_run)["config"]
+    assert config["fault_tolerance.secret_file"] == "***"
+    assert config["metrics.mlflow.tracking_uri"] == got.data.params["metrics.mlflow.tracking_uri"]
+    sent = [shared, *server.root.rglob("*"), *wandb_files]
     for path in (p for p in sent if p.is_file()):
         data = path.read_bytes()
         assert password.encode() not in data and secret_path.encode() not in data, path
-    assert 'secret_file = "***"' in shared.read_text()
-    assert any((run / "wandb").rglob("*.wandb"))

@@ -4,12 +4,14 @@ The resolved config goes to MLflow (params, the config.toml artifact) and W&B (i
 services often shared more widely than the run's own folder. Before it does:
 
 - a field whose name ends with a word that names a credential (its last `_`-, `.`- or
-  `-`-separated word is key, token, secret, password, passwd, credential(s), auth, apikey or
-  signature, or the word before a last `file` or `path` is: `api_key`, `hf_token`,
-  `fault_tolerance.secret_file`, but not `token_dtype`) has its value replaced by `***`;
-- in every text value, a URL's user information (`scheme://user:pass@host`) becomes
-  `scheme://***@host`, and a URL query parameter whose name has such a word (`?token=...`,
-  `&X-Amz-Credential=...`) keeps its name and loses its value.
+  `-`-separated word is key, token, secret, password, passwd, credential(s), auth, apikey,
+  signature or sig, or the word before a last `file` or `path` is: `api_key`, `hf_token`,
+  `fault_tolerance.secret_file`, but not `data.token_dtype` or `data.tokenizer`) has its value
+  replaced by `***`. In distrain's schema that is `fault_tolerance.secret_file` alone;
+- in every text value, a URL's user information (`scheme://user:pass@host`, up to the last `@`
+  before the path) becomes `scheme://***@host`, and a query or fragment parameter whose name
+  ends with such a word (`?token=...`, `&X-Amz-Credential=...`, `&sig=...`, `#access_token=...`)
+  keeps its name and loses its value.
 
 The run's own config.toml keeps the real values: a resume needs them.
 """
@@ -32,10 +34,12 @@ SECRET_WORDS = frozenset(
         "auth",
         "apikey",
         "signature",
+        "sig",
     }
 )
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s?#]+@")
-_QUERY = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;#\s]+)=(?P<value>[^&;#\s]*)")
+# User information runs to the authority's last `@` (a password may hold an unescaped one).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/\s?#]+@")
+_QUERY = re.compile(r"(?P<lead>[?&;#])(?P<name>[^=&;#\s]+)=(?P<value>[^&;#\s]*)")
 
 
 def secret_name(name: str) -> bool:
