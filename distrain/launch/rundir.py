@@ -2,10 +2,11 @@
 
 `RunDirLock` is a lock file, `<run_dir>/run.lock`, holding the holder's host, pid, process start
 time, where that pid means something (the kernel's boot id and the pid namespace), torchelastic
-job id and Slurm job and start. It is created with `link(2)` of a fully written private file:
-`link` is atomic on NFS (unlike `O_EXCL`, which NFSv2 and some servers do not honour), and a
-reader never sees a half-written lock. A lost NFS reply is resolved by the private file's link
-count (2 means the link was made). A lock is stale, and is taken over, when its holder is a dead
+job id and Slurm job and start. It is created with `link(2)` of a fully written private file
+(a new file of a random name, never a planted symlink's target: distrain/files.py): `link` is
+atomic on NFS (unlike `O_EXCL`, which NFSv2 and some servers do not honour), and a reader never
+sees a half-written lock. A lost NFS reply is resolved by the private file's link count (2 means
+the link was made). A lock is stale, and is taken over, when its holder is a dead
 (or recycled) pid in this boot and pid namespace of this host, an earlier attempt of this same
 elastic job (whose id `distrain train` makes unique per launch unless --rdzv-id names it), or an
 earlier start of this same Slurm job (requeued, maybe onto another first node). A holder on
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from distrain.errors import DistrainError
+from distrain.files import write_new
 
 LOCK_NAME = "run.lock"
 # Set by launchers for their workers, to the lock file's path, when a launcher of the job (node
@@ -234,7 +236,7 @@ class RunDirLock:
 def _link_new(path: Path, holder: LockHolder) -> bool:
     """Create `path` atomically, holding `holder`; False if it exists."""
     private = path.with_name(f".{path.name}.{holder.host}.{holder.pid}.{uuid.uuid4().hex}")
-    private.write_text(json.dumps(asdict(holder)))
+    write_new(private, json.dumps(asdict(holder)))
     try:
         os.link(private, path)
     except OSError:
@@ -309,7 +311,7 @@ def run_id(run_dir: Path, *, create: bool = True) -> str | None:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         private = path.with_name(f".{RUN_ID_NAME}.{uuid.uuid4().hex}")
-        private.write_text(uuid.uuid4().hex + "\n")
+        write_new(private, uuid.uuid4().hex + "\n")
         try:
             os.link(private, path)
         except FileExistsError:

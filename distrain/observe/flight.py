@@ -15,18 +15,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distrain.files import make_dir, write_atomic
+
 BUFFER_ENTRIES = 2000
+FLIGHT_DIR = "flight"
 
 
 def flight_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "flight"
+    return Path(run_dir) / FLIGHT_DIR
 
 
 def enable(run_dir: Path, *, nccl: bool) -> None:
     """Turn the recorder on unless the user set its variables already."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER_ENTRIES))
     if nccl:
-        flight_dir(run_dir).mkdir(parents=True, exist_ok=True)
+        make_dir(run_dir, FLIGHT_DIR)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         # ProcessGroupNCCL appends the rank to this prefix.
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(flight_dir(run_dir) / "nccl_rank"))
@@ -66,7 +69,5 @@ def dump(run_dir: Path, rank: int, *, nccl: bool) -> dict[str, Any] | None:
         text = _trace_json(nccl)
     except (AttributeError, RuntimeError):
         return None
-    directory = flight_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"rank{rank}.json").write_text(text)
+    write_atomic(make_dir(run_dir, FLIGHT_DIR) / f"rank{rank}.json", text)
     return summarize(json.loads(text))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from distrain.files import write_atomic
+from distrain.files import make_dir, write_atomic
 
 PHASES = (
     "setup",
@@ -37,10 +37,11 @@ PHASES = (
     "checkpoint",
     "done",
 )
+HEARTBEAT_DIR = "heartbeat"
 
 
 def heartbeat_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "heartbeat"
+    return Path(run_dir) / HEARTBEAT_DIR
 
 
 def attempt_number() -> int:
@@ -54,8 +55,7 @@ class Heartbeat:
 
     def __init__(self, run_dir: Path, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.path = heartbeat_dir(run_dir) / f"rank{rank}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = make_dir(run_dir, HEARTBEAT_DIR) / f"rank{rank}.json"
         self.attempt = attempt_number()
         self.step = 0
         self.phase = "setup"

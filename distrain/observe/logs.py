@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from distrain.files import open_append
+from distrain.files import make_dir, open_append
 
 LOGGER_NAME = "distrain"
 # `logger.error(..., extra=FILE_ONLY)`: for records stderr already shows another way (a traceback).
@@ -43,8 +43,7 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     close_logging(logger)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_dir(run_dir, "logs")
     fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s")
     file_handler = _NoFollowFileHandler(log_dir / f"rank{rank}.log")
     file_handler.setFormatter(fmt)

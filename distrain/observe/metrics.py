@@ -14,8 +14,9 @@ closed with the writer."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from distrain.files import open_append
 from distrain.observe.observer import Row, StepObserver
@@ -48,12 +49,11 @@ class MetricsWriter(StepObserver):
         if not enabled:
             return
         path = run_dir / "metrics.jsonl"
-        if path.exists():
-            _drop_torn_last_line(path)
-            earlier = read_metrics(path, all_attempts=True)
-            last = max((r.get("attempt", 0) for r in earlier), default=-1)
-            self.attempt = last + 1 if new_attempt else max(last, 0)
+        # Opened (a planted symlink refused) before anything is read or cut.
         self._file = open_append(path)
+        _drop_torn_last_line(path, self._file)
+        last = max((r.get("attempt", 0) for r in read_metrics(path, all_attempts=True)), default=-1)
+        self.attempt = last + 1 if new_attempt else max(last, 0)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -91,13 +91,12 @@ class MetricsWriter(StepObserver):
             self._tb.close()
 
 
-def _drop_torn_last_line(path: Path) -> None:
-    """Cut a last line without its newline (its writer was killed mid-write), so that the rows
-    appended next start on a line of their own."""
+def _drop_torn_last_line(path: Path, file: IO[str]) -> None:
+    """Cut a last line without its newline (its writer was killed mid-write), through `file`
+    (`path` opened to append), so that the rows appended next start on a line of their own."""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+        os.ftruncate(file.fileno(), data.rfind(b"\n") + 1)
 
 
 def read_metrics(path: Path, *, all_attempts: bool = False) -> list[dict[str, Any]]:

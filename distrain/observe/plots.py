@@ -5,12 +5,14 @@ metrics.jsonl through `read_metrics`, so a restarted run is one curve. Draws wit
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from distrain.errors import DistrainError
+from distrain.files import write_atomic
 from distrain.observe.metrics import read_metrics
 
 PANELS = (
@@ -56,6 +58,9 @@ def plot_runs(run_dirs: list[Path]) -> Figure:
 
 
 def write_plot(run_dirs: list[Path], out: Path) -> Path:
-    fig = plot_runs(run_dirs)
-    fig.savefig(out, format="png")
+    """The figure as a PNG at `out`, replacing a symlink there rather than writing through it
+    (distrain/files.py: the trackers' copy lives in the run dir)."""
+    png = io.BytesIO()
+    plot_runs(run_dirs).savefig(png, format="png")
+    write_atomic(out, png.getvalue())
     return out

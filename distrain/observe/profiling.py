@@ -20,6 +20,7 @@ from torch.autograd.profiler import record_function
 
 from distrain.config.schema import ProfileConfig
 from distrain.errors import ConfigError
+from distrain.files import make_dir, write_with
 from distrain.observe.observer import StepObserver
 
 
@@ -75,7 +76,7 @@ class StepProfiler(StepObserver):
     ):
         self.cfg, self.device, self.log = cfg, device, logger
         self.enabled = cfg.start_step > 0 and rank in profiled_ranks(cfg.ranks, world_size)
-        self.out_dir = Path(run_dir) / "profiles" / f"rank{rank}"
+        self.run_dir, self.out_sub = Path(run_dir), f"profiles/rank{rank}"
         self._profiler: torch.profiler.profile | None = None
 
     def before_step(self, step: int) -> None:
@@ -105,12 +106,11 @@ class StepProfiler(StepObserver):
             return
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        trace = self.out_dir / "trace.json"
-        profiler.export_chrome_trace(str(trace))
+        trace = make_dir(self.run_dir, self.out_sub) / "trace.json"
+        write_with(trace, profiler.export_chrome_trace)
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort, row_limit=10)
         self.log.info("profile of %d step(s) written to %s\n%s", self.cfg.num_steps, trace, table)
         if self.device.type == "cuda" and self.cfg.memory:
-            torch.cuda.memory._dump_snapshot(str(self.out_dir / "memory_snapshot.pickle"))
+            write_with(trace.with_name("memory_snapshot.pickle"), torch.cuda.memory._dump_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)

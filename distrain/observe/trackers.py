@@ -4,11 +4,12 @@ so that a slow or unreachable tracker never blocks or fails training.
 Rank 0's metrics writer hands every row it writes to each `BackgroundTracker`; the tracker's
 thread opens the tracker run (params = the resolved config, flattened, credentials redacted:
 observe/redact.py), sends the rows' numbers in batches and, at `close`, the artifacts
-(config.toml as redacted, written to <run_dir>/tracked/, a plot of the curves, summary.json)
-and the run's end. A call that fails is retried with backoff, reconnecting, while new rows
-queue up; when the queue holds `metrics.tracker_queue_rows` rows the oldest are dropped. Each
-outage and each recovery is one warning line. `close` waits at most
-`metrics.tracker_close_timeout_s`, then gives up on what is left.
+(config.toml as redacted, written to <run_dir>/tracked/, a plot of the curves, summary.json;
+one that cannot be written, a planted symlink refused, is a warning) and the run's end. A call
+that fails is retried with backoff, reconnecting, while new rows queue up; when the queue holds
+`metrics.tracker_queue_rows` rows the oldest are dropped. Each outage and each recovery is one
+warning line. `close` waits at most `metrics.tracker_close_timeout_s`, then gives up on what is
+left.
 
 The tracker run's id is kept in <run_dir>/trackers.json, so a resumed (or restarted) run
 continues the same tracker run; `distrain eval` logs its results there too. The tracker
@@ -35,13 +36,13 @@ import tomli_w
 from distrain.config.io import to_dict
 from distrain.config.schema import Config, MetricsConfig
 from distrain.errors import ConfigError, install_hint
-from distrain.files import write_atomic
+from distrain.files import make_dir, write_atomic
 from distrain.observe.observer import Row
 from distrain.observe.redact import redacted
 
 IDS_FILE = "trackers.json"
 SUMMARY_FILE = "summary.json"
-PLOT_FILE = "plots/metrics.png"
+PLOT_DIR, PLOT_FILE = "plots", "metrics.png"
 TRACKED_DIR = "tracked"
 """Where the config the trackers get (credentials redacted) is written for them."""
 NOT_METRICS = ("step", "attempt", "resumed_from")
@@ -361,25 +362,16 @@ class Trackers:
     def close(self) -> None:
         if not self.trackers:
             return
-        # The run's config.toml as the trackers may see it (credentials redacted), under its
-        # usual name.
-        config = tomllib.loads((self.run_dir / "config.toml").read_text())
-        shared = self.run_dir / TRACKED_DIR / "config.toml"
-        shared.parent.mkdir(exist_ok=True)
-        write_atomic(shared, tomli_w.dumps(redacted(config)))
-        artifacts = [(shared, "")]
-        summary = self.run_dir / SUMMARY_FILE
-        write_atomic(summary, json.dumps({"step": self.last_step, "last": self.summary}, indent=1))
-        artifacts.append((summary, ""))
-        try:
-            from distrain.observe.plots import write_plot
-
-            plot = self.run_dir / PLOT_FILE
-            plot.parent.mkdir(exist_ok=True)
-            write_plot([self.run_dir], plot)
-            artifacts.append((plot, "plots"))
-        except Exception as e:  # a plot is a convenience, never the run's failure
-            self.log.warning("trackers: no plot of the curves (%s)", e)
+        artifacts = []
+        for name, write in (
+            ("config.toml", self._write_config),
+            (SUMMARY_FILE, self._write_summary),
+            (f"{PLOT_DIR}/{PLOT_FILE}", self._write_plot),
+        ):
+            try:
+                artifacts.append(write())
+            except Exception as e:  # an artifact is a convenience, never the run's failure
+                self.log.warning("trackers: no %s artifact (%s)", name, e)
         deadline = time.monotonic() + self.timeout_s
         for tracker in self.trackers:
             tracker.close(
@@ -387,6 +379,24 @@ class Trackers:
                 completed=self.last_step >= self.total_steps,
                 timeout_s=max(0.0, deadline - time.monotonic()),
             )
+
+    def _write_config(self) -> tuple[Path, str]:
+        """The run's config.toml as the trackers may see it (credentials redacted), under its
+        usual name, in <run_dir>/tracked/."""
+        config = tomllib.loads((self.run_dir / "config.toml").read_text())
+        path = make_dir(self.run_dir, TRACKED_DIR) / "config.toml"
+        write_atomic(path, tomli_w.dumps(redacted(config)))
+        return path, ""
+
+    def _write_summary(self) -> tuple[Path, str]:
+        path = self.run_dir / SUMMARY_FILE
+        write_atomic(path, json.dumps({"step": self.last_step, "last": self.summary}, indent=1))
+        return path, ""
+
+    def _write_plot(self) -> tuple[Path, str]:
+        from distrain.observe.plots import write_plot
+
+        return write_plot([self.run_dir], make_dir(self.run_dir, PLOT_DIR) / PLOT_FILE), PLOT_DIR
 
 
 def _backends(cfg: Config, run_dir: Path) -> list[TrackerBackend]:

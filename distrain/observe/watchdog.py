@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distrain.files import make_dir, open_append, open_new, write_atomic
 from distrain.observe import flight
 from distrain.observe.heartbeat import Heartbeat, activate, heartbeat_dir, read_heartbeats
 
@@ -255,6 +256,8 @@ class Watchdog:
             if stalled >= self.timeout_s or (poll.due(now) and self._announced()):
                 try:
                     self._on_hang(stalled)
+                except Exception as e:  # said before the exit, which would swallow it
+                    self.log.error("watchdog: the hang's triage failed: %s", e)
                 finally:
                     # Whatever went wrong in the triage, the job must not go on hanging.
                     os._exit(HANG_EXIT_CODE)
@@ -262,12 +265,12 @@ class Watchdog:
     def _on_hang(self, stalled: float) -> None:
         hb = self.heartbeat
         if not self._announced():
-            self.announce_path.write_text(
-                json.dumps({"attempt": hb.attempt, "rank": hb.rank, "time": time.time()})
+            write_atomic(
+                self.announce_path,
+                json.dumps({"attempt": hb.attempt, "rank": hb.rank, "time": time.time()}),
             )
-        stacks = self.run_dir / "logs" / f"rank{hb.rank}.stacks"
-        stacks.parent.mkdir(parents=True, exist_ok=True)
-        with open(stacks, "w") as f:
+        stacks = make_dir(self.run_dir, "logs") / f"rank{hb.rank}.stacks"
+        with open_new(stacks) as f:
             f.write(f"rank {hb.rank}, {hb.phase} of step {hb.step}, stalled {stalled:.1f} s\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
@@ -309,9 +312,9 @@ class Watchdog:
     def _record(self, verdict: dict[str, Any]) -> None:
         """Append the verdict to <run_dir>/hangs.jsonl for `distrain diagnose`."""
         row = {"attempt": self.heartbeat.attempt, "time": time.time(), **verdict}
-        with open(self.run_dir / "hangs.jsonl", "a") as f:
+        with open_append(self.run_dir / "hangs.jsonl") as f:
             f.write(json.dumps(row) + "\n")
-        self._reported_path().write_text(str(time.time()))
+        write_atomic(self._reported_path(), str(time.time()))
 
     def _reported_path(self) -> Path:
         return heartbeat_dir(self.run_dir) / f"reported.{self.heartbeat.attempt}"
