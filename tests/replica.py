@@ -5,9 +5,14 @@ wait that fails as soon as a group's launcher ends, and the run secret the group
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # A group whose processes stop heartbeating for 3 s is out of the next quorum (less evicts live
@@ -21,6 +26,24 @@ server = LighthouseServer(
 print(server.address(), flush=True)
 sys.stdin.read()
 """
+
+
+@contextlib.contextmanager
+def running_lighthouse() -> Iterator[str]:
+    """The LIGHTHOUSE server in a process of its own on this host; yields its address."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", LIGHTHOUSE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, RUST_LOG="warn"),
+    )
+    try:
+        yield server.stdout.readline().strip()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def secret_file(folder: Path) -> str:

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 from helpers import SMALL_RUN, losses, start_train, train_in_process
-from replica import LIGHTHOUSE, metrics_rows, secret_file, wait_until
+from replica import metrics_rows, running_lighthouse, secret_file, wait_until
 
 from distrain.config.io import load_config
 from distrain.layout.rules import validate
@@ -106,19 +106,8 @@ while True:
 
 @pytest.fixture(scope="module")
 def lighthouse():
-    server = subprocess.Popen(
-        [sys.executable, "-c", LIGHTHOUSE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=dict(os.environ, RUST_LOG="warn"),
-    )
-    try:
-        yield server.stdout.readline().strip()
-    finally:
-        server.kill()
-        server.wait()
+    with running_lighthouse() as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,19 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers import SMALL_RUN, losses, start_train, train_cli, train_in_process, worker_pid
-from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, secret_file, wait_until
+from replica import (
+    check_killed_group_row,
+    metrics_rows,
+    running_lighthouse,
+    secret_file,
+    wait_until,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.config.io import load_config
@@ -80,19 +85,8 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def lighthouse():
-    server = subprocess.Popen(
-        [sys.executable, "-c", LIGHTHOUSE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=dict(os.environ, RUST_LOG="warn"),
-    )
-    try:
-        yield server.stdout.readline().strip()
-    finally:
-        server.kill()
-        server.wait()
+    with running_lighthouse() as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
