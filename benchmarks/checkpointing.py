@@ -35,7 +35,7 @@ import torch
 
 from distrain.config.schema import ModelConfig
 from distrain.models.gpt.model import GPT, init_weights
-from distrain.models.presets import model_args
+from distrain.models.registry import model_args
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 MODES = ("none", "full", "selective", "selective_op")

@@ -27,7 +27,7 @@ from pathlib import Path
 from harness import write_json
 
 from distrain.config.io import load_config
-from distrain.models.presets import PRESETS, num_params
+from distrain.models.gpt import PRESETS, num_params
 
 
 def train_one_step(run_dir: Path, preset: str) -> None:

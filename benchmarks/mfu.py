@@ -39,7 +39,7 @@ import torch
 from harness import is_worker, launch_self, measure_steps, synchronize, worker_session, write_json
 
 from distrain.config.schema import Config, validate
-from distrain.models.presets import flops_per_token, num_params
+from distrain.models.gpt import flops_per_token, num_params
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 

@@ -35,7 +35,7 @@ from harness import (
 )
 
 from distrain.config.schema import Config
-from distrain.models.presets import active_params, flops_per_token, num_params
+from distrain.models.gpt import active_params, flops_per_token, num_params
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from harness import write_json
 
 from distrain.config.io import load_config
-from distrain.models.presets import model_args
+from distrain.models.registry import model_args
 
 EP = 2
 BATCH, MICRO, SEQ = 16, 4, 128

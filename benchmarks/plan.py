@@ -43,7 +43,6 @@ from pathlib import Path
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.presets import flops_per_token
 from distrain.plan.memory import estimate_memory
 from distrain.plan.timing import Candidate, Cluster, step_time
 
@@ -70,7 +69,7 @@ def llama3_8b(efficiency: float) -> dict[str, float]:
     )
     c = Candidate(1, 8, 1, 1, 3, "none", 2)
     time = step_time(
-        c, validate(cfg, 8).model, cluster, global_batch=16, seq_len=8192, bytes_per_value=2
+        c, validate(cfg, 8).family_model, cluster, global_batch=16, seq_len=8192, bytes_per_value=2
     )
     return {
         "memory_gib": mem.peak(2) / GIB,
@@ -85,7 +84,7 @@ def gpt3_175b(efficiency: float) -> dict[str, float]:
     m = cfg.model
     m.vocab_size, m.dim, m.n_layers, m.n_heads = 51200, 12288, 96, 96
     m.ffn_dim, m.max_seq_len, m.pos_emb = 4 * 12288, 2048, "learned"
-    args = validate(cfg, None).model
+    model = validate(cfg, None).family_model
     cluster = Cluster(
         nodes=128,
         gpus_per_node=8,
@@ -96,8 +95,8 @@ def gpt3_175b(efficiency: float) -> dict[str, float]:
         inter_bw=25e9,
     )
     c = Candidate(8, 1, 8, 16, 1, "full", 1, "interleaved_1f1b")
-    time = step_time(c, args, cluster, global_batch=1536, seq_len=2048, bytes_per_value=2)
-    flops = flops_per_token(args, 2048) * 1536 * 2048 * 4 / 3
+    time = step_time(c, model, cluster, global_batch=1536, seq_len=2048, bytes_per_value=2)
+    flops = model.flops_per_token(2048) * 1536 * 2048 * 4 / 3
     return {"tflops_per_gpu": flops / time.step_s / 1024 / 1e12, "tflops_published": 138}
 
 

@@ -84,8 +84,9 @@ from vs_accelerate import build_accelerate  # noqa: E402
 from distrain.config.schema import Config, validate  # noqa: E402
 from distrain.data import build_datasets  # noqa: E402
 from distrain.data.loader import val_batches  # noqa: E402
+from distrain.family.spec import FamilyModel  # noqa: E402
 from distrain.models.gpt.model import next_token_loss  # noqa: E402
-from distrain.models.presets import model_args  # noqa: E402
+from distrain.models.registry import model_args, model_family  # noqa: E402
 from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402
 from distrain.plan.comm_advice import predict_methods, recommend  # noqa: E402
@@ -433,7 +434,7 @@ def planner_prediction(
     distrain ddp's step on loopback as the compute time (2 ranks, one per host, fp32)."""
     cfg = make_config(argparse.Namespace(**{**vars(args), "preset": preset}), Path("-"), PEER)
     found = predict_methods(
-        model_args(cfg.model),
+        FamilyModel(model_family(cfg.model.family), model_args(cfg.model)),
         compute_s=compute_s,
         replicas=2 * args.procs,
         bandwidth=parse_rate(link) / 8 / args.procs,

@@ -59,7 +59,8 @@ from torch import nn
 from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
 from distrain.models.gpt.model import GPT, init_weights, next_token_loss
-from distrain.models.presets import model_args
+from distrain.models.gpt.spec import GPT_SPEC
+from distrain.models.registry import model_args
 from distrain.optim.builder import param_groups
 from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext, cpu_has_native_bf16
@@ -195,7 +196,7 @@ def build_accelerate(
     model = GPT(margs)
     init_weights(model, margs, t.seed)
     optimizer = torch.optim.AdamW(
-        param_groups(model, o.weight_decay),
+        param_groups(model, o.weight_decay, GPT_SPEC.param_roles(model)),
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,

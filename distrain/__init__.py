@@ -14,7 +14,8 @@ The Python API, for using distrain as a library rather than through the `distrai
   torchrun group its environment describes (start the script with `torchrun --nproc-per-node
   N`) or alone in a 1-process group. Everything lands in `config.run.dir`: config.toml,
   metrics.jsonl, logs/ and the checkpoints. (`distrain.train` is the package that trains.)
-- `presets() -> dict[str, ModelArgs]`: the named model shapes `model.preset` chooses from.
+- `presets(family="gpt") -> dict[str, Any]`: the named model shapes (`model.preset`) of a
+  model family (`model.family`), each the family's arguments.
 - `Config`: the run configuration, one dataclass per section (run, model, data, training, ...);
   `distrain train --help` lists every field.
 - `DistrainError`, and `ConfigError` among its kinds: the errors a user can fix, in one line.
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from typing import Any
 
     from distrain.config.schema import Config
-    from distrain.models.gpt.model import ModelArgs
 
 __version__ = "0.1.0"
 
@@ -71,11 +71,11 @@ def run_training(config: Config) -> None:
     run(config)
 
 
-def presets() -> dict[str, ModelArgs]:
-    """The named model shapes (a copy: changing it changes no preset)."""
-    from distrain.models.presets import PRESETS
+def presets(family: str = "gpt") -> dict[str, Any]:
+    """The named model shapes of `family` (a copy: changing it changes no preset)."""
+    from distrain.models.registry import model_family
 
-    return dict(PRESETS)
+    return dict(model_family(family).presets)
 
 
 def __getattr__(name: str) -> Any:

@@ -313,21 +313,25 @@ def cmd_prepare(argv: list[str]) -> None:
 
 def presets_parser() -> argparse.ArgumentParser:
     return CommandParser(
-        prog="distrain presets", description="List the model presets (model.preset) and sizes."
+        prog="distrain presets",
+        description="List the model families (model.family), their presets (model.preset) "
+        "and sizes.",
     )
 
 
 def cmd_presets(argv: list[str]) -> None:
     presets_parser().parse_args(argv)
-    from distrain.models.presets import PRESETS, num_params
+    from distrain.models.registry import families
 
-    print(f"{'preset':<12}{'params':>16}  dim  layers heads kv  ffn    vocab   mlp")
-    for name, args in PRESETS.items():
-        print(
-            f"{name:<12}{num_params(args):>16,}  {args.dim:<4} {args.n_layers:<6} "
-            f"{args.n_heads:<5} {args.kv_heads:<3} "
-            f"{args.ffn_dim:<6} {args.vocab_size:<7} {args.mlp}"
-        )
+    rows = [
+        (spec.name, name, f"{spec.num_params(args):,}", spec.describe(args))
+        for spec in families().values()
+        for name, args in spec.presets.items()
+    ]
+    header = ("family", "preset", "params", "shape")
+    family, preset, params = (max(len(r[i]) for r in [header, *rows]) for i in range(3))
+    for row in [header, *rows]:
+        print(f"{row[0]:<{family}}  {row[1]:<{preset}}  {row[2]:>{params}}  {row[3]}")
 
 
 def diagnose_parser() -> argparse.ArgumentParser:

@@ -88,8 +88,10 @@ def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
         dist.destroy_process_group()
 
 
-def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_cli(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", "distrain", *args],
         capture_output=True,

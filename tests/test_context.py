@@ -13,7 +13,7 @@ from test_parity import BASE, assert_parity
 
 from distrain.config.schema import Config
 from distrain.models.gpt.model import GPT, ModelArgs, init_weights
-from distrain.models.presets import model_args
+from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.attention_blocks import chunk_order, local_positions

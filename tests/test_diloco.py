@@ -40,7 +40,7 @@ from torch import nn
 
 from distrain.config.schema import Config, DiLoCoConfig
 from distrain.models.gpt.model import GPT
-from distrain.models.presets import model_args
+from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.diloco import DiLoCo
 

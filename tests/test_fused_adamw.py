@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from distrain.config.schema import OptimConfig
 from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer, param_groups
 
 
@@ -21,10 +22,10 @@ def test_plain_parameters_get_fused_adamw_equal_to_foreach_within_1e_6():
     init_weights(model, args, seed=3)
     start, twin = copy.deepcopy(model), copy.deepcopy(model)
     cfg = OptimConfig(lr=3e-3, weight_decay=0.1)
-    fused = build_optimizer(model, cfg)
+    fused = build_optimizer(model, cfg, spec=GPT_SPEC)
     assert fused.defaults["fused"] and not fused.defaults["foreach"]
     foreach = torch.optim.AdamW(
-        param_groups(twin, cfg.weight_decay),
+        param_groups(twin, cfg.weight_decay, GPT_SPEC.param_roles(twin)),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

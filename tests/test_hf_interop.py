@@ -27,8 +27,9 @@ from test_parity import assert_parity
 from distrain.cli import main
 from distrain.config.schema import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
-from distrain.models import GPT, PRESETS, init_weights, model_args, num_params
+from distrain.models.gpt import GPT, PRESETS, init_weights, num_params
 from distrain.models.gpt.hf import hf_config, pretrained_source
+from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
@@ -193,8 +194,9 @@ PUBLISHED = {
 def test_presets_have_published_parameter_counts(capsys):
     assert main(["presets"]) == 0
     printed = {
-        line.split()[0]: int(line.split()[1].replace(",", ""))
+        line.split()[1]: int(line.split()[2].replace(",", ""))
         for line in capsys.readouterr().out.splitlines()[1:]
+        if line.split()[0] == "gpt"
     }
     for name, (config_class, fields) in PUBLISHED.items():
         config = getattr(transformers, config_class)(**fields)

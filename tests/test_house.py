@@ -28,11 +28,12 @@ LAYERS: dict[str, int] = {
     "torch_compat": 0,
     "files": 1,  # writes that refuse planted symlinks raise a one-line error (errors)
     "config": 2,
+    "family": 3,  # what a model family is to everyone else (its spec reads the [model] section)
     "observe": 3,  # logs, metrics and heartbeats read config (and write through files)
     "data": 4,  # the corpus reader logs through observe
     "parallel": 4,  # generic mechanisms over any model, beating the heartbeat (observe)
     "checkpoint": 5,  # saves over parallel/device.py's checkpoint group
-    "models": 6,  # each family owns its parallel plan (parallel/'s spec and styles); Hugging
+    "models": 6,  # each family owns its parallel plan (family/'s spec, parallel/'s styles); Hugging
     # Face folders are read through checkpoint/metadata.py's file-name confinement
     "launch": 6,  # preflight checks the data and the checkpoint folder before workers start
     "optim": 7,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
@@ -161,6 +162,21 @@ def test_parallel_imports_no_model():
         if _component(m) == "parallel"
         for t in targets
         if _component(t) == "models"
+    )
+    assert found == []
+
+
+def test_only_the_registry_names_a_model_family():
+    """Every consumer of a model (layout rules, trainer, optimizer, planner, export, generation,
+    evaluation, the CLI) asks the family's spec through the registry; none imports a family's
+    folder, so adding a family edits nothing outside models/."""
+    generic = {"distrain.models.registry", "distrain.models.hf_files"}
+    found = sorted(
+        (m, t)
+        for m, targets in _imports().items()
+        if _component(m) != "models"
+        for t in targets
+        if _component(t) == "models" and t not in generic
     )
     assert found == []
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from distrain.config.schema import ConfigError, ModelConfig
-from distrain.models import GPT, PRESETS, ModelArgs, init_weights, model_args, num_params
+from distrain.models.gpt import GPT, PRESETS, ModelArgs, init_weights, num_params
 from distrain.models.gpt.model import full_init_value
+from distrain.models.registry import model_args
 
 SMALL = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32)
 

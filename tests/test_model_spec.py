@@ -1,18 +1,17 @@
-"""A model family defined only here, not a GPT, trains at parity with one process under dp2, tp2
-and pp2 through the parallel mechanisms, which know it only by its `ModelSpec`.
+"""A model family defined outside distrain, not a GPT, trains at parity with one process under
+dp2, tp2 and pp2 through the parallel mechanisms, which know it only by its `ModelSpec`.
 
-The family: a residual MLP language model (`embed` -> `layers` of norm + MLP -> `ln_f` ->
-`unembed`), with block and submodule names of its own, its own seeded init, its own
-tensor-parallel plan and pipeline split. It is registered from this file and the workers look it
-up by name, as the trainer looks up a family. The three layouts run in turn in one spawn of 2
-processes (spawning costs seconds on CI's 2 cores).
+The family: tests/plugins/distrain_residual_mlp/, a residual MLP language model (`embed` ->
+`layers` of norm + MLP -> `ln_f` -> `unembed`), with block and submodule names of its own, its
+own seeded init, its own tensor-parallel plan and pipeline split. It is registered from this
+file and the workers look it up by name, as the trainer looks up a family. The three layouts run
+in turn in one spawn of 2 processes (spawning costs seconds on CI's 2 cores). How the trainer
+finds it through its entry point, from a TOML config, is tests/test_family_plugin.py's.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,10 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from distrain_residual_mlp.model import ResidualMLPArgs
+from distrain_residual_mlp.spec import SPEC
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
@@ -31,9 +28,6 @@ from distrain.models.registry import model_family, register_family
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
-from distrain.parallel.spec import ModelSpec, Source
-from distrain.parallel.tensor import ReplicatedParallel
-from distrain.torch_compat import canonical_name
 
 WORLD_SIZE = 2
 SEED = 5
@@ -43,106 +37,12 @@ LR = 0.5
 # fp32 everywhere, one seed, one global batch per step: each layout computes the same sums in
 # another order (DDP averages two half-batch gradients, tp all-reduces row-parallel partial
 # sums and the vocab-parallel logsumexp, pp scales summed micro-batch gradients), so the
-# per-step losses differ by rounding only (a few ulps of a loss near 4.2, ~1e-6 relative),
+# per-step losses differ by rounding only (a few ulps of a loss near 5.5, ~1e-6 relative),
 # amplified a little by each SGD step. 1e-5 relative (test_parity's REL_TOL) leaves that room
 # and still fails a real layout bug (a lost gradient or a wrong shard moves the loss by 1e-3+).
 REL_TOL = 1e-5
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResidualMLPArgs:
-    vocab_size: int = 64
-    dim: int = 32
-    hidden: int = 64
-    n_layers: int = 4
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, args: ResidualMLPArgs):
-        super().__init__()
-        self.ln = nn.LayerNorm(args.dim)
-        self.up = nn.Linear(args.dim, args.hidden)
-        self.down = nn.Linear(args.hidden, args.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.ln(x))))
-
-
-class ResidualMLPLM(nn.Module):
-    """Token ids [B, T] -> logits [B, T, vocab]; a pipeline stage without `embed` takes hidden
-    states, one without `unembed` returns them."""
-
-    def __init__(self, args: ResidualMLPArgs):
-        super().__init__()
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MLPBlock(args) for i in range(args.n_layers)})
-        self.ln_f = nn.LayerNorm(args.dim)
-        self.unembed = nn.Linear(args.dim, args.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.unembed is None:
-            return h
-        return self.unembed(self.ln_f(h))
-
-
-@torch.no_grad()
-def init_weights(
-    model: nn.Module, args: ResidualMLPArgs, seed: int, *, source: Source | None = None
-) -> None:
-    """Each parameter's value from the seed and its name alone; a DTensor keeps its slice."""
-    for name, param in model.named_parameters():
-        name = canonical_name(name)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        value = torch.randn(param.shape, generator=gen) * 0.2
-        if name.endswith("ln.weight") or name == "ln_f.weight":
-            value = torch.ones(param.shape)
-        if isinstance(param, DTensor):
-            value = distribute_tensor(
-                value, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
-            param.to_local().copy_(value)
-        else:
-            param.copy_(value)
-
-
-def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed over the targets, as a spec's loss is (the caller divides by their count)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
-
-
-def tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The embedding and head split over the vocabulary, each MLP Megatron-style; the norms
-    replicated. No sequence-parallel variant."""
-    if sequence_parallel:
-        raise ValueError("the residual MLP has no sequence-parallel plan")
-    plan: dict[str, ParallelStyle] = {}
-    if model.embed is not None:
-        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for key in model.layers:
-        plan[f"layers.{key}.ln"] = ReplicatedParallel()
-        plan[f"layers.{key}.up"] = ColwiseParallel()
-        plan[f"layers.{key}.down"] = RowwiseParallel()
-    if model.ln_f is not None:
-        plan["ln_f"] = ReplicatedParallel()
-    if model.unembed is not None:
-        plan["unembed"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return plan
-
-
-SPEC = ModelSpec(
-    name="residual_mlp",
-    args_type=ResidualMLPArgs,
-    build=ResidualMLPLM,
-    init_weights=init_weights,
-    loss=loss,
-    blocks="layers",
-    first_stage=("embed",),
-    last_stage=("ln_f", "unembed"),
-    tensor_plan=tensor_plan,
-)
 register_family(SPEC)
 
 # name -> (parallel.tp, parallel.pp, activation checkpointing): dp2 also wraps the family's
@@ -183,9 +83,7 @@ def _one_process() -> list[float]:
 
 def _config(tp: int, pp: int, ac: str) -> Config:
     cfg = Config()
-    # The GPT shape the layout rules check (their divisibility rules); the model built is
-    # the residual MLP's.
-    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads = ResidualMLPArgs().n_layers, 32, 2
+    cfg.model.family, cfg.model.preset = "residual_mlp", "rmlp-tiny"
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel = tp, pp, False
     t = cfg.training
     t.global_batch_size, t.micro_batch_size, t.seq_len = GLOBAL_BATCH, MICRO_BATCH, SEQ

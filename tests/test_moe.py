@@ -8,9 +8,15 @@ import torch
 import torch.nn.functional as F
 from helpers import train_in_process
 
-from distrain.models import GPT, PRESETS, flops_per_token, init_weights, num_params
+from distrain.models.gpt import (
+    GPT,
+    PRESETS,
+    active_params,
+    flops_per_token,
+    init_weights,
+    num_params,
+)
 from distrain.models.moe import GroupedExperts, MoE, MoEArgs
-from distrain.models.presets import active_params
 
 # Router columns are log-probabilities (+ a constant for the z-loss): a one-hot token e_j gets
 # exactly the probabilities PROBS[j] and the router logsumexp LSE[j].

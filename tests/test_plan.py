@@ -16,9 +16,10 @@ from helpers import one_rank_group
 
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
+from distrain.models.gpt import num_params
 from distrain.models.gpt.model import GPT
 from distrain.models.gpt.spec import GPT_SPEC
-from distrain.models.presets import model_args, num_params
+from distrain.models.registry import model_args
 from distrain.optim.builder import build_optimizer
 from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
@@ -59,7 +60,7 @@ def measured_one_rank(cfg: Config):
         model = build_parallel_model(
             layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
         )
-        optimizers = [build_optimizer(part, cfg.optim) for part in model.parts]
+        optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
         return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
 
 

@@ -5,7 +5,8 @@ process group)."""
 import pytest
 
 from distrain.config.schema import Config
-from distrain.models.presets import PRESETS, num_params
+from distrain.family.spec import FamilyModel
+from distrain.models.gpt import GPT_SPEC, PRESETS
 from distrain.plan.comm_advice import advise, predict_methods
 from distrain.plan.command import cluster_of, link_bandwidth, parse
 from distrain.plan.memory_model import calibrate_family, modelled_row
@@ -106,9 +107,9 @@ def two_hosts(bits_per_s: float) -> Cluster:
 
 
 def small_advice(bits_per_s: float):
-    args = PRESETS["small"]
+    model = FamilyModel(GPT_SPEC, PRESETS["small"])
     c = Candidate(2, 1, 1, 1, 0, "none", 8)
-    return advise(c, args, two_hosts(bits_per_s), global_batch=32, seq_len=128, bytes_per_value=4)
+    return advise(c, model, two_hosts(bits_per_s), global_batch=32, seq_len=128, bytes_per_value=4)
 
 
 def test_advice_is_diloco_at_100_mbit_and_plain_ddp_at_400_gbit():
@@ -127,8 +128,8 @@ def test_advice_is_diloco_at_100_mbit_and_plain_ddp_at_400_gbit():
 def test_bytes_per_step_follow_the_ring_formulas():
     """DDP: 2 (n - 1) / n x 4 bytes a gradient value; DiLoCo: the same all-reduce of the
     pseudo-gradient in its sync dtype once per H steps; bf16: half of DDP's."""
-    args = PRESETS["small"]
-    psi = num_params(args)
+    args = FamilyModel(GPT_SPEC, PRESETS["small"])
+    psi = args.num_params()
     for n in (2, 4):
         methods = {
             m.method: m for m in predict_methods(args, compute_s=1.0, replicas=n, bandwidth=12.5e6)

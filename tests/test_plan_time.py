@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
+from distrain.models.gpt import num_params
 from distrain.models.gpt.spec import GPT_SPEC
-from distrain.models.presets import model_args, num_params
+from distrain.models.registry import model_args
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
@@ -199,7 +200,7 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
             model = build_parallel_model(
                 layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
             )
-            optimizers = [build_optimizer(part, cfg.optim) for part in model.parts]
+            optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
             tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)
             batches = [(tokens, tokens)] * 8
             model.forward_backward(batches, lambda loss: loss, report_loss=False)

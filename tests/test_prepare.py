@@ -272,15 +272,18 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
     text = generate_text(tmp_path / "run", prompt, max_new_tokens=NEW_TOKENS, temperature=1.0,
                          top_k=None, seed=5)  # fmt: skip
     model, _ = load_model(tmp_path / "run", torch.device("cpu"))
-    ids = sample(model, tok.encode(prompt), max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=None,
-                 generator=torch.Generator().manual_seed(5), num_tokens=tok.vocab_size)  # fmt: skip
+    context = model.args.max_seq_len
+    ids = sample(model, tok.encode(prompt), max_seq_len=context, max_new_tokens=NEW_TOKENS,
+                 temperature=1.0, top_k=None, generator=torch.Generator().manual_seed(5),
+                 num_tokens=tok.vocab_size)  # fmt: skip
     assert text == prompt + tok.decode(ids)
     # Only ids the tokenizer has. Half of the 1024 ids are padding, which 4 steps leave near
     # uniform: the same draws without num_tokens do pick one (16 would all miss with
     # probability ~0.5^16), so the bound below has teeth.
     assert len(ids) == NEW_TOKENS and max(ids) < BPE_VOCAB
-    unmasked = sample(model, tok.encode(prompt), max_new_tokens=NEW_TOKENS, temperature=1.0,
-                      top_k=None, generator=torch.Generator().manual_seed(5))  # fmt: skip
+    unmasked = sample(model, tok.encode(prompt), max_seq_len=context, max_new_tokens=NEW_TOKENS,
+                      temperature=1.0, top_k=None,
+                      generator=torch.Generator().manual_seed(5))  # fmt: skip
     assert max(unmasked) >= BPE_VOCAB
 
     from transformers import AutoTokenizer

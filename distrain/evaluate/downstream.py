@@ -28,6 +28,7 @@ from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError, install_hint
 from distrain.interop.export import load_run_model
+from distrain.models.registry import model_shape
 from distrain.observe.logs import LOGGER_NAME
 from distrain.observe.metrics import MetricsWriter
 from distrain.observe.trackers import Trackers
@@ -98,7 +99,12 @@ def run_eval(
     model, step = load_run_model(run_dir, step=step, checkpoint_dir=checkpoint_dir)
     if torch.cuda.is_available():
         model = model.cuda()
-    lm = DistrainLM(model, load_tokenizer(cfg.data.tokenizer), batch_size=batch_size)
+    lm = DistrainLM(
+        model,
+        load_tokenizer(cfg.data.tokenizer),
+        max_length=model_shape(cfg.model).max_seq_len,
+        batch_size=batch_size,
+    )
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,

@@ -16,21 +16,24 @@ from typing import Any
 
 import torch
 from lm_eval.api.model import LM
+from torch import nn
 
 from distrain.data.tokenizer import Tokenizer
 from distrain.inference.generate import sample
-from distrain.models.gpt.model import GPT
 
 DEFAULT_GEN_TOKENS = 256
 
 
 class DistrainLM(LM):
-    def __init__(self, model: GPT, tokenizer: Tokenizer, *, batch_size: int = 16):
+    def __init__(
+        self, model: nn.Module, tokenizer: Tokenizer, *, max_length: int, batch_size: int = 16
+    ):
+        """`max_length`: the model's longest sequence (its max_seq_len)."""
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size_per_call = batch_size
-        self.max_length = model.args.max_seq_len
+        self.max_length = max_length
         self._device = next(model.parameters()).device
         # What an empty context is conditioned on (the byte tokenizer has no end-of-text).
         self.prefix = tokenizer.encode("\n")
@@ -107,6 +110,7 @@ class DistrainLM(LM):
             new = sample(
                 self.model,
                 prompt,
+                max_seq_len=self.max_length,
                 max_new_tokens=max_new,
                 temperature=0.0,
                 top_k=None,

@@ -9,20 +9,20 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage, read_checkpoints_of
 from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
-from distrain.models.gpt.model import GPT
-from distrain.models.presets import model_args
+from distrain.models.registry import build_model, model_shape
 from distrain.observe.logs import LOGGER_NAME as LOGGER
 
 
 def load_model(
     run_dir: Path, device: torch.device, *, checkpoint_dir: str | None = None
-) -> tuple[GPT, int]:
+) -> tuple[nn.Module, int]:
     """The run's model at its newest complete checkpoint, and that checkpoint's step
     (`checkpoint_dir`: where the checkpoints are, when not in the run folder)."""
     config_path = run_config_file(run_dir)
@@ -37,8 +37,7 @@ def load_model(
         keep_temporary=1,
         logger=logging.getLogger(LOGGER),
     )
-    with torch.device("meta"):
-        model = GPT(model_args(cfg.model))
+    model = build_model(cfg.model)
     model.to_empty(device=device)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
@@ -66,21 +65,23 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None
 
 @torch.no_grad()
 def sample(
-    model: GPT,
+    model: nn.Module,
     prompt: list[int],
     *,
+    max_seq_len: int,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     generator: torch.Generator,
     num_tokens: int | None = None,
 ) -> list[int]:
-    """`max_new_tokens` ids continuing `prompt`; with `num_tokens`, only ids below it (a model's
+    """`max_new_tokens` ids continuing `prompt` (each predicted from the last `max_seq_len`
+    ids, the model's longest sequence); with `num_tokens`, only ids below it (a model's
     vocabulary padded past its tokenizer's has rows no text decodes to)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        context = tokens[:, -model.args.max_seq_len :]
+        context = tokens[:, -max_seq_len:]
         logits = model(context)[0, -1, :num_tokens].float()
         if temperature <= 0:
             next_token = logits.argmax().view(1)
@@ -108,10 +109,12 @@ def generate_text(
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(run_dir, device, checkpoint_dir=checkpoint_dir)
-    tokenizer = load_tokenizer(load_config(str(run_dir / "config.toml")).data.tokenizer)
-    if model.args.vocab_size < tokenizer.vocab_size:
+    cfg = load_config(str(run_dir / "config.toml"))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    shape = model_shape(cfg.model)
+    if shape.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
-            f"generate: the run's model has vocab_size {model.args.vocab_size}, fewer than its "
+            f"generate: the run's model has vocab_size {shape.vocab_size}, fewer than its "
             f"tokenizer {tokenizer.spec!r} ({tokenizer.vocab_size}); this run cannot be decoded"
         )
     start = tokenizer.encode(prompt) or tokenizer.encode("\n")
@@ -119,6 +122,7 @@ def generate_text(
     new = sample(
         model,
         start,
+        max_seq_len=shape.max_seq_len,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,

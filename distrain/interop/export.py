@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from torch import nn
 
 from distrain.checkpoint.checkpointer import checkpoint_storage, read_checkpoints_of
 from distrain.checkpoint.load import _safe_reader, load
@@ -30,12 +31,10 @@ from distrain.checkpoint.manifest import Entry, committed, verify
 from distrain.config.io import load_config, run_config_file
 from distrain.config.schema import Config
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
-from distrain.errors import CheckpointError
+from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
-from distrain.models.gpt.hf import hf_config, hf_tensors
-from distrain.models.gpt.model import GPT
 from distrain.models.hf_files import INDEX_FILE, HfTensor
-from distrain.models.presets import model_args
+from distrain.models.registry import build_model, model_args, model_family, model_shape
 from distrain.observe.logs import LOGGER_NAME as LOGGER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,8 +161,14 @@ def export_hf(
 ) -> Path:
     """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
     cfg = _run_config(run_dir, checkpoint_dir)
+    family = model_family(cfg.model.family)
+    if family.hf is None:
+        raise ConfigError(
+            f"export: the {family.name!r} model family has no Hugging Face equivalent; "
+            "export a torch.export program instead (--format torch-export)"
+        )
     args = model_args(cfg.model)
-    specs = hf_tensors(args)
+    specs = family.hf.tensors(args)
     entry = _checkpoint(cfg, step)
     metadata = _safe_reader(checkpoint_storage(cfg), entry.path).read_metadata()
     prefix = MODEL_KEY + "."
@@ -196,7 +201,9 @@ def export_hf(
     (out_dir / INDEX_FILE).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    (out_dir / "config.json").write_text(json.dumps(hf_config(args, dtype=torch_dtype), indent=2))
+    (out_dir / "config.json").write_text(
+        json.dumps(family.hf.config(args, dtype=torch_dtype), indent=2)
+    )
     (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
     _copy_tokenizer(cfg, out_dir)
     return out_dir
@@ -244,12 +251,11 @@ def _copy_tokenizer(cfg: Config, out_dir: Path) -> None:
 
 def load_run_model(
     run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
-) -> tuple[GPT, int]:
+) -> tuple[nn.Module, int]:
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
     cfg = _run_config(run_dir, checkpoint_dir)
     entry = _checkpoint(cfg, step)
-    with torch.device("meta"):
-        model = GPT(model_args(cfg.model))
+    model = build_model(cfg.model)
     model.to_empty(device="cpu")
     state = {MODEL_KEY: model.state_dict()}
     _quiet_load(cfg, entry, state)
@@ -264,11 +270,12 @@ def export_program(
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
     model, _ = load_run_model(run_dir, step=step, checkpoint_dir=checkpoint_dir)
-    seq = min(model.args.max_seq_len, 8)
+    max_seq_len = model_shape(_run_config(run_dir, checkpoint_dir).model).max_seq_len
+    seq = min(max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)
     dims = {
         0: torch.export.Dim("batch", min=1, max=1024),
-        1: torch.export.Dim("seq", min=1, max=model.args.max_seq_len),
+        1: torch.export.Dim("seq", min=1, max=max_seq_len),
     }
     program = torch.export.export(model, (example,), dynamic_shapes={"tokens": dims})
     out_file.parent.mkdir(parents=True, exist_ok=True)

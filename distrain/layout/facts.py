@@ -12,13 +12,10 @@ from distrain.config.batch import BatchSizes
 from distrain.config.ft_network import secret_missing, secret_needed
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
-from distrain.models.gpt.model import ModelArgs
+from distrain.family.spec import ModelShape, ModelSpec
 from distrain.optim.capability import OptimizerCapability, optimizer_capability
 from distrain.parallel.device import pick_device
 from distrain.parallel.mesh import ParallelDims, data_parallel_size
-
-# The model sizes tensor parallelism splits over its ranks.
-_TP_SPLIT_FIELDS = ("n_heads", "ffn_dim", "vocab_size", "dim")
 
 
 def divisors(n: int) -> list[int]:
@@ -31,7 +28,9 @@ class Facts:
     """What the rules look at; the short names keep the message templates readable."""
 
     cfg: Config
-    model: ModelArgs
+    spec: ModelSpec
+    """The model family's."""
+    model: ModelShape
     world_size: int | None = None
     dims: ParallelDims | None = None
 
@@ -256,15 +255,15 @@ class Facts:
     @property
     def tp_uneven(self) -> str:
         """The first model size that parallel.tp does not divide ("" when all split evenly)."""
-        return next((f for f in _TP_SPLIT_FIELDS if getattr(self.model, f) % self.p.tp), "")
+        return next((name for name, size in self.model.tp_split if size % self.p.tp), "")
 
     @property
     def model_size(self) -> int:
-        return getattr(self.model, self.tp_uneven)
+        return dict(self.model.tp_split)[self.tp_uneven]
 
     @property
     def tp_choices(self) -> str:
-        common = math.gcd(*(getattr(self.model, f) for f in _TP_SPLIT_FIELDS))
+        common = math.gcd(*(size for _, size in self.model.tp_split))
         return ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
 
     @property
@@ -287,7 +286,7 @@ class Facts:
 
     @property
     def num_experts(self) -> int:
-        return self.model.moe.num_experts
+        return self.model.num_experts
 
     @property
     def ep_choices(self) -> str:

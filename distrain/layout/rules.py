@@ -22,9 +22,9 @@ import torch
 from distrain.config.schema import Config
 from distrain.data.corpus import is_token_data
 from distrain.errors import ConfigError
+from distrain.family.spec import FamilyModel, ModelShape, ModelSpec
 from distrain.layout.facts import Facts
-from distrain.models.gpt.model import ModelArgs
-from distrain.models.presets import model_args
+from distrain.models.registry import model_args, model_family
 from distrain.parallel.device import CUDA_MISSING, device_type
 from distrain.parallel.mesh import ParallelDims
 
@@ -197,19 +197,32 @@ RULES: tuple[Rule, ...] = (
         "flight at a time); lower it or raise diloco.inner_steps",
     ),
     Rule(
+        "tp_needs_plan",
+        "config",
+        lambda f: f.p.tp > 1 and f.spec.tensor_plan is None,
+        "parallel.tp ({f.p.tp}): the {f.spec.name!r} model family has no tensor-parallel plan; "
+        "set parallel.tp = 1",
+    ),
+    Rule(
+        "sequence_parallel_needs_plan",
+        "config",
+        lambda f: f.p.tp > 1 and f.p.sequence_parallel and not f.spec.sequence_parallel,
+        "parallel.sequence_parallel: the {f.spec.name!r} model family's tensor-parallel plan has "
+        "no sequence-parallel variant; set parallel.sequence_parallel = false",
+    ),
+    Rule(
+        "cp_needs_attention",
+        "config",
+        lambda f: f.p.cp > 1 and f.spec.attention_modules is None,
+        "parallel.cp ({f.p.cp}): the {f.spec.name!r} model family has no attention for context "
+        "parallelism to split; set parallel.cp = 1",
+    ),
+    Rule(
         "tp_splits_model",
         "config",
         lambda f: f.tp_uneven != "",
         "model.{f.tp_uneven} ({f.model_size}) must be divisible by parallel.tp ({f.p.tp}); choose "
         "parallel.tp in {{{f.tp_choices}}} or change model.{f.tp_uneven}",
-    ),
-    Rule(
-        "tp_splits_kv_heads",
-        "config",
-        lambda f: f.model.kv_heads % f.p.tp != 0,
-        "model.n_kv_heads ({f.model.kv_heads}) must be divisible by parallel.tp ({f.p.tp}): "
-        "each tp rank holds whole key/value heads; choose a parallel.tp that divides "
-        "{f.model.kv_heads} or change model.n_kv_heads",
     ),
     Rule(
         "sequence_parallel_splits_seq_len",
@@ -473,20 +486,29 @@ def _check(facts: Facts, needs: Needs) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a valid config resolves to: the model shape, and the degrees when the world size is
-    known."""
+    """What a valid config resolves to: the model family, the model's arguments and shape, and
+    the degrees when the world size is known."""
 
-    model: ModelArgs
+    spec: ModelSpec
+    model: object
+    """The family's arguments (what `spec.build` takes)."""
+    shape: ModelShape
     dims: ParallelDims | None
+
+    @property
+    def family_model(self) -> FamilyModel:
+        return FamilyModel(self.spec, self.model)
 
 
 def validate(cfg: Config, world_size: int | None) -> Layout:
     """Refuse (LayoutError, one line) the first rule `cfg` breaks on `world_size` ranks; with
     world_size None (elastic MIN:MAX) only the rules that do not depend on it."""
-    facts = Facts(cfg=cfg, model=model_args(cfg.model))
+    spec = model_family(cfg.model.family)
+    args = model_args(cfg.model)
+    facts = Facts(cfg=cfg, spec=spec, model=spec.shape(args))
     _check(facts, "config")
     if world_size is None:
-        return Layout(model=facts.model, dims=None)
+        return Layout(spec=spec, model=args, shape=facts.model, dims=None)
     facts = replace(facts, world_size=world_size)
     _check(facts, "world")
     dims = ParallelDims.from_config(
@@ -497,4 +519,4 @@ def validate(cfg: Config, world_size: int | None) -> Layout:
     )
     facts = replace(facts, dims=dims)
     _check(facts, "dims")
-    return Layout(model=facts.model, dims=facts.dims)
+    return Layout(spec=spec, model=args, shape=facts.model, dims=facts.dims)

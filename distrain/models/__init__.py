@@ -1,19 +1,4 @@
-"""Model families (one folder each: the plain module, its parallel plans, its Hugging Face
-adapter), the registry of families by name, and the GPT's named presets."""
-
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
-from distrain.models.presets import PRESETS, flops_per_token, model_args, num_params
-from distrain.models.registry import family_of, model_family, register_family
-
-__all__ = [
-    "GPT",
-    "ModelArgs",
-    "PRESETS",
-    "family_of",
-    "flops_per_token",
-    "init_weights",
-    "model_args",
-    "model_family",
-    "num_params",
-    "register_family",
-]
+"""Model families, one folder each (models/<family>/: the plain module, its parallel plans, its
+Hugging Face adapter, its flavors and counts, and the `ModelSpec` that hands them on), and the
+registry of families by name (registry.py). Reading a Hugging Face folder, whatever the
+family, is hf_files.py's; the mixture-of-experts layer families share is moe.py's."""

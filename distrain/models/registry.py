@@ -1,14 +1,27 @@
-"""The model families distrain can build, by name: each a `ModelSpec` (parallel/spec.py) that the
-trainer and planner hand to the parallel mechanisms. The GPT (models/gpt/) is registered here; a
-family defined elsewhere registers itself with `register_family`."""
+"""The model families distrain can build, by name (`model.family`): each a `ModelSpec`
+(family/spec.py) that every other component reads.
+
+The families in this package are registered here. A family defined elsewhere registers itself
+with `register_family`, or, to be found by `distrain train` and its workers with no code run
+first, names its spec in its distribution's `distrain.model_families` entry point
+(`name = "package.module:SPEC"`), loaded the first time a family is asked for that is not known.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from importlib.metadata import entry_points
 from typing import Any
 
+import torch
+from torch import nn
+
+from distrain.config.schema import ModelConfig
 from distrain.errors import ConfigError
+from distrain.family.spec import ModelShape, ModelSpec
 from distrain.models.gpt.spec import GPT_SPEC
-from distrain.parallel.spec import ModelSpec
+
+ENTRY_POINT_GROUP = "distrain.model_families"
 
 FAMILIES: dict[str, ModelSpec] = {}
 
@@ -21,9 +34,40 @@ def register_family(spec: ModelSpec) -> None:
     FAMILIES[spec.name] = spec
 
 
+def _load_entry_points() -> None:
+    """Register every family an installed distribution declares; one that fails to load, or
+    names something other than a `ModelSpec` of its own name, is a one-line error."""
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in FAMILIES:
+            continue
+        try:
+            spec = point.load()
+        except Exception as e:
+            raise ConfigError(
+                f"model family {point.name!r} (entry point {point.value!r}) failed to load: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(spec, ModelSpec) or spec.name != point.name:
+            raise ConfigError(
+                f"entry point {point.name!r} = {point.value!r} must name a ModelSpec whose name "
+                f"is {point.name!r}"
+            )
+        register_family(spec)
+
+
+def families() -> dict[str, ModelSpec]:
+    """Every family: this package's and those installed plugins declare."""
+    _load_entry_points()
+    return dict(FAMILIES)
+
+
 def model_family(name: str) -> ModelSpec:
     if name not in FAMILIES:
-        raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+        _load_entry_points()
+    if name not in FAMILIES:
+        raise ConfigError(
+            f"model.family: unknown model family {name!r}; choose one of {', '.join(FAMILIES)}"
+        )
     return FAMILIES[name]
 
 
@@ -33,6 +77,52 @@ def family_of(args: Any) -> ModelSpec:
         if isinstance(args, spec.args_type):
             return spec
     raise ValueError(f"no registered model family takes {type(args).__name__}")
+
+
+def _fields_set(node: Any, prefix: str = "") -> list[str]:
+    """The dotted names of `node`'s fields that are set (not None), nested sections too."""
+    names = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            names += _fields_set(value, f"{prefix}{f.name}.")
+        elif value is not None:
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+ALWAYS_READ = ("family", "preset", "init_from")
+
+
+def model_args(cfg: ModelConfig) -> Any:
+    """The arguments of the model `cfg` ([model]) describes, from its family; a field set that
+    the family does not read is refused in one line."""
+    spec = model_family(cfg.family)
+    ignored = [
+        name
+        for name in _fields_set(cfg)
+        if name not in ALWAYS_READ and name not in spec.config_fields
+    ]
+    if ignored:
+        reads = ", ".join(f"model.{n}" for n in sorted(spec.config_fields)) or "none of them"
+        raise ConfigError(
+            f"model.{ignored[0]} does not apply to model.family = {spec.name!r}; remove it "
+            f"(that family reads {reads})"
+        )
+    return spec.args_from_config(cfg)
+
+
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The sizes of the model `cfg` describes (`model_args`' model)."""
+    return model_family(cfg.family).shape(model_args(cfg))
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The plain model `cfg` describes, on the meta device (the caller gives it storage)."""
+    spec = model_family(cfg.family)
+    args = model_args(cfg)
+    with torch.device("meta"):
+        return spec.build(args)
 
 
 register_family(GPT_SPEC)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import OptimConfig
-from distrain.models.gpt.model import GPT, tied_name
+from distrain.family.spec import ModelSpec, ParamRoles
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.gradient_plan import GradientPlan, OneBitAdamPlan, OneBitZeroPlan
 from distrain.optim.onebit_adam import OneBitAdam, onebit_units
@@ -25,18 +25,25 @@ from distrain.optim.zero1 import Zero1AdamW
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims
+from distrain.torch_compat import canonical_name
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms, biases and embedding tables stay undecayed (GPT-2 practice)."""
+def roles_of(model: nn.Module, spec: ModelSpec) -> ParamRoles:
+    """The family's roles of `model`'s parameters (a DDP-wrapped model's: its module's)."""
+    return spec.param_roles(model.module if isinstance(model, DistributedDataParallel) else model)
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, roles: ParamRoles | None = None
+) -> list[dict]:
+    """Decay matrices only: norms, biases and embedding tables (`roles.undecayed`, a head tied
+    to one too) stay undecayed (GPT-2 practice)."""
+    roles = roles or ParamRoles()
     decay, no_decay = [], []
-    args = model.args if isinstance(model, GPT) else None
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if args is not None:
-            name = tied_name(name, args)
-        if param.ndim < 2 or "emb" in name:
+        if param.ndim < 2 or canonical_name(name) in roles.undecayed:
             no_decay.append(param)
         else:
             decay.append(param)
@@ -65,6 +72,7 @@ def by_tensor_kind(groups: list[dict]) -> list[dict]:
 def build_optimizers(
     parts: list[nn.Module],
     cfg: OptimConfig,
+    spec: ModelSpec,
     dims: ParallelDims,
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
@@ -88,6 +96,7 @@ def build_optimizers(
         build_optimizer(
             part,
             cfg,
+            spec=spec,
             zero1_group=zero1_group,
             zero2_group=zero2_group,
             dp_group=grad_group,
@@ -112,6 +121,7 @@ def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,
     *,
+    spec: ModelSpec | None = None,
     zero1_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     comm_stats: CommStats | None = None,
@@ -124,15 +134,17 @@ def build_optimizer(
     over `dp_group` itself (with `zero1_group`, `OneBitZeroAdam`: its state sharded too; with
     `zero2_group`, ZeRO-2 on an unwrapped model: its averaged gradients sharded as well). On a
     model without DDP (tp/pp, `ParallelDims.dp_wrapper` "optimizer"; or one replica) 1-bit
-    Adam averages the warm-up's gradients too (`OneBitAdamPlan.before_clip`)."""
-    groups = param_groups(model, cfg.weight_decay)
+    Adam averages the warm-up's gradients too (`OneBitAdamPlan.before_clip`). `spec`: the
+    model's family, which names its embeddings and tied weights (without: none)."""
+    roles = roles_of(model, spec) if spec is not None else ParamRoles()
+    groups = param_groups(model, cfg.weight_decay, roles)
     if cfg.name == "onebit_adam":
         sharded = zero2_group if zero2_group is not None else zero1_group
         extra = {"shard_gradients": True} if zero2_group is not None else {}
         if sharded is None:
             unwrapped = not isinstance(model, (DistributedDataParallel, FSDPModule))
             # Under DDP one unit in parameter-group order, as before units existed.
-            units = _onebit_units(model) if unwrapped else None
+            units = _onebit_units(model, roles) if unwrapped else None
             extra = {"units": units, "averages_gradients": unwrapped}
         onebit = OneBitAdam if sharded is None else OneBitZeroAdam
         return onebit(
@@ -170,14 +182,13 @@ def build_optimizer(
     return zero
 
 
-def _onebit_units(model: nn.Module) -> list[list[nn.Parameter]]:
+def _onebit_units(model: nn.Module, roles: ParamRoles) -> list[list[nn.Parameter]]:
     """1-bit Adam's compression units for `model` (`onebit_units`): a pipeline stage's copy of
-    an embedding tied across stages apart (the other copy is on another stage)."""
-    stage_cut = isinstance(model, GPT) and (model.tok_emb is None or model.output is None)
+    a weight tied across stages apart (the other copy is on another stage)."""
+    copies = roles.tied if roles.cut and roles.tied is not None else ()
 
     def tied(name: str) -> bool:
-        cut_tie = stage_cut and model.args.tie_embeddings
-        return cut_tie and tied_name(name, model.args) == "tok_emb.weight"
+        return canonical_name(name) in copies
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return onebit_units(named, tied)

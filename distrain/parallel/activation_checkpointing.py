@@ -2,7 +2,7 @@
 selective recompute of the model's blocks in backward.
 
 It wraps a model's repeated blocks (the `nn.ModuleDict` its family's spec names,
-parallel/spec.py) and acts in place (a wrapped block keeps its key among the blocks), so
+family/spec.py) and acts in place (a wrapped block keeps its key among the blocks), so
 parameter names, and so checkpoints and seeded init, are the same with or without it.
 """
 

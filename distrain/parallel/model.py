@@ -6,7 +6,7 @@ tp/pp/ep is on) -> materialize + seeded init (identical values under every layou
 (ZeRO 0/1).
 
 Every step that needs to know the model reads it from the model family's `ModelSpec`
-(parallel/spec.py): the family builds and initializes the model, names its blocks and its
+(family/spec.py): the family builds and initializes the model, names its blocks and its
 first- and last-stage submodules, and gives its tensor-parallel plan, tied weights, MoE layers
 and Hugging Face adapter. Nothing here knows a family.
 
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from distrain.config.batch import BatchSizes
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
+from distrain.family.spec import ModelSpec
 from distrain.observe import heartbeat
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from distrain.parallel.compile import apply_compile
@@ -53,7 +54,6 @@ from distrain.parallel.device import DistContext, resolve_compile
 from distrain.parallel.local import copy_from_flat
 from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
-from distrain.parallel.spec import ModelSpec
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
 
@@ -84,14 +84,15 @@ class ParallelModel:
         stage_ids: list[int],
         num_stages: int,
         pp_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        spec: ModelSpec,
         tied: tuple[dist.ProcessGroup, tuple[str, str]] | None = None,
     ):
-        """`loss_fn`: (output, targets) -> summed loss, the family's (under tp a loss_parallel
-        one). `tied`: the group of the first and last pipeline rank and the names of a weight
+        """`spec`: the model family's (its loss: (output, targets) -> summed loss). `tied`: the
+        group of the first and last pipeline rank and the names of a weight
         the two share (`TiedEmbedding`)."""
         self.parts, self.dims, self.device = parts, dims, device
-        self.loss_fn = loss_fn
+        self.spec = spec
+        self.loss_fn = spec.loss
         self.stage_ids, self.num_stages = stage_ids, num_stages
         self.train_batch_rows = batch.local
         self.precision = precision
@@ -460,7 +461,7 @@ def build_parallel_model(
         stage_ids=stage_ids,
         num_stages=num_stages,
         pp_microbatches=microbatches,
-        loss_fn=spec.loss,
+        spec=spec,
         tied=(
             (embedding_group(mesh, timeout_s=cfg.comm.collective_timeout_s), tied_names)
             if dims.pp > 1 and tied_names is not None
@@ -560,12 +561,12 @@ def _materialize(
     every layout), from model.init_from's pretrained weights when it names them."""
     source = None
     if cfg.model.init_from:
-        if spec.pretrained_source is None:
+        if spec.hf is None:
             raise ConfigError(
                 f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
                 "remove model.init_from"
             )
-        source = spec.pretrained_source(cfg.model.init_from, args)
+        source = spec.hf.source(cfg.model.init_from, args)
     for part in parts:
         part.to_empty(device=device)
         spec.init_weights(part, args, cfg.training.seed, source=source)

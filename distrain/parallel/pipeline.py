@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
 )
 
 from distrain.errors import ConfigError
-from distrain.parallel.spec import ModelSpec
+from distrain.family.spec import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 

@@ -1,6 +1,6 @@
 """Tensor parallelism (TP) with optional sequence parallelism (SP), for any model family.
 
-This module owns the mechanism: a family's `tensor_plan` (parallel/spec.py: which submodules get
+This module owns the mechanism: a family's `tensor_plan` (family/spec.py: which submodules get
 which DTensor `ParallelStyle`) applied from the outside by `parallelize_module` (the model itself
 holds no parallel code), the style for a module TP does not split (`ReplicatedParallel`), the
 sequence-length check under SP, and the loss context the trainer wraps the loss and its backward
@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_m
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from distrain.errors import ConfigError
-from distrain.parallel.spec import ModelSpec
+from distrain.family.spec import ModelSpec
 
 
 def check_sequence_length(seq_len: int, tp: int) -> None:

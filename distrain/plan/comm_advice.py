@@ -35,8 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from distrain.models.gpt.model import GPT, ModelArgs
-from distrain.models.presets import num_params
+from distrain.family.spec import FamilyModel
 from distrain.parallel.compress import ONEBIT_BLOCK, wire_bytes
 from distrain.plan.timing import Candidate, Cluster, step_time
 
@@ -95,14 +94,14 @@ class CommAdvice:
         }
 
 
-def powersgd_values(args: ModelArgs, rank: int) -> int:
+def powersgd_values(model: FamilyModel, rank: int) -> int:
     """fp32 values PowerSGD all-reduces per step for the whole model's gradients: (m + k) r per
     matrix it compresses (torch's `_should_compress` at min_compression_rate 2), every other
     tensor whole."""
     with torch.device("meta"):
-        model = GPT(args)
+        built = model.build()
     total = 0
-    for param in model.parameters():
+    for param in built.parameters():
         if param.dim() < 2:
             total += param.numel()
             continue
@@ -118,7 +117,7 @@ def _ring_latency(collectives: float, n: int, latency_s: float) -> float:
 
 
 def predict_methods(
-    args: ModelArgs,
+    model: FamilyModel,
     *,
     compute_s: float,
     replicas: int,
@@ -141,7 +140,7 @@ def predict_methods(
     `model_split` of the model. DiLoCo runs `sites` sites (default: `replicas`, one rank each)
     of replicas / sites ranks joined inside a site by `site_bandwidth`."""
     n = replicas
-    values = num_params(args) / model_split
+    values = model.num_params() / model_split
     grad_bytes = 4 * values
     buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
     floor = compute_s + other_s
@@ -155,7 +154,7 @@ def predict_methods(
     if zero_stage >= 2:
         gathers = 2 if zero_stage == 3 else 1
         sent = (n - 1) / n * values * (4 + gathers * bytes_per_value) if n > 1 else 0.0
-        latency = _ring_latency((args.n_layers + 1) * (1 + gathers) / 2, n, latency_s)
+        latency = _ring_latency((model.shape.n_layers + 1) * (1 + gathers) / 2, n, latency_s)
         found.append(made("plain", sent, sent / bandwidth + latency, True, "FSDP2 as planned"))
     else:
         sent = wire_bytes("all_reduce", grad_bytes, n)
@@ -171,7 +170,7 @@ def predict_methods(
                 "comm.gradient_compression = 'bf16'",
             )
         )
-        sent = wire_bytes("all_reduce", 4 * powersgd_values(args, powersgd_rank) / model_split, n)
+        sent = wire_bytes("all_reduce", 4 * powersgd_values(model, powersgd_rank) / model_split, n)
         found.append(
             made(
                 "powersgd",
@@ -206,7 +205,7 @@ def predict_methods(
         bytes_per_value=bytes_per_value,
         sync_bytes=SYNC_BYTES[sync_dtype],
         max_inner_steps=max_inner_steps,
-        n_layers=args.n_layers,
+        n_layers=model.shape.n_layers,
     )
     return found
 
@@ -265,7 +264,7 @@ def recommend(methods: list[MethodPrediction]) -> CommAdvice:
 
 def advise(
     c: Candidate,
-    args: ModelArgs,
+    model: FamilyModel,
     cluster: Cluster,
     *,
     global_batch: int,
@@ -280,7 +279,7 @@ def advise(
     timing.py's."""
     t = step_time(
         c,
-        args,
+        model,
         cluster,
         global_batch=global_batch,
         seq_len=seq_len,
@@ -290,7 +289,7 @@ def advise(
     bandwidth = cluster.inter_bw if spans_nodes else cluster.intra_bw
     nodes_in_group = max(1, c.tp * c.dp // cluster.gpus_per_node)
     methods = predict_methods(
-        args,
+        model,
         compute_s=t.compute_s,
         replicas=c.dp,
         bandwidth=bandwidth,

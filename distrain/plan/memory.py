@@ -37,8 +37,6 @@ from torch.utils._pytree import tree_leaves
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT
-from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
@@ -174,32 +172,33 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
-            meta_model = GPT(layout.model)
+            meta_model = layout.spec.build(layout.model)
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            return _fake_step(cfg, layout.model, dims, mesh, dp_mesh, ctx, meta_model)
+            return _fake_step(cfg, layout, dims, mesh, dp_mesh, ctx, meta_model)
 
 
-def _fake_step(cfg, args, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
+def _fake_step(cfg, layout, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
     """Build, then one fwd/bwd at micro-batch 1 and 2 (the activation slope) and the optimizer
     step; every pipeline micro-batch of the schedule is in flight together (the worst stage)."""
     one_cfg = dataclasses.replace(
         cfg, training=dataclasses.replace(cfg.training, micro_batch_size=1)
     )
     model = build_parallel_model(
-        args,
+        layout.model,
         one_cfg,
         dims,
         mesh,
         dp_mesh,
         ctx,
         CommStats(),
-        spec=GPT_SPEC,
+        spec=layout.spec,
         meta_model=meta_model,
     )
     optimizers = [
         build_optimizer(
             part,
             cfg.optim,
+            spec=layout.spec,
             zero1_group=dp_mesh.get_group() if dims.zero_stage == 1 else None,
             dp_group=dp_mesh.get_group(),
         )

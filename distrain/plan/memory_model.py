@@ -6,15 +6,17 @@ fastest few are built (search.py):
 
 - model states (`model_states`): each parameter tensor of the model (its shapes on the meta
   device) held by this rank: the blocks of its pipeline stages, the embedding on the first stage
-  and the norm and head on the last (a tied head: its own copy there); split by tp as the
-  model's Megatron plan splits it (column-parallel weights and their biases along dim 0,
-  row-parallel weights along dim 1, the vocabulary of the embedding and head; norms, learned
-  positions and MoE layers replicated); then, under ZeRO-2/3, dim 0 of that local tensor
-  sharded over dp_shard as FSDP2 does (the first rank holding the rounded-up share). Gradients
-  equal the parameters (sharded under ZeRO-2/3); optimizer state is the calibration build's
-  bytes per parameter byte (AdamW: two fp32 moments and a step scalar per tensor), divided
-  over the data-parallel ranks under ZeRO-1 (the fullest rank of torch's
-  ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under ZeRO-1/2;
+  and the norm and head on the last (the family's first- and last-stage submodules; a tied head:
+  its own copy there); split by tp as the family's tensor plan splits it, read from the plan
+  itself (torch's styles: column-parallel linear weights and their biases along dim 0,
+  row-parallel linear weights along dim 1, a row-parallel embedding along dim 0 and a
+  column-parallel one along dim 1; whatever the plan does not split replicated); then, under
+  ZeRO-2/3, dim 0 of that local tensor sharded over dp_shard as FSDP2 does (the first rank
+  holding the rounded-up share). Gradients equal the parameters (sharded under ZeRO-2/3);
+  optimizer state is the calibration build's bytes per parameter byte (AdamW: two fp32 moments
+  and a step scalar per tensor), divided over the data-parallel ranks under ZeRO-1 (the fullest
+  rank of torch's ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under
+  ZeRO-1/2;
 - activations: per sample, a cost per block and a constant (embedding, head, loss), and above
   the model states a fixed cost per block and a constant (FSDP2's gathered parameters,
   transient buffers), measured for a *family* of layouts (tp degree, data-parallel wrapper:
@@ -38,20 +40,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from distrain.config.schema import Config
+from distrain.family.spec import FamilyModel, ModelShape
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT, ModelArgs
-from distrain.models.presets import model_args, num_params
-from distrain.optim.builder import param_groups
+from distrain.optim.builder import param_groups, roles_of
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.plan.memory import MemoryEstimate
 from distrain.plan.pipeline_memory import in_flight
 
 FP32 = 4
-COLUMN = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_up", "mlp.w_gate")
-ROW = ("attn.wo", "mlp.w_down")
 CALIBRATION_DEPTHS = (2, 3)
 CALIBRATED_TP = 2
 """The largest tp degree calibrated on its own under sequence parallelism (`coefficients_for`)."""
@@ -193,47 +194,58 @@ class ModelStates:
     has_head: bool
 
 
-def _meta_model(args: ModelArgs) -> GPT:
+def _meta_model(model: FamilyModel) -> nn.Module:
     with torch.device("meta"):
-        return GPT(args)
+        return model.build()
 
 
-_SHAPES: dict[str, list[tuple[str, torch.Size, int]]] = {}
+_SHAPES: dict[str, list[tuple[str, torch.Size, int, int | None]]] = {}
 
 
-def _parameter_shapes(args: ModelArgs) -> list[tuple[str, torch.Size, int]]:
-    """(name, shape, identity) of each parameter of GPT(args), a tied one under both names;
-    made once per shape of model (a 7B meta build is a noticeable share of pricing a layout)."""
-    key = repr(args)
+def _parameter_shapes(model: FamilyModel) -> list[tuple[str, torch.Size, int, int | None]]:
+    """(name, shape, identity, the dim tp splits or None) of each parameter of the model, a tied
+    one under both names; made once per model (a 7B meta build is a noticeable share of pricing
+    a layout)."""
+    key = f"{model.spec.name}:{model.args!r}"
     if key not in _SHAPES:
-        model = _meta_model(args)
+        built = _meta_model(model)
+        plan = model.spec.tensor_plan(built, False) if model.spec.tensor_plan else {}
         _SHAPES[key] = [
-            (name, p.shape, id(p)) for name, p in model.named_parameters(remove_duplicate=False)
+            (name, p.shape, id(p), _tp_dim(built, plan, name))
+            for name, p in built.named_parameters(remove_duplicate=False)
         ]
     return _SHAPES[key]
 
 
-def _tp_local_shape(name: str, shape: torch.Size, tp: int) -> list[int]:
+def _tp_dim(model: nn.Module, plan: dict[str, Any], name: str) -> int | None:
+    """The dim of parameter `name` that the tensor plan's style of its module shards, as torch's
+    styles do (None: replicated)."""
+    path, _, kind = name.rpartition(".")
+    style = plan.get(path)
+    embedding = isinstance(model.get_submodule(path), nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return 1 if embedding else 0
+    if isinstance(style, RowwiseParallel):
+        return 0 if embedding else (1 if kind == "weight" else None)
+    return None
+
+
+def _tp_local_shape(shape: torch.Size, dim: int | None, tp: int) -> list[int]:
     dims = list(shape)
-    if tp == 1 or ".moe." in name or "norm" in name or name.startswith("pos_emb"):
-        return dims
-    module, kind = name.rsplit(".", 1)
-    if module.endswith(COLUMN) or module in ("tok_emb", "output"):
-        dims[0] = -(-dims[0] // tp)
-    elif module.endswith(ROW) and kind == "weight":
-        dims[1] = -(-dims[1] // tp)
+    if tp > 1 and dim is not None:
+        dims[dim] = -(-dims[dim] // tp)
     return dims
 
 
-def _stage_parts(args: ModelArgs, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
+def _stage_parts(shape: ModelShape, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(block indices, holds the embedding, holds the head) of pp rank `pp_rank`."""
     from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
 
     p = cfg.parallel
     if p.pp == 1:
-        return list(range(args.n_layers)), True, True
+        return list(range(shape.n_layers)), True, True
     stages = p.pp * p.pp_stages_per_rank
-    layers = stage_layer_ranges(args.n_layers, stages)
+    layers = stage_layer_ranges(shape.n_layers, stages)
     ids = stage_ids_for_rank(pp_rank, p.pp, p.pp_stages_per_rank, p.pp_schedule)
     blocks = [i for s in ids for i in layers[s]]
     return blocks, 0 in ids, stages - 1 in ids
@@ -243,25 +255,26 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
     """Parameter and gradient bytes of the first rank of pipeline rank `pp_rank` (module
     docstring)."""
     p = cfg.parallel
-    args = validate(cfg, None).model
-    blocks, first, last = _stage_parts(args, cfg, pp_rank)
+    layout = validate(cfg, None)
+    spec = layout.spec
+    blocks, first, last = _stage_parts(layout.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
     shard = world_size // (p.tp * p.pp) if p.zero_stage >= 2 else 1
     params = 0
     seen: set[int] = set()
-    for name, shape, identity in _parameter_shapes(args):
+    for name, shape, identity, tp_dim in _parameter_shapes(layout.family_model):
         top = name.split(".", 1)[0]
-        if top == "blocks" and name.split(".")[1] not in held:
+        if top == spec.blocks and name.split(".")[1] not in held:
             continue
-        if top in ("tok_emb", "pos_emb") and not first:
+        if top in spec.first_stage and not first:
             continue
-        if top in ("norm", "output") and not last:
+        if top in spec.last_stage and not last:
             continue
         # A tied head is the embedding's weight: once when a rank holds both.
         if identity in seen:
             continue
         seen.add(identity)
-        dims = _tp_local_shape(name, shape, p.tp)
+        dims = _tp_local_shape(shape, tp_dim, p.tp)
         if shard > 1:
             dims[0] = -(-dims[0] // shard)
         params += FP32 * math.prod(dims)
@@ -274,7 +287,7 @@ def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coeffi
     p = cfg.parallel
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
-        return held_state_bytes(num_params(validate(cfg, None).model), world_size)
+        return held_state_bytes(validate(cfg, None).family_model.num_params(), world_size)
     whole = states.params * c.optimizer_per_param_byte
     if p.zero_stage == 1 and world_size > 1:
         if p.tp == p.pp == 1:
@@ -288,9 +301,10 @@ def zero1_largest_share(cfg: Config, world_size: int) -> float:
     (its state follows them): torch's rule, group by group, each parameter, largest first, to
     the rank holding the fewest values so far (the first such rank). Whole tensors: 4 ranks of
     the `tiny` preset hold up to 1.075x an even share."""
-    model = _meta_model(model_args(cfg.model))
+    layout = validate(cfg, None)
+    model = _meta_model(layout.family_model)
     held = [0] * world_size
-    for group in param_groups(model, cfg.optim.weight_decay):
+    for group in param_groups(model, cfg.optim.weight_decay, roles_of(model, layout.spec)):
         for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
             held[held.index(min(held))] += param.numel()
     return max(held) / sum(held)
@@ -345,7 +359,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     schedule keeps, the head's cost per sample on the last stage only, and the receive buffers
     of pipeline_memory.py."""
     p, t = cfg.parallel, cfg.training
-    args = validate(cfg, None).model
+    dim = validate(cfg, None).shape.dim
     states = model_states(cfg, world_size, pp_rank=pp_rank)
     optimizer = optimizer_bytes(cfg, world_size, states, c)
     dp = world_size // (p.tp * p.pp * p.cp)
@@ -359,7 +373,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     stages = p.pp * p.pp_stages_per_rank
     ids = [pp_rank + i * p.pp for i in range(p.pp_stages_per_rank)]
     receives = sum((s != 0) + (s != stages - 1) for s in ids)
-    boundary = rows * t.seq_len * args.dim * FP32
+    boundary = rows * t.seq_len * dim * FP32
     if p.sequence_parallel and p.tp > 1:
         boundary //= p.tp
     comm = receives * microbatches * boundary

@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from distrain.config.schema import Config
+from distrain.family.spec import ModelSpec
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT, next_token_loss
-from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from distrain.parallel.tensor import tp_loss_context
@@ -76,7 +76,8 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
     from distrain.parallel.pipeline import split_model, stage_ids_for_rank
 
     layout = validate(cfg, world_size)
-    dims, args, p, t = layout.dims, layout.model, cfg.parallel, cfg.training
+    dims, spec, p, t = layout.dims, layout.spec, cfg.parallel, cfg.training
+    dim = layout.shape.dim
     assert dims is not None and dims.pp > 1
     if dims.cp > 1 or dims.ep > 1:
         raise NotImplementedError("the planner does not yet plan pipelines with cp or ep")
@@ -89,13 +90,13 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         pp_rank = mesh["pp"].get_local_rank()
         stage_ids = stage_ids_for_rank(pp_rank, dims.pp, p.pp_stages_per_rank, p.pp_schedule)
         with torch.device("meta"):
-            meta = GPT(args)
+            meta = spec.build(layout.model)
         # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
-        parts = [split_model(meta, s, num_stages, spec=GPT_SPEC) for s in stage_ids]
+        parts = [split_model(meta, s, num_stages, spec=spec) for s in stage_ids]
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
             for part in parts:
-                _parallelize_stage(part, cfg, dims, mesh)
-            parts = [_shard(part, cfg, dims, mesh) for part in parts]
+                _parallelize_stage(part, spec, cfg, dims, mesh)
+            parts = [_shard(part, spec, cfg, dims, mesh) for part in parts]
             for part in parts:
                 part.to_empty(device="cpu")
             kept = in_flight(p.pp_schedule, dims.pp, pp_rank, p.pp_stages_per_rank, microbatches)
@@ -105,28 +106,28 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
             # as comm_buffers), made here before the count starts.
             # Under sequence parallelism a stage boundary carries this rank's sequence shard.
             shard = dims.tp if p.sequence_parallel and dims.tp > 1 else 1
-            received = torch.empty(per_chunk, rows, t.seq_len // shard, args.dim)
+            received = torch.empty(per_chunk, rows, t.seq_len // shard, dim)
 
             def step_stages(microbatches: torch.Tensor) -> None:
                 # Under tp the last stage's logits are vocab-sharded: the loss runs as training's.
                 with tp_loss_context(dims.tp > 1):
                     for part, stage_id in zip(parts, stage_ids, strict=True):
                         first, last = stage_id == 0, stage_id == num_stages - 1
-                        _stage_steps(part, first, last, microbatches, t.seq_len)
+                        _stage_steps(part, spec, first, last, microbatches, t.seq_len)
 
             # A first microbatch makes the gradients, which the schedule's steady state holds.
             step_stages(received[:1])
             grads = grad_bytes(x for part in parts for x in part.parameters())
             with LiveBytes(params + grads) as live:
                 step_stages(received)
-            optimizers = [build_optimizer(part, cfg.optim) for part in parts]
+            optimizers = [build_optimizer(part, cfg.optim, spec=spec) for part in parts]
             for optimizer in optimizers:
                 optimizer.step()
             optimizer_bytes = held_optimizer_state_bytes(optimizers)
     boundary = (
-        rows * t.seq_len * args.dim * 4 // dims.tp
+        rows * t.seq_len * dim * 4 // dims.tp
         if p.sequence_parallel
-        else (rows * t.seq_len * args.dim * 4)
+        else (rows * t.seq_len * dim * 4)
     )
     receives = sum((s != 0) + (s != num_stages - 1) for s in stage_ids)
     return PipelineMemory(
@@ -139,28 +140,38 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
     )
 
 
-def _parallelize_stage(part: GPT, cfg: Config, dims, mesh) -> None:  # noqa: ANN001
+def _parallelize_stage(part: nn.Module, spec: ModelSpec, cfg: Config, dims, mesh) -> None:  # noqa: ANN001, E501
     """build_parallel_model's per-part steps, in its order (tp, then activation checkpointing)."""
     if dims.tp > 1:
         from distrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(
-            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=GPT_SPEC
+            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
         )
     apply_activation_checkpointing(
-        part.blocks, cfg.training.activation_checkpointing, every=cfg.training.ac_every_layers
+        getattr(part, spec.blocks),
+        cfg.training.activation_checkpointing,
+        every=cfg.training.ac_every_layers,
     )
 
 
-def _shard(part: GPT, cfg: Config, dims, mesh) -> GPT:  # noqa: ANN001
+def _shard(part: nn.Module, spec: ModelSpec, cfg: Config, dims, mesh) -> nn.Module:  # noqa: ANN001
     if dims.dp_wrapper != "fsdp":
         return part
     from distrain.parallel.data_parallel import apply_fsdp
 
-    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision, blocks=part.blocks)
+    blocks = getattr(part, spec.blocks)
+    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision, blocks=blocks)
 
 
-def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq_len: int) -> None:
+def _stage_steps(
+    part: nn.Module,
+    spec: ModelSpec,
+    first: bool,
+    last: bool,
+    received: torch.Tensor,
+    seq_len: int,
+) -> None:
     """One forward per microbatch in `received` (its activations, or token ids on the first
     stage), then their backwards, oldest first: the peak of 1F1B's steady state, every kept
     microbatch saved and one backward running. As in torch's schedules, a stage's output (the
@@ -169,7 +180,7 @@ def _stage_steps(part: GPT, first: bool, last: bool, received: torch.Tensor, seq
     outputs = []
     for x in received:
         out = part(tokens if first else x.detach().requires_grad_())
-        outputs.append((out, next_token_loss(out, tokens) if last else out))
+        outputs.append((out, spec.loss(out, tokens) if last else out))
     for i in range(len(outputs)):
         (_, out), outputs[i] = outputs[i], None
         out.backward(None if last else received[i])

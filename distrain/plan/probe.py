@@ -39,14 +39,12 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT, init_weights
-from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, resolve_compile
@@ -158,7 +156,7 @@ def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -
     torch.set_num_threads(threads)
     try:
         if dims.pp > 1:
-            return _probe_pipeline(cfg, layout.model, dims, repeats)
+            return _probe_pipeline(cfg, layout, dims, repeats)
         if dims.dp_wrapper == "ddp":
             return _probe_ddp(cfg, world_size, dims.dp_size, repeats)
         return _probe_fake_world(cfg, layout, world_size, repeats)
@@ -231,10 +229,11 @@ def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -
         mesh, dp_mesh = dims.build_mesh("cpu")
         torch.manual_seed(t.seed)
         model = build_parallel_model(
-            layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
+            layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats(), spec=layout.spec
         )
         optimizers = [
-            build_optimizer(part, cfg.optim, dp_group=dp_mesh.get_group()) for part in model.parts
+            build_optimizer(part, cfg.optim, spec=layout.spec, dp_group=dp_mesh.get_group())
+            for part in model.parts
         ]
         rows = t.global_batch_size // dims.dp_size
         tokens = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long)
@@ -262,9 +261,10 @@ def _probe_ddp(cfg: Config, world_size: int, dp: int, repeats: int) -> Probe:
         training=dataclasses.replace(t, global_batch_size=t.global_batch_size // dp),
         parallel=dataclasses.replace(cfg.parallel, zero_stage=0, dp_replicate=-1, dp_shard=-1),
     )
-    alone = _probe_fake_world(local, validate(local, 1), 1, repeats)
+    layout = validate(local, 1)
+    alone = _probe_fake_world(local, layout, 1, repeats)
     with torch.device("meta"):
-        grad_bytes = 4 * sum(p.numel() for p in GPT(validate(local, 1).model).parameters())
+        grad_bytes = 4 * sum(p.numel() for p in layout.spec.build(layout.model).parameters())
     bucket = int(cfg.comm.bucket_cap_mb * 2**20)
     buckets = [min(bucket, grad_bytes - start) for start in range(0, grad_bytes, bucket)]
     collectives = [Collective("all_reduce", b, dp) for b in buckets]
@@ -281,7 +281,7 @@ def _flush_denormals() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def _probe_pipeline(cfg: Config, args: Any, dims: Any, repeats: int) -> Probe:
+def _probe_pipeline(cfg: Config, layout: Any, dims: Any, repeats: int) -> Probe:
     """Each stage's forward + backward of one microbatch and its optimizer step, timed alone."""
     from distrain.parallel.pipeline import split_model, stage_ids_for_rank
 
@@ -290,22 +290,23 @@ def _probe_pipeline(cfg: Config, args: Any, dims: Any, repeats: int) -> Probe:
     local_batch = t.global_batch_size // dims.dp_size
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
     rows = local_batch // microbatches
+    spec, dim = layout.spec, layout.shape.dim
     with torch.device("meta"):
-        meta = GPT(args)
+        meta = spec.build(layout.model)
     stage_s, step_s = [], []
     tokens = torch.zeros(rows, t.seq_len, dtype=torch.long)
-    hidden = torch.randn(rows, t.seq_len, args.dim)
+    hidden = torch.randn(rows, t.seq_len, dim)
     for stage_id in range(num_stages):
-        stage = split_model(meta, stage_id, num_stages, spec=GPT_SPEC)
+        stage = split_model(meta, stage_id, num_stages, spec=spec)
         stage.to_empty(device="cpu")
-        init_weights(stage, args, t.seed)
-        optimizer = build_optimizer(stage, cfg.optim)
+        spec.init_weights(stage, layout.model, t.seed)
+        optimizer = build_optimizer(stage, cfg.optim, spec=spec)
 
-        def fwd_bwd(stage: GPT = stage, stage_id: int = stage_id) -> None:
+        def fwd_bwd(stage: nn.Module = stage, stage_id: int = stage_id) -> None:
             x = tokens if stage_id == 0 else hidden.clone().requires_grad_()
             out = stage(x)
             if stage_id == num_stages - 1:
-                F.cross_entropy(out.flatten(0, 1), tokens.flatten()).backward()
+                (spec.loss(out, tokens) / tokens.numel()).backward()
             else:
                 out.backward(torch.ones_like(out))
 
@@ -326,7 +327,7 @@ def _probe_pipeline(cfg: Config, args: Any, dims: Any, repeats: int) -> Probe:
         stages_per_rank=p.pp_stages_per_rank,
         microbatches=microbatches,
         microbatch_s=max(per_rank),
-        boundary_bytes=rows * t.seq_len * args.dim * 4,
+        boundary_bytes=rows * t.seq_len * dim * 4,
     )
 
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
+from distrain.family.spec import ModelShape
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
-from distrain.models.presets import model_args, num_params
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
@@ -152,7 +152,8 @@ def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> M
         base = memory_of(single, 1, cache, exhaustive=exhaustive)
         optimizer = base.optimizer
         if own_sharding:
-            optimizer = held_state_bytes(num_params(model_args(cfg.model)), world_size)
+            params = validate(cfg, None).family_model.num_params()
+            optimizer = held_state_bytes(params, world_size)
         elif p.zero_stage == 1:
             optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))
         return dataclasses.replace(base, optimizer=optimizer)
@@ -209,14 +210,14 @@ def distinct_stage_ranks(cfg: Config) -> list[int]:
     what a lower one does and, under every schedule, no more microbatches in flight."""
     from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
 
-    p, args = cfg.parallel, validate(cfg, None).model
+    p, shape = cfg.parallel, validate(cfg, None).shape
     num_stages = p.pp * p.pp_stages_per_rank
-    layers = stage_layer_ranges(args.n_layers, num_stages)
+    layers = stage_layer_ranges(shape.n_layers, num_stages)
     seen, found = set(), []
     for rank in range(p.pp):
         stages = stage_ids_for_rank(rank, p.pp, p.pp_stages_per_rank, p.pp_schedule)
         held = tuple(
-            (s == 0, s == num_stages - 1, tuple(_block_kind(cfg, args, i) for i in layers[s]))
+            (s == 0, s == num_stages - 1, tuple(_block_kind(cfg, shape, i) for i in layers[s]))
             for s in stages
         )
         if held not in seen:
@@ -225,12 +226,12 @@ def distinct_stage_ranks(cfg: Config) -> list[int]:
     return found
 
 
-def _block_kind(cfg: Config, args: Any, index: int) -> tuple[bool, bool]:
+def _block_kind(cfg: Config, shape: ModelShape, index: int) -> tuple[bool, bool]:
     """What block `index` is: an MoE layer or not, checkpointed apart from the others or not
     (selective checkpointing, as parallel/activation_checkpointing.py picks its blocks)."""
     t = cfg.training
     apart = t.activation_checkpointing == "selective" and index % t.ac_every_layers == 0
-    return args.moe.is_moe_layer(index), apart
+    return index in shape.moe_layers, apart
 
 
 def candidates(
@@ -241,7 +242,7 @@ def candidates(
     checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[Candidate]:
     world, t = cluster.world_size, base.training
-    n_layers = validate(base, None).model.n_layers
+    n_layers = validate(base, None).shape.n_layers
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
@@ -296,7 +297,7 @@ def plan(
     fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build.
     `workers` > 1: the memory model's families calibrate first, that many at once, in worker
     processes (parallel_calibration.py); 1: each in this process when a layout first needs it."""
-    args = validate(base, None).model
+    model = validate(base, None).family_model
     layouts = []
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
         if c.micro_batch_size > max_micro_batch or (c.dp_replicate > 1 and c.dp_shard > 1):
@@ -308,7 +309,7 @@ def plan(
             continue
         time = step_time(
             c,
-            args,
+            model,
             cluster,
             global_batch=base.training.global_batch_size,
             seq_len=base.training.seq_len,
@@ -388,7 +389,7 @@ def built_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
     lies on one line to the byte); the full build when the model is no deeper."""
     p = cfg.parallel
     per_stage = p.pp * p.pp_stages_per_rank
-    n_layers = validate(cfg, None).model.n_layers
+    n_layers = validate(cfg, None).shape.n_layers
     low, high = (per_stage * d for d in VERIFY_DEPTHS)
     if n_layers <= high:
         return memory_row(cfg, world_size, cache)
@@ -408,13 +409,13 @@ def with_advice(
 ) -> list[PlanRow]:
     """`rows` with the communication advice of the first `count` that fit (comm_advice.py;
     DiLoCo's H at most training.steps, its sync in diloco.sync_dtype)."""
-    args = validate(base, None).model
+    model = validate(base, None).family_model
     advised, out = 0, []
     for row in rows:
         if row.fits and advised < count:
             advice = advise(
                 row.candidate,
-                args,
+                model,
                 cluster,
                 global_batch=base.training.global_batch_size,
                 seq_len=base.training.seq_len,

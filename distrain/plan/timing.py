@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from distrain.models.gpt.model import ModelArgs
-from distrain.models.presets import flops_per_token, num_params
+from distrain.family.spec import FamilyModel
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def _ring(n: int) -> float:
 
 def step_time(
     c: Candidate,
-    args: ModelArgs,
+    model: FamilyModel,
     cluster: Cluster,
     *,
     global_batch: int,
@@ -86,7 +85,8 @@ def step_time(
     bytes_per_value: int,
 ) -> StepTime:
     """Predicted seconds per optimizer step of candidate `c` (see the module docstring)."""
-    flops_tok = flops_per_token(args, seq_len)
+    flops_tok = model.flops_per_token(seq_len)
+    shape = model.shape
     tokens = global_batch * seq_len
     recompute = 4 / 3 if c.activation_checkpointing == "full" else 1.0
     rank_flops = flops_tok * tokens * recompute / cluster.world_size
@@ -96,10 +96,10 @@ def step_time(
     # activations [b, s, d] of every micro-batch (reduce-scatter + all-gather under SP: the same
     # bytes).
     local_tokens = tokens // c.dp
-    tp_bytes = 4 * args.n_layers // c.pp * local_tokens * args.dim * bytes_per_value
+    tp_bytes = 4 * shape.n_layers // c.pp * local_tokens * shape.dim * bytes_per_value
     tp_comm = 2 * _ring(c.tp) * tp_bytes / cluster.intra_bw
     # dp: gradients of this rank's share of the model, once per step (fp32 reduce).
-    shard = num_params(args) / (c.tp * c.pp)
+    shard = model.num_params() / (c.tp * c.pp)
     dp_bw = cluster.intra_bw if c.tp * c.dp <= cluster.gpus_per_node else cluster.inter_bw
     if c.zero_stage >= 2:
         # reduce-scatter of fp32 grads + all-gather of params (twice under ZeRO-3).
@@ -116,7 +116,7 @@ def step_time(
         if intra_node and c.pp * c.tp * c.dp <= cluster.gpus_per_node
         else (cluster.inter_bw)
     )
-    pp_bytes = 2 * microbatches * c.micro_batch_size * seq_len * args.dim * bytes_per_value
+    pp_bytes = 2 * microbatches * c.micro_batch_size * seq_len * shape.dim * bytes_per_value
     pp_comm = pp_bytes / pp_bw if c.pp > 1 else 0.0
     exposed = tp_comm + max(0.0, dp_comm - compute * 2 / 3) + pp_comm / max(1, microbatches)
     work = compute + exposed

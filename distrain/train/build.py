@@ -24,8 +24,6 @@ from distrain.data.shard_store import Call
 from distrain.data.sources import build_mixture
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
-from distrain.models.presets import num_params
-from distrain.models.registry import family_of
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
@@ -69,16 +67,17 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     seed_everything(t.seed, deterministic=t.deterministic)
 
     train_set, val_set, loader = _data(plan, dp_rank, dp_group, ctx, logger)
-    eval_sets = build_eval_sets(cfg.data, t.seq_len, vocab_size=plan.model.vocab_size)
+    vocab_size = plan.spec.shape(plan.model).vocab_size
+    eval_sets = build_eval_sets(cfg.data, t.seq_len, vocab_size=vocab_size)
 
     comm_stats = CommStats()
     model = build_parallel_model(
-        plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats, spec=family_of(plan.model)
+        plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats, spec=plan.spec
     )
     timeout_s = cfg.comm.collective_timeout_s
     site = site_group(mesh, timeout_s=timeout_s) if dims.diloco else None
     optimizers, gradient_plan = build_optimizers(
-        model.parts, cfg.optim, dims, mesh, dp_mesh, comm_stats, site=site
+        model.parts, cfg.optim, plan.spec, dims, mesh, dp_mesh, comm_stats, site=site
     )
     trackers = Trackers(cfg, run_dir, logger) if ctx.rank == 0 else None
     metrics = MetricsWriter(
@@ -103,7 +102,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     logger.info(
         "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
         cfg.model.preset,
-        num_params(plan.model) / 1e6,
+        plan.spec.num_params(plan.model) / 1e6,
         dims.describe(),
         plan.batch.accumulation,
         plan.batch.micro,
@@ -185,7 +184,11 @@ def _data(
         return Storage(url, retry_s=cfg.checkpoint.storage_retry_s).call
 
     mixture, val_set = build_mixture(
-        cfg.data, t.seq_len, seed=t.seed, vocab_size=plan.model.vocab_size, call_for=storage_call
+        cfg.data,
+        t.seq_len,
+        seed=t.seed,
+        vocab_size=plan.spec.shape(plan.model).vocab_size,
+        call_for=storage_call,
     )
     loader = DistributedBatchLoader(
         mixture,

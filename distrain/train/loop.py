@@ -126,7 +126,7 @@ class Trainer:
         # parameters that an evaluation's forward left gathered (ZeRO-2), which the optimizer's
         # state is keyed by.
         model = ModelState(self.model.parts)
-        optim = OptimizerState(self.model.parts, self.optimizers)
+        optim = OptimizerState(self.model.parts, self.optimizers, self.model.spec)
         if self.outer is None:
             state = {"model": model, "optim": optim}
         else:
@@ -177,7 +177,9 @@ class Trainer:
         return transferable(
             {
                 "model": ModelState(self.model.parts).state_dict(),
-                "optim": OptimizerState(self.model.parts, self.optimizers).state_dict(),
+                "optim": OptimizerState(
+                    self.model.parts, self.optimizers, self.model.spec
+                ).state_dict(),
                 "data": self.loader.state_dict(),
                 "rng": rng_state(),
                 "trainer": {"step": torch.tensor(self.step)},
@@ -186,7 +188,7 @@ class Trainer:
 
     def _load_live_state(self, received: dict) -> None:
         model = ModelState(self.model.parts)
-        optim = OptimizerState(self.model.parts, self.optimizers)
+        optim = OptimizerState(self.model.parts, self.optimizers, self.model.spec)
         weights, moments = model.state_dict(), optim.state_dict()
         copy_into(weights, received["model"], where="model.")
         copy_into(moments, received["optim"], where="optim.")

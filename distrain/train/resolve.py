@@ -1,9 +1,9 @@
 """The run as it executes, decided once: `resolve` turns the config, this process's device and
 the world size into a `RunPlan`, an immutable description the trainer's parts read: the layout
-(model shape, parallel degrees), the batch arithmetic, and a copy of the config with every
-"auto" decided for this device (training.precision, training.compile). The user's config is
-never changed, so config.toml keeps what the user asked for and the log says what "auto"
-became.
+(model family and arguments, parallel degrees), the batch arithmetic, and a copy of the config
+with every "auto" decided for this device (training.precision, training.compile). The user's
+config is never changed, so config.toml keeps what the user asked for and the log says what
+"auto" became.
 
 training.micro_batch_size = "auto" is decided later, by trial steps on the built model
 (autobatch.py), which is built for micro-batch 1 until then (`RunPlan.with_micro` gives the
@@ -20,8 +20,8 @@ import torch
 
 from distrain.config.batch import BatchSizes
 from distrain.config.schema import Config
+from distrain.family.spec import ModelSpec
 from distrain.layout.rules import validate as validate_layout
-from distrain.models.gpt.model import ModelArgs
 from distrain.parallel.device import resolve_compile, resolve_precision
 from distrain.parallel.mesh import ParallelDims
 
@@ -31,7 +31,10 @@ class RunPlan:
     config: Config
     """The run's config with every "auto" decided (a copy; the micro-batch size is 1 while
     `auto_micro_batch` waits for autobatch)."""
-    model: ModelArgs
+    spec: ModelSpec
+    """The model family's."""
+    model: object
+    """The family's arguments for this run's model (what `spec.build` takes)."""
     dims: ParallelDims
     batch: BatchSizes
     auto_micro_batch: bool
@@ -68,6 +71,7 @@ def resolve(cfg: Config, device: torch.device, world_size: int, logger: logging.
     batch = BatchSizes(global_batch=t.global_batch_size, dp=layout.dims.dp_size, micro=micro)
     return RunPlan(
         config=resolved,
+        spec=layout.spec,
         model=layout.model,
         dims=layout.dims,
         batch=batch,

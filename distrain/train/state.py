@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distrain.checkpoint.load import SavedLayoutAware
 from distrain.errors import CheckpointError
+from distrain.family.spec import ModelSpec
+from distrain.optim.builder import roles_of
 from distrain.optim.diloco import DiLoCo
 from distrain.optim.diloco_resume import site_change_problem
 from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
@@ -41,13 +43,15 @@ class ModelState(Stateful):
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
 
 
-def _holds_head_copy(part: torch.nn.Module) -> bool:
-    """`part` is a pipeline stage with its own copy of a tied embedding as its output head
-    (parallel/tied.py). Where the embedding and the head are one parameter, torch names it
-    once, after the embedding, and the head's name has no optimizer state."""
-    args = getattr(part, "args", None)
-    tied = args is not None and args.tie_embeddings
-    return tied and any(name == "output.weight" for name, _ in part.named_parameters())
+def _head_copy(part: torch.nn.Module, spec: ModelSpec) -> tuple[str, str] | None:
+    """(the last stage's name, the first stage's name) of a tied weight when `part` is a
+    pipeline stage with its own copy of it under the last stage's name (parallel/tied.py).
+    Where the embedding and the head are one parameter, torch names it once, after the
+    embedding, and the head's name has no optimizer state."""
+    tied = roles_of(part, spec).tied
+    if tied is None or not any(name == tied[1] for name, _ in part.named_parameters()):
+        return None
+    return tied[1], tied[0]
 
 
 def _renamed(state: dict, old: str, new: str) -> dict:
@@ -71,25 +75,27 @@ class OptimizerState(Stateful):
     both take the same summed gradient) under that name, and loads it from there, so a
     checkpoint of one layout resumes on any other."""
 
-    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+    def __init__(
+        self,
+        parts: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        spec: ModelSpec,
+    ):
         self.parts, self.optimizers = parts, optimizers
+        self.copies = [_head_copy(part, spec) for part in parts]
 
     def state_dict(self) -> dict:
         merged = {}
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
             state = optimizer_state_dict(part, optimizer)
-            if _holds_head_copy(part):
-                state = _renamed(state, "output.weight", "tok_emb.weight")
+            if copy is not None:
+                state = _renamed(state, *copy)
             merged.update(state)
         return merged
 
     def load_state_dict(self, state: dict) -> None:
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
-            own = (
-                _renamed(state, "tok_emb.weight", "output.weight")
-                if _holds_head_copy(part)
-                else state
-            )
+        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
+            own = _renamed(state, copy[1], copy[0]) if copy is not None else state
             load_optimizer_state_dict(part, optimizer, own)
 
 
