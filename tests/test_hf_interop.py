@@ -1,4 +1,5 @@
-"""Hugging Face interop and the Llama / GPT-2 architectures, against transformers itself.
+"""Hugging Face interop and the Llama / GPT-2 (gpt family) and Qwen3 (qwen3 family)
+architectures, against transformers itself.
 
 Tiny random transformers models are built and saved locally (nothing is downloaded):
 - imported with `model.init_from`, distrain's logits equal transformers' (fp32, 1e-5);
@@ -27,9 +28,9 @@ from test_parity import assert_parity
 from distrain.cli import main
 from distrain.config.schema import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
-from distrain.models.gpt import GPT, PRESETS, init_weights, num_params
-from distrain.models.gpt.hf import hf_config, pretrained_source
-from distrain.models.registry import model_args
+from distrain.models.gpt import GPT, init_weights
+from distrain.models.gpt.hf import pretrained_source
+from distrain.models.registry import model_args, model_family
 from distrain.observe.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +80,34 @@ def _hf_configs() -> dict[str, object]:
             bos_token_id=0,
             eos_token_id=0,
         ),
+        # Heads wider than hidden / heads (32 x 4 on a 64 stream), as every Qwen3's; tied, as
+        # the small ones are, so tp and pp split a shared embedding and head.
+        "qwen3": transformers.Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=64,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=True,
+        ),
     }
+
+
+# Each transformers architecture's distrain model family (model.family).
+FAMILY = {"llama": "gpt", "gpt2": "gpt", "qwen3": "qwen3"}
+
+
+def _imported(arch: str, folder: Path):
+    """(args, model) of the transformers folder of architecture `arch`, imported."""
+    spec = f"hf:{folder}"
+    args = model_args(ModelConfig(family=FAMILY[arch], init_from=spec))
+    model = GPT(args)
+    init_weights(model, args, seed=0, source=model_family(FAMILY[arch]).hf.source(spec, args))
+    return args, model
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +137,9 @@ def _tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
 def test_import_gives_transformers_logits(family, hf_dirs):
-    spec = f"hf:{hf_dirs[family]}"
-    args = model_args(ModelConfig(init_from=spec))
-    model = GPT(args)
-    init_weights(model, args, seed=0, source=pretrained_source(spec, args))
+    args, model = _imported(family, hf_dirs[family])
     tokens = _tokens()
     want = _hf_logits(hf_dirs[family], tokens)
     with torch.no_grad():
@@ -127,6 +152,23 @@ def test_import_gives_transformers_logits(family, hf_dirs):
         unscaled.load_state_dict(model.state_dict())
         with torch.no_grad():
             assert (unscaled(tokens) - want).abs().max() > 100 * LOGIT_TOL
+    if family == "qwen3":
+        # The query and key heads' norms are read and applied: without them the logits move.
+        assert args.qk_norm and args.head_dim == 32 and args.q_dim == 128
+        with torch.no_grad():
+            for block in model.blocks.values():
+                block.attn.q_norm.weight.fill_(1.0)
+            assert (model(tokens) - want).abs().max() > 100 * LOGIT_TOL
+
+
+def test_each_family_imports_only_its_own_folders(hf_dirs):
+    with pytest.raises(ConfigError, match="model_type 'llama'; model.family = 'qwen3' imports"):
+        model_args(ModelConfig(family="qwen3", init_from=f"hf:{hf_dirs['llama']}"))
+    with pytest.raises(ConfigError, match="has model_type 'qwen3'; model.family = 'gpt' imports"):
+        model_args(ModelConfig(init_from=f"hf:{hf_dirs['qwen3']}"))
+    qwen3 = model_args(ModelConfig(family="qwen3", init_from=f"hf:{hf_dirs['qwen3']}"))
+    with pytest.raises(ConfigError, match="train it as model.family = 'qwen3'"):
+        model_family("gpt").hf.config(qwen3, dtype=torch.float32)
 
 
 def test_import_refusals_are_one_line(tmp_path, hf_dirs):
@@ -160,11 +202,14 @@ def test_a_hostile_safetensors_index_is_refused(tmp_path, hf_dirs, index, refusa
     assert "\n" not in str(refused.value)
 
 
-# Published configurations (values from the models' config.json files), built locally.
+_QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8}
+
+# Published configurations (values from the models' config.json files), built locally; by
+# (family, preset).
 PUBLISHED = {
-    "gpt2": ("GPT2Config", {}),
-    "gpt2-medium": ("GPT2Config", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
-    "llama3-1b": (
+    ("gpt", "gpt2"): ("GPT2Config", {}),
+    ("gpt", "gpt2-medium"): ("GPT2Config", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    ("gpt", "llama3-1b"): (
         "LlamaConfig",
         {
             "vocab_size": 128256,
@@ -176,7 +221,7 @@ PUBLISHED = {
             "tie_word_embeddings": True,
         },
     ),
-    "llama3-8b": (
+    ("gpt", "llama3-8b"): (
         "LlamaConfig",
         {
             "vocab_size": 128256,
@@ -187,36 +232,70 @@ PUBLISHED = {
             "num_key_value_heads": 8,
         },
     ),
-    "llama2-7b": ("LlamaConfig", {}),
+    ("gpt", "llama2-7b"): ("LlamaConfig", {}),
+    ("qwen3", "qwen3-0.6b"): (
+        "Qwen3Config",
+        {
+            **_QWEN3,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
+    ("qwen3", "qwen3-8b"): (
+        "Qwen3Config",
+        {
+            **_QWEN3,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
 def test_presets_have_published_parameter_counts(capsys):
     assert main(["presets"]) == 0
     printed = {
-        line.split()[1]: int(line.split()[2].replace(",", ""))
+        tuple(line.split()[:2]): int(line.split()[2].replace(",", ""))
         for line in capsys.readouterr().out.splitlines()[1:]
-        if line.split()[0] == "gpt"
     }
-    for name, (config_class, fields) in PUBLISHED.items():
+    for (family, name), (config_class, fields) in PUBLISHED.items():
         config = getattr(transformers, config_class)(**fields)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         published = sum(p.numel() for p in model.parameters())  # a tied head counts once
-        assert printed[name] == num_params(PRESETS[name]) == published, name
+        spec = model_family(family)
+        assert printed[family, name] == spec.num_params(spec.presets[name]) == published, name
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2-tiny", "llama3-1b", "llama2-7b", "llama-tiny"])
-def test_exported_config_reads_back(name, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [
+        ("gpt", "gpt2"),
+        ("gpt", "gpt2-tiny"),
+        ("gpt", "llama3-1b"),
+        ("gpt", "llama2-7b"),
+        ("gpt", "llama-tiny"),
+        ("qwen3", "qwen3-tiny"),
+        ("qwen3", "qwen3-8b"),
+    ],
+)
+def test_exported_config_reads_back(family, name, tmp_path):
     """config.json as export writes it: transformers builds a model of the preset's size from it,
     and importing it gives the preset's shape back (rotary scaling included)."""
-    preset = PRESETS[name]
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(preset, dtype=torch.float32)))
+    spec = model_family(family)
+    preset = spec.presets[name]
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf.config(preset, dtype=torch.float32)))
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    assert sum(p.numel() for p in model.parameters()) == num_params(preset)
-    back = model_args(ModelConfig(init_from=f"hf:{tmp_path}"))
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params(preset)
+    back = model_args(ModelConfig(family=family, init_from=f"hf:{tmp_path}"))
     # n_kv_heads None and n_heads are one shape.
     assert dataclasses.replace(back, n_kv_heads=back.kv_heads) == dataclasses.replace(
         preset, n_kv_heads=preset.kv_heads
@@ -230,7 +309,10 @@ def references(hf_dirs, tmp_path_factory) -> dict[str, tuple[Path, dict[int, flo
     for family, path in hf_dirs.items():
         run = tmp_path_factory.mktemp(f"ref-{family}") / "run"
         rows = train_in_process(
-            run, **dict(RUN, checkpoint__interval_steps=2), model__init_from=f"hf:{path}"
+            run,
+            **dict(RUN, checkpoint__interval_steps=2),
+            model__family=FAMILY[family],
+            model__init_from=f"hf:{path}",
         )
         out[family] = (run, losses(rows))
     return out
@@ -250,6 +332,7 @@ HF_LAYOUTS = [
     ("dp2_zero3", "gpt2", 2, {"parallel__zero_stage": 3}),
     ("tp2_sp_gqa", "llama", 2, {"parallel__tp": 2}),
     ("pp2_1f1b", "llama", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
+    ("tp2_pp2_qwen3", "qwen3", 4, {"parallel__tp": 2, "parallel__pp": 2}),
 ]
 
 
@@ -259,7 +342,13 @@ def batched(hf_dirs, request, tmp_path_factory):
     this session selected train in one torchrun launch per world size (tests/batch.py)."""
     runs = {
         f"test_fine_tune_under_layout_matches_and_exports[{name}]": Run(
-            nproc, dict(RUN, **fields, model__init_from=f"hf:{hf_dirs[family]}")
+            nproc,
+            dict(
+                RUN,
+                **fields,
+                model__family=FAMILY[family],
+                model__init_from=f"hf:{hf_dirs[family]}",
+            ),
         )
         for name, family, nproc, fields in HF_LAYOUTS
     }

@@ -449,7 +449,8 @@ def test_unknown_world_size_checks_what_it_can():
 
 
 def test_unknown_preset_is_refused():
-    with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'; choose one of"):
+    unknown = "model.preset: unknown preset 'huge' of model.family 'gpt'; choose one of"
+    with pytest.raises(ConfigError, match=unknown):
         validate(_config({"model.preset": "huge"}), 2)
 
 

@@ -128,6 +128,12 @@ class ModelConfig:
         None, "Override the MLP: gelu (GPT-2) or swiglu (Llama, gated: a third weight)."
     )
     bias: bool | None = doc(None, "Override whether linears and LayerNorms have biases (GPT-2).")
+    head_dim: int | None = doc(
+        None,
+        "Override the width of each attention head (qwen3; the gpt family's heads are dim / "
+        "n_heads wide).",
+        AT_LEAST_1,
+    )
     rope_theta: float | None = doc(None, "Override the rotary base frequency.", POSITIVE)
     rope_scaling_factor: float | None = doc(
         None,

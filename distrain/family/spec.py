@@ -115,9 +115,6 @@ class ModelSpec:
     """One model family, as the parallel mechanisms see it (see the module docstring)."""
 
     name: str
-    args_type: type
-    """The type of the family's arguments (what `build` takes): how a registry finds the family
-    of a given model's arguments."""
     presets: Mapping[str, Any]
     """The family's flavors: arguments by name (`model.preset`)."""
     config_fields: frozenset[str]

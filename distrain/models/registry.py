@@ -20,6 +20,7 @@ from distrain.config.schema import ModelConfig
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelShape, ModelSpec
 from distrain.models.gpt.spec import GPT_SPEC
+from distrain.models.qwen3.spec import QWEN3_SPEC
 
 ENTRY_POINT_GROUP = "distrain.model_families"
 
@@ -71,14 +72,6 @@ def model_family(name: str) -> ModelSpec:
     return FAMILIES[name]
 
 
-def family_of(args: Any) -> ModelSpec:
-    """The family whose models `args` describes (by the type of `args`)."""
-    for spec in FAMILIES.values():
-        if isinstance(args, spec.args_type):
-            return spec
-    raise ValueError(f"no registered model family takes {type(args).__name__}")
-
-
 def _fields_set(node: Any, prefix: str = "") -> list[str]:
     """The dotted names of `node`'s fields that are set (not None), nested sections too."""
     names = []
@@ -126,3 +119,4 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 
 register_family(GPT_SPEC)
+register_family(QWEN3_SPEC)

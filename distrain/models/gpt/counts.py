@@ -11,8 +11,9 @@ def num_params(args: ModelArgs) -> int:
     bias = args.bias
     # RMSNorm: a weight vector; LayerNorm: also a bias vector when the model has biases.
     norm = args.dim * (2 if bias and args.norm == "layernorm" else 1)
-    kv_dim = args.kv_heads * args.head_dim
-    attn = 2 * args.dim * (args.dim + kv_dim) + bias * (2 * args.dim + 2 * kv_dim)
+    kv_dim, q_dim = args.kv_heads * args.head_dim, args.q_dim
+    attn = 2 * args.dim * (q_dim + kv_dim) + bias * (q_dim + 2 * kv_dim + args.dim)
+    attn += 2 * args.head_dim * args.qk_norm  # the query and key heads' RMSNorm weights
     mlp = _mlp_params(args, args.ffn_dim)
     block = attn + mlp + 2 * norm
     total = args.vocab_size * args.dim + args.n_layers * block + norm
@@ -52,9 +53,9 @@ def active_params(args: ModelArgs) -> int:
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward: 6 per matmul weight a token uses (MoE: the
-    router and its top_k experts) plus attention's 12 L T d (PaLM's accounting). Embedding
-    lookups are not matmuls; the output projection is."""
+    router and its top_k experts) plus attention's 12 L T d (PaLM's accounting; d the heads'
+    total width). Embedding lookups are not matmuls; the output projection is."""
     lookups = args.max_seq_len * args.dim if args.pos_emb == "learned" else 0
     if not args.tie_embeddings:
         lookups += args.vocab_size * args.dim
-    return 6 * (active_params(args) - lookups) + 12 * args.n_layers * seq_len * args.dim
+    return 6 * (active_params(args) - lookups) + 12 * args.n_layers * seq_len * args.q_dim

@@ -4,6 +4,7 @@ planning, and published models' shapes) and its arguments from the `[model]` sec
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 
 from distrain.config.schema import ConfigError, ModelConfig
 from distrain.models.gpt.hf import hf_model_args
@@ -130,19 +131,28 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-def gpt_args(cfg: ModelConfig) -> ModelArgs:
-    """The preset named by cfg.preset with cfg's non-None fields applied over it (a sequence
-    longer than its max_seq_len is refused by layout/rules.py, never silently allowed for)."""
+# model.<field> -> the ModelArgs field it sets, where the names differ.
+ARGUMENT_OF = {"head_dim": "attention_head_dim"}
+
+
+def decoder_args(
+    cfg: ModelConfig, presets: Mapping[str, ModelArgs], from_hf: Callable[[str], ModelArgs]
+) -> ModelArgs:
+    """The preset of `presets` named by cfg.preset (or the Hugging Face folder of
+    cfg.init_from, read by `from_hf`) with cfg's non-None fields applied over it (a sequence
+    longer than its max_seq_len is refused by layout/rules.py, never silently allowed for).
+    The family's `config_fields` decide which fields may be set (models/registry.py)."""
     if cfg.init_from:
-        base = hf_model_args(cfg.init_from)
-    elif cfg.preset not in PRESETS:
+        base = from_hf(cfg.init_from)
+    elif cfg.preset not in presets:
         raise ConfigError(
-            f"model.preset: unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}"
+            f"model.preset: unknown preset {cfg.preset!r} of model.family {cfg.family!r}; "
+            f"choose one of {', '.join(presets)}"
         )
     else:
-        base = PRESETS[cfg.preset]
+        base = presets[cfg.preset]
     overrides = {
-        f.name: getattr(cfg, f.name)
+        ARGUMENT_OF.get(f.name, f.name): getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
         if f.name not in ("family", "preset", "init_from", "moe")
         and getattr(cfg, f.name) is not None
@@ -159,3 +169,8 @@ def gpt_args(cfg: ModelConfig) -> ModelArgs:
     except ValueError as e:
         raise ConfigError(f"model: {e}") from e
     return args
+
+
+def gpt_args(cfg: ModelConfig) -> ModelArgs:
+    """The GPT family's arguments from the [model] section (`decoder_args`)."""
+    return decoder_args(cfg, PRESETS, hf_model_args)

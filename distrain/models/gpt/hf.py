@@ -31,6 +31,11 @@ from distrain.models.hf_files import CONFIG_FILE, HfTensor, hf_dir, safe_open, w
 
 def family(args: ModelArgs) -> Literal["llama", "gpt2"]:
     """Which transformers architecture holds `args`, or a one-line refusal naming what differs."""
+    if args.qk_norm:
+        raise ConfigError(
+            "this model normalizes its query and key heads, which Llama and GPT-2 do not; "
+            "train it as model.family = 'qwen3'"
+        )
     if args.pos_emb == "rope" and args.norm == "rmsnorm" and args.mlp == "swiglu":
         return "llama"
     gpt2 = (
@@ -55,10 +60,12 @@ def hf_tensors(args: ModelArgs) -> list[HfTensor]:
     """Every tensor of the Hugging Face checkpoint of `args`, in a stable order."""
     if family(args) == "gpt2":
         return _gpt2_tensors(args)
-    return _llama_tensors(args)
+    return llama_tensors(args)
 
 
-def _llama_tensors(args: ModelArgs) -> list[HfTensor]:
+def llama_tensors(args: ModelArgs) -> list[HfTensor]:
+    """Llama's tensor names (Qwen3's too: with `qk_norm`, each attention's q_norm and
+    k_norm)."""
     out = [HfTensor("model.embed_tokens.weight", ("tok_emb.weight",))]
     linears = {
         "self_attn.q_proj": "attn.wq",
@@ -73,6 +80,9 @@ def _llama_tensors(args: ModelArgs) -> list[HfTensor]:
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         out.append(HfTensor(hf + "input_layernorm.weight", (ours + "attn_norm.weight",)))
         out.append(HfTensor(hf + "post_attention_layernorm.weight", (ours + "mlp_norm.weight",)))
+        if args.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out.append(HfTensor(f"{hf}self_attn.{norm}.weight", (f"{ours}attn.{norm}.weight",)))
         for hf_linear, linear in linears.items():
             out.append(HfTensor(f"{hf}{hf_linear}.weight", (f"{ours}{linear}.weight",)))
             if args.bias:
@@ -126,8 +136,8 @@ def hf_model_args(spec: str) -> ModelArgs:
     if model_type == "gpt2":
         return _gpt2_args(config)
     raise ConfigError(
-        f"model.init_from: {path / CONFIG_FILE} has model_type {model_type!r}; distrain imports "
-        "'llama' and 'gpt2'"
+        f"model.init_from: {path / CONFIG_FILE} has model_type {model_type!r}; model.family = "
+        "'gpt' imports 'llama' and 'gpt2' (see `distrain presets` for the other families)"
     )
 
 
@@ -136,8 +146,14 @@ def _llama_args(config: dict[str, Any], path: Path) -> ModelArgs:
     if config.get("head_dim") not in (None, dim // heads):
         raise ConfigError(
             f"model.init_from: {path} has head_dim {config['head_dim']} != hidden_size / heads; "
-            "distrain's heads are hidden_size / num_attention_heads wide"
+            "the gpt family's heads are hidden_size / num_attention_heads wide"
         )
+    return llama_like_args(config, path)
+
+
+def llama_like_args(config: dict[str, Any], path: Path, **fixed: Any) -> ModelArgs:
+    """The arguments of a Llama-shaped config.json (Llama's, Qwen3's), with `fixed` set."""
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"model.init_from: {path} uses hidden_act {config['hidden_act']!r}")
     if config.get("attention_bias", False) != config.get("mlp_bias", False):
@@ -164,6 +180,7 @@ def _llama_args(config: dict[str, Any], path: Path) -> ModelArgs:
         mlp="swiglu",
         bias=bool(config.get("attention_bias", False)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **fixed,
     )
     if rope_type == "llama3":
         return ModelArgs(
@@ -219,6 +236,11 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
             "tie_word_embeddings": True,
             "torch_dtype": dtype_name,
         }
+    return llama_config(args, dtype=dtype)
+
+
+def llama_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
+    """Llama's config.json keys for `args` (Qwen3's start from them)."""
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -237,7 +259,7 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": args.bias,
         "mlp_bias": args.bias,
         "tie_word_embeddings": args.tie_embeddings,
-        "torch_dtype": dtype_name,
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if args.rope_scaling_factor != 1.0:
         config["rope_scaling"] = {
@@ -256,10 +278,17 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
 def pretrained_source(spec: str, args: ModelArgs) -> Callable[[str, torch.Size], torch.Tensor]:
     """`name, shape -> full fp32 value` of each distrain parameter, read from `hf:DIR` (for
     `init_weights`). Shapes are checked, so a model override that changes them is refused."""
+    return source_from(spec, args, hf_tensors(args))
+
+
+def source_from(
+    spec: str, args: ModelArgs, tensors: list[HfTensor]
+) -> Callable[[str, torch.Size], torch.Tensor]:
+    """`pretrained_source` over the Hugging Face tensors `tensors` of `args`."""
     open_file = safe_open()
     path = hf_dir(spec)
     files = weight_files(path)
-    by_name = {name: t for t in hf_tensors(args) for name in t.names}
+    by_name = {name: t for t in tensors for name in t.names}
 
     def value(name: str, shape: torch.Size) -> torch.Tensor:
         spec_ = by_name.get(name)
@@ -269,7 +298,7 @@ def pretrained_source(spec: str, args: ModelArgs) -> Callable[[str, torch.Size],
         with open_file(files[spec_.hf_name], framework="pt") as f:
             tensor = f.get_tensor(spec_.hf_name).float()
         kv_dim = args.kv_heads * args.head_dim
-        parts = spec_.from_hf(tensor, [args.dim, kv_dim, kv_dim])
+        parts = spec_.from_hf(tensor, [args.q_dim, kv_dim, kv_dim])
         result = parts[spec_.names.index(name)]
         if result.shape != shape:
             raise ConfigError(

@@ -51,18 +51,27 @@ class ModelArgs:
     bias: bool = False
     """Biases in every linear layer and LayerNorm, as GPT-2 has."""
     tie_embeddings: bool = False
+    attention_head_dim: int | None = None
+    """The width of each attention head; None = dim // n_heads (Qwen3 sets its own)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before the rotary positions (Qwen3)."""
     moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """The width of all query heads together (the attention's inner width)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def check(self) -> None:
-        if self.dim % self.n_heads:
+        if self.attention_head_dim is None and self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
             )
@@ -147,10 +156,12 @@ class Attention(nn.Module):
         # masked by document): a context-parallel layout swaps in one whose sequence spans
         # several ranks (parallel/context.py); the model itself stays plain.
         self.attend = causal_attention
-        self.wq = nn.Linear(args.dim, args.dim, bias=args.bias)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=args.bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.bias)
-        self.wo = nn.Linear(args.dim, args.dim, bias=args.bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=args.bias)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor | None, *, documents: torch.Tensor | None = None
@@ -160,6 +171,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             # The table may cover more positions than this sequence (see GPT.forward).
             q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
@@ -363,7 +376,8 @@ def init_weights(
     source: Callable[[str, torch.Size], torch.Tensor] | None = None,
 ) -> None:
     """Fill every materialized parameter with its seeded, layout-independent value, or with
-    `source(name, full shape)` (pretrained weights) when given.
+    `source(name, full shape)` (pretrained weights) when given; a pipeline stage's copy of a
+    tied head reads the embedding it is tied to.
 
     Values are made on CPU in fp32 as the full tensor; a sharded (DTensor) parameter keeps only
     its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
@@ -373,7 +387,7 @@ def init_weights(
         value = (
             full_init_value(name, param.shape, args, seed)
             if source is None
-            else source(canonical_name(name), param.shape)
+            else source(tied_name(name, args), param.shape)
         ).to(param.device, param.dtype)
         if isinstance(param, DTensor):
             local = distribute_tensor(

@@ -31,7 +31,9 @@ from torch.distributed.tensor.parallel import (
 from distrain.parallel.tensor import ReplicatedParallel
 
 
-def _block_plan(sequence_parallel: bool, *, swiglu: bool) -> dict[str, ParallelStyle]:
+def _block_plan(
+    sequence_parallel: bool, *, swiglu: bool, qk_norm: bool
+) -> dict[str, ParallelStyle]:
     """Layouts for one Block's submodules, keyed by their names inside the block. Key/value
     heads split like query heads (layout/rules.py makes sure whole heads land on each rank)."""
     residual = Shard(1) if sequence_parallel else Replicate()
@@ -45,6 +47,11 @@ def _block_plan(sequence_parallel: bool, *, swiglu: bool) -> dict[str, ParallelS
     }
     if swiglu:
         plan["mlp.w_gate"] = ColwiseParallel()
+    if qk_norm:
+        # Each rank's query and key heads [B, T, heads, D]: the norm's weight replicated, its
+        # input sharded over the heads, so its gradient is summed over every rank's heads.
+        plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         plan["attn_norm"] = plan["mlp_norm"] = ReplicatedParallel()
         return plan
@@ -74,7 +81,9 @@ def tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         # backward all-gathers the chunks' gradients, so every rank updates every position.
         plan["pos_emb"] = ReplicatedParallel(output_layout=Shard(0) if sequence_parallel else None)
     for key, block in model.blocks.items():
-        block_plan = _block_plan(sequence_parallel, swiglu=model.args.mlp == "swiglu")
+        block_plan = _block_plan(
+            sequence_parallel, swiglu=model.args.mlp == "swiglu", qk_norm=model.args.qk_norm
+        )
         if not hasattr(block, "mlp"):
             # An MoE block: its router and experts run replicated over tp, on the full
             # sequence, so only the norm and attention split. Under SP the layer gathers the

@@ -76,9 +76,12 @@ def _shape(args: ModelArgs) -> ModelShape:
 def _describe(args: ModelArgs) -> str:
     moe = args.moe
     experts = f", {moe.num_experts} experts top-{moe.top_k}" if moe.enabled else ""
+    width = f" of {args.head_dim}" if args.attention_head_dim else ""
+    qk_norm = ", qk-norm" if args.qk_norm else ""
     return (
-        f"dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads ({args.kv_heads} kv), "
-        f"ffn {args.ffn_dim}, vocab {args.vocab_size}, {args.mlp}{experts}"
+        f"dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads{width} "
+        f"({args.kv_heads} kv){qk_norm}, ffn {args.ffn_dim}, vocab {args.vocab_size}, "
+        f"{args.mlp}{experts}"
     )
 
 
@@ -96,7 +99,6 @@ def _moe_settings(args: ModelArgs) -> MoEArgs | None:
 
 GPT_SPEC = ModelSpec(
     name="gpt",
-    args_type=ModelArgs,
     presets=PRESETS,
     config_fields=_FIELDS,
     args_from_config=gpt_args,

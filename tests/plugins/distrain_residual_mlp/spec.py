@@ -65,7 +65,6 @@ def describe(args: ResidualMLPArgs) -> str:
 
 SPEC = ModelSpec(
     name="residual_mlp",
-    args_type=ResidualMLPArgs,
     presets=PRESETS,
     config_fields=frozenset(FIELDS),
     args_from_config=args_from_config,

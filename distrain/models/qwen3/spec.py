@@ -1,0 +1,22 @@
+"""The Qwen3 family as the rest of distrain sees it: `QWEN3_SPEC`, registered under "qwen3"
+(models/registry.py). The module, its parallel plans, its pipeline cut and its init are the
+decoder's of models/gpt/ (its spec's); the flavors, the fields it reads and the Hugging Face
+adapter are Qwen3's own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distrain.family.spec import HfAdapter
+from distrain.models.gpt.spec import GPT_SPEC
+from distrain.models.qwen3.flavors import FIELDS, PRESETS, qwen3_args
+from distrain.models.qwen3.hf import hf_config, hf_tensors, pretrained_source
+
+QWEN3_SPEC = dataclasses.replace(
+    GPT_SPEC,
+    name="qwen3",
+    presets=PRESETS,
+    config_fields=FIELDS,
+    args_from_config=qwen3_args,
+    hf=HfAdapter(source=pretrained_source, tensors=hf_tensors, config=hf_config),
+)
