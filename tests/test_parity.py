@@ -50,6 +50,9 @@ BF16_REL_TOL = 2e-4
 # Packed samples masked by document, each line of the corpus one document: micro-batches then
 # hold unequally many targets, and the loss is their mean over the global batch.
 DOCUMENTS = (("data__document_masking", True), ("data__eos_id", ord("\n")))
+# The qwen3 family (query/key norms, heads wider than dim / n_heads, a tied head), 4 blocks so
+# the interleaved schedule has a block per stage.
+QWEN3 = (("model__family", "qwen3"), ("model__preset", "qwen3-tiny"), ("model__n_layers", 4))
 
 
 LAYOUTS = [
@@ -109,6 +112,19 @@ LAYOUTS = [
     Layout("cp2_tp2", 4, {"parallel__cp": 2, "parallel__tp": 2}),
     Layout("cp2_ring", 2, {"parallel__cp": 2, "parallel__cp_method": "ring"}),
     Layout("dp2_document_masking", 2, {}, DOCUMENTS),
+    Layout("qwen3_zero3x2", 2, {"parallel__zero_stage": 3}, QWEN3),
+    Layout("qwen3_tp2_sp", 2, {"parallel__tp": 2}, QWEN3),
+    Layout(
+        "qwen3_pp2_interleaved_1f1b",
+        2,
+        {
+            "parallel__pp": 2,
+            "parallel__pp_schedule": "interleaved_1f1b",
+            "parallel__pp_stages_per_rank": 2,
+        },
+        QWEN3,
+    ),
+    Layout("qwen3_cp2", 2, {"parallel__cp": 2}, QWEN3),
     Layout("pp2_1f1b_document_masking", 2, {"parallel__pp": 2}, DOCUMENTS),
     Layout(
         "cp2_ring_document_masking",

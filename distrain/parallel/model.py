@@ -428,20 +428,17 @@ def build_parallel_model(
         and moe_settings is None
         and t.activation_checkpointing == "none"
     )
-    for part in parts:
-        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, compiled, compile_whole)
-    if dims.dp_wrapper == "fsdp":
-        parts = [
-            apply_fsdp(
-                part,
-                mesh,
-                dims,
-                precision=t.precision,
-                blocks=getattr(part, spec.blocks),
-                expert_mesh=None if ep_mesh is None else ep_mesh["dp_mod_ep"],
-            )
-            for part in parts
-        ]
+    parts = lay_out_parts(
+        parts,
+        cfg,
+        dims,
+        mesh,
+        spec,
+        comm_stats,
+        ep_mesh=ep_mesh,
+        compiled=compiled,
+        compile_whole=compile_whole,
+    )
     _materialize(parts, args, cfg, spec, device)
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
@@ -509,6 +506,39 @@ def _cut_stages(
     parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else batch.accumulation
     return parts, stage_ids, num_stages, microbatches
+
+
+def lay_out_parts(
+    parts: list[nn.Module],
+    cfg: Config,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    spec: ModelSpec,
+    comm_stats: CommStats,
+    *,
+    ep_mesh: DeviceMesh | None = None,
+    compiled: bool = False,
+    compile_whole: bool = False,
+) -> list[nn.Module]:
+    """The layout's steps after the pipeline cut, on parts still on the meta device, in the one
+    order of the module docstring: context, tensor and expert parallelism, activation
+    checkpointing and compile per part, then FSDP2 (the planner's pipeline memory builds its
+    stages through here too)."""
+    for part in parts:
+        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, compiled, compile_whole)
+    if dims.dp_wrapper != "fsdp":
+        return parts
+    return [
+        apply_fsdp(
+            part,
+            mesh,
+            dims,
+            precision=cfg.training.precision,
+            blocks=getattr(part, spec.blocks),
+            expert_mesh=None if ep_mesh is None else ep_mesh["dp_mod_ep"],
+        )
+        for part in parts
+    ]
 
 
 def _apply_layout(

@@ -2,8 +2,9 @@
 
 A pipeline schedule's `PipelineStage` objects do not build under `FakeTensorMode`, and the
 schedule is not needed to know what a stage holds: each stage module this rank owns is cut by
-`split_model` (the code training uses) from the meta-device model, given the same per-part steps
-`build_parallel_model` applies (tensor parallel, activation checkpointing, FSDP2), materialized
+`split_model` (the code training uses) from the meta-device model, laid out by the same function
+`build_parallel_model` lays its parts out with (`lay_out_parts`: tensor parallel, activation
+checkpointing, FSDP2), materialized
 as fake tensors, and stepped with as many microbatches in flight as the schedule keeps at its
 peak, counted by memory.py's `LiveBytes`:
 
@@ -30,7 +31,8 @@ from distrain.config.schema import Config
 from distrain.family.spec import ModelSpec
 from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
-from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from distrain.parallel.compress import CommStats
+from distrain.parallel.model import lay_out_parts
 from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.memory import (
     LiveBytes,
@@ -94,9 +96,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
         parts = [split_model(meta, s, num_stages, spec=spec) for s in stage_ids]
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            for part in parts:
-                _parallelize_stage(part, spec, cfg, dims, mesh)
-            parts = [_shard(part, spec, cfg, dims, mesh) for part in parts]
+            parts = lay_out_parts(parts, cfg, dims, mesh, spec, CommStats())
             for part in parts:
                 part.to_empty(device="cpu")
             kept = in_flight(p.pp_schedule, dims.pp, pp_rank, p.pp_stages_per_rank, microbatches)
@@ -138,30 +138,6 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         comm_buffers=receives * microbatches * boundary,
         in_flight=kept,
     )
-
-
-def _parallelize_stage(part: nn.Module, spec: ModelSpec, cfg: Config, dims, mesh) -> None:  # noqa: ANN001, E501
-    """build_parallel_model's per-part steps, in its order (tp, then activation checkpointing)."""
-    if dims.tp > 1:
-        from distrain.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(
-            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
-        )
-    apply_activation_checkpointing(
-        getattr(part, spec.blocks),
-        cfg.training.activation_checkpointing,
-        every=cfg.training.ac_every_layers,
-    )
-
-
-def _shard(part: nn.Module, spec: ModelSpec, cfg: Config, dims, mesh) -> nn.Module:  # noqa: ANN001
-    if dims.dp_wrapper != "fsdp":
-        return part
-    from distrain.parallel.data_parallel import apply_fsdp
-
-    blocks = getattr(part, spec.blocks)
-    return apply_fsdp(part, mesh, dims, precision=cfg.training.precision, blocks=blocks)
 
 
 def _stage_steps(
