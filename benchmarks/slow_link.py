@@ -260,6 +260,7 @@ def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext) -> d
     batches = val_batches(
         val_set,
         num_batches=t.eval_batches,
+        global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size,
         dp_rank=ctx.rank,
         dp_size=ctx.world_size,

@@ -1,7 +1,9 @@
-"""Shared fixtures, and skips that must not hide: `@pytest.mark.requires("netlab")` marks a test
-that skips where a capability is missing; where `DISTRAIN_REQUIRE` (comma-separated, set by
-.ci/run) names that capability, this machine is declared to have it, so such a skip is reported
-as a failure with its reason."""
+"""Shared fixtures, and skips that must not hide. `@pytest.mark.requires("netlab")` marks a test
+that skips where a capability is missing. `DISTRAIN_REQUIRE` (comma-separated, set by .ci/run)
+declares what this machine has; where it is set, the run is strict: every skip is reported as a
+failure with its reason (a whole module's skip too, an `importorskip` of a missing package
+among them), except a test's marked `requires(name)` for a capability the variable does not
+name (the machine cannot run it: `cuda`, `netem` on CI)."""
 
 import gc
 import os
@@ -16,6 +18,7 @@ CAPABILITIES = {
     "netem": "the netlab plus the kernel's netem qdisc (link delay)",
     "s3": "a loopback S3 server and s3fs (the dev extra)",
     "slurm": "Slurm's daemons and client (slurmctld, slurmd, munge), run as root",
+    "cuda": "a CUDA device",
 }
 
 
@@ -61,15 +64,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if not report.skipped or hasattr(report, "wasxfail"):
         return
-    needed = {mark.args[0] for mark in item.iter_markers("requires")} & required()
-    if not needed:
+    declared = required()
+    if not declared:
         return
-    longrepr = report.longrepr
-    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    marked = {mark.args[0] for mark in item.iter_markers("requires")}
+    if marked and not marked & declared:
+        return  # a capability this machine is not declared to have: the one allowed skip
+    reason = _reason(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = (
-        f"skipped, but {REQUIRE_ENV} says this machine has {', '.join(sorted(needed))}: {reason}"
-    )
+    if marked & declared:
+        why = f"{REQUIRE_ENV} says this machine has {', '.join(sorted(marked & declared))}"
+    else:
+        why = (
+            f"{REQUIRE_ENV} is set (a strict run) and the test is not marked requires(name) "
+            "for a capability it does not name"
+        )
+    report.longrepr = f"skipped, but {why}: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A whole module skipped (`pytest.skip(allow_module_level=True)`, a module-level
+    `importorskip`) fails a strict run: its every test would otherwise pass unseen."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(collector, pytest.Module) and required():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.nodeid} skipped as a whole, but {REQUIRE_ENV} is set (a strict run): "
+            f"{_reason(report.longrepr)}"
+        )
+
+
+def _reason(longrepr: object) -> str:
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
 
 
 @pytest.fixture(scope="session")

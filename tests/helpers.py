@@ -126,6 +126,11 @@ def losses(rows: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def val_losses(rows: list[dict]) -> dict[int, float]:
+    """step -> validation loss (the held-out split's)."""
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
 def free_port() -> int:
     """A port no one listens on now: the OS picks it for a socket bound to port 0."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

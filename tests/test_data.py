@@ -227,18 +227,20 @@ def test_samples_per_rank_per_epoch() -> None:
     assert counts == [6, 6, 4, 4] and sum(counts) == 20
 
 
-@pytest.mark.parametrize("dp_size", [2, 4])
-def test_val_batches_shard_the_single_process_set(dp_size: int) -> None:
+@pytest.mark.parametrize(("dp_size", "micro"), [(2, 2), (2, 4), (4, 1)])
+def test_val_batches_shard_the_single_process_set(dp_size: int, micro: int) -> None:
+    """2 global batches of 4: the same 8 samples for any data-parallel size and micro-batch."""
     ds = _dataset(num_samples=5)  # smaller than the 8 samples asked for: indices wrap
-    micro = 4 // dp_size
-    whole = val_batches(ds, num_batches=2, micro_batch_size=micro * dp_size, dp_rank=0, dp_size=1)
+    options = {"num_batches": 2, "global_batch_size": 4}
+    whole = val_batches(ds, **options, micro_batch_size=4, dp_rank=0, dp_size=1)
     reference = torch.cat([x for x, _ in whole])
     assert reference[:, 0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     shards = [
-        val_batches(ds, num_batches=2, micro_batch_size=micro, dp_rank=r, dp_size=dp_size)
+        val_batches(ds, **options, micro_batch_size=micro, dp_rank=r, dp_size=dp_size)
         for r in range(dp_size)
     ]
-    assert all(len(shard) == 2 and shard[0][0].shape[0] == micro for shard in shards)
+    share = 8 // dp_size
+    assert all(len(shard) == share // micro and shard[0][0].shape[0] == micro for shard in shards)
     assert torch.equal(torch.cat([x for shard in shards for x, _ in shard]), reference)
 
 

@@ -122,7 +122,7 @@ def _config(parallel: dict) -> Config:
         setattr(cfg.parallel, name, value)
     t = cfg.training
     t.global_batch_size, t.micro_batch_size, t.seq_len = GLOBAL, MICRO, SEQ
-    t.precision, t.compile, t.seed, t.eval_batches = "fp32", False, SEED, GLOBAL // MICRO
+    t.precision, t.compile, t.seed = "fp32", False, SEED
     cfg.data.document_masking = True
     return cfg
 

@@ -20,8 +20,8 @@ from distrain.observe.metrics import read_metrics
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 EVAL_SETS = f"textwrap={STDLIB / 'textwrap.py'},argparse={STDLIB / 'argparse.py'}"
-# Micro-batches of 2 on every layout, each with one data-parallel replica: the validation
-# passes read the same 4 x 2 sequences of each set everywhere (see data/loader.py val_batches).
+# The validation passes read the same sequences of each set on every layout: one global batch
+# of 8 (see data/loader.py val_batches).
 FIELDS = {
     "training__steps": 4,
     "training__global_batch_size": 8,

@@ -1,4 +1,5 @@
-"""The parity matrix: every supported layout reproduces the 1-process fp32 loss curve.
+"""The parity matrix: every supported layout reproduces the 1-process fp32 loss curve, and its
+validation loss at the last step (the same held-out samples on every layout and world size).
 
 Layouts are data: each entry names its world size and config overrides. Every run uses the
 same seed and global batch (8 sequences of 64 tokens) as the in-process reference; only the
@@ -13,7 +14,15 @@ from pathlib import Path
 
 import pytest
 from batch import Run, pool_name
-from helpers import cli_in_process, losses, overrides, run_cli, train_cli, train_in_process
+from helpers import (
+    cli_in_process,
+    losses,
+    overrides,
+    run_cli,
+    train_cli,
+    train_in_process,
+    val_losses,
+)
 
 from distrain.observe.metrics import read_metrics
 
@@ -25,6 +34,7 @@ BASE = {
     "training__micro_batch_size": 2,
     "checkpoint__interval_steps": 0,
     "checkpoint__at_end": False,
+    "training__eval_interval_steps": STEPS,
 }
 REL_TOL = 1e-5
 
@@ -233,16 +243,26 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The 1-process loss curve for a model override (`Layout.model`), each trained once."""
-    curves: dict[tuple, dict[int, float]] = {}
+def reference_rows(tmp_path_factory):
+    """The 1-process metrics rows for a model override (`Layout.model`), each trained once."""
+    rows: dict[tuple, list[dict]] = {}
 
-    def curve(model: tuple[tuple[str, object], ...] = ()) -> dict[int, float]:
-        if model not in curves:
+    def of(model: tuple[tuple[str, object], ...] = ()) -> list[dict]:
+        if model not in rows:
             run = tmp_path_factory.mktemp("ref") / "run"
             fields = dict(BASE, training__micro_batch_size=8, **dict(model))
-            curves[model] = losses(train_in_process(run, **fields))
-        return curves[model]
+            rows[model] = train_in_process(run, **fields)
+        return rows[model]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def references(reference_rows):
+    """The 1-process loss curve for a model override (`Layout.model`)."""
+
+    def curve(model: tuple[tuple[str, object], ...] = ()) -> dict[int, float]:
+        return losses(reference_rows(model))
 
     return curve
 
@@ -288,9 +308,13 @@ def batched(batch_pool):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
-def test_layout_matches_single_process(layout, references, batched, request):
-    got = losses(read_metrics(batched(request.node) / "metrics.jsonl"))
-    assert_parity(got, references(layout.model), layout.rel_tol)
+def test_layout_matches_single_process(layout, reference_rows, batched, request):
+    rows = read_metrics(batched(request.node) / "metrics.jsonl")
+    want = reference_rows(layout.model)
+    assert_parity(losses(rows), losses(want), layout.rel_tol)
+    # The validation set is the same samples whatever the layout: the 1-process loss.
+    assert list(val_losses(want)) == [STEPS]
+    assert_parity(val_losses(rows), val_losses(want), layout.rel_tol)
 
 
 @pytest.mark.slow

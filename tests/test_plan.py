@@ -308,7 +308,7 @@ FAST_SEARCH = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)
 def eight_blocks() -> Config:
     cfg = tiny_config(world_size=8)
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 8, 2, 64
-    cfg.training.seq_len, cfg.training.eval_batches = 16, 8
+    cfg.training.seq_len = 16
     return cfg
 
 

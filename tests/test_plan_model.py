@@ -22,7 +22,6 @@ def base_config() -> Config:
     cfg.model.preset = "tiny"
     cfg.model.n_layers = 6
     cfg.training.seq_len, cfg.training.global_batch_size = 64, 16
-    cfg.training.eval_batches = 16
     cfg.training.compile = False
     return cfg
 

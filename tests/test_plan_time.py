@@ -179,7 +179,6 @@ def pipeline_config(schedule: str) -> Config:
     # enough that activations, not the gradients made during backward, set the peak.
     t = cfg.training
     t.seq_len, t.micro_batch_size, t.global_batch_size = 128, 2, 16
-    t.eval_batches = 8  # one pipeline batch (a layout rule; no evaluation runs here)
     return cfg
 
 

@@ -1,5 +1,6 @@
-"""tests/conftest.py's DISTRAIN_REQUIRE: a skip of a test marked `requires(name)` fails the run
-where the variable names that capability, and stays a skip elsewhere."""
+"""tests/conftest.py's DISTRAIN_REQUIRE: where it is set, every skip fails the run (a whole
+module's too) except a test's marked `requires(name)` for a capability the variable does not
+name; where it is unset, skips stay skips."""
 
 from pathlib import Path
 
@@ -20,6 +21,18 @@ def test_other_capability():
 
 def test_unmarked():
     pytest.skip("not a capability")
+
+def test_runs():
+    pass
+"""
+
+MODULE_SKIP = """
+import pytest
+
+pytest.importorskip("a_package_that_is_not_installed")
+
+def test_never_collected():
+    pass
 """
 
 
@@ -32,15 +45,32 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
 
 def test_skips_stay_skips_without_requirement(suite, monkeypatch):
     monkeypatch.delenv("DISTRAIN_REQUIRE", raising=False)
-    suite.runpytest("-p", "no:cacheprovider").assert_outcomes(skipped=3)
+    suite.runpytest("-p", "no:cacheprovider").assert_outcomes(skipped=3, passed=1)
 
 
-def test_required_capability_turns_its_skip_into_a_failure(suite, monkeypatch):
+def test_a_strict_run_fails_every_skip_but_an_undeclared_capability(suite, monkeypatch):
     monkeypatch.setenv("DISTRAIN_REQUIRE", "netlab")
-    result = suite.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1, skipped=2)
+    result = suite.runpytest("-p", "no:cacheprovider", "-rA")
+    # test_other_capability (s3, not declared) is the one skip left.
+    result.assert_outcomes(failed=2, skipped=1, passed=1)
     result.stdout.fnmatch_lines(
-        ["*skipped, but DISTRAIN_REQUIRE says this machine has netlab: *needs root*"]
+        [
+            "*skipped, but DISTRAIN_REQUIRE says this machine has netlab: *needs root*",
+            "*skipped, but DISTRAIN_REQUIRE is set (a strict run) and the test is not marked*",
+        ]
+    )
+
+
+def test_a_strict_run_fails_a_module_skipped_as_a_whole(pytester, monkeypatch):
+    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
+    pytester.makepyfile(test_module_skip=MODULE_SKIP)
+    monkeypatch.delenv("DISTRAIN_REQUIRE", raising=False)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(skipped=1)
+    monkeypatch.setenv("DISTRAIN_REQUIRE", "s3")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*skipped as a whole, but DISTRAIN_REQUIRE is set*a_package_that_is_not_installed*"]
     )
 
 

@@ -190,9 +190,6 @@ CASES = [
       "training.global_batch_size": "9"}, 2,
      ["training.global_batch_size (9) must be a multiple of the data-parallel size (2, from "
       "world size 2) for training.micro_batch_size = 'auto'"]),
-    ("pp_eval_holds_a_batch", {"parallel.pp": "2", "training.eval_batches": "1"}, 2,
-     ["= 8 evaluation sequences per rank is less than one pipeline batch (32)",
-      "raise training.eval_batches to at least 4"]),
     ("replica_group_in_range",
      {**FT, "fault_tolerance.group": "2"}, 2,
      ["fault_tolerance.group = 2 is not one of the 2 replica groups", "set it to 0 .. 2 - 1"]),
@@ -264,7 +261,6 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"parallel.dp_replicate": "4"}, 4),
         ({"parallel.zero_stage": "3", "parallel.dp_replicate": "2"}, 4),
         ({"parallel.pp": "2", "parallel.pp_microbatches": "4"}, 2),
-        ({"parallel.pp": "2", "training.eval_batches": "4"}, 2),
         ({"training.oom_recovery": "true"}, 2),
         ({"comm.gradient_compression": "powersgd"}, 2),
         ({"parallel.tp": "2", "parallel.pp": "2", "parallel.sequence_parallel": "false"}, 4),

@@ -324,7 +324,12 @@ class TrainingConfig:
     eval_interval_steps: int = doc(
         100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
     )
-    eval_batches: int = doc(4, "Micro-batches per rank in a validation pass.", AT_LEAST_1)
+    eval_batches: int = doc(
+        1,
+        "Global batches (training.global_batch_size sequences each) in a validation pass: the "
+        "same sequences on every layout and world size, so validation losses compare.",
+        AT_LEAST_1,
+    )
     nonfinite: Literal["skip", "stop"] = doc(
         "skip",
         "On a non-finite gradient norm: skip the optimizer step on every rank and count it "

@@ -255,15 +255,22 @@ class DistributedBatchLoader:
 
 
 def val_batches(
-    dataset: TokenDataset, *, num_batches: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    dataset: TokenDataset,
+    *,
+    num_batches: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> list[Batch]:
-    """This rank's share of a fixed validation set: the first num_batches * micro_batch_size *
-    dp_size val samples in index order (wrapping when the split is smaller), as num_batches
-    micro-batches. Every rank gets the same count, so the mean of per-rank mean losses equals the
-    one-process mean over the same samples, and evaluations are comparable across runs."""
+    """This rank's share of a fixed validation set, in micro-batches: the first num_batches *
+    global_batch_size val samples in index order (wrapping when the split is smaller), each of
+    the dp_size ranks a contiguous 1/dp_size of them. The set depends on neither the layout
+    nor the world size, so every layout's validation loss (the sums over the ranks) is the
+    one-process loss over the same samples."""
     if len(dataset) == 0:
         raise DataError("the validation split has no samples; use more data or data.val_fraction")
-    share = num_batches * micro_batch_size
+    share = num_batches * global_batch_size // dp_size
     indices = np.arange(dp_rank * share, (dp_rank + 1) * share) % len(dataset)
     m = micro_batch_size
     return [dataset.get_batch(indices[i : i + m]) for i in range(0, share, m)]

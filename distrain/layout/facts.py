@@ -277,14 +277,6 @@ class Facts:
         return self.t.micro_batch_size == "auto"
 
     @property
-    def eval_rows(self) -> int:
-        return self.t.eval_batches * self.t.micro_batch_size
-
-    @property
-    def eval_batches_needed(self) -> int:
-        return -(-self.local_batch // self.t.micro_batch_size)
-
-    @property
     def num_experts(self) -> int:
         return self.model.num_experts
 

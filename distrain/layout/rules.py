@@ -467,14 +467,6 @@ RULES: tuple[Rule, ...] = (
         "size {f.dims.dp_size}) does not split into parallel.pp_microbatches = "
         "{f.p.pp_microbatches} equal microbatches; choose a divisor of {f.local_batch} or -1",
     ),
-    Rule(
-        "pp_eval_holds_a_batch",
-        "dims",
-        lambda f: f.p.pp > 1 and f.eval_rows < f.local_batch,
-        "training.eval_batches x micro_batch_size = {f.eval_rows} evaluation sequences per rank "
-        "is less than one pipeline batch ({f.local_batch}); raise training.eval_batches to at "
-        "least {f.eval_batches_needed}",
-    ),
 )
 
 

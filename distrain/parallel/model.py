@@ -351,8 +351,8 @@ class ParallelModel:
 
     def _pipeline_eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         """A pipeline schedule runs one batch shape only: regroup the evaluation samples into
-        training-sized batches (a remainder smaller than one batch is left out; layout/rules.py
-        makes sure there is at least one)."""
+        training-sized batches (the validation set is whole global batches, so this rank's
+        share is whole local batches)."""
         inputs, targets, documents = self._pipeline_batch(batches)
         size = self.train_batch_rows
         chunks = len(inputs) // size

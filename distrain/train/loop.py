@@ -365,13 +365,14 @@ class Trainer:
         """Mean loss over the targets of a fixed set of batches of `dataset` (default: the
         validation split); leaves the model in train mode.
 
-        The set is training.eval_batches batches of the run's decided micro-batch size, the same
-        sequences throughout the run; they are evaluated in micro-batches of the loader's
-        current size, which out-of-memory recovery may have halved."""
+        The set is training.eval_batches global batches, the same sequences throughout the run
+        and on every layout; they are evaluated in micro-batches of the loader's current size,
+        which out-of-memory recovery may have halved."""
         self.model.train(False)
         batches = val_batches(
             self.val_set if dataset is None else dataset,
             num_batches=self.cfg.training.eval_batches,
+            global_batch_size=self.plan.batch.global_batch,
             micro_batch_size=self.plan.batch.micro,
             dp_rank=self.dp_rank,
             dp_size=self.dims.dp_size,
