@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import train_in_process
+from helpers import cli_in_process, train_in_process
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from distrain.checkpoint import manifest
@@ -370,10 +370,18 @@ TINY = {
 }
 
 
-def test_two_runs_one_checkpoint_dir(tmp_path):
+def test_two_runs_one_checkpoint_dir(tmp_path, capsys):
     shared = tmp_path / "shared"
     first = train_in_process(tmp_path / "a", **TINY, training__seed=1, checkpoint__dir=shared)
     before = {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
+    # distrain train refuses it before any worker starts (a local location's OWNER.json).
+    cli = cli_in_process(
+        capsys, "train", "--run.dir", str(tmp_path / "b"), "--checkpoint.dir", str(shared)
+    )
+    assert cli.returncode != 0 and not (tmp_path / "b").exists()
+    errors = cli.stderr.strip().splitlines()
+    assert len(errors) == 1 and f"checkpoint.dir {shared} belongs to another run" in errors[0]
+    # The workers check it again (an object store's location is checked only there).
     with pytest.raises(CheckpointError) as refused:
         train_in_process(tmp_path / "b", **TINY, training__seed=2, checkpoint__dir=shared)
     assert "\n" not in str(refused.value)

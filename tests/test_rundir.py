@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from helpers import losses, overrides, run_cli, start_train, train_in_process
+from helpers import cli_in_process, losses, overrides, run_cli, start_train, train_in_process
 
 import distrain.launch.torchrun
 from distrain.checkpoint.storage import Storage
@@ -208,6 +208,16 @@ def test_worker_rank0_takes_the_lock_without_a_launcher(tmp_path):
 
 
 # ----------------------------------------------------------------------- failed starts, metrics
+
+
+def test_resume_without_a_checkpoint_is_refused_before_launch(tmp_path, capsys):
+    run = tmp_path / "run"
+    refused = cli_in_process(capsys, "train", "--resume", "--run.dir", str(run))
+    assert refused.returncode != 0 and not run.exists()
+    assert refused.stderr.strip().splitlines() == [
+        f"distrain: error: --resume: no complete checkpoint under {run / 'checkpoints'}; drop "
+        "--resume to start a new run"
+    ]
 
 
 def test_failed_resume_removes_only_what_it_created(tmp_path):

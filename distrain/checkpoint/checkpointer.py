@@ -113,6 +113,37 @@ class _Pending:
     attempt: Attempt | None = None
 
 
+
+def location_owner(storage: Storage) -> dict[str, Any] | None:
+    """The run that claimed the checkpoint location `storage` (its OWNER.json), or None."""
+    path = storage.path(OWNER)
+    if not storage.exists(path):
+        return None
+    try:
+        owner = json.loads(storage.read_text(path))
+    except ValueError:
+        owner = None
+    if not isinstance(owner, dict) or not isinstance(owner.get("run_id"), str):
+        raise CheckpointError(
+            f"checkpoint location {storage.url} has an unreadable {OWNER}; "
+            "choose another checkpoint.dir"
+        )
+    return owner
+
+
+def owner_problem(storage: Storage, run_id: str | None) -> str | None:
+    """Why the run `run_id` (None: a run not started yet) may not write to `storage`, another
+    run's checkpoint location; None when it may."""
+    owner = location_owner(storage)
+    if owner is None or owner["run_id"] == run_id:
+        return None
+    return (
+        f"checkpoint.dir {storage.url} belongs to another run (run id "
+        f"{owner['run_id'][:40]}, since {str(owner.get('since'))[:40]}); give this run "
+        "its own checkpoint.dir, or set checkpoint.resume_from to start from one of "
+        "that run's checkpoints"
+    )
+
 class Checkpointer:
     """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
 
@@ -422,7 +453,7 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             try:
-                if self._owner() is None:
+                if location_owner(self.storage) is None:
                     owner = {"run_id": self.run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
                     self.storage.write_text_atomic(self.storage.path(OWNER), json.dumps(owner))
                 self._check_owner()
@@ -434,31 +465,11 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(error)
 
-    def _owner(self) -> dict[str, Any] | None:
-        path = self.storage.path(OWNER)
-        if not self.storage.exists(path):
-            return None
-        try:
-            owner = json.loads(self.storage.read_text(path))
-        except ValueError:
-            owner = None
-        if not isinstance(owner, dict) or not isinstance(owner.get("run_id"), str):
-            raise CheckpointError(
-                f"checkpoint location {self.storage.url} has an unreadable {OWNER}; "
-                "choose another checkpoint.dir"
-            )
-        return owner
-
     def _check_owner(self) -> None:
         """Raise unless this run owns the checkpoint location (or nobody has claimed it)."""
-        owner = self._owner()
-        if owner is not None and owner["run_id"] != self.run_id:
-            raise CheckpointError(
-                f"checkpoint.dir {self.storage.url} belongs to another run (run id "
-                f"{owner['run_id'][:40]}, since {str(owner.get('since'))[:40]}); give this run "
-                "its own checkpoint.dir, or set checkpoint.resume_from to start from one of "
-                "that run's checkpoints"
-            )
+        problem = owner_problem(self.storage, self.run_id)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     def wait(self) -> None:
         """Collective: finish the async save in flight (if any) and settle it (commit, or count

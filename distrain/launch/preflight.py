@@ -4,7 +4,8 @@ dataset's index, names data.tokenizer; so does each mixture source's; document m
 boundaries to read), the eval sets' paths exist, the run directory and a local checkpoint
 directory can take files (a probe file written and deleted), an object-store URL's filesystem is
 installed, and so is each configured experiment tracker's library; replica groups' run secret
-file is a private regular file of a usable length; a local
+file is a private regular file of a usable length; a local checkpoint location holds a committed
+checkpoint when --resume asks for one and belongs to no other run; a local
 checkpoint.resume_from that the run would start from is a committed checkpoint folder.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
@@ -22,7 +23,7 @@ from pathlib import Path
 from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
-from distrain.checkpoint.checkpointer import checkpoint_storage
+from distrain.checkpoint.checkpointer import checkpoint_storage, owner_problem
 from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
 from distrain.config.ft_network import read_secret
 from distrain.config.schema import Config, source_names
@@ -32,6 +33,7 @@ from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError
+from distrain.launch.rundir import run_id
 from distrain.observe.trackers import check_trackers_installed
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
@@ -65,9 +67,25 @@ def preflight(cfg: Config) -> None:
     if protocol in _LOCAL_PROTOCOLS:
         field = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir (its checkpoints/ folder)"
         check_writable(field, Path(checkpoint_storage(cfg).root))
+        check_checkpoint_location(cfg)
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
     check_resume_from(cfg)
+
+
+def check_checkpoint_location(cfg: Config) -> None:
+    """A local checkpoint location: --resume finds a committed checkpoint in it, and no other
+    run owns it (its OWNER.json names this run dir's run id, or nobody). The workers check
+    again, and check an object store's location, which is not read here."""
+    storage = checkpoint_storage(cfg)
+    if cfg.run.resume and not committed(storage):
+        raise ConfigError(
+            f"--resume: no complete checkpoint under {storage.url}; drop --resume to start a "
+            "new run"
+        )
+    problem = owner_problem(storage, run_id(Path(cfg.run.dir), create=False))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_resume_from(cfg: Config) -> None:
