@@ -5,6 +5,7 @@ and the command line's own arguments."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distrain_residual_mlp.spec import SPEC as RESIDUAL_MLP
 from helpers import FAST, overrides, run_cli, train_in_process
 
 import distrain.launch.torchrun
@@ -21,6 +23,7 @@ from distrain import cli
 from distrain.config.io import help_text, load_config, parse_overrides
 from distrain.config.schema import Config, ConfigError, numeric_fields
 from distrain.layout.rules import RULES, LayoutError, validate
+from distrain.models.registry import register_family
 
 # A 300-token BPE (tokenizers' trainer on json/decoder.py of the stdlib), for the tokenizer rules.
 BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
@@ -37,7 +40,22 @@ FT = {
 # (rule, overrides, world size, texts the one-line message must hold). Every rule of the table
 # appears at least once (test_every_rule_is_tested); "cuda" makes torch report CUDA present;
 # "env.NAME" sets the environment variable NAME.
+# The residual MLP plugin family (tests/plugins) and a copy of it without a tensor-parallel
+# plan: what a family lacks is refused before launch.
+register_family(RESIDUAL_MLP)
+register_family(dataclasses.replace(RESIDUAL_MLP, name="residual_mlp_no_tp", tensor_plan=None))
+RMLP = {"model.family": "residual_mlp", "model.preset": "rmlp-tiny"}
+
 CASES = [
+    ("tp_needs_plan", {**RMLP, "model.family": "residual_mlp_no_tp", "parallel.tp": "2"}, 2,
+     ["parallel.tp (2): the 'residual_mlp_no_tp' model family has no tensor-parallel plan",
+      "set parallel.tp = 1"]),
+    ("sequence_parallel_needs_plan", {**RMLP, "parallel.tp": "2"}, 2,
+     ["the 'residual_mlp' model family's tensor-parallel plan has no sequence-parallel variant",
+      "set parallel.sequence_parallel = false"]),
+    ("cp_needs_attention", {**RMLP, "parallel.cp": "2"}, 2,
+     ["parallel.cp (2): the 'residual_mlp' model family has no attention for context "
+      "parallelism to split; set parallel.cp = 1"]),
     ("seq_len_within_model", {"training.seq_len": "2048"}, 1,
      ["training.seq_len (2048) exceeds the model's max_seq_len (1024, preset 'tiny')",
       "at most 1024", "model.max_seq_len = 2048"]),
@@ -770,3 +788,17 @@ def test_worker_entry_does_not_import_the_cli():
         } | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}  # fmt: skip
         assert "distrain.cli" not in imported, module
+
+
+def test_a_worker_error_reaches_the_console_once(tmp_path):
+    """Each of 2 workers fails on the same data error: the launcher prints the first rank's
+    line once (not each rank's), and exits with its status; the workers' logs keep it."""
+    result = run_cli(
+        "train", "--nproc", "2", "--run.dir", str(tmp_path / "run"),
+        "--data.max_bytes", "2000", "--training.steps", "2",
+    )  # fmt: skip
+    assert result.returncode == 1
+    mentions = [line for line in result.stderr.splitlines() if "corpus too small" in line]
+    assert len(mentions) == 1 and mentions[0].startswith(
+        "distrain: error: corpus too small for seq_len 128: 2000 tokens give 14 train"
+    ), result.stderr

@@ -30,6 +30,7 @@ from distrain.errors import ConfigError, DistrainError
 from distrain.launch.lifeline import LAUNCHER_PID_ENV
 from distrain.launch.preempt import EXIT_PREEMPTED, STOP_SIGNALS, launcher_outcome
 from distrain.launch.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
+from distrain.launch.worker_errors import reported
 
 WORKER_MODULE = "distrain.train"
 # torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
@@ -260,6 +261,9 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
             # the first one's exit 75 for a failure and SIGTERMed the others (those still tearing
             # down die of it), so the checkpoint, not their exit codes, decides.
             raise launcher_outcome(checkpoints, since=started, signum=None) from None
+        error = reported(e.failures)
+        if error is not None:
+            raise error from None
         failed = ", ".join(
             f"rank {rank} (exit code {failure.exitcode})"
             for rank, failure in sorted(e.failures.items())

@@ -19,6 +19,7 @@ from distrain.errors import DistrainError
 from distrain.launch.lifeline import die_with_launcher
 from distrain.launch.rundir import RunDirBusy, StartFootprint, lock_for_worker
 from distrain.launch.torchrun import under_torchrun
+from distrain.launch.worker_errors import report
 from distrain.observe import flight
 from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
 from distrain.observe.watchdog import start_watchdog
@@ -77,8 +78,8 @@ def run_training(cfg: Config) -> None:
         trainer.run()
         ended_well = True
     except DistrainError as e:
-        if logger is not None:
-            logger.error("%s", e)
+        if logger is not None:  # the one-line error reaches stderr once, from main or launcher
+            logger.error("%s", e, extra=FILE_ONLY)
         failed_start = not isinstance(e, RunDirBusy) and (trainer is None or not trainer.started)
         _drop_frames(e)
         raise
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         _, cfg = parse_train_args(sys.argv[1:] if argv is None else argv, worker=True)
         run_training(cfg)
     except DistrainError as e:
-        print(f"distrain: {e.label}: {e}", file=sys.stderr)
+        if not report(e):
+            print(f"distrain: {e.label}: {e}", file=sys.stderr)
         return e.exit_code
     return 0
