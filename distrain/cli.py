@@ -112,10 +112,8 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     layout = _validate(cfg, world_size)
     preflight(cfg)
     print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
-    model = layout.model
     print(
-        f"  model: {cfg.model.preset}, dim {model.dim}, {model.n_layers} layers, "
-        f"{model.n_heads} heads ({model.kv_heads} kv), vocab {model.vocab_size}"
+        f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}"
     )
     if layout.dims is not None:
         d = layout.dims

@@ -107,7 +107,9 @@ def test_a_plugin_family_trains_from_its_toml_at_parity_under_dp_and_tp(
     assert f"model rmlp-tiny: {widened / 1e6:.2f}M parameters" in log
 
 
-def test_the_family_comes_from_its_entry_point_and_lists_its_presets(plugin_path, tmp_path):
+def test_the_family_comes_from_its_entry_point_and_lists_its_presets(
+    config, plugin_path, tmp_path
+):
     env = dict(os.environ, PYTHONPATH=plugin_path)
     listed = run_cli("presets", env=env)
     assert listed.returncode == 0, listed.stderr
@@ -118,6 +120,12 @@ def test_the_family_comes_from_its_entry_point_and_lists_its_presets(plugin_path
         for name, args in PRESETS.items()
     }
     assert counts == built == {name: SPEC.num_params(a) for name, a in PRESETS.items()}
+    # train --check resolves the family's model from the TOML, its fields applied.
+    checked = run_cli("train", "--config", str(config), "--check", "--world-size", "2", env=env)
+    assert checked.returncode == 0, checked.stderr
+    assert "model: residual_mlp rmlp-tiny, dim 32, 4 layers, hidden 96, vocab 256" in (
+        checked.stdout
+    )
     # The package importable but not installed: no entry point, no family.
     bare = dict(os.environ, PYTHONPATH=_site(tmp_path, entry_point=False))
     refused = run_cli("train", "--model.family", "residual_mlp", env=bare)
