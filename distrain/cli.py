@@ -13,9 +13,9 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
-import distrain
 from distrain.config.args import (
     LAUNCH_OPTIONS,
     CommandParser,
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         print(top_help())
         return 0
     if argv[0] == "--version":
-        print(f"distrain {distrain.__version__}")
+        print(f"distrain {version('distrain')}")
         return 0
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)

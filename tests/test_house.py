@@ -74,7 +74,7 @@ def _imported(name: str, node: ast.Import | ast.ImportFrom) -> set[str]:
 
 
 def _imports(*, module_level_only: bool = False) -> dict[str, set[str]]:
-    """Module -> the distrain modules it imports, without itself and the bare package root."""
+    """Module -> the distrain modules it imports, without itself."""
     graph = {}
     for name, tree in TREES.items():
         nodes = tree.body if module_level_only else ast.walk(tree)
@@ -82,7 +82,7 @@ def _imports(*, module_level_only: bool = False) -> dict[str, set[str]]:
         for node in nodes:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 found |= _imported(name, node)
-        graph[name] = found - {name, "distrain"}
+        graph[name] = found - {name}
     return graph
 
 

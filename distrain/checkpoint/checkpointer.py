@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-import distrain
 from distrain.checkpoint.load import SavedLayoutAware, load, root_cause
 from distrain.checkpoint.manifest import (
     MANIFEST,
@@ -373,7 +373,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "layout": self.layout,
             "notes": notes,
-            "distrain_version": distrain.__version__,
+            "distrain_version": version("distrain"),
             "torch_version": torch.__version__,
             "time": time.time(),
             "files": files,

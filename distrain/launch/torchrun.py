@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-import distrain
 from distrain.checkpoint.storage import Storage
 from distrain.errors import ConfigError, DistrainError
 from distrain.launch.lifeline import LAUNCHER_PID_ENV
@@ -201,7 +200,7 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     # `python -m distrain.train` would put the working directory first on sys.path, so a folder
     # named distrain/ there (the parent of a clone, say) would shadow the package this launcher
     # runs. Safe-path mode drops that entry; the package's own root is put on the path instead.
-    package_root = str(Path(distrain.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # distrain/launch/torchrun.py
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         # Set before torchrun starts the workers, which also silences its warning about it.
