@@ -146,7 +146,7 @@ def test_eval_of_the_first_step_and_of_a_broken_wrapper_are_at_chance(trained_ru
     model, _ = load_run_model(trained_run)
     manager = lm_eval.tasks.TaskManager(include_path=str(tasks), include_defaults=False)
     out = lm_eval.simple_evaluate(
-        model=IgnoresContinuation(model, ByteTokenizer()),
+        model=IgnoresContinuation(model, ByteTokenizer(), max_length=model.args.max_seq_len),
         tasks=[TASK],
         task_manager=manager,
         bootstrap_iters=0,

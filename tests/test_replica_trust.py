@@ -24,7 +24,6 @@ import pickle
 import re
 import socket
 import stat
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli_in_process
 
 from distrain.config.ft_network import read_secret, secret_needed
 from distrain.errors import ConfigError
@@ -425,14 +425,11 @@ def test_only_a_loopback_lighthouse_goes_without_a_secret():
     assert secret_needed(f"http://{socket.gethostname()}:29510")
 
 
-def test_a_remote_lighthouse_without_a_secret_is_refused_before_launch(tmp_path):
-    result = subprocess.run(
-        [
-            "distrain", "train", "--check", "--run-dir", str(tmp_path / "run"),
-            "--fault_tolerance.replica_groups", "2", "--parallel.zero_stage", "3",
-            "--fault_tolerance.lighthouse", "http://10.0.0.5:29510",
-        ],
-        capture_output=True, text=True, timeout=120,
+def test_a_remote_lighthouse_without_a_secret_is_refused_before_launch(tmp_path, capsys):
+    result = cli_in_process(
+        capsys, "train", "--check", "--run-dir", str(tmp_path / "run"),
+        "--fault_tolerance.replica_groups", "2", "--parallel.zero_stage", "3",
+        "--fault_tolerance.lighthouse", "http://10.0.0.5:29510",
     )  # fmt: skip
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
