@@ -325,7 +325,7 @@ class TrainingConfig:
         100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
     )
     eval_batches: int = doc(
-        1,
+        2,
         "Global batches (training.global_batch_size sequences each) in a validation pass: the "
         "same sequences on every layout and world size, so validation losses compare.",
         AT_LEAST_1,
