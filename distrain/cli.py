@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 from distrain.config.args import (
     LAUNCH_OPTIONS,
@@ -97,10 +98,10 @@ def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
     )
 
 
-def _validate(cfg: Config, world_size: int | None):  # -> Layout
+def _validate(cfg: Config, world_size: int | None, **options: Any):  # -> Layout
     from distrain.layout.rules import validate
 
-    return validate(cfg, world_size)
+    return validate(cfg, world_size, **options)
 
 
 def _check(ns: argparse.Namespace, cfg: Config) -> None:
@@ -109,8 +110,9 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     from distrain.launch.preflight import preflight
 
     world_size = ns.world_size if ns.world_size is not None else _launch_plan(ns, cfg).world_size
-    layout = _validate(cfg, world_size)
-    preflight(cfg)
+    absent: list[str] = []
+    layout = _validate(cfg, world_size, absent=absent)
+    preflight(cfg, absent=absent)
     print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
     print(
         f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}"
@@ -127,6 +129,8 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
         f"  batch: global {t.global_batch_size} sequences of {t.seq_len} tokens, "
         f"micro-batch {t.micro_batch_size}, precision {t.precision}, {t.steps} steps"
     )
+    for note in absent:
+        print(f"  not checked (absent here): {note}")
 
 
 def _rewind(cfg: Config, step: int) -> None:

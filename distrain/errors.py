@@ -24,6 +24,11 @@ class ConfigError(DistrainError, ValueError):
     """A config value that cannot be used (a field, its type, or the layout it implies)."""
 
 
+class MissingInput(ConfigError):
+    """A file or folder the config names that is not there: data, a tokenizer, a Hugging Face
+    folder. `distrain train --check` says what it could not check for it and checks the rest."""
+
+
 class CheckpointError(DistrainError):
     """A checkpoint that is missing, incomplete or unreadable."""
 

@@ -1,6 +1,6 @@
-"""Every example config passes `distrain train --check` at the world size its first line states
-(with the fields that name a user's files blanked), and the CPU end-to-end script runs: prepare,
-train, status, generate, export."""
+"""Every example config passes `distrain train --check` as written at the world size its first
+line states (the user's own files it names, absent here, are listed as not checked), and the
+CPU end-to-end script runs: prepare, train, status, generate, export."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from tests.helpers import cli_in_process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# The fields that point at the user's own files (data, tokenizer, Hugging Face weights).
-USER_FILES = ["--data.path", "", "--data.tokenizer", "bytes", "--model.init_from", ""]
+# The fields that point at a user's own files (data, tokenizer, Hugging Face weights).
+USER_FILES = ("data.path", "data.tokenizer", "model.init_from")
 
 
 def _world_size(path: Path) -> int:
@@ -29,10 +29,45 @@ def test_example_config_checks_at_its_world_size(path, tmp_path, capsys):
     world = _world_size(path)
     result = cli_in_process(
         capsys, "train", "--check", "--world-size", str(world), "--config", str(path),
-        "--run-dir", str(tmp_path / "run"), *USER_FILES,
+        "--run-dir", str(tmp_path / "run"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert f"config ok for {world} rank(s)" in result.stdout
+    # What --check could not look at is said, one line each, and is only a user's file.
+    skipped = [line for line in result.stdout.splitlines() if "not checked" in line]
+    for line in skipped:
+        assert line.startswith("  not checked (absent here): "), line
+        assert line.split(": ", 1)[1].startswith(USER_FILES), line
+
+
+def test_check_names_what_it_could_not_check(tmp_path, capsys):
+    """A config naming a data file, a tokenizer and a Hugging Face folder that are not there:
+    --check checks the rest (the rules with the preset's shape) and lists the three; training
+    itself refuses the first in one line; a tokenizer that is there but broken is refused."""
+    absent = [
+        "--data.path", str(tmp_path / "none.bin"),
+        "--data.tokenizer", f"hf:{tmp_path / 'no-tokenizer'}",
+        "--model.init_from", f"hf:{tmp_path / 'no-model'}",
+        "--model.preset", "llama-tiny",
+    ]  # fmt: skip
+    checked = cli_in_process(
+        capsys, "train", "--check", "--world-size", "2", "--run-dir", str(tmp_path / "run"),
+        *absent,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
+    notes = [line for line in checked.stdout.splitlines() if "not checked" in line]
+    assert len(notes) == 3, checked.stdout
+    assert "model.init_from: no config.json in" in notes[0]
+    assert "(the rules were checked with model.preset 'llama-tiny')" in notes[0]
+    assert "data.tokenizer: no file" in notes[1] and "data.path: no such file" in notes[2]
+    trained = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), *absent)
+    assert trained.returncode != 0 and len(trained.stderr.strip().splitlines()) == 1
+    (tmp_path / "broken.json").write_text("not a tokenizer")
+    broken = cli_in_process(
+        capsys, "train", "--check", "--data.tokenizer", f"hf:{tmp_path / 'broken.json'}",
+        "--data.path", str(tmp_path / "none.bin"), "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert broken.returncode != 0 and "broken.json" in broken.stderr
 
 
 def test_every_example_is_in_the_readme():

@@ -156,3 +156,24 @@ def test_the_command_restates_the_planner_defaults():
 
     assert command.VERIFIED == search.VERIFIED
     assert command.DEFAULT_LATENCY_S == comm_advice.DEFAULT_LATENCY_S
+
+
+def test_plan_notes_the_files_it_does_not_read_and_plans_without_them(tmp_path):
+    """A config naming a tokenizer and a Hugging Face folder that are not there (the data file
+    is never read by a plan): both are noted, the plan's config goes on with model.preset's
+    shape and no tokenizer check, and it is a valid layout to plan."""
+    from distrain.layout.rules import validate
+    from distrain.plan.command import base_config
+
+    toml = tmp_path / "absent.toml"
+    toml.write_text(
+        f'[model]\npreset = "llama-tiny"\ninit_from = "hf:{tmp_path / "no-model"}"\n'
+        f'[data]\npath = "{tmp_path / "none.bin"}"\ntokenizer = "hf:{tmp_path / "no-tok"}"\n'
+    )
+    absent: list[str] = []
+    cfg = base_config(parse(["--config", str(toml), "--gpus-per-node", "2"]), absent)
+    assert len(absent) == 2, absent
+    assert "model.init_from: no config.json in" in absent[0] and "data.tokenizer" in absent[1]
+    kept = (cfg.model.preset, cfg.model.init_from, cfg.data.tokenizer)
+    assert kept == ("llama-tiny", "", "bytes")
+    assert validate(cfg, 2).shape.n_layers == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 from unittest import mock
 
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, MissingInput
 
 HF_FILE = "tokenizer.json"
 _KINDS = ("bytes", "hf:DIR_OR_FILE", "tiktoken:NAME_OR_FILE")
@@ -142,7 +142,7 @@ def _hf_file(path: Path, field: str) -> Path:
     file = path / HF_FILE if path.is_dir() else path
     if not file.is_file():
         where = f"{str(path)!r} holds no {HF_FILE}" if path.is_dir() else f"no file {str(path)!r}"
-        raise ConfigError(
+        raise MissingInput(
             f"{field}: {where}; point it at a tokenizer.json or a folder with one (a fast "
             "tokenizer's save_pretrained writes it)"
         )
@@ -179,7 +179,7 @@ def _tiktoken(arg: str, field: str) -> TiktokenTokenizer:
         name, spec = arg, f"tiktoken:{arg}"
 
         def offline(blobpath: str) -> bytes:
-            raise ConfigError(
+            raise MissingInput(
                 f"{field} = 'tiktoken:{arg}': its BPE file is not in tiktoken's local cache and "
                 f"distrain does not download; copy {blobpath.rsplit('/', 1)[-1]} to this machine "
                 f"and set {field} = 'tiktoken:/path/to/{arg}.tiktoken'"

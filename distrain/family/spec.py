@@ -112,7 +112,7 @@ def _untied(_model: nn.Module) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """One model family, as the parallel mechanisms see it (see the module docstring)."""
+    """One model family, as the rest of distrain sees it (see the module docstring)."""
 
     name: str
     presets: Mapping[str, Any]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from fsspec.core import split_protocol
@@ -32,33 +34,48 @@ from distrain.data.documents import boundaries_file, no_boundaries_message
 from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, MissingInput
 from distrain.launch.rundir import run_id
 from distrain.observe.trackers import check_trackers_installed
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     """Raise ConfigError (one line naming the field, the path and the cause) for the first
-    problem found."""
+    problem found. With `absent` (`train --check`), a data file, eval set or tokenizer that is
+    not there is added to it (what was not checked) instead, and the rest is checked."""
+
+    def noted(check: Callable[[], None]) -> None:
+        try:
+            check()
+        except MissingInput as e:
+            if absent is None:
+                raise
+            absent.append(str(e))
+
     if cfg.data.sources:
         for i, (source, name) in enumerate(
             zip(cfg.data.sources, source_names(cfg.data), strict=True)
         ):
-            check_data_source(f"data.sources[{i}] ({name!r})", source.path, cfg.data.tokenizer)
+            field = f"data.sources[{i}] ({name!r})"
+            noted(partial(check_data_source, field, source.path, cfg.data.tokenizer))
     elif cfg.data.path:
-        check_data_source(
-            "data.path", cfg.data.path, cfg.data.tokenizer, tokens=is_token_data(cfg.data)
+        tokens = is_token_data(cfg.data)
+        noted(
+            partial(
+                check_data_source, "data.path", cfg.data.path, cfg.data.tokenizer, tokens=tokens
+            )
         )
     for e in cfg.data.eval_sets:
-        if not Path(e.path).exists():
-            raise ConfigError(f"data.eval_sets {e.name!r}: no such file or folder {e.path!r}")
+        noted(partial(check_eval_set, e.name, e.path))
     check_trackers_installed(cfg.metrics)
     if cfg.fault_tolerance.replica_groups and cfg.fault_tolerance.secret_file:
         read_secret(cfg.fault_tolerance.secret_file)
     if cfg.data.document_masking and cfg.data.eos_id is None:
         for path in [s.path for s in cfg.data.sources] or [cfg.data.path]:
+            if absent is not None and _is_local(path) and not Path(path).exists():
+                continue  # noted above: its boundaries cannot be looked for
             one = dataclasses.replace(cfg.data, path=path, sources=())
             if is_sharded(path) or boundaries_file(one) is None:
                 raise ConfigError(no_boundaries_message(one))
@@ -109,6 +126,15 @@ def check_resume_from(cfg: Config) -> None:
         )
 
 
+def check_eval_set(name: str, path: str) -> None:
+    if not Path(path).exists():
+        raise MissingInput(f"data.eval_sets {name!r}: no such file or folder {path!r}")
+
+
+def _is_local(path: str) -> bool:
+    return split_protocol(path)[0] in _LOCAL_PROTOCOLS
+
+
 def check_data_source(field: str, path: str, tokenizer: str, *, tokens: bool = True) -> None:
     """The data at `path` exists and, where a small local file says so, was made with
     `tokenizer`; a URL's filesystem is installed (its index is read when workers open it)."""
@@ -118,7 +144,7 @@ def check_data_source(field: str, path: str, tokenizer: str, *, tokens: bool = T
         return
     local = Path(path)
     if not local.exists():
-        raise ConfigError(f"{field}: no such file or folder {path!r}")
+        raise MissingInput(f"{field}: no such file or folder {path!r}")
     if (local / INDEX_NAME).is_file():
         index = parse_index((local / INDEX_NAME).read_bytes(), where=f"{field} {path}")
         if index.tokenizer_sha256 != load_tokenizer(tokenizer).fingerprint:

@@ -12,6 +12,7 @@ from distrain.config.batch import BatchSizes
 from distrain.config.ft_network import secret_missing, secret_needed
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
+from distrain.errors import MissingInput
 from distrain.family.spec import ModelShape, ModelSpec
 from distrain.optim.capability import OptimizerCapability, optimizer_capability
 from distrain.parallel.device import pick_device
@@ -33,6 +34,8 @@ class Facts:
     model: ModelShape
     world_size: int | None = None
     dims: ParallelDims | None = None
+    absent: list[str] | None = None
+    """Where to note a file that is not there instead of refusing (`train --check`)."""
 
     @property
     def p(self) -> ParallelConfig:
@@ -300,7 +303,16 @@ class Facts:
 
     @property
     def tokenizer_vocab(self) -> int:
-        return load_tokenizer(self.cfg.data.tokenizer).vocab_size
+        """data.tokenizer's vocabulary; 0 (no rule refuses on it) when its file is not there
+        and the facts note absent files."""
+        try:
+            return load_tokenizer(self.cfg.data.tokenizer).vocab_size
+        except MissingInput as e:
+            if self.absent is None:
+                raise
+            if str(e) not in self.absent:
+                self.absent.append(str(e))
+            return 0
 
     @property
     def padded_vocab(self) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from distrain.config.schema import Config
 from distrain.data.corpus import is_token_data
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, MissingInput
 from distrain.family.spec import FamilyModel, ModelShape, ModelSpec
 from distrain.layout.facts import Facts
 from distrain.models.registry import model_args, model_family
@@ -492,12 +492,21 @@ class Layout:
         return FamilyModel(self.spec, self.model)
 
 
-def validate(cfg: Config, world_size: int | None) -> Layout:
+def validate(cfg: Config, world_size: int | None, *, absent: list[str] | None = None) -> Layout:
     """Refuse (LayoutError, one line) the first rule `cfg` breaks on `world_size` ranks; with
-    world_size None (elastic MIN:MAX) only the rules that do not depend on it."""
+    world_size None (elastic MIN:MAX) only the rules that do not depend on it. With `absent`
+    (`train --check`), a file the config names that is not there is noted in it instead of
+    refused: a tokenizer's vocabulary is then not checked, and a model.init_from folder's shape
+    is replaced by model.preset's."""
     spec = model_family(cfg.model.family)
-    args = model_args(cfg.model)
-    facts = Facts(cfg=cfg, spec=spec, model=spec.shape(args))
+    try:
+        args = model_args(cfg.model)
+    except MissingInput as e:
+        if absent is None:
+            raise
+        absent.append(f"{e} (the rules were checked with model.preset {cfg.model.preset!r})")
+        args = model_args(replace(cfg.model, init_from=""))
+    facts = Facts(cfg=cfg, spec=spec, model=spec.shape(args), absent=absent)
     _check(facts, "config")
     if world_size is None:
         return Layout(spec=spec, model=args, shape=facts.model, dims=None)

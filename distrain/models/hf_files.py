@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from distrain.checkpoint.metadata import plain_file_name
-from distrain.errors import ConfigError, install_hint
+from distrain.errors import ConfigError, MissingInput, install_hint
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
@@ -58,7 +58,7 @@ def hf_dir(spec: str) -> Path:
         )
     path = Path(spec[len(HF_PREFIX) :]).expanduser()
     if not (path / CONFIG_FILE).is_file():
-        raise ConfigError(
+        raise MissingInput(
             f"model.init_from: no {CONFIG_FILE} in {path}; point it at a folder written by "
             "save_pretrained (or by distrain export --format hf)"
         )

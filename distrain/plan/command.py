@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 from distrain.config.args import CommandParser
 from distrain.config.io import load_config
 from distrain.config.schema import Config
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, MissingInput
 
 if TYPE_CHECKING:
     from distrain.plan.timing import Cluster
@@ -126,7 +127,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-def base_config(ns: argparse.Namespace) -> Config:
+def base_config(ns: argparse.Namespace, absent: list[str] | None = None) -> Config:
+    """The config the plan prices: the file's, with the command's options over it. Planning
+    reads no data: with `absent`, a data file, tokenizer or model.init_from folder that is not
+    there is noted in it, and the plan goes on without it (model.preset's shape for a missing
+    model.init_from; the tokenizer's vocabulary, which no plan reads, unchecked)."""
     cfg = load_config(ns.config, [])
     t = cfg.training
     if ns.preset:
@@ -138,7 +143,27 @@ def base_config(ns: argparse.Namespace) -> Config:
     if ns.precision:
         t.precision = ns.precision
     t.micro_batch_size = 1
+    if absent is not None:
+        from distrain.data.tokenizer import load_tokenizer
+        from distrain.layout.rules import validate
+        from distrain.models.hf_files import hf_dir
+
+        validate(cfg, None, absent=absent)
+        data, model = cfg.data, cfg.model
+        if not _present(load_tokenizer, data.tokenizer):
+            data = dataclasses.replace(data, tokenizer="bytes")
+        if model.init_from and not _present(hf_dir, model.init_from):
+            model = dataclasses.replace(model, init_from="")
+        cfg = dataclasses.replace(cfg, data=data, model=model)
     return cfg
+
+
+def _present(load: Callable[[str], object], spec: str) -> bool:
+    try:
+        load(spec)
+    except MissingInput:
+        return False
+    return True
 
 
 def cluster_of(ns: argparse.Namespace) -> Cluster:
@@ -198,7 +223,10 @@ def plan_command(argv: list[str]) -> None:
         return
     if ns.workers is not None and ns.workers < 1:
         raise ConfigError(f"--workers: {ns.workers} processes; give 1 or more")
-    cfg = base_config(ns)
+    absent: list[str] = []
+    cfg = base_config(ns, absent)
+    for note in absent:
+        print(f"not checked (absent here): {note}", file=sys.stderr)
     cluster = cluster_of(ns)
     bytes_per_value = 4 if cfg.training.precision == "fp32" else 2
     rows = plan(
