@@ -5,6 +5,7 @@ process group)."""
 import pytest
 
 from distrain.config.schema import Config
+from distrain.errors import ConfigError
 from distrain.family.spec import FamilyModel
 from distrain.models.gpt import GPT_SPEC, PRESETS
 from distrain.plan.comm_advice import advise, predict_methods
@@ -177,3 +178,11 @@ def test_plan_notes_the_files_it_does_not_read_and_plans_without_them(tmp_path):
     kept = (cfg.model.preset, cfg.model.init_from, cfg.data.tokenizer)
     assert kept == ("llama-tiny", "", "bytes")
     assert validate(cfg, 2).shape.n_layers == 2
+
+
+def test_gpu_memory_must_say_its_unit():
+    cluster = cluster_of(parse(["--gpu-memory", "80GiB"]))
+    assert cluster.memory_bytes == 80 * 2**30
+    assert cluster_of(parse(["--gpu-memory", "80GB"])).memory_bytes == 80e9
+    with pytest.raises(ConfigError, match=r"--gpu-memory: '80' has no unit; write it in GB"):
+        cluster_of(parse(["--gpu-memory", "80"]))

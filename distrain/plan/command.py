@@ -27,11 +27,22 @@ DEFAULT_LATENCY_S = 1e-4
 
 
 def quantity(text: str, what: str) -> float:
-    """'80GB' -> 8e10, '900GB/s' -> 9e11, '989T' -> 9.89e14."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(?:i?B)?(?:/s)?\s*", text, re.IGNORECASE)
-    if not m:
+    """'80GB' -> 8e10, '80GiB' -> 80 x 2**30, '900GB/s' -> 9e11, '989T' -> 9.89e14."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)(B?)(?:/s)?\s*", text, re.IGNORECASE)
+    if not m or (m.group(3) and not (m.group(2) and m.group(4))):
         raise ConfigError(f"{what}: cannot read {text!r}; write e.g. 80GB, 900GB/s or 989T")
-    return float(m.group(1)) * UNITS[m.group(2).upper()]
+    prefix = m.group(2).upper()
+    scale = 1024 ** "KMGT".index(prefix) * 1024 if m.group(3) else UNITS[prefix]
+    return float(m.group(1)) * scale
+
+
+def memory_size(text: str, what: str) -> float:
+    """Bytes of a memory size, which must say its unit: '80GB' -> 8e10, '80GiB' -> 80 x 2**30."""
+    if not re.search(r"[KMGT]i?B\s*$", text, re.IGNORECASE):
+        raise ConfigError(
+            f"{what}: {text!r} has no unit; write it in GB or GiB (e.g. 80GB, 141GiB)"
+        )
+    return quantity(text, what)
 
 
 def link_bandwidth(text: str, what: str) -> float:
@@ -183,7 +194,7 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
     return Cluster(
         nodes=ns.nodes,
         gpus_per_node=ns.gpus_per_node,
-        memory_bytes=quantity(ns.gpu_memory, "--gpu-memory"),
+        memory_bytes=memory_size(ns.gpu_memory, "--gpu-memory"),
         peak_flops=peak,
         efficiency=efficiency,
         intra_bw=intra,
