@@ -20,6 +20,7 @@ $distrain train --nproc 2 --run-dir "$work/run" \
 $distrain status "$work/run"
 $distrain generate --run-dir "$work/run" --prompt "distrain" --max-new-tokens 32
 
-# 4. A Hugging Face folder (config.json, model.safetensors, tokenizer) transformers can load.
+# 4. A Hugging Face folder transformers can load: config.json, generation_config.json, the
+#    safetensors shards and their index (a byte-level run has no tokenizer files to ship).
 $distrain export "$work/run" --out "$work/hf"
 ls "$work/hf"
