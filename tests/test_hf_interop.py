@@ -1,5 +1,5 @@
-"""Hugging Face interop and the Llama / GPT-2 (gpt family) and Qwen3 (qwen3 family)
-architectures, against transformers itself.
+"""Hugging Face interop and the Llama / GPT-2 (gpt family), Qwen3 (qwen3 family) and Mixtral
+(mixtral family) architectures, against transformers itself.
 
 Tiny random transformers models are built and saved locally (nothing is downloaded):
 - imported with `model.init_from`, distrain's logits equal transformers' (fp32, 1e-5);
@@ -94,11 +94,24 @@ def _hf_configs() -> dict[str, object]:
             rope_theta=1_000_000.0,
             tie_word_embeddings=True,
         ),
+        # 4 experts of 96, 2 per token, in every block; untied.
+        "mixtral": transformers.MixtralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            rope_theta=1_000_000.0,
+        ),
     }
 
 
 # Each transformers architecture's distrain model family (model.family).
-FAMILY = {"llama": "gpt", "gpt2": "gpt", "qwen3": "qwen3"}
+FAMILY = {"llama": "gpt", "gpt2": "gpt", "qwen3": "qwen3", "mixtral": "mixtral"}
 
 
 def _imported(arch: str, folder: Path):
@@ -137,7 +150,7 @@ def _tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "mixtral"])
 def test_import_gives_transformers_logits(family, hf_dirs):
     args, model = _imported(family, hf_dirs[family])
     tokens = _tokens()
@@ -159,6 +172,13 @@ def test_import_gives_transformers_logits(family, hf_dirs):
             for block in model.blocks.values():
                 block.attn.q_norm.weight.fill_(1.0)
             assert (model(tokens) - want).abs().max() > 100 * LOGIT_TOL
+    if family == "mixtral":
+        # Every expert is read in its place: two experts swapped move the logits.
+        assert args.moe.num_experts == 4 and args.moe.top_k == 2
+        with torch.no_grad():
+            up = model.blocks["0"].moe.experts.w_up
+            up.copy_(up[[1, 0, 2, 3]])
+            assert (model(tokens) - want).abs().max() > 100 * LOGIT_TOL
 
 
 def test_each_family_imports_only_its_own_folders(hf_dirs):
@@ -169,6 +189,11 @@ def test_each_family_imports_only_its_own_folders(hf_dirs):
     qwen3 = model_args(ModelConfig(family="qwen3", init_from=f"hf:{hf_dirs['qwen3']}"))
     with pytest.raises(ConfigError, match="train it as model.family = 'qwen3'"):
         model_family("gpt").hf.config(qwen3, dtype=torch.float32)
+    mixtral = model_args(ModelConfig(family="mixtral", init_from=f"hf:{hf_dirs['mixtral']}"))
+    with pytest.raises(ConfigError, match="train it as model.family = 'mixtral'"):
+        model_family("gpt").hf.tensors(mixtral)
+    with pytest.raises(ConfigError, match="model_type 'qwen3'; model.family = 'mixtral' imports"):
+        model_args(ModelConfig(family="mixtral", init_from=f"hf:{hf_dirs['qwen3']}"))
 
 
 def test_import_refusals_are_one_line(tmp_path, hf_dirs):
@@ -244,6 +269,19 @@ PUBLISHED = {
             "tie_word_embeddings": True,
         },
     ),
+    ("mixtral", "mixtral-8x7b"): (
+        "MixtralConfig",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    ),
     ("qwen3", "qwen3-8b"): (
         "Qwen3Config",
         {
@@ -283,6 +321,8 @@ def test_presets_have_published_parameter_counts(capsys):
         ("gpt", "llama-tiny"),
         ("qwen3", "qwen3-tiny"),
         ("qwen3", "qwen3-8b"),
+        ("mixtral", "mixtral-tiny"),
+        ("mixtral", "mixtral-8x7b"),
     ],
 )
 def test_exported_config_reads_back(family, name, tmp_path):
@@ -333,6 +373,7 @@ HF_LAYOUTS = [
     ("tp2_sp_gqa", "llama", 2, {"parallel__tp": 2}),
     ("pp2_1f1b", "llama", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
     ("tp2_pp2_qwen3", "qwen3", 4, {"parallel__tp": 2, "parallel__pp": 2}),
+    ("ep2_zero3_mixtral", "mixtral", 2, {"parallel__ep": 2, "parallel__zero_stage": 3}),
 ]
 
 

@@ -109,6 +109,8 @@ def _hf_shape(spec: HfTensor, shapes: dict[str, list[int]]) -> list[int]:
         return parts[0]
     if spec.kind == "transpose":
         return parts[0][::-1]
+    if spec.kind == "expert":
+        return parts[0][1:][::-1]
     rows = sum(p[0] for p in parts)
     return [rows] if len(parts[0]) == 1 else [parts[0][1], rows]
 
@@ -136,13 +138,17 @@ def _read_groups(specs: list[HfTensor], shapes: dict[str, list[int]]) -> list[li
     each load costs a metadata read and a plan (~0.1 s), too much to pay per norm weight."""
     groups: list[list[HfTensor]] = [[]]
     group_bytes = 0
+    held: set[str] = set()  # names the group reads already (experts share their stacked weight)
     for spec in specs:
-        size = 4 * sum(int(torch.Size(shapes[n]).numel()) for n in spec.names)
-        if groups[-1] and group_bytes + size > READ_BATCH_BYTES:
+        new = [n for n in spec.names if n not in held]
+        size = 4 * sum(int(torch.Size(shapes[n]).numel()) for n in new)
+        if groups[-1] and size and group_bytes + size > READ_BATCH_BYTES:
             groups.append([])
-            group_bytes = 0
+            group_bytes, held = 0, set()
+            new = list(spec.names)
         groups[-1].append(spec)
         group_bytes += size
+        held.update(new)
     return groups
 
 
@@ -194,7 +200,7 @@ def export_hf(
                 tensors = {n: torch.empty(shapes[n]) for spec in group for n in spec.names}
                 _quiet_load(cfg, entry, {MODEL_KEY: tensors})
                 for spec in group:
-                    value = spec.to_hf([tensors.pop(n) for n in spec.names]).to(torch_dtype)
+                    value = spec.to_hf([tensors[n] for n in spec.names]).to(torch_dtype)
                     _write_tensor(f, value)
                     total += value.nbytes
                     weight_map[spec.hf_name] = name

@@ -21,9 +21,10 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# How an HF tensor is made of distrain tensors: the same tensor, its transpose, or (GPT-2's fused
-# c_attn) the transpose of wq, wk and wv stacked along the output dimension.
-Kind = Literal["same", "transpose", "fused_qkv"]
+# How an HF tensor is made of distrain tensors: the same tensor, its transpose, (GPT-2's fused
+# c_attn) the transpose of wq, wk and wv stacked along the output dimension, or (Mixtral's
+# experts) the transpose of one expert's slice of a stacked expert weight.
+Kind = Literal["same", "transpose", "fused_qkv", "expert"]
 
 
 @dataclass(frozen=True)
@@ -31,19 +32,25 @@ class HfTensor:
     hf_name: str
     names: tuple[str, ...]
     kind: Kind = "same"
+    expert: int = 0
+    """With kind "expert": which expert's slice of the stacked [experts, in, out] distrain
+    parameter this [out, in] tensor is (Mixtral's per-expert linears)."""
 
     def to_hf(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.kind == "same":
             return tensors[0]
         if self.kind == "transpose":
             return tensors[0].t()
+        if self.kind == "expert":
+            return tensors[0][self.expert].t()
         return torch.cat(tensors, dim=0).t()
 
     def from_hf(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        """The distrain tensors in `names` order; `sizes` are their first dimensions."""
+        """The distrain tensors in `names` order; `sizes` are their first dimensions. An
+        expert's tensor gives its slice of the stacked parameter (the reader stacks them)."""
         if self.kind == "same":
             return [tensor]
-        if self.kind == "transpose":
+        if self.kind in ("transpose", "expert"):
             return [tensor.t()]
         if tensor.ndim == 1:  # the fused bias
             return list(tensor.split(sizes))

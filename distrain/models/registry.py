@@ -20,6 +20,7 @@ from distrain.config.schema import ModelConfig
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelShape, ModelSpec
 from distrain.models.gpt.spec import GPT_SPEC
+from distrain.models.mixtral.spec import MIXTRAL_SPEC
 from distrain.models.qwen3.spec import QWEN3_SPEC
 
 ENTRY_POINT_GROUP = "distrain.model_families"
@@ -120,3 +121,4 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 register_family(GPT_SPEC)
 register_family(QWEN3_SPEC)
+register_family(MIXTRAL_SPEC)

@@ -36,6 +36,11 @@ def family(args: ModelArgs) -> Literal["llama", "gpt2"]:
             "this model normalizes its query and key heads, which Llama and GPT-2 do not; "
             "train it as model.family = 'qwen3'"
         )
+    if args.moe.enabled:
+        raise ConfigError(
+            "this model has experts, which Llama and GPT-2 do not; for a Hugging Face "
+            "mixture of experts train it as model.family = 'mixtral'"
+        )
     if args.pos_emb == "rope" and args.norm == "rmsnorm" and args.mlp == "swiglu":
         return "llama"
     gpt2 = (
@@ -65,7 +70,7 @@ def hf_tensors(args: ModelArgs) -> list[HfTensor]:
 
 def llama_tensors(args: ModelArgs) -> list[HfTensor]:
     """Llama's tensor names (Qwen3's too: with `qk_norm`, each attention's q_norm and
-    k_norm)."""
+    k_norm; Mixtral's but the experts of its MoE blocks)."""
     out = [HfTensor("model.embed_tokens.weight", ("tok_emb.weight",))]
     linears = {
         "self_attn.q_proj": "attn.wq",
@@ -84,6 +89,8 @@ def llama_tensors(args: ModelArgs) -> list[HfTensor]:
             for norm in ("q_norm", "k_norm"):
                 out.append(HfTensor(f"{hf}self_attn.{norm}.weight", (f"{ours}attn.{norm}.weight",)))
         for hf_linear, linear in linears.items():
+            if linear.startswith("mlp.") and args.moe.is_moe_layer(i):
+                continue  # the block's experts (Mixtral's, models/mixtral/hf.py) stand in for it
             out.append(HfTensor(f"{hf}{hf_linear}.weight", (f"{ours}{linear}.weight",)))
             if args.bias:
                 out.append(HfTensor(f"{hf}{hf_linear}.bias", (f"{ours}{linear}.bias",)))
@@ -288,21 +295,33 @@ def source_from(
     open_file = safe_open()
     path = hf_dir(spec)
     files = weight_files(path)
-    by_name = {name: t for t in tensors for name in t.names}
+    by_name: dict[str, list[HfTensor]] = {}
+    for t in tensors:
+        for name in t.names:
+            by_name.setdefault(name, []).append(t)
+    kv_dim = args.kv_heads * args.head_dim
 
-    def value(name: str, shape: torch.Size) -> torch.Tensor:
-        spec_ = by_name.get(name)
-        if spec_ is None or spec_.hf_name not in files:
-            missing = spec_.hf_name if spec_ else name
-            raise ConfigError(f"model.init_from: {path} has no tensor {missing!r} for {name}")
+    def part(spec_: HfTensor, name: str) -> torch.Tensor:
+        if spec_.hf_name not in files:
+            raise ConfigError(
+                f"model.init_from: {path} has no tensor {spec_.hf_name!r} for {name}"
+            )
         with open_file(files[spec_.hf_name], framework="pt") as f:
             tensor = f.get_tensor(spec_.hf_name).float()
-        kv_dim = args.kv_heads * args.head_dim
         parts = spec_.from_hf(tensor, [args.q_dim, kv_dim, kv_dim])
-        result = parts[spec_.names.index(name)]
+        return parts[spec_.names.index(name)]
+
+    def value(name: str, shape: torch.Size) -> torch.Tensor:
+        specs = by_name.get(name)
+        if not specs:
+            raise ConfigError(f"model.init_from: no tensor of {path} maps to {name}")
+        if specs[0].kind == "expert":  # one tensor per expert, stacked in expert order
+            result = torch.stack([part(s, name) for s in sorted(specs, key=lambda s: s.expert)])
+        else:
+            result = part(specs[0], name)
         if result.shape != shape:
             raise ConfigError(
-                f"model.init_from: {spec_.hf_name} in {path} has shape {tuple(result.shape)}, "
+                f"model.init_from: {specs[0].hf_name} in {path} has shape {tuple(result.shape)}, "
                 f"the model's {name} {tuple(shape)}; remove model overrides that change shapes"
             )
         return result.contiguous()
