@@ -374,6 +374,7 @@ HF_LAYOUTS = [
     ("pp2_1f1b", "llama", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
     ("tp2_pp2_qwen3", "qwen3", 4, {"parallel__tp": 2, "parallel__pp": 2}),
     ("ep2_zero3_mixtral", "mixtral", 2, {"parallel__ep": 2, "parallel__zero_stage": 3}),
+    ("tp2_pp2_mixtral", "mixtral", 4, {"parallel__tp": 2, "parallel__pp": 2}),
 ]
 
 
