@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +41,18 @@ def flatten_mesh(mesh: DeviceMesh, name: str, *, backend_override: Any = None) -
     flattened data-parallel axis; no public equivalent in torch 2.13); `backend_override`: the
     new group's backend options (its timeout), as init_device_mesh takes them."""
     return mesh._flatten(name, backend_override=backend_override)
+
+
+def flattened_submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]` where a name is an axis `flatten_mesh` made. torch 2.13 warns on every such
+    slice that slicing a flattened axis from the root mesh is to be deprecated (torch wants the
+    flattened mesh kept by its maker); the slice works, and the warning, printed once per rank
+    and run, is silenced here until distrain keeps the flattened meshes itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Slicing a flattened dim from root mesh", category=UserWarning
+        )
+        return mesh[names]
 
 
 def dcp_metadata_path(reader: Any, rank: int | None) -> os.PathLike | str:

@@ -41,6 +41,25 @@ def test_flatten_mesh_names_one_axis_of_all(one_rank):
     assert flat.mesh_dim_names == ("dp",) and flat.size() == 1
 
 
+def test_a_flattened_axis_is_sliced_without_a_warning():
+    """Context parallelism's meshes (dp x cp for DDP, dp_shard x cp for FSDP2, HSDP's pair) are
+    slices of flattened axes: torch 2.13 warns on each (the cp run printed it once per rank)."""
+    import warnings
+
+    from distrain.parallel.mesh import ParallelDims
+    from distrain.plan.memory import fake_world
+
+    dims = ParallelDims(
+        pp=1, dp_replicate=2, dp_shard=2, tp=1, zero_stage=3, world_size=8, dp_wrapper="fsdp", cp=2
+    )
+    with fake_world(8), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mesh, dp_mesh = dims.build_mesh("cpu")
+        assert dims.gradient_mesh(mesh, dp_mesh).size() == 8
+        assert dims.fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert not [w for w in caught if "flattened dim" in str(w.message)], caught
+
+
 def test_device_meshes_under_fake_mode_find_their_coordinate(one_rank):
     """FSDP2 concatenates the dp and tp meshes for each DTensor parameter; under FakeTensorMode
     the new mesh's coordinate (a nonzero) fails unless computed outside it."""

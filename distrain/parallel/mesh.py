@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.config.schema import ParallelConfig
 from distrain.parallel.device import collective_timeout, group_options
-from distrain.torch_compat import flatten_mesh
+from distrain.torch_compat import flatten_mesh, flattened_submesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_CP = ("dp_replicate", "dp_shard", "cp")
@@ -141,7 +141,7 @@ class ParallelDims:
     def gradient_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
         """The 1-D mesh DDP averages gradients over: `dp_mesh`, or dp x cp under context
         parallelism (flattened by `build_mesh`)."""
-        return dp_mesh if self.cp == 1 else mesh["dp_cp"]
+        return dp_mesh if self.cp == 1 else flattened_submesh(mesh, "dp_cp")
 
     def zero1_mesh(self, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
         """The 1-D mesh ZeRO-1 shards the optimizer state over: the ranks holding the same
@@ -156,7 +156,7 @@ class ParallelDims:
         torchtitan does."""
         shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
         hsdp = self.dp_replicate > 1 and not self.diloco
-        return mesh["dp_replicate", shard] if hsdp else mesh[shard]
+        return flattened_submesh(mesh, ("dp_replicate", shard) if hsdp else shard)
 
     def build_ep_mesh(self, device_type: str, *, timeout_s: float = 0.0) -> DeviceMesh:
         """The expert-parallel mesh, axes pp, dp_mod_ep, ep, tp (size-1 axes kept).
