@@ -107,6 +107,20 @@ def test_lock_of_an_earlier_attempt_of_this_elastic_job_is_taken_over(tmp_path, 
         RunDirLock(tmp_path).acquire()
 
 
+def test_workers_keep_torchfts_rust_log_quiet_unless_asked(monkeypatch):
+    """torchft's Rust side logs each quorum at INFO: the workers get RUST_LOG=warn by default,
+    and the user's own RUST_LOG when set."""
+    from distrain.launch.torchrun import worker_env
+
+    plan = make_plan(
+        1, nnodes=None, node_rank=None, rdzv_endpoint=None, rdzv_id=None, max_restarts=0
+    )
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    assert worker_env(plan)["RUST_LOG"] == "warn"
+    monkeypatch.setenv("RUST_LOG", "info")
+    assert worker_env(plan)["RUST_LOG"] == "info"
+
+
 def test_unrelated_runs_with_default_rendezvous_ids_do_not_take_each_others_lock(
     tmp_path, monkeypatch
 ):

@@ -213,6 +213,9 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
         # attempt: with torch's default (share it) restarts fail with "Gloo connectFullMesh
         # failed" or hang. Read by the agent's rendezvous handler, i.e. in this process.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # torchft's manager server (Rust, in replica groups' workers) logs every quorum at INFO
+        # to stderr (most of a replica-group run's console); warnings only, unless asked for.
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
     }
 
 
