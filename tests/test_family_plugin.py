@@ -149,7 +149,9 @@ def test_a_field_the_family_does_not_read_is_refused_before_launch(
     assert not (tmp_path / "run" / "logs").exists()  # no worker started
 
 
-def test_an_unknown_family_is_named_with_the_choices(capsys, tmp_path):
-    result = cli_in_process(capsys, "train", "--model.family", "qwen9", "--run.dir", str(tmp_path))
+@pytest.mark.parametrize("name", ["qwen9", "distrain_residual_mlp.spec:SPEC", "os:system"])
+def test_an_unknown_family_is_named_with_the_choices(name, capsys, tmp_path):
+    """A config chooses among installed families: a module path is not one, nothing imported."""
+    result = cli_in_process(capsys, "train", "--model.family", name, "--run.dir", str(tmp_path))
     assert result.returncode != 0
-    assert "model.family: unknown model family 'qwen9'; choose one of gpt" in result.stderr
+    assert f"model.family: unknown model family {name!r}; choose one of gpt" in result.stderr
