@@ -72,6 +72,20 @@ def hf_dir(spec: str) -> Path:
     return path
 
 
+def family_config(spec: str, model_type: str, family: str) -> tuple[Path, dict[str, Any]]:
+    """(folder, config.json) of `model.init_from = spec` for the model family `family`, which
+    imports Hugging Face's `model_type`; a folder of another model type is refused in one line."""
+    path = hf_dir(spec)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    if config.get("model_type") != model_type:
+        raise ConfigError(
+            f"model.init_from: {path / CONFIG_FILE} has model_type "
+            f"{config.get('model_type')!r}; model.family = {family!r} imports {model_type!r} "
+            "(`distrain presets` lists the families)"
+        )
+    return path, config
+
+
 def safe_open() -> Any:
     """safetensors' reader; imported on use, as only `model.init_from` needs the package."""
     try:

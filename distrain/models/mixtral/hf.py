@@ -5,7 +5,6 @@ up, w2: down), which distrain holds stacked over the experts."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from distrain.errors import ConfigError
 from distrain.models.gpt.hf import llama_config, llama_like_args, llama_tensors, source_from
 from distrain.models.gpt.model import ModelArgs
-from distrain.models.hf_files import CONFIG_FILE, HfTensor, hf_dir
+from distrain.models.hf_files import HfTensor, family_config
 from distrain.models.moe import MoEArgs
 
 # Mixtral's expert linears -> distrain's stacked expert weights.
@@ -23,13 +22,7 @@ _EXPERT_WEIGHTS = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}
 
 def mixtral_model_args(spec: str) -> ModelArgs:
     """The arguments of the Mixtral checkpoint `hf:DIR`, read from its config.json."""
-    path = hf_dir(spec)
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if config.get("model_type") != "mixtral":
-        raise ConfigError(
-            f"model.init_from: {path / CONFIG_FILE} has model_type "
-            f"{config.get('model_type')!r}; model.family = 'mixtral' imports 'mixtral'"
-        )
+    path, config = family_config(spec, "mixtral", "mixtral")
     if config.get("sliding_window") is not None:
         raise ConfigError(f"model.init_from: {path} uses sliding-window attention")
     head_dim = config.get("head_dim")

@@ -4,7 +4,6 @@ arguments; its tensors are Llama's names plus each attention's q_norm and k_norm
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -13,19 +12,12 @@ import torch
 from distrain.errors import ConfigError
 from distrain.models.gpt.hf import llama_config, llama_like_args, llama_tensors, source_from
 from distrain.models.gpt.model import ModelArgs
-from distrain.models.hf_files import CONFIG_FILE, HfTensor, hf_dir
+from distrain.models.hf_files import HfTensor, family_config
 
 
 def qwen3_model_args(spec: str) -> ModelArgs:
     """The arguments of the Qwen3 checkpoint `hf:DIR`, read from its config.json."""
-    path = hf_dir(spec)
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if config.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"model.init_from: {path / CONFIG_FILE} has model_type "
-            f"{config.get('model_type')!r}; model.family = 'qwen3' imports 'qwen3' (a Llama or "
-            "GPT-2 folder is model.family = 'gpt')"
-        )
+    path, config = family_config(spec, "qwen3", "qwen3")
     if config.get("use_sliding_window"):
         raise ConfigError(f"model.init_from: {path} uses sliding-window attention")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
