@@ -11,8 +11,9 @@ Protocol (the same for a local folder and an object store):
    does the checkpoint exist for resume, and only then does retention delete older temporary
    checkpoints.
 Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
-checkpoints, and claims its checkpoint location (OWNER.json) so that a second run sent there by
-mistake is refused before its first step rather than deleting the first one's files.
+checkpoints, and claims its checkpoint location (OWNER.json, ownership.py) so that a second run
+sent there by mistake is refused before its first step rather than deleting the first one's
+files.
 A save that fails on any rank fails on all: its directory is removed and the cause reported in
 one line; too many failures in a row stop the run. Resume takes the newest checkpoint whose
 manifest verifies (every rank hashing a share of its files); a torn, truncated or corrupted one
@@ -43,7 +44,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from distrain.checkpoint.load import SavedLayoutAware, load, root_cause
 from distrain.checkpoint.manifest import (
     MANIFEST,
-    OWNER,
     UNREADABLE,
     Entry,
     committed,
@@ -57,6 +57,7 @@ from distrain.checkpoint.manifest import (
     verify,
     write_manifest,
 )
+from distrain.checkpoint.ownership import claim, owner_problem
 from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
 from distrain.config.schema import Config
@@ -113,36 +114,6 @@ class _Pending:
     attempt: Attempt | None = None
 
 
-
-def location_owner(storage: Storage) -> dict[str, Any] | None:
-    """The run that claimed the checkpoint location `storage` (its OWNER.json), or None."""
-    path = storage.path(OWNER)
-    if not storage.exists(path):
-        return None
-    try:
-        owner = json.loads(storage.read_text(path))
-    except ValueError:
-        owner = None
-    if not isinstance(owner, dict) or not isinstance(owner.get("run_id"), str):
-        raise CheckpointError(
-            f"checkpoint location {storage.url} has an unreadable {OWNER}; "
-            "choose another checkpoint.dir"
-        )
-    return owner
-
-
-def owner_problem(storage: Storage, run_id: str | None) -> str | None:
-    """Why the run `run_id` (None: a run not started yet) may not write to `storage`, another
-    run's checkpoint location; None when it may."""
-    owner = location_owner(storage)
-    if owner is None or owner["run_id"] == run_id:
-        return None
-    return (
-        f"checkpoint.dir {storage.url} belongs to another run (run id "
-        f"{owner['run_id'][:40]}, since {str(owner.get('since'))[:40]}); give this run "
-        "its own checkpoint.dir, or set checkpoint.resume_from to start from one of "
-        "that run's checkpoints"
-    )
 
 class Checkpointer:
     """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
@@ -453,10 +424,7 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             try:
-                if location_owner(self.storage) is None:
-                    owner = {"run_id": self.run_id, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-                    self.storage.write_text_atomic(self.storage.path(OWNER), json.dumps(owner))
-                self._check_owner()
+                claim(self.storage, self.run_id)
             except CheckpointError as e:
                 error = str(e)
             except Exception as e:

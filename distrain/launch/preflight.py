@@ -25,8 +25,9 @@ from pathlib import Path
 from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
-from distrain.checkpoint.checkpointer import checkpoint_storage, owner_problem
+from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
+from distrain.checkpoint.ownership import owner_problem
 from distrain.config.ft_network import read_secret
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
