@@ -250,7 +250,7 @@ def reference_rows(tmp_path_factory):
     def of(model: tuple[tuple[str, object], ...] = ()) -> list[dict]:
         if model not in rows:
             run = tmp_path_factory.mktemp("ref") / "run"
-            fields = dict(BASE, training__micro_batch_size=8, **dict(model))
+            fields = {**BASE, "training__micro_batch_size": 8, **dict(model)}
             rows[model] = train_in_process(run, **fields)
         return rows[model]
 
@@ -347,6 +347,30 @@ def test_resume_across_layouts(references, tmp_path):
     rows = train_in_process(run, **dict(fields, training__micro_batch_size=8))
     assert [r["resumed_from"] for r in rows if "resumed_from" in r][-1] == 6
     assert_parity(losses(rows), references(TIED + steps))
+
+
+MIXTRAL = (("model__family", "mixtral"), ("model__preset", "mixtral-tiny"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [(QWEN3, {"parallel__tp": 2}), (MIXTRAL, {"parallel__ep": 2, "parallel__zero_stage": 3})],
+    ids=["qwen3_tp2", "mixtral_ep2_zero3"],
+)
+def test_a_family_resumes_on_another_layout(model, layout, references, tmp_path):
+    """Each family's checkpoint is layout-independent too: 2 ranks (Qwen3 under tp2, Mixtral's
+    experts split under ep2) stop at step 3 with a checkpoint of step 2, one process resumes it,
+    and the stitched curve is the uninterrupted 1-process curve. Micro-batches of 2 throughout:
+    MoE balancing losses are counted per micro-batch, so the reference routes the same groups."""
+    run = tmp_path / "run"
+    model = (*model, ("training__micro_batch_size", 2))
+    fields = dict(BASE, **dict(model), checkpoint__interval_steps=2)
+    first = train_cli(run, 2, **fields, **layout, debug__fail_at_step=3)
+    assert first.returncode != 0
+    rows = train_in_process(run, **fields)
+    assert [r["resumed_from"] for r in rows if "resumed_from" in r][-1] == 2
+    assert_parity(losses(rows), references(model))
 
 
 @pytest.mark.parametrize(
