@@ -400,3 +400,22 @@ def test_progress_only_on_a_terminal(capsys):
     assert stream.getvalue() == "\revaluated 1/2 layouts"
     show(2, 2)
     assert stream.getvalue().endswith("\r")
+
+
+def test_plan_text_restates_the_question_and_names_its_choice(capsys):
+    """The text answer starts with the question as the plan read it (precision from the config
+    said so) and a one-line recommendation: the first row that fits, with why."""
+    plan_command(
+        ["--preset", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "32",
+         "--global-batch", "4", "--gpu-memory", "12MB", "--zero", "0,3", "--checkpointing",
+         "none", "--peak", "100G", "--top", "3"]
+    )  # fmt: skip
+    question, use, header, _, first, *_ = capsys.readouterr().out.splitlines()
+    assert question.startswith("plan: gpt tiny (853K parameters), global batch 4 x 32 tokens")
+    assert "fp32 (the config's; --precision)" in question
+    assert "on 1 node(s) x 2 device(s) of 0.0112 GiB" in question
+    assert use.startswith("use: dp_replicate ") and "(row 1), because it has the fastest" in use
+    assert header.split()[:3] == ["#", "dp_rep", "dp_shd"] and first.split()[-1] == "yes"
+    layout = first.split()[1:8]  # the row the recommendation names
+    assert f"dp_replicate {layout[0]} x dp_shard {layout[1]} x tp {layout[2]}" in use
+    assert f"ZeRO-{layout[4]}" in use and f"micro-batch {layout[6]}" in use

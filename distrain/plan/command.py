@@ -169,6 +169,24 @@ def base_config(ns: argparse.Namespace, absent: list[str] | None = None) -> Conf
     return cfg
 
 
+def question(cfg: Config, cluster: Cluster, *, precision_given: bool) -> str:
+    """The question the plan answers, restated in one line (what it assumed included)."""
+    from distrain.layout.rules import validate
+
+    layout, t = validate(cfg, None), cfg.training
+    params = layout.family_model.num_params()
+    precision = t.precision if precision_given else f"{t.precision} (the config's; --precision)"
+    units = ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+    scale, suffix = next((s, n) for s, n in units if params >= s)
+    return (
+        f"plan: {layout.spec.name} {cfg.model.preset} ({params / scale:.3g}{suffix} parameters), "
+        f"global batch {t.global_batch_size} x {t.seq_len} tokens, {precision}, on "
+        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} device(s) of "
+        f"{cluster.memory_bytes / 2**30:.3g} GiB, {cluster.peak_flops / 1e12:.4g} TFLOP/s peak "
+        f"x {cluster.efficiency:.2f}"
+    )
+
+
 def _present(load: Callable[[str], object], spec: str) -> bool:
     try:
         load(spec)
@@ -220,7 +238,7 @@ def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.calibrate import calibrate
     from distrain.plan.parallel_calibration import available_cores
-    from distrain.plan.search import plan, table, to_json, with_advice
+    from distrain.plan.search import plan, recommendation, table, to_json, with_advice
 
     if ns.calibrate:
         found = calibrate()
@@ -258,4 +276,9 @@ def plan_command(argv: list[str]) -> None:
         bytes_per_value=bytes_per_value,
         latency_s=ns.inter_node_latency_us * 1e-6,
     )
-    print(to_json(rows, ns.top) if ns.json else table(rows, ns.top))
+    if ns.json:
+        print(to_json(rows, ns.top))
+        return
+    print(question(cfg, cluster, precision_given=ns.precision is not None))
+    print(recommendation(rows, cluster.memory_bytes))
+    print(table(rows, ns.top))

@@ -467,5 +467,25 @@ def table(rows: list[PlanRow], top: int) -> str:
     return "\n".join(lines)
 
 
+def recommendation(rows: list[PlanRow], memory_bytes: float) -> str:
+    """One line: the layout to use and why (the fastest predicted step of those that fit a
+    device of `memory_bytes`), with its data-parallel communication; or why none fits."""
+    best = next((r for r in rows if r.fits), None)
+    if best is None:
+        reason = rows[0].reason if rows else "no layout is valid for this cluster"
+        return f"no layout fits: the fastest one's {reason}; add devices or memory, or shrink"
+    c, peak = best.candidate, best.memory.get("peak", 0)
+    line = (
+        f"use: dp_replicate {c.dp_replicate} x dp_shard {c.dp_shard} x tp {c.tp} x pp {c.pp}, "
+        f"ZeRO-{c.zero_stage}, activation checkpointing {c.activation_checkpointing}, "
+        f"micro-batch {c.micro_batch_size} (row 1), because it has the fastest predicted step "
+        f"({best.time.step_s:.3g} s) of the layouts that fit (peak {peak / GIB:.3g} of "
+        f"{memory_bytes / GIB:.3g} GiB)"
+    )
+    if best.communication is not None:
+        line += f"; communication: {best.communication.summary()}"
+    return line
+
+
 def to_json(rows: list[PlanRow], top: int) -> str:
     return json.dumps([r.as_dict() for r in rows[:top]], indent=1)
