@@ -11,7 +11,7 @@ and stops, and the time is the slowest rank's. Then
     MFU = achieved FLOP/s per device / peak FLOP/s per device
 
 flops_per_token is PaLM's accounting (6 per matmul weight plus attention's 12 L T d; see
-distrain.models.presets). Peak FLOP/s: --peak-tflops if given; on CUDA the dense bf16 peak of the
+distrain.models.gpt.counts). Peak FLOP/s: --peak-tflops if given; on CUDA the dense bf16 peak of the
 GPU from a small table (H200 / H100 SXM 989, H100 PCIe 756, A100 312 TFLOP/s); on CPU the achieved
 FLOP/s of a 2048^3 bf16 matmul measured here, so CPU "MFU" is relative to that, not to a datasheet.
 

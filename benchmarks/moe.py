@@ -3,7 +3,7 @@ parameters per token (1 rank; data parallel over --nproc ranks if asked).
 
 `moe-tiny` (8 experts of width 256, top-2) and `switch-tiny` (8 experts of width 512, top-1,
 capacity 1.25) each use per token exactly `tiny`'s parameters plus a router (see
-distrain.models.presets.active_params), so the tokens/s gap is the cost of routing, sorting and
+distrain.models.gpt.counts.active_params), so the tokens/s gap is the cost of routing, sorting and
 running the experts as separate matmuls (a loop on CPU, torch._grouped_mm on CUDA in bf16).
 
 A real distrain `Trainer` runs --warmup untimed steps, then --steps timed ones as `Trainer.run`
