@@ -155,3 +155,22 @@ def test_an_unknown_family_is_named_with_the_choices(name, capsys, tmp_path):
     result = cli_in_process(capsys, "train", "--model.family", name, "--run.dir", str(tmp_path))
     assert result.returncode != 0
     assert f"model.family: unknown model family {name!r}; choose one of gpt" in result.stderr
+
+
+def test_an_entry_point_naming_no_model_spec_is_refused(tmp_path, monkeypatch):
+    """A distribution whose distrain.model_families entry point names something other than a
+    ModelSpec of its own name is refused in one line, not registered."""
+    import importlib
+
+    from distrain.errors import ConfigError
+    from distrain.models.registry import FAMILIES, model_family
+
+    info = tmp_path / "bogus_family-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bogus-family\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[distrain.model_families]\nbogus = os:sep\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    with pytest.raises(ConfigError, match="entry point 'bogus' = 'os:sep' must name a ModelSpec"):
+        model_family("bogus")
+    assert "bogus" not in FAMILIES
