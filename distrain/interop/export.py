@@ -259,7 +259,10 @@ def load_run_model(
     run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
 ) -> tuple[nn.Module, int]:
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
-    cfg = _run_config(run_dir, checkpoint_dir)
+    return _model_at(_run_config(run_dir, checkpoint_dir), step)
+
+
+def _model_at(cfg: Config, step: int | None) -> tuple[nn.Module, int]:
     entry = _checkpoint(cfg, step)
     model = build_model(cfg.model)
     model.to_empty(device="cpu")
@@ -275,8 +278,9 @@ def export_program(
 ) -> Path:
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
-    model, _ = load_run_model(run_dir, step=step, checkpoint_dir=checkpoint_dir)
-    max_seq_len = model_shape(_run_config(run_dir, checkpoint_dir).model).max_seq_len
+    cfg = _run_config(run_dir, checkpoint_dir)
+    model, _ = _model_at(cfg, step)
+    max_seq_len = model_shape(cfg.model).max_seq_len
     seq = min(max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)
     dims = {
