@@ -10,11 +10,15 @@ block.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
+from functools import partial
+
 from torch import nn
 
 from distrain.family.spec import HfAdapter, ModelShape, ModelSpec
 from distrain.models.gpt.counts import flops_per_token, num_params
-from distrain.models.gpt.flavors import PRESETS, gpt_args
+from distrain.models.gpt.flavors import PRESETS, decoder_args, gpt_args
 from distrain.models.gpt.hf import hf_config, hf_tensors, pretrained_source
 from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.gpt.parallelize import tensor_plan
@@ -121,3 +125,24 @@ GPT_SPEC = ModelSpec(
     moe_settings=_moe_settings,
     hf=HfAdapter(source=pretrained_source, tensors=hf_tensors, config=hf_config),
 )
+
+
+def decoder_family(
+    name: str,
+    *,
+    presets: Mapping[str, ModelArgs],
+    fields: frozenset[str],
+    from_hf: Callable[[str], ModelArgs],
+    hf: HfAdapter,
+) -> ModelSpec:
+    """The spec of a family built on this decoder (Qwen3, Mixtral): the GPT's module, parallel
+    plans, pipeline cut and init, with the family's own flavors, the `model.*` fields it reads,
+    its reading of a Hugging Face config.json (`from_hf`) and its Hugging Face adapter."""
+    return dataclasses.replace(
+        GPT_SPEC,
+        name=name,
+        presets=presets,
+        config_fields=fields,
+        args_from_config=partial(decoder_args, presets=presets, from_hf=from_hf),
+        hf=hf,
+    )

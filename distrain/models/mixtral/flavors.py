@@ -1,12 +1,9 @@
-"""The Mixtral family's flavors (the published 8x7B shape and a CPU-sized one) and its arguments
-from the `[model]` section."""
+"""The Mixtral family's flavors (the published 8x7B shape and a CPU-sized one) and the `model.*`
+fields it reads."""
 
 from __future__ import annotations
 
-from distrain.config.schema import ModelConfig
-from distrain.models.gpt.flavors import decoder_args
 from distrain.models.gpt.model import ModelArgs
-from distrain.models.mixtral.hf import mixtral_model_args
 from distrain.models.moe import MoEArgs
 
 # What every Mixtral shares: Llama's attention and norms, rotary base 1e6, no biases, and in
@@ -63,6 +60,3 @@ FIELDS = frozenset(
 """The `model.*` fields a Mixtral reads: its shape and its routing (every block holds experts of
 model.ffn_dim; no shared experts)."""
 
-
-def mixtral_args(cfg: ModelConfig) -> ModelArgs:
-    return decoder_args(cfg, PRESETS, mixtral_model_args)

@@ -5,18 +5,15 @@ fields it reads and the Hugging Face adapter are Mixtral's own."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from distrain.family.spec import HfAdapter
-from distrain.models.gpt.spec import GPT_SPEC
-from distrain.models.mixtral.flavors import FIELDS, PRESETS, mixtral_args
-from distrain.models.mixtral.hf import hf_config, hf_tensors, pretrained_source
+from distrain.models.gpt.spec import decoder_family
+from distrain.models.mixtral.flavors import FIELDS, PRESETS
+from distrain.models.mixtral.hf import hf_config, hf_tensors, mixtral_model_args, pretrained_source
 
-MIXTRAL_SPEC = dataclasses.replace(
-    GPT_SPEC,
-    name="mixtral",
+MIXTRAL_SPEC = decoder_family(
+    "mixtral",
     presets=PRESETS,
-    config_fields=FIELDS,
-    args_from_config=mixtral_args,
+    fields=FIELDS,
+    from_hf=mixtral_model_args,
     hf=HfAdapter(source=pretrained_source, tensors=hf_tensors, config=hf_config),
 )

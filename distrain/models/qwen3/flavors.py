@@ -1,12 +1,9 @@
 """The Qwen3 family's flavors (published dense shapes, from their Hugging Face configs, and a
-CPU-sized one) and its arguments from the `[model]` section."""
+CPU-sized one) and the `model.*` fields it reads."""
 
 from __future__ import annotations
 
-from distrain.config.schema import ModelConfig
-from distrain.models.gpt.flavors import decoder_args
 from distrain.models.gpt.model import ModelArgs
-from distrain.models.qwen3.hf import qwen3_model_args
 
 # What every Qwen3 shares: RMSNorm (eps 1e-6) on the residual stream and on each query and key
 # head, SwiGLU, rotary positions at base 1e6, no biases, 128-wide heads.
@@ -62,6 +59,3 @@ FIELDS = frozenset(
 """The `model.*` fields a Qwen3 reads: its shape. Its norm, MLP, positions and biases are
 Qwen3's own."""
 
-
-def qwen3_args(cfg: ModelConfig) -> ModelArgs:
-    return decoder_args(cfg, PRESETS, qwen3_model_args)

@@ -5,18 +5,15 @@ adapter are Qwen3's own."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from distrain.family.spec import HfAdapter
-from distrain.models.gpt.spec import GPT_SPEC
-from distrain.models.qwen3.flavors import FIELDS, PRESETS, qwen3_args
-from distrain.models.qwen3.hf import hf_config, hf_tensors, pretrained_source
+from distrain.models.gpt.spec import decoder_family
+from distrain.models.qwen3.flavors import FIELDS, PRESETS
+from distrain.models.qwen3.hf import hf_config, hf_tensors, pretrained_source, qwen3_model_args
 
-QWEN3_SPEC = dataclasses.replace(
-    GPT_SPEC,
-    name="qwen3",
+QWEN3_SPEC = decoder_family(
+    "qwen3",
     presets=PRESETS,
-    config_fields=FIELDS,
-    args_from_config=qwen3_args,
+    fields=FIELDS,
+    from_hf=qwen3_model_args,
     hf=HfAdapter(source=pretrained_source, tensors=hf_tensors, config=hf_config),
 )
