@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from distrain.config.schema import ModelConfig
-from distrain.models.gpt.model import GPT, init_weights
+from distrain.models.decoder.model import Decoder, init_weights
 from distrain.models.registry import model_args
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
@@ -58,7 +58,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, float]:
     """One mode in this process: the step's added peak (MiB) and the median step time (s)."""
     device = torch.device(args.device)
     margs = model_args(ModelConfig(preset=args.preset))
-    model = GPT(margs).to(device)
+    model = Decoder(margs).to(device)
     init_weights(model, margs, seed=0)
     apply_activation_checkpointing(model.blocks, args.mode, every=args.every)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)

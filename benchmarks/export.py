@@ -1,5 +1,5 @@
 """Time and peak memory of `distrain export --format hf` from a checkpoint of a Hugging Face-shaped
-preset (default `gpt2`, 124M parameters), in fp32 and bf16.
+family's preset (default: the gpt2 family's `gpt2`, 124M parameters), in fp32 and bf16.
 
 A 1-step run of the preset (1 sequence of 32 tokens, 200 KB of the default corpus) writes the
 checkpoint; each export then runs in a fresh Python process, so its peak resident memory (the
@@ -9,7 +9,7 @@ export streams tensors from the DCP checkpoint, so its peak stays well under one
 model.
 
     python3 benchmarks/export.py                       # gpt2, fp32 and bf16
-    python3 benchmarks/export.py --preset llama-tiny
+    python3 benchmarks/export.py --family llama --preset llama-tiny
 
 Prints a table and writes JSON to --out (default benchmarks/results/export.json).
 """
@@ -27,14 +27,15 @@ from pathlib import Path
 from harness import write_json
 
 from distrain.config.io import load_config
-from distrain.models.gpt import PRESETS, num_params
+from distrain.models.registry import model_family
 
 
-def train_one_step(run_dir: Path, preset: str) -> None:
+def train_one_step(run_dir: Path, family: str, preset: str) -> None:
     from distrain.train.worker import run_training
 
     fields = {
         "run.dir": str(run_dir),
+        "model.family": family,
         "model.preset": preset,
         "training.steps": "1",
         "training.global_batch_size": "1",
@@ -75,6 +76,7 @@ def export_once(run_dir: Path, out: Path, dtype: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", default="gpt2")
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--out", default="benchmarks/results/export.json")
@@ -84,11 +86,12 @@ def main() -> None:
         run_dir, out, dtype = ns.export_only
         print(json.dumps(export_once(Path(run_dir), Path(out), dtype)))
         return
-    weights_mb = num_params(PRESETS[ns.preset]) * 4 / 2**20
+    spec = model_family(ns.family)
+    weights_mb = spec.num_params(spec.presets[ns.preset]) * 4 / 2**20
     rows = []
     with tempfile.TemporaryDirectory(prefix="distrain-export-") as tmp:
         run_dir = Path(tmp) / "run"
-        train_one_step(run_dir, ns.preset)
+        train_one_step(run_dir, ns.family, ns.preset)
         for dtype in ns.dtypes:
             out = f"{tmp}/{dtype}"
             argv = [sys.executable, __file__, "--export-only", str(run_dir), out, dtype]

@@ -44,7 +44,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config
-from distrain.models.gpt import num_params
+from distrain.models.decoder.counts import num_params
 from distrain.optim.schedule import lr_at
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer

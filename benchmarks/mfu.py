@@ -11,9 +11,10 @@ and stops, and the time is the slowest rank's. Then
     MFU = achieved FLOP/s per device / peak FLOP/s per device
 
 flops_per_token is PaLM's accounting (6 per matmul weight plus attention's 12 L T d; see
-distrain.models.gpt.counts). Peak FLOP/s: --peak-tflops if given; on CUDA the dense bf16 peak of the
-GPU from a small table (H200 / H100 SXM 989, H100 PCIe 756, A100 312 TFLOP/s); on CPU the achieved
-FLOP/s of a 2048^3 bf16 matmul measured here, so CPU "MFU" is relative to that, not to a datasheet.
+distrain.models.decoder.counts). Peak FLOP/s: --peak-tflops if given; on CUDA the dense bf16
+peak of the GPU from a small table (H200 / H100 SXM 989, H100 PCIe 756, A100 312 TFLOP/s); on
+CPU the achieved FLOP/s of a 2048^3 bf16 matmul measured here, so CPU "MFU" is relative to that,
+not to a datasheet.
 
 Defaults: on CUDA preset "1b", seq_len 2048, one rank per local GPU; on CPU preset "tiny",
 seq_len 128, one process. Run from the repository root (the script launches its own ranks through
@@ -39,7 +40,8 @@ import torch
 from harness import is_worker, launch_self, measure_steps, synchronize, worker_session, write_json
 
 from distrain.config.schema import Config, validate
-from distrain.models.gpt import flops_per_token, num_params
+from distrain.models.decoder.counts import flops_per_token, num_params
+from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 
@@ -89,6 +91,7 @@ def make_config(args: argparse.Namespace, compile_: bool, world_size: int, run_d
     cfg = Config()
     cfg.run.dir = str(run_dir)
     cfg.model.preset = args.preset
+    cfg.model.family = family_of_preset(args.preset) or cfg.model.family
     cfg.data.max_bytes = CORPUS_BYTES
     t = cfg.training
     t.precision = "bf16"

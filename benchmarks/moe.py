@@ -3,8 +3,9 @@ parameters per token (1 rank; data parallel over --nproc ranks if asked).
 
 `moe-tiny` (8 experts of width 256, top-2) and `switch-tiny` (8 experts of width 512, top-1,
 capacity 1.25) each use per token exactly `tiny`'s parameters plus a router (see
-distrain.models.gpt.counts.active_params), so the tokens/s gap is the cost of routing, sorting and
-running the experts as separate matmuls (a loop on CPU, torch._grouped_mm on CUDA in bf16).
+distrain.models.decoder.counts.active_params), so the tokens/s gap is the cost of routing,
+sorting and running the experts as separate matmuls (a loop on CPU, torch._grouped_mm on CUDA
+in bf16).
 
 A real distrain `Trainer` runs --warmup untimed steps, then --steps timed ones as `Trainer.run`
 calls them; on CUDA the device is synchronized before the clock starts and stops, and the time
@@ -35,7 +36,7 @@ from harness import (
 )
 
 from distrain.config.schema import Config
-from distrain.models.gpt import active_params, flops_per_token, num_params
+from distrain.models.decoder.counts import active_params, flops_per_token, num_params
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, TokenDataset
-from distrain.models.gpt.model import GPT, init_weights
+from distrain.models.decoder.model import Decoder, init_weights
 from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
@@ -103,7 +103,7 @@ def distrain_step(trainer: Trainer) -> Step:
 def handwritten_step(cfg: Config, trainer: Trainer, dataset: TokenDataset) -> Step:
     """The plain DDP loop a user would write, training the model distrain trains, on the same
     batches (its own loader over the same samples) with the same learning-rate schedule."""
-    model = GPT(trainer.plan.model)
+    model = Decoder(trainer.plan.model)
     init_weights(model, trainer.plan.model, cfg.training.seed)
     ddp = DistributedDataParallel(model)
     # The decay split distrain uses, so that both sides do the same arithmetic.

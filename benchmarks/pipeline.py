@@ -76,7 +76,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.hooks import RemovableHandle
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.device import init_distributed
 from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model, stage_ids_for_rank
@@ -208,7 +208,7 @@ def measure(
     num_stages = p * v
     margs = model_args(args)
     with torch.device("meta"):
-        model = GPT(margs)
+        model = Decoder(margs)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, v, schedule)
     modules = [split_model(model, s, num_stages, spec=GPT_SPEC) for s in stage_ids]
     for module in modules:

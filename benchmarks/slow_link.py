@@ -85,7 +85,7 @@ from distrain.config.schema import Config, validate  # noqa: E402
 from distrain.data import build_datasets  # noqa: E402
 from distrain.data.loader import val_batches  # noqa: E402
 from distrain.family.spec import FamilyModel  # noqa: E402
-from distrain.models.gpt.model import next_token_loss  # noqa: E402
+from distrain.models.decoder.model import next_token_loss  # noqa: E402
 from distrain.models.registry import model_args, model_family  # noqa: E402
 from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402

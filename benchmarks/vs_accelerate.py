@@ -58,7 +58,7 @@ from torch import nn
 
 from distrain.config.schema import Config, validate
 from distrain.data import DistributedBatchLoader, build_datasets
-from distrain.models.gpt.model import GPT, init_weights, next_token_loss
+from distrain.models.decoder.model import Decoder, init_weights, next_token_loss
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
 from distrain.optim.builder import param_groups
@@ -193,7 +193,7 @@ def build_accelerate(
     )
     margs = model_args(cfg.model)
     torch.manual_seed(t.seed)
-    model = GPT(margs)
+    model = Decoder(margs)
     init_weights(model, margs, t.seed)
     optimizer = torch.optim.AdamW(
         param_groups(model, o.weight_decay, GPT_SPEC.param_roles(model)),

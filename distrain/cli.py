@@ -114,9 +114,7 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     layout = _validate(cfg, world_size, absent=absent)
     preflight(cfg, absent=absent)
     print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
-    print(
-        f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}"
-    )
+    print(f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}")
     if layout.dims is not None:
         d = layout.dims
         print(

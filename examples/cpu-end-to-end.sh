@@ -12,7 +12,7 @@ $distrain prepare --out "$work/train.bin" --glob '**/*.*' --workers 1 "$(dirname
 
 # 2. Train: 2 worker processes, data-parallel, a checkpoint at the end.
 $distrain train --nproc 2 --run-dir "$work/run" \
-    --model.preset llama-tiny --data.path "$work/train.bin" \
+    --model.family llama --model.preset llama-tiny --data.path "$work/train.bin" \
     --training.steps 4 --training.global_batch_size 4 --training.micro_batch_size 2 \
     --training.seq_len 64 --training.eval_interval_steps 0 --training.compile false
 

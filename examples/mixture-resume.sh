@@ -36,6 +36,7 @@ weight = 0.2
 name = "tests"
 
 [model]
+family = "llama"
 preset = "llama-tiny"
 
 [training]

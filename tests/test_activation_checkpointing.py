@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
@@ -29,7 +29,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def _ops_and_grads(mode: str) -> tuple[Counter[str], list[torch.Tensor]]:
-    model = GPT(ARGS)
+    model = Decoder(ARGS)
     init_weights(model, ARGS, seed=3)
     apply_activation_checkpointing(model.blocks, mode, every=2)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

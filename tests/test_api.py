@@ -65,7 +65,8 @@ def test_a_wrong_field_is_a_config_error_naming_it():
 
 def test_the_preset_registry_is_a_copy():
     found = distrain.presets()
-    assert {"tiny", "small", "gpt2-124m"} <= set(found)
+    assert {"tiny", "small", "7b"} <= set(found)
+    assert {"gpt2", "gpt2-124m"} <= set(distrain.presets("gpt2"))
     assert found["tiny"].n_layers > 0
     found.pop("tiny")
     assert "tiny" in distrain.presets()

@@ -481,7 +481,7 @@ def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
     """A pipeline's last stage holds its own copy of a tied embedding as its head; its optimizer
     state is saved and loaded under the embedding's name, as one process names the one shared
     weight, so a checkpoint moves between pipeline and other layouts."""
-    from distrain.models.gpt.model import GPT, ModelArgs
+    from distrain.models.decoder.model import Decoder, ModelArgs
     from distrain.models.gpt.spec import GPT_SPEC
     from distrain.parallel.pipeline import split_model
     from distrain.train.state import OptimizerState
@@ -496,8 +496,8 @@ def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
         tie_embeddings=True,
     )
     torch.manual_seed(0)
-    whole = GPT(args)
-    head = split_model(GPT(args), 1, 2, spec=GPT_SPEC)
+    whole = Decoder(args)
+    head = split_model(Decoder(args), 1, 2, spec=GPT_SPEC)
     tokens = torch.randint(64, (2, 8))
     optimizers = []
     for model, inputs in ((whole, tokens), (head, torch.randn(2, 8, 32))):

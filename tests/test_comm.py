@@ -14,7 +14,7 @@ from batch import Run, pool_name
 from helpers import cli_in_process, free_port, losses, overrides, start_train
 
 from distrain.config.io import load_config
-from distrain.models.gpt import num_params
+from distrain.models.decoder.counts import num_params
 from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import param_groups

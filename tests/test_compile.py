@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import one_rank_group
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights, summed_next_token_loss
 from distrain.parallel.compile import apply_compile, use_persistent_compile_cache
 from distrain.parallel.device import resolve_compile
 
@@ -45,7 +45,7 @@ def _compiled_forward(tokens: torch.Tensor) -> torch.Tensor:
     """A fresh tiny model compiled whole, as a new process would: nothing compiled in memory."""
     torch._dynamo.reset()
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=1)
     apply_compile(model, whole=True, blocks=model.blocks)
     with torch.no_grad():
@@ -74,7 +74,7 @@ def test_given_targets_the_model_returns_the_loss_it_would_be_scored_by():
     # What lets a model compiled whole hold the loss in its graph (ParallelModel.loss_in_model):
     # the same loss, bit for bit, and the same gradients as the loss taken outside the model.
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=1)
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

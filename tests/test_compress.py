@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.parallel import comm_clock, compress
 from distrain.parallel.compress import (
     COMM_HOOK_KINDS,
@@ -64,9 +64,9 @@ def _init(rank: int, world_size: int, tmp_path: Path) -> None:
     )
 
 
-def _gpt() -> GPT:
+def _gpt() -> Decoder:
     args = ModelArgs(**SMALL)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=0)
     return model
 

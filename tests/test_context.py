@@ -12,7 +12,7 @@ from helpers import losses, train_cli, train_in_process
 from test_parity import BASE, assert_parity
 
 from distrain.config.schema import Config
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
@@ -94,7 +94,7 @@ def test_model_given_global_positions_matches_the_whole_sequence(pos_emb):
     each layer (what the collective hands every rank), so positions and masking are what is
     tested here."""
     args = ModelArgs(dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=64, pos_emb=pos_emb)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=3)
     tokens = torch.randint(0, args.vocab_size, (2, 32))
     recorded = []
@@ -129,7 +129,7 @@ def test_zero1_shards_the_optimizer_state_over_dp_x_cp():
     process group of 4 sees it (the collectives return at once)."""
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.zero_stage = 2, 1
-    total = sum(p.numel() for p in GPT(model_args(cfg.model)).parameters())
+    total = sum(p.numel() for p in Decoder(model_args(cfg.model)).parameters())
     owned = 0
     for rank in range(4):
         with fake_world(4, rank):
@@ -138,7 +138,7 @@ def test_zero1_shards_the_optimizer_state_over_dp_x_cp():
             zero1 = dims.zero1_mesh(mesh, dp_mesh)
             assert (dims.dp_wrapper, dp_mesh.size(), zero1.size()) == ("ddp", 2, 4)
             optimizer = build_optimizer(
-                GPT(model_args(cfg.model)), cfg.optim, zero1_group=zero1.get_group()
+                Decoder(model_args(cfg.model)), cfg.optim, zero1_group=zero1.get_group()
             )
             owned += sum(p.numel() for g in optimizer.optim.param_groups for p in g["params"])
     assert owned == total

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.parallel.compress import CommStats, build_comm_hook
 from distrain.parallel.data_parallel import allreduce_payload, apply_ddp, settle_bucket_layout
 
@@ -47,7 +47,7 @@ def _grads(ddp: torch.nn.Module) -> list[torch.Tensor]:
 def _wrapped(mesh, rank: int, *, settle: bool) -> torch.nn.Module:
     """A freshly started process's model: same weights, new DDP (new reducer)."""
     args = ModelArgs(**ARGS)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=0)
     ddp = apply_ddp(model, mesh, bucket_cap_mb=BUCKET_MB, device=torch.device("cpu"))
     if settle:

@@ -39,7 +39,7 @@ from test_preempt import STEPS as PREEMPT_STEPS
 from torch import nn
 
 from distrain.config.schema import Config, DiLoCoConfig
-from distrain.models.gpt.model import GPT
+from distrain.models.decoder.model import Decoder
 from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
 from distrain.optim.diloco import DiLoCo
@@ -404,7 +404,7 @@ def test_streaming_trains_at_the_single_process_level(batched, request, single_p
     # The peak bandwidth: an outer step sends one fragment, about half of what H4's outer step
     # sends (the fp32 pseudo-gradients once, 2 ranks), except after the last step, where both
     # fragments take their outer step so that the sites end on the global weights.
-    whole = 4 * sum(p.numel() for p in GPT(model_args(Config().model)).parameters())
+    whole = 4 * sum(p.numel() for p in Decoder(model_args(Config().model)).parameters())
     sent = {r["step"]: r["diloco_bytes"] for r in streaming if "loss" in r}
     assert {s for s, b in sent.items() if b} == {2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24}
     assert max(b for s, b in sent.items() if s < 24) <= 0.55 * whole, (sent, whole)

@@ -27,7 +27,7 @@ from distrain.data.documents import IGNORE_INDEX, DocumentIndex
 from distrain.errors import ConfigError
 from distrain.launch.preflight import preflight
 from distrain.layout.rules import validate
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights, summed_next_token_loss
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.attention_blocks import local_positions
 from distrain.parallel.compress import CommStats
@@ -91,7 +91,7 @@ def _reference(batch: tuple[torch.Tensor, ...], *, split: int | None = None) -> 
     with `split`, the per-micro-batch mean of micro-batches of `split` rows averaged (the
     normalization transformers once shipped), the broken variant."""
     args = _model_args()
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, SEED)
     inputs, targets, documents = batch
     if split is None:
@@ -180,7 +180,7 @@ def _cp_second_document(model, mesh) -> float:
     packed (with document ids) against that document alone on one process."""
     packed, documents, _, second = _two_documents()
     args = _model_args()
-    alone_model = GPT(args)
+    alone_model = Decoder(args)
     init_weights(alone_model, args, SEED)
     alone = alone_model(second).detach()
     cp = mesh["cp"]
@@ -200,7 +200,7 @@ def _pp_documents(model) -> dict[str, float]:
     must match (a document's first token is no target), the second must not."""
     packed, documents, first, second = _two_documents()
     args = _model_args()
-    alone_model = GPT(args)
+    alone_model = Decoder(args)
     init_weights(alone_model, args, SEED)
     with torch.no_grad():
         want = sum(
@@ -298,7 +298,7 @@ def test_packed_document_logits_equal_the_document_alone() -> None:
     without document ids its logits see the first document and differ."""
     packed, documents, first, second = _two_documents()
     args = _model_args()
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, SEED)
     with torch.no_grad():
         masked = model(packed, documents=documents)

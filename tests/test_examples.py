@@ -48,7 +48,7 @@ def test_check_names_what_it_could_not_check(tmp_path, capsys):
         "--data.path", str(tmp_path / "none.bin"),
         "--data.tokenizer", f"hf:{tmp_path / 'no-tokenizer'}",
         "--model.init_from", f"hf:{tmp_path / 'no-model'}",
-        "--model.preset", "llama-tiny",
+        "--model.family", "llama", "--model.preset", "llama-tiny",
     ]  # fmt: skip
     checked = cli_in_process(
         capsys, "train", "--check", "--world-size", "2", "--run-dir", str(tmp_path / "run"),
@@ -93,7 +93,7 @@ def test_cpu_end_to_end_script(tmp_path):
     # asked for (here the newest: nothing newer to delete).
     again = subprocess.run(
         [sys.executable, "-m", "distrain", "train", "--nproc", "1", "--run-dir",
-         str(tmp_path / "work" / "run"), "--model.preset", "llama-tiny",
+         str(tmp_path / "work" / "run"), "--model.family", "llama", "--model.preset", "llama-tiny",
          "--data.path", str(tmp_path / "work" / "train.bin"), "--training.steps", "6",
          "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
          "--training.seq_len", "64", "--training.eval_interval_steps", "0",

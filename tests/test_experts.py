@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from distrain.models.moe import GroupedExperts
+from distrain.models.decoder.moe import GroupedExperts
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import ExpertParallel
 

@@ -107,9 +107,7 @@ def test_a_plugin_family_trains_from_its_toml_at_parity_under_dp_and_tp(
     assert f"model rmlp-tiny: {widened / 1e6:.2f}M parameters" in log
 
 
-def test_the_family_comes_from_its_entry_point_and_lists_its_presets(
-    config, plugin_path, tmp_path
-):
+def test_the_family_comes_from_its_entry_point_and_lists_its_presets(config, plugin_path, tmp_path):
     env = dict(os.environ, PYTHONPATH=plugin_path)
     listed = run_cli("presets", env=env)
     assert listed.returncode == 0, listed.stderr
@@ -142,8 +140,9 @@ def test_a_field_the_family_does_not_read_is_refused_before_launch(
     result = _train(config, tmp_path / "run", 2, "--model.n_heads", "4")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("distrain: error:")]
-    assert len(errors) == 1 and "model.n_heads does not apply to model.family = 'residual_mlp'" in (
-        errors[0]
+    assert (
+        len(errors) == 1
+        and "model.n_heads does not apply to model.family = 'residual_mlp'" in (errors[0])
     ), result.stderr
     assert "reads model.dim, model.ffn_dim, model.max_seq_len" in errors[0]
     assert not (tmp_path / "run" / "logs").exists()  # no worker started

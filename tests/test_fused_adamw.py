@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from distrain.config.schema import OptimConfig
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.optim.builder import build_optimizer, param_groups
 
 
 def test_plain_parameters_get_fused_adamw_equal_to_foreach_within_1e_6():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=32)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=3)
     start, twin = copy.deepcopy(model), copy.deepcopy(model)
     cfg = OptimConfig(lr=3e-3, weight_decay=0.1)

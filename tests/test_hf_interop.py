@@ -1,5 +1,5 @@
-"""Hugging Face interop and the Llama / GPT-2 (gpt family), Qwen3 (qwen3 family) and Mixtral
-(mixtral family) architectures, against transformers itself.
+"""Hugging Face interop of the llama, gpt2, qwen3 and mixtral families (each imports and exports
+the transformers architecture of its name), against transformers itself.
 
 Tiny random transformers models are built and saved locally (nothing is downloaded):
 - imported with `model.init_from`, distrain's logits equal transformers' (fp32, 1e-5);
@@ -28,8 +28,8 @@ from test_parity import assert_parity
 from distrain.cli import main
 from distrain.config.schema import ConfigError, ModelConfig
 from distrain.interop.export import export_hf, load_run_model
-from distrain.models.gpt import GPT, init_weights
-from distrain.models.gpt.hf import pretrained_source
+from distrain.models.decoder.model import Decoder, init_weights
+from distrain.models.llama.hf import pretrained_source
 from distrain.models.registry import model_args, model_family
 from distrain.observe.metrics import read_metrics
 
@@ -110,16 +110,12 @@ def _hf_configs() -> dict[str, object]:
     }
 
 
-# Each transformers architecture's distrain model family (model.family).
-FAMILY = {"llama": "gpt", "gpt2": "gpt", "qwen3": "qwen3", "mixtral": "mixtral"}
-
-
 def _imported(arch: str, folder: Path):
     """(args, model) of the transformers folder of architecture `arch`, imported."""
     spec = f"hf:{folder}"
-    args = model_args(ModelConfig(family=FAMILY[arch], init_from=spec))
-    model = GPT(args)
-    init_weights(model, args, seed=0, source=model_family(FAMILY[arch]).hf.source(spec, args))
+    args = model_args(ModelConfig(family=arch, init_from=spec))
+    model = Decoder(args)
+    init_weights(model, args, seed=0, source=model_family(arch).hf.source(spec, args))
     return args, model
 
 
@@ -161,7 +157,7 @@ def test_import_gives_transformers_logits(family, hf_dirs):
         # The Llama 3 scaling is read and applied: without it the logits move far off.
         assert args.rope_scaling_factor == 8.0 and args.rope_original_max_seq_len == 16
         args.rope_scaling_factor = 1.0
-        unscaled = GPT(args)
+        unscaled = Decoder(args)
         unscaled.load_state_dict(model.state_dict())
         with torch.no_grad():
             assert (unscaled(tokens) - want).abs().max() > 100 * LOGIT_TOL
@@ -184,25 +180,25 @@ def test_import_gives_transformers_logits(family, hf_dirs):
 def test_each_family_imports_only_its_own_folders(hf_dirs):
     with pytest.raises(ConfigError, match="model_type 'llama'; model.family = 'qwen3' imports"):
         model_args(ModelConfig(family="qwen3", init_from=f"hf:{hf_dirs['llama']}"))
-    with pytest.raises(ConfigError, match="has model_type 'qwen3'; model.family = 'gpt' imports"):
-        model_args(ModelConfig(init_from=f"hf:{hf_dirs['qwen3']}"))
-    qwen3 = model_args(ModelConfig(family="qwen3", init_from=f"hf:{hf_dirs['qwen3']}"))
-    with pytest.raises(ConfigError, match="train it as model.family = 'qwen3'"):
-        model_family("gpt").hf.config(qwen3, dtype=torch.float32)
-    mixtral = model_args(ModelConfig(family="mixtral", init_from=f"hf:{hf_dirs['mixtral']}"))
-    with pytest.raises(ConfigError, match="train it as model.family = 'mixtral'"):
-        model_family("gpt").hf.tensors(mixtral)
+    with pytest.raises(ConfigError, match="model_type 'qwen3'; model.family = 'llama' imports"):
+        model_args(ModelConfig(family="llama", init_from=f"hf:{hf_dirs['qwen3']}"))
+    with pytest.raises(ConfigError, match="model_type 'llama'; model.family = 'gpt2' imports"):
+        model_args(ModelConfig(family="gpt2", init_from=f"hf:{hf_dirs['llama']}"))
+    # The gpt family (every setting of the decoder open) has no Hugging Face equivalent.
+    with pytest.raises(ConfigError, match="model.family 'gpt' reads no Hugging Face folder"):
+        model_args(ModelConfig(init_from=f"hf:{hf_dirs['llama']}"))
+    assert model_family("gpt").hf is None
     with pytest.raises(ConfigError, match="model_type 'qwen3'; model.family = 'mixtral' imports"):
         model_args(ModelConfig(family="mixtral", init_from=f"hf:{hf_dirs['qwen3']}"))
 
 
 def test_import_refusals_are_one_line(tmp_path, hf_dirs):
     with pytest.raises(ConfigError, match=r"^model.init_from: no config.json in .*folder written"):
-        model_args(ModelConfig(init_from=f"hf:{tmp_path}"))
+        model_args(ModelConfig(family="llama", init_from=f"hf:{tmp_path}"))
     with pytest.raises(ConfigError, match="expected 'hf:DIR'"):
-        model_args(ModelConfig(init_from=str(hf_dirs["llama"])))
-    args = model_args(ModelConfig(init_from=f"hf:{hf_dirs['llama']}", n_layers=3))
-    model = GPT(args)
+        model_args(ModelConfig(family="llama", init_from=str(hf_dirs["llama"])))
+    args = model_args(ModelConfig(family="llama", init_from=f"hf:{hf_dirs['llama']}", n_layers=3))
+    model = Decoder(args)
     with pytest.raises(ConfigError, match="has no tensor 'model.layers.2.input_layernorm.weight'"):
         init_weights(model, args, 0, source=pretrained_source(f"hf:{hf_dirs['llama']}", args))
 
@@ -221,9 +217,9 @@ def test_a_hostile_safetensors_index_is_refused(tmp_path, hf_dirs, index, refusa
     folder = tmp_path / "hf"
     shutil.copytree(hf_dirs["llama"], folder)
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    args = model_args(ModelConfig(init_from=f"hf:{folder}"))
+    args = model_args(ModelConfig(family="llama", init_from=f"hf:{folder}"))
     with pytest.raises(ConfigError, match=refusal) as refused:
-        init_weights(GPT(args), args, 0, source=pretrained_source(f"hf:{folder}", args))
+        init_weights(Decoder(args), args, 0, source=pretrained_source(f"hf:{folder}", args))
     assert "\n" not in str(refused.value)
 
 
@@ -232,9 +228,9 @@ _QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8}
 # Published configurations (values from the models' config.json files), built locally; by
 # (family, preset).
 PUBLISHED = {
-    ("gpt", "gpt2"): ("GPT2Config", {}),
-    ("gpt", "gpt2-medium"): ("GPT2Config", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
-    ("gpt", "llama3-1b"): (
+    ("gpt2", "gpt2"): ("GPT2Config", {}),
+    ("gpt2", "gpt2-medium"): ("GPT2Config", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    ("llama", "llama3-1b"): (
         "LlamaConfig",
         {
             "vocab_size": 128256,
@@ -246,7 +242,7 @@ PUBLISHED = {
             "tie_word_embeddings": True,
         },
     ),
-    ("gpt", "llama3-8b"): (
+    ("llama", "llama3-8b"): (
         "LlamaConfig",
         {
             "vocab_size": 128256,
@@ -257,7 +253,7 @@ PUBLISHED = {
             "num_key_value_heads": 8,
         },
     ),
-    ("gpt", "llama2-7b"): ("LlamaConfig", {}),
+    ("llama", "llama2-7b"): ("LlamaConfig", {}),
     ("qwen3", "qwen3-0.6b"): (
         "Qwen3Config",
         {
@@ -314,11 +310,11 @@ def test_presets_have_published_parameter_counts(capsys):
 @pytest.mark.parametrize(
     ("family", "name"),
     [
-        ("gpt", "gpt2"),
-        ("gpt", "gpt2-tiny"),
-        ("gpt", "llama3-1b"),
-        ("gpt", "llama2-7b"),
-        ("gpt", "llama-tiny"),
+        ("gpt2", "gpt2"),
+        ("gpt2", "gpt2-tiny"),
+        ("llama", "llama3-1b"),
+        ("llama", "llama2-7b"),
+        ("llama", "llama-tiny"),
         ("qwen3", "qwen3-tiny"),
         ("qwen3", "qwen3-8b"),
         ("mixtral", "mixtral-tiny"),
@@ -351,7 +347,7 @@ def references(hf_dirs, tmp_path_factory) -> dict[str, tuple[Path, dict[int, flo
         rows = train_in_process(
             run,
             **dict(RUN, checkpoint__interval_steps=2),
-            model__family=FAMILY[family],
+            model__family=family,
             model__init_from=f"hf:{path}",
         )
         out[family] = (run, losses(rows))
@@ -388,7 +384,7 @@ def batched(hf_dirs, request, tmp_path_factory):
             dict(
                 RUN,
                 **fields,
-                model__family=FAMILY[family],
+                model__family=family,
                 model__init_from=f"hf:{hf_dirs[family]}",
             ),
         )

@@ -1,4 +1,5 @@
-"""The GPT model: exact parameter counts, causality, seeded layout-independent init."""
+"""The decoder the built-in families share: exact parameter counts, causality, seeded
+layout-independent init; a family's fields and presets."""
 
 import dataclasses
 
@@ -6,18 +7,27 @@ import pytest
 import torch
 
 from distrain.config.schema import ConfigError, ModelConfig
-from distrain.models.gpt import GPT, PRESETS, ModelArgs, init_weights, num_params
-from distrain.models.gpt.model import full_init_value
-from distrain.models.registry import model_args
+from distrain.models.decoder.counts import num_params
+from distrain.models.decoder.model import Decoder, ModelArgs, full_init_value, init_weights
+from distrain.models.registry import FAMILIES, model_args
 
 SMALL = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_param_count_is_exact(name):
+# Every preset of the built-in families (all on the decoder), by (family, preset).
+PRESETS = {
+    (family.name, name): args
+    for family in FAMILIES.values()
+    if family.build is Decoder
+    for name, args in family.presets.items()
+}
+
+
+@pytest.mark.parametrize("key", list(PRESETS), ids="/".join)
+def test_param_count_is_exact(key):
     with torch.device("meta"):
-        model = GPT(PRESETS[name])
-    assert num_params(PRESETS[name]) == sum(p.numel() for p in model.parameters())
+        model = Decoder(PRESETS[key])
+    assert num_params(PRESETS[key]) == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -33,7 +43,7 @@ def test_param_count_is_exact(name):
 )
 def test_causal_and_counted(variant):
     args = dataclasses.replace(SMALL, **variant)
-    model = GPT(args)
+    model = Decoder(args)
     init_weights(model, args, seed=0)
     assert num_params(args) == sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -47,7 +57,7 @@ def test_causal_and_counted(variant):
 
 
 def test_init_depends_on_seed_and_name_only():
-    a, b = GPT(SMALL), GPT(SMALL)
+    a, b = Decoder(SMALL), Decoder(SMALL)
     init_weights(a, SMALL, seed=3)
     init_weights(b, SMALL, seed=3)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
@@ -65,16 +75,16 @@ def test_init_depends_on_seed_and_name_only():
 
 def test_meta_build_then_materialize_matches_eager():
     with torch.device("meta"):
-        meta = GPT(SMALL)
+        meta = Decoder(SMALL)
     meta.to_empty(device="cpu")
     init_weights(meta, SMALL, seed=1)
-    eager = GPT(SMALL)
+    eager = Decoder(SMALL)
     init_weights(eager, SMALL, seed=1)
     tokens = torch.randint(0, 64, (1, 8))
     assert torch.equal(meta(tokens), eager(tokens))
     tied = dataclasses.replace(SMALL, tie_embeddings=True)
     with torch.device("meta"):
-        meta = GPT(tied)
+        meta = Decoder(tied)
     meta.to_empty(device="cpu")
     assert meta.output.weight is meta.tok_emb.weight
 
@@ -84,5 +94,12 @@ def test_model_overrides_and_errors():
     assert args.n_layers == 2 and args.max_seq_len == 2048
     with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'"):
         model_args(ModelConfig(preset="huge"))
+    # A preset of another family names the family to set; its own family takes it.
+    with pytest.raises(ConfigError, match="'llama-tiny' is a preset of model.family 'llama', not"):
+        model_args(ModelConfig(preset="llama-tiny"))
+    assert model_args(ModelConfig(family="llama", preset="llama-tiny")).mlp == "swiglu"
+    # A family reads only its own fields: GPT-2's norm is its own.
+    with pytest.raises(ConfigError, match="model.norm does not apply to model.family = 'gpt2'"):
+        model_args(ModelConfig(family="gpt2", preset="gpt2-tiny", norm="rmsnorm"))
     with pytest.raises(ConfigError, match=r"model.dim \(100\) must be divisible by model.n_heads"):
         model_args(ModelConfig(dim=100, n_heads=3))

@@ -8,15 +8,10 @@ import torch
 import torch.nn.functional as F
 from helpers import train_in_process
 
-from distrain.models.gpt import (
-    GPT,
-    PRESETS,
-    active_params,
-    flops_per_token,
-    init_weights,
-    num_params,
-)
-from distrain.models.moe import GroupedExperts, MoE, MoEArgs
+from distrain.models.decoder.counts import active_params, flops_per_token, num_params
+from distrain.models.decoder.model import Decoder, init_weights
+from distrain.models.decoder.moe import GroupedExperts, MoE, MoEArgs
+from distrain.models.gpt.flavors import PRESETS
 
 # Router columns are log-probabilities (+ a constant for the z-loss): a one-hot token e_j gets
 # exactly the probabilities PROBS[j] and the router logsumexp LSE[j].
@@ -99,7 +94,7 @@ def test_grouped_experts_match_one_mlp_per_expert():
 @pytest.mark.parametrize("preset", ["moe-tiny", "switch-tiny"])
 def test_param_counts_are_exact(preset):
     args = PRESETS[preset]
-    model = GPT(args)
+    model = Decoder(args)
     assert num_params(args) == sum(p.numel() for p in model.parameters())
     # One token uses the router and top_k experts of each MoE layer: tiny's parameters + router.
     tiny = PRESETS["tiny"]
@@ -118,7 +113,7 @@ def test_param_counts_are_exact_for_gated_and_biased_experts(mlp, bias):
         norm="layernorm",
         moe=MoEArgs(num_experts=4, top_k=2, every=2, shared_experts=1, ffn_dim=64),
     )
-    model = GPT(args)
+    model = Decoder(args)
     assert num_params(args) == sum(p.numel() for p in model.parameters())
     gated = model.blocks["1"].moe.experts.w_gate is not None
     assert gated == (mlp == "swiglu")
@@ -130,7 +125,7 @@ def test_every_and_shared_experts_shape_the_model():
         n_layers=4,
         moe=MoEArgs(num_experts=4, top_k=2, every=2, shared_experts=1, ffn_dim=64),
     )
-    model = GPT(args)
+    model = Decoder(args)
     kinds = ["moe" if hasattr(b, "moe") else "mlp" for b in model.blocks.values()]
     assert kinds == ["mlp", "moe", "mlp", "moe"]
     assert model.blocks["1"].moe.shared.w_up.weight.shape == (64, args.dim)

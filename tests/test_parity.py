@@ -63,6 +63,10 @@ DOCUMENTS = (("data__document_masking", True), ("data__eos_id", ord("\n")))
 # The qwen3 family (query/key norms, heads wider than dim / n_heads, a tied head), 4 blocks so
 # the interleaved schedule has a block per stage.
 QWEN3 = (("model__family", "qwen3"), ("model__preset", "qwen3-tiny"), ("model__n_layers", 4))
+# The llama family (grouped-query attention, SwiGLU, untied head), 4 blocks as Qwen3's; the gpt2
+# family (LayerNorm and linears with biases, learned positions, a tied head).
+LLAMA = (("model__family", "llama"), ("model__preset", "llama-tiny"), ("model__n_layers", 4))
+GPT2 = (("model__family", "gpt2"), ("model__preset", "gpt2-tiny"))
 
 
 LAYOUTS = [
@@ -135,6 +139,24 @@ LAYOUTS = [
         QWEN3,
     ),
     Layout("qwen3_cp2", 2, {"parallel__cp": 2}, QWEN3),
+    Layout("llama_zero3x2", 2, {"parallel__zero_stage": 3}, LLAMA),
+    Layout("llama_tp2_sp", 2, {"parallel__tp": 2}, LLAMA),
+    Layout(
+        "llama_pp2_interleaved_1f1b",
+        2,
+        {
+            "parallel__pp": 2,
+            "parallel__pp_schedule": "interleaved_1f1b",
+            "parallel__pp_stages_per_rank": 2,
+        },
+        LLAMA,
+    ),
+    Layout("llama_cp2", 2, {"parallel__cp": 2}, LLAMA),
+    Layout("gpt2_dp2", 2, {}, GPT2),
+    Layout("gpt2_zero3x2", 2, {"parallel__zero_stage": 3}, GPT2),
+    Layout("gpt2_tp2_sp", 2, {"parallel__tp": 2}, GPT2),
+    Layout("gpt2_pp2_1f1b", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}, GPT2),
+    Layout("gpt2_cp2", 2, {"parallel__cp": 2}, GPT2),
     Layout("pp2_1f1b_document_masking", 2, {"parallel__pp": 2}, DOCUMENTS),
     Layout(
         "cp2_ring_document_masking",

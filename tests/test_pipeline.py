@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.errors import ConfigError
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.pipeline import (
     SCHEDULES,
@@ -41,12 +41,12 @@ def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def meta_model(args: ModelArgs = ARGS) -> GPT:
+def meta_model(args: ModelArgs = ARGS) -> Decoder:
     with torch.device("meta"):
-        return GPT(args)
+        return Decoder(args)
 
 
-def materialize(module: GPT) -> GPT:
+def materialize(module: Decoder) -> Decoder:
     module.to_empty(device="cpu")
     init_weights(module, module.args, SEED)
     return module

@@ -16,8 +16,8 @@ from helpers import one_rank_group
 
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
-from distrain.models.gpt import num_params
-from distrain.models.gpt.model import GPT
+from distrain.models.decoder.counts import num_params
+from distrain.models.decoder.model import Decoder
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
 from distrain.optim.builder import build_optimizer
@@ -114,7 +114,7 @@ def test_onebit_adam_under_zero_is_planned_as_its_optimizer_holds(stage):
     cfg = tiny_config(stage=stage, world_size=2)
     cfg.optim.name = "onebit_adam"
     planned = memory_of(cfg, 2, {})
-    model = GPT(model_args(cfg.model))
+    model = Decoder(model_args(cfg.model))
     with fake_world(2):
         optimizer = OneBitZeroAdam(
             [{"params": list(model.parameters())}],

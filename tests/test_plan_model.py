@@ -7,7 +7,8 @@ import pytest
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.family.spec import FamilyModel
-from distrain.models.gpt import GPT_SPEC, PRESETS
+from distrain.models.gpt.flavors import PRESETS
+from distrain.models.gpt.spec import GPT_SPEC
 from distrain.plan.comm_advice import advise, predict_methods
 from distrain.plan.command import cluster_of, link_bandwidth, parse
 from distrain.plan.memory_model import calibrate_family, modelled_row
@@ -168,7 +169,8 @@ def test_plan_notes_the_files_it_does_not_read_and_plans_without_them(tmp_path):
 
     toml = tmp_path / "absent.toml"
     toml.write_text(
-        f'[model]\npreset = "llama-tiny"\ninit_from = "hf:{tmp_path / "no-model"}"\n'
+        f'[model]\nfamily = "llama"\npreset = "llama-tiny"\n'
+        f'init_from = "hf:{tmp_path / "no-model"}"\n'
         f'[data]\npath = "{tmp_path / "none.bin"}"\ntokenizer = "hf:{tmp_path / "no-tok"}"\n'
     )
     absent: list[str] = []

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.models.gpt import num_params
+from distrain.models.decoder.counts import num_params
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
 from distrain.optim.builder import build_optimizer

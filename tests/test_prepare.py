@@ -254,6 +254,7 @@ def test_prepare_train_generate(bpe, tmp_path) -> None:
     rows = train_in_process(
         tmp_path / "run",
         **fields,
+        model__family="llama",
         model__preset="llama-tiny",
         model__vocab_size=PADDED_VOCAB,
         training__seq_len=32,

@@ -27,7 +27,7 @@ from replica import metrics_rows, running_lighthouse, secret_file, wait_until
 
 from distrain.config.io import load_config
 from distrain.layout.rules import validate
-from distrain.models.gpt import num_params
+from distrain.models.decoder.counts import num_params
 from distrain.observe.diagnose import replica_lines
 from distrain.observe.metrics import read_metrics
 from distrain.train.replica_trust import SLOT_SIZE

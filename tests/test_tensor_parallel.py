@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from distrain.errors import ConfigError
-from distrain.models.gpt.model import GPT, ModelArgs, init_weights
+from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.tensor import (
@@ -90,7 +90,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _loss(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, *, tp: bool) -> torch.Tensor:
+def _loss(model: Decoder, inputs: torch.Tensor, targets: torch.Tensor, *, tp: bool) -> torch.Tensor:
     """Mean cross entropy over the batch, accumulating gradients over micro-batches of one
     sequence; each loss and its backward inside the TP loss context, the one the trainer uses
     (ParallelModel.loss_context)."""
@@ -103,14 +103,14 @@ def _loss(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, *, tp: bool) 
     return total
 
 
-def _build_tp(args: ModelArgs, mesh: DeviceMesh, *, sequence_parallel: bool, meta: bool) -> GPT:
+def _build_tp(args: ModelArgs, mesh: DeviceMesh, *, sequence_parallel: bool, meta: bool) -> Decoder:
     if not meta:
-        model = GPT(args)
+        model = Decoder(args)
         init_weights(model, args, SEED)
         apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, spec=GPT_SPEC)
         return model
     with torch.device("meta"):
-        model = GPT(args)
+        model = Decoder(args)
     apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, spec=GPT_SPEC)
     model.to_empty(device="cpu")
     init_weights(model, args, SEED)
@@ -120,7 +120,7 @@ def _build_tp(args: ModelArgs, mesh: DeviceMesh, *, sequence_parallel: bool, met
 def _compare(mesh: DeviceMesh, overrides: dict, sequence_parallel: bool, meta: bool) -> dict:
     """Train the reference and the TP model side by side; the largest differences seen."""
     args = ModelArgs(**SMALL, **overrides)
-    reference = GPT(args)
+    reference = Decoder(args)
     init_weights(reference, args, SEED)
     model = _build_tp(args, mesh, sequence_parallel=sequence_parallel, meta=meta)
 

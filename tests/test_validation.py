@@ -99,7 +99,8 @@ CASES = [
      {"parallel.tp": "4", "model.n_heads": "6", "model.dim": "48", "model.ffn_dim": "96",
       "model.vocab_size": "96"}, 4,
      ["model.n_heads (6) must be divisible by parallel.tp (4)", "in {1, 2, 3, 6}"]),
-    ("tp_splits_model", {"parallel.tp": "4", "model.preset": "llama-tiny"}, 4,
+    ("tp_splits_model",
+     {"parallel.tp": "4", "model.family": "llama", "model.preset": "llama-tiny"}, 4,
      ["model.n_kv_heads (2) must be divisible by parallel.tp (4)", "in {1, 2}"]),
     ("sequence_parallel_splits_seq_len", {"parallel.tp": "2", "training.seq_len": "127"}, 2,
      ["splits the 127 positions", "multiple of 2", "parallel.sequence_parallel = false"]),
@@ -282,7 +283,7 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ({"training.oom_recovery": "true"}, 2),
         ({"comm.gradient_compression": "powersgd"}, 2),
         ({"parallel.tp": "2", "parallel.pp": "2", "parallel.sequence_parallel": "false"}, 4),
-        ({"parallel.tp": "2", "model.preset": "llama-tiny"}, 2),
+        ({"parallel.tp": "2", "model.family": "llama", "model.preset": "llama-tiny"}, 2),
         ({"parallel.cp": "4", "training.seq_len": "104"}, 4),
         ({"parallel.cp": "2", "parallel.tp": "4", "training.seq_len": "16"}, 8),
         (

@@ -114,7 +114,6 @@ class _Pending:
     attempt: Attempt | None = None
 
 
-
 class Checkpointer:
     """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
 

@@ -130,7 +130,7 @@ class ModelConfig:
     bias: bool | None = doc(None, "Override whether linears and LayerNorms have biases (GPT-2).")
     head_dim: int | None = doc(
         None,
-        "Override the width of each attention head (qwen3; the gpt family's heads are dim / "
+        "Override the width of each attention head (qwen3; the other families' heads are dim / "
         "n_heads wide).",
         AT_LEAST_1,
     )
@@ -143,8 +143,8 @@ class ModelConfig:
     init_from: str = doc(
         "",
         "Start from pretrained weights: 'hf:DIR', a local Hugging Face checkpoint (config.json + "
-        "safetensors) of a Llama or GPT-2 model; its config.json sets the model shape (the "
-        "preset is ignored). Empty: seeded random init.",
+        "safetensors) of the family's model (llama, gpt2, qwen3, mixtral); its config.json sets "
+        "the model shape (the preset is ignored). Empty: seeded random init.",
     )
     moe: MoEConfig = field(default_factory=MoEConfig)
 

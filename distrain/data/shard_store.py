@@ -20,6 +20,7 @@ fetched again, and a download under way (a `.partial` file of a live process) is
 Every storage call goes through `call(what, fn, *args)`, the caller's retry policy (training
 passes the one checkpoints use, see checkpoint/storage.py).
 """
+
 from __future__ import annotations
 
 import errno

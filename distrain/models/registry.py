@@ -20,6 +20,8 @@ from distrain.config.schema import ModelConfig
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelShape, ModelSpec
 from distrain.models.gpt.spec import GPT_SPEC
+from distrain.models.gpt2.spec import GPT2_SPEC
+from distrain.models.llama.spec import LLAMA_SPEC
 from distrain.models.mixtral.spec import MIXTRAL_SPEC
 from distrain.models.qwen3.spec import QWEN3_SPEC
 
@@ -103,7 +105,18 @@ def model_args(cfg: ModelConfig) -> Any:
             f"model.{ignored[0]} does not apply to model.family = {spec.name!r}; remove it "
             f"(that family reads {reads})"
         )
+    owner = None if cfg.init_from or cfg.preset in spec.presets else family_of_preset(cfg.preset)
+    if owner:
+        raise ConfigError(
+            f"model.preset: {cfg.preset!r} is a preset of model.family {owner!r}, not of "
+            f"{spec.name!r}; set model.family = {owner!r}"
+        )
     return spec.args_from_config(cfg)
+
+
+def family_of_preset(preset: str) -> str | None:
+    """The name of the first family (built-in ones first) with a preset named `preset`."""
+    return next((f.name for f in families().values() if preset in f.presets), None)
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
@@ -120,5 +133,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 
 register_family(GPT_SPEC)
+register_family(LLAMA_SPEC)
+register_family(GPT2_SPEC)
 register_family(QWEN3_SPEC)
 register_family(MIXTRAL_SPEC)

@@ -70,7 +70,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", help="TOML config to plan (its model, batch, precision; default: defaults)."
     )
-    p.add_argument("--preset", help="Model preset (default: the config's model.preset).")
+    p.add_argument(
+        "--preset",
+        help="Model preset (default: the config's model.preset); its family unless --family.",
+    )
+    p.add_argument("--family", help="Model family (default: the config's, or --preset's).")
     p.add_argument("--nodes", type=int, default=1, help="Nodes of the cluster.")
     p.add_argument("--gpus-per-node", type=int, default=8, help="Devices per node.")
     p.add_argument("--gpu-memory", default="80GB", help="Memory per device.")
@@ -143,10 +147,15 @@ def base_config(ns: argparse.Namespace, absent: list[str] | None = None) -> Conf
     reads no data: with `absent`, a data file, tokenizer or model.init_from folder that is not
     there is noted in it, and the plan goes on without it (model.preset's shape for a missing
     model.init_from; the tokenizer's vocabulary, which no plan reads, unchecked)."""
+    from distrain.models.registry import family_of_preset
+
     cfg = load_config(ns.config, [])
     t = cfg.training
     if ns.preset:
         cfg.model.preset = ns.preset
+        cfg.model.family = family_of_preset(ns.preset) or cfg.model.family
+    if ns.family:
+        cfg.model.family = ns.family
     if ns.seq_len:
         t.seq_len = ns.seq_len
     if ns.global_batch:

@@ -3,8 +3,8 @@ fields it reads."""
 
 from __future__ import annotations
 
-from distrain.models.gpt.model import ModelArgs
-from distrain.models.moe import MoEArgs
+from distrain.models.decoder.model import ModelArgs
+from distrain.models.decoder.moe import MoEArgs
 
 # What every Mixtral shares: Llama's attention and norms, rotary base 1e6, no biases, and in
 # every block top-2 routing over 8 SwiGLU experts (gates renormalised, no capacity limit).
@@ -32,7 +32,12 @@ PRESETS: dict[str, ModelArgs] = {
         moe=_experts(4),
     ),
     "mixtral-8x7b": ModelArgs(
-        **_MIXTRAL, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        **_MIXTRAL,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
         moe=_experts(),
     ),  # fmt: skip
 }
@@ -59,4 +64,3 @@ FIELDS = frozenset(
 )
 """The `model.*` fields a Mixtral reads: its shape and its routing (every block holds experts of
 model.ffn_dim; no shared experts)."""
-

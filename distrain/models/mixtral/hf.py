@@ -1,5 +1,5 @@
 """The Mixtral family's Hugging Face adapter: config.json (model_type "mixtral") to and from its
-arguments, and its tensors: Llama's attention and norms (models/gpt/hf.py's `llama_tensors`) and,
+arguments, and its tensors: Llama's attention and norms (models/llama/hf.py's) and,
 per block, the router (`block_sparse_moe.gate`) and each expert's three linears (w1: gate, w3:
 up, w2: down), which distrain holds stacked over the experts."""
 
@@ -11,10 +11,13 @@ from typing import Any
 import torch
 
 from distrain.errors import ConfigError
-from distrain.models.gpt.hf import llama_config, llama_like_args, llama_tensors, source_from
-from distrain.models.gpt.model import ModelArgs
+from distrain.models.decoder.model import ModelArgs
+from distrain.models.decoder.moe import MoEArgs
+from distrain.models.decoder.pretrained import source_from
 from distrain.models.hf_files import HfTensor, family_config
-from distrain.models.moe import MoEArgs
+from distrain.models.llama.hf import hf_config as llama_config
+from distrain.models.llama.hf import hf_tensors as llama_tensors
+from distrain.models.llama.hf import llama_like_args
 
 # Mixtral's expert linears -> distrain's stacked expert weights.
 _EXPERT_WEIGHTS = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}

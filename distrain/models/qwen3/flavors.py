@@ -3,7 +3,7 @@ CPU-sized one) and the `model.*` fields it reads."""
 
 from __future__ import annotations
 
-from distrain.models.gpt.model import ModelArgs
+from distrain.models.decoder.model import ModelArgs
 
 # What every Qwen3 shares: RMSNorm (eps 1e-6) on the residual stream and on each query and key
 # head, SwiGLU, rotary positions at base 1e6, no biases, 128-wide heads.
@@ -30,15 +30,30 @@ PRESETS: dict[str, ModelArgs] = {
         tie_embeddings=True,
     ),
     "qwen3-0.6b": ModelArgs(
-        **_QWEN3, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072,
+        **_QWEN3,
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=3072,
         tie_embeddings=True,
     ),  # fmt: skip
     "qwen3-1.7b": ModelArgs(
-        **_QWEN3, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144,
+        **_QWEN3,
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=6144,
         tie_embeddings=True,
     ),  # fmt: skip
     "qwen3-8b": ModelArgs(
-        **_QWEN3, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+        **_QWEN3,
+        dim=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=12288,
     ),  # fmt: skip
 }
 
@@ -58,4 +73,3 @@ FIELDS = frozenset(
 )
 """The `model.*` fields a Qwen3 reads: its shape. Its norm, MLP, positions and biases are
 Qwen3's own."""
-

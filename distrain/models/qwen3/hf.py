@@ -1,6 +1,6 @@
 """The Qwen3 family's Hugging Face adapter: config.json (model_type "qwen3") to and from its
 arguments; its tensors are Llama's names plus each attention's q_norm and k_norm
-(models/gpt/hf.py's `llama_tensors`), read as the initial weights by `pretrained_source`."""
+(models/llama/hf.py's), read as the initial weights by `pretrained_source`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from typing import Any
 import torch
 
 from distrain.errors import ConfigError
-from distrain.models.gpt.hf import llama_config, llama_like_args, llama_tensors, source_from
-from distrain.models.gpt.model import ModelArgs
+from distrain.models.decoder.model import ModelArgs
+from distrain.models.decoder.pretrained import source_from
 from distrain.models.hf_files import HfTensor, family_config
+from distrain.models.llama.hf import hf_config as llama_config
+from distrain.models.llama.hf import hf_tensors as llama_tensors
+from distrain.models.llama.hf import llama_like_args
 
 
 def qwen3_model_args(spec: str) -> ModelArgs:

@@ -1,12 +1,12 @@
 """The Qwen3 family as the rest of distrain sees it: `QWEN3_SPEC`, registered under "qwen3"
 (models/registry.py). The module, its parallel plans, its pipeline cut and its init are the
-decoder's of models/gpt/ (its spec's); the flavors, the fields it reads and the Hugging Face
+shared decoder's (models/decoder/); the flavors, the fields it reads and the Hugging Face
 adapter are Qwen3's own."""
 
 from __future__ import annotations
 
 from distrain.family.spec import HfAdapter
-from distrain.models.gpt.spec import decoder_family
+from distrain.models.decoder.spec import decoder_family
 from distrain.models.qwen3.flavors import FIELDS, PRESETS
 from distrain.models.qwen3.hf import hf_config, hf_tensors, pretrained_source, qwen3_model_args
 

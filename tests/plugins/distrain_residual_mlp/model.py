@@ -79,6 +79,4 @@ def init_weights(
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed over the targets, as a spec's loss is (the caller divides by their count);
     negative targets (cross_entropy's ignore_index) are skipped."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum"
-    )
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distrain.models.moe import MoE, MoEArgs
+from distrain.models.decoder.moe import MoE, MoEArgs
 from distrain.torch_compat import canonical_name
 
 
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            # The table may cover more positions than this sequence (see GPT.forward).
+            # The table may cover more positions than this sequence (see Decoder.forward).
             q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
         group = q.shape[2] // k.shape[2]
         if group > 1:
@@ -233,7 +233,7 @@ def _moe(args: ModelArgs) -> MoE:
     return MoE(args.dim, args.moe, ffn_dim, shared=shared, gated=args.mlp == "swiglu")
 
 
-class GPT(nn.Module):
+class Decoder(nn.Module):
     """Token ids [B, T] -> logits [B, T, vocab]. Blocks live in a ModuleDict keyed "0".."n-1" so a
     pipeline split can delete some and keep the others' names (and so their checkpoint keys)."""
 
@@ -257,7 +257,7 @@ class GPT(nn.Module):
         if args.pos_emb == "rope":
             self.rope_cache = rope_tables(args, args.max_seq_len)
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Decoder:
         super().to_empty(device=device, recurse=recurse)
         self.tie_weights()
         if self.rope_cache is not None:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from distrain.models.gpt.model import ModelArgs
+from distrain.models.decoder.model import ModelArgs
 
 
 def num_params(args: ModelArgs) -> int:
-    """Exact parameter count of GPT(args), counting a tied embedding once."""
+    """Exact parameter count of Decoder(args), counting a tied embedding once."""
     bias = args.bias
     # RMSNorm: a weight vector; LayerNorm: also a bias vector when the model has biases.
     norm = args.dim * (2 if bias and args.norm == "layernorm" else 1)
