@@ -2,8 +2,9 @@
 the loop runs, in dependency order, each from its own section of the resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
 choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink (with
-rank 0's experiment trackers), the stop-signal agreement, fault injection, the step observers
-and, under replica groups, this group's seat among them (torchft's manager). Nothing is built
+rank 0's experiment trackers), the stop-signal agreement, fault injection, the step observers,
+the step's backward (plain or out-of-memory recovering) and how steps run (plainly, or under
+replica groups as this group's seat among them: torchft's manager). Nothing is built
 later, and nothing here runs a step."""
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from distrain.parallel.mesh import ParallelDims, site_group
 from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
+from distrain.train.backward import PlainBackward
 from distrain.train.faults import Faults
 from distrain.train.loop import Trainer
 from distrain.train.observers import (
@@ -49,9 +51,11 @@ from distrain.train.observers import (
     MoEMetrics,
     ReplicaCheck,
 )
+from distrain.train.oom import RecoveringBackward
 from distrain.train.replica_groups import ReplicaGroups
 from distrain.train.resolve import RunPlan, resolve
 from distrain.train.rng import seed_everything
+from distrain.train.steps import PlainSteps, ReplicatedSteps
 
 
 def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trainer:
@@ -119,10 +123,28 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
-    replicas = (
-        ReplicaGroups(cfg.fault_tolerance, ctx=ctx, metrics=metrics, logger=logger)
+    scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
+    # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
+    grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
+    faults = Faults(cfg.debug, rank=ctx.rank, logger=logger)
+    if t.oom_recovery:
+        backward = RecoveringBackward(
+            model,
+            scaler,
+            loader,
+            ctx=ctx,
+            grad_group=grad_group,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+            faults=faults,
+            metrics=metrics,
+            logger=logger,
+        )
+    else:
+        backward = PlainBackward(model, scaler, gradient_plan)
+    steps = (
+        ReplicatedSteps(ReplicaGroups(cfg.fault_tolerance, ctx=ctx, metrics=metrics, logger=logger))
         if cfg.fault_tolerance.replica_groups
-        else None
+        else PlainSteps()
     )
     return Trainer(
         plan=plan,
@@ -130,26 +152,26 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         log=logger,
         run_dir=run_dir,
         dp_rank=dp_rank,
-        # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
-        grad_group=dims.gradient_mesh(mesh, dp_mesh).get_group(),
+        grad_group=grad_group,
         loader=loader,
         val_set=val_set,
         eval_sets=eval_sets,
         model=model,
         optimizers=optimizers,
         gradient_plan=gradient_plan,
-        scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
+        backward=backward,
+        steps=steps,
+        scaler=scaler,
         checkpointer=checkpointer,
         checkpoint_policy=CheckpointPolicy(cfg.checkpoint, total_steps=t.steps, device=ctx.device),
         stop_signals=stop_signals,
         stop=StopAgreement(stop_signals, host_group()),
         nonfinite=nonfinite,
         metrics=metrics,
-        faults=Faults(cfg.debug, rank=ctx.rank, logger=logger),
+        faults=faults,
         observers=observers,
         phase_ranges=phase_ranges,
         outer=outer,
-        replicas=replicas,
     )
 
 

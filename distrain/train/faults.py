@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.checkpoint.manifest import step_name
-from distrain.checkpoint.storage import Storage
 from distrain.config.debug import DebugConfig
 from distrain.observe.heartbeat import attempt_number
 
@@ -105,15 +105,18 @@ class Faults:
         grad = next(p.grad for p in params() if p.grad is not None)
         (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan
 
-    def damages_checkpoint(self, step: int) -> bool:
-        """debug.corrupt_checkpoint_step: the checkpoint of `step` is to be damaged once
-        committed (`damage_checkpoint`, on rank 0), in attempt debug.fail_attempt only, so the
-        checkpoint a restarted run saves again at that step stays whole."""
+    def after_save(self, step: int, checkpointer: Checkpointer) -> None:
+        """debug.corrupt_checkpoint_step: once the checkpoint of `step` is committed, rank 0
+        flips the first byte of one of its shard files, as bit rot would; in attempt
+        debug.fail_attempt only, so the checkpoint a restarted run saves again at that step
+        stays whole."""
         d = self.debug
-        return d.corrupt_checkpoint_step == step and attempt_number() == d.fail_attempt
-
-    def damage_checkpoint(self, storage: Storage, step: int) -> None:
-        """Flip the first byte of one shard file of the committed checkpoint of `step`."""
+        if d.corrupt_checkpoint_step != step or attempt_number() != d.fail_attempt:
+            return
+        checkpointer.wait()
+        if self.rank != 0:
+            return
+        storage = checkpointer.storage
         path = storage.path(step_name(step))
         shard = next(n for n in storage.listdir(path) if n.endswith(".distcp"))
         data = bytearray(storage.fs.cat_file(f"{path}/{shard}"))

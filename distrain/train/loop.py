@@ -1,15 +1,15 @@
 """The training loop: data -> step -> observe -> checkpoint, until training.steps.
 
-A step is forward/backward over this rank's micro-batches (accumulated, mixed precision, with
-out-of-memory recovery when asked), clipping, the optimizer update and the loss scale, and under
-DiLoCo the outer step when it is due (optim/diloco.py). At logged steps the loss and gradient
-norm are read (the loop's only host syncs outside fp16 and health checks) and the metrics row goes
-through the observers (observe/observer.py); evaluation and checkpoints follow when due; a stop
-signal agreed by every rank ends the run with a preempt checkpoint. Under replica groups
-(fault_tolerance.replica_groups) each step begins with the groups' quorum, its gradients are
-averaged between groups after backward, and a step some group failed is redone by the survivors
-(replica_groups.py). The parts are assembled once by `build_trainer` (build.py); fault injection
-goes through `Faults` (faults.py).
+A step is forward/backward over this rank's micro-batches (accumulated, mixed precision; the
+`backward` strategy, backward.py, or oom.py's with out-of-memory recovery), clipping, the
+optimizer update and the loss scale, and under DiLoCo the outer step when it is due
+(optim/diloco.py). At logged steps the loss and gradient norm are read (the loop's only host
+syncs outside fp16 and health checks) and the metrics row goes through the observers
+(observe/observer.py); evaluation and checkpoints follow when due; a stop signal agreed by every
+rank ends the run with a preempt checkpoint. How a step runs is the `steps` strategy (steps.py):
+once, or under replica groups with the groups' quorum, the gradients averaged between groups
+after backward and a step some group failed redone by the survivors. The parts are assembled
+once by `build_trainer` (build.py); fault injection goes through `Faults` (faults.py).
 """
 
 from __future__ import annotations
@@ -38,21 +38,15 @@ from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges
 from distrain.optim.diloco import DiLoCo
 from distrain.optim.gradient_plan import GradientPlan
-from distrain.optim.schedule import lr_at, set_lr
+from distrain.optim.schedule import set_lr
 from distrain.parallel.device import DistContext
 from distrain.parallel.mesh import ParallelDims
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
+from distrain.train.backward import Backward
 from distrain.train.faults import Faults
-from distrain.train.replica_groups import (
-    ReplicaGroups,
-    StepNotCommitted,
-    copy_into,
-    transferable,
-)
 from distrain.train.resolve import RunPlan
-from distrain.train.rng import rng_state, set_rng_state
 from distrain.train.state import (
     GlobalWeights,
     ModelState,
@@ -61,6 +55,7 @@ from distrain.train.state import (
     RNGState,
     SiteState,
 )
+from distrain.train.steps import PlainSteps
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -86,6 +81,10 @@ class Trainer:
     optimizers: list[torch.optim.Optimizer]
     gradient_plan: GradientPlan
     """How the optimizers want the gradients: synchronized in backward, averaged, clipped."""
+    backward: Backward
+    """How the step makes its gradients: plainly, or recovering from out-of-memory errors."""
+    steps: PlainSteps
+    """How the loop runs a step: once, or as one replica group among several."""
     scaler: AgreedGradScaler
     checkpointer: Checkpointer
     checkpoint_policy: CheckpointPolicy
@@ -100,8 +99,6 @@ class Trainer:
     phase_ranges: PhaseRanges
     outer: DiLoCo | None = None
     """DiLoCo's outer optimizer (diloco.inner_steps > 0)."""
-    replicas: ReplicaGroups | None = None
-    """This group's seat among the replica groups (fault_tolerance.replica_groups >= 2)."""
     step: int = 0
     started: bool = False
     """True once the loop begins: an error before that is a failed start (see worker.py)."""
@@ -150,10 +147,7 @@ class Trainer:
         self.checkpointer.save(
             self.step, self._state(), permanent=kind == "permanent", preempt=preempt, notes=notes
         )
-        if self.faults.damages_checkpoint(self.step):
-            self.checkpointer.wait()
-            if self.ctx.rank == 0:
-                self.faults.damage_checkpoint(self.checkpointer.storage, self.step)
+        self.faults.after_save(self.step, self.checkpointer)
 
     def maybe_resume(self) -> None:
         step = self.checkpointer.restore_latest(self._state())
@@ -169,35 +163,6 @@ class Trainer:
             raise CheckpointError(f"checkpoint of step {step} holds step {self.step}")
         self.log.info("resumed from checkpoint step-%08d", self.step)
 
-    # --- live state, for a replica group that rejoins ------------------------------------------
-
-    def _live_state(self) -> dict:
-        """This rank's shards of the model and optimizer, the loader position, the RNG states
-        and the step: what the same rank of a rejoining replica group loads."""
-        return transferable(
-            {
-                "model": ModelState(self.model.parts).state_dict(),
-                "optim": OptimizerState(
-                    self.model.parts, self.optimizers, self.model.spec
-                ).state_dict(),
-                "data": self.loader.state_dict(),
-                "rng": rng_state(),
-                "trainer": {"step": torch.tensor(self.step)},
-            }
-        )
-
-    def _load_live_state(self, received: dict) -> None:
-        model = ModelState(self.model.parts)
-        optim = OptimizerState(self.model.parts, self.optimizers, self.model.spec)
-        weights, moments = model.state_dict(), optim.state_dict()
-        copy_into(weights, received["model"], where="model.")
-        copy_into(moments, received["optim"], where="optim.")
-        model.load_state_dict(weights)
-        optim.load_state_dict(moments)
-        self.loader.load_state_dict(received["data"])
-        set_rng_state(received["rng"])
-        self.step = int(received["trainer"]["step"])
-
     # --- one step ----------------------------------------------------------------------------
 
     def train_step(
@@ -212,24 +177,13 @@ class Trainer:
         samples hold unequally many, so the ranks add up their counts first (one all-reduce of
         a scalar); otherwise every rank's count is known to be the same."""
         plan = self.gradient_plan
-        synced = plan.sync_in_backward()
         share = self.model.target_share(
             batches, self.grad_group if self.cfg.data.document_masking else None
         )
-        if self.cfg.training.oom_recovery:
-            loss = self._forward_backward_recovering(batches, share)
-        else:
-            loss = self.model.forward_backward(
-                batches,
-                self.scaler.scale,
-                sync=synced,
-                report_loss=report_loss,
-                target_share=share,
-            )
+        loss = self.backward(batches, share, step=self.step + 1, report_loss=report_loss)
         heartbeat.mark("optimizer")
         self.faults.after_backward(self.step + 1, self.model.parameters)
-        if self.replicas is not None:
-            loss = self.replicas.average(loss, self.model.parameters)
+        loss = self.steps.between_groups(loss, self.model.parameters)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         plan.before_clip()
@@ -256,28 +210,6 @@ class Trainer:
             self.outer.after_step(self.step + 1)
         return loss, grad_norm
 
-    def _replicated_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """`train_step` on this group's share of the global batch, redone until every replica
-        group of the quorum commits it; returns (loss, grad norm, learning rate). After a failed
-        attempt the loader and the RNG are put back where the step began and the survivors' new
-        quorum re-plans the same global batch over the groups left. That quorum may also load
-        a peer's live state (this group was cut off while the others went on), which moves
-        `self.step` to the peer's: each attempt takes its step and learning rate from it."""
-        while True:
-            lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=self.cfg.training.steps)
-            started = time.perf_counter()
-            position, rng = self.loader.state_dict(), torch.get_rng_state()
-            try:
-                result = self.train_step(self.loader.next_batch(), lr, report_loss=True)
-            except StepNotCommitted as error:
-                self.loader.load_state_dict(position)
-                torch.set_rng_state(rng)
-                self.replicas.step_failed(started, error)
-                self.replicas.quorum(step=self.step, loader=self.loader)
-                continue
-            self.replicas.step_committed(self.step + 1)
-            return (*result, lr)
-
     def _update_scale(self) -> None:
         """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
         gradients overflowed. Reading the scale syncs the host, but scaler.step just did so
@@ -297,61 +229,6 @@ class Trainer:
                 before,
                 after,
             )
-
-    def _forward_backward_recovering(
-        self, batches: list[Batch], target_share: torch.Tensor
-    ) -> torch.Tensor:
-        """forward_backward that survives out-of-memory errors (see distrain/train/oom.py)."""
-        step = self.step + 1
-        pipelined = self.dims.pp > 1
-        # Collectives inside the forward (FSDP2, tp, pp, cp's key/value all-gather): the ranks
-        # agree before each micro-batch.
-        agree = self.dims.dp_wrapper == "fsdp" or pipelined or self.dims.cp > 1
-        while True:
-            hook = self.faults.out_of_memory_hook(step, 1 if pipelined else len(batches))
-            if agree:
-                # Every path below joins exactly one agreement per attempt after the last one
-                # it passed, so the ranks' flag all-reduces pair up whoever failed where.
-                try:
-                    loss = self.model.forward_backward(
-                        batches,
-                        self.scaler.scale,
-                        sync_each=True,
-                        before_micro_batch=oom.agreed(hook, self.ctx.device),
-                        target_share=target_share,
-                    )
-                    failed = False
-                except oom.StepAbandoned:
-                    failed = None  # agreed already, by every rank
-                except torch.OutOfMemoryError:
-                    failed = True  # inside a micro-batch (see oom.py on when that recovers)
-                if failed is not None and not oom.any_rank_failed(failed, self.ctx.device):
-                    return loss
-            else:
-                try:
-                    loss = self.model.forward_backward(
-                        batches,
-                        self.scaler.scale,
-                        sync=False,
-                        before_micro_batch=hook,
-                        target_share=target_share,
-                    )
-                    failed = False
-                except torch.OutOfMemoryError:
-                    failed = True
-                if not oom.any_rank_failed(failed, self.ctx.device):
-                    self.model.all_reduce_gradients(self.grad_group, self.cfg.comm.bucket_cap_mb)
-                    return loss
-            self.model.zero_grad()
-            oom.free_memory(self.ctx.device)
-            smaller = oom.halve_micro_batch(
-                self.loader.micro_batch_size, step=step, logger=self.log
-            )
-            self.loader.set_micro_batch_size(smaller)
-            batches = oom.split(batches, smaller)
-            if pipelined:
-                self.model.double_pipeline_microbatches()
-            self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so
@@ -393,10 +270,7 @@ class Trainer:
             self.checkpointer.storage.check_writable()
         self.maybe_resume()
         self.checkpointer.claim_location()
-        if self.replicas is not None:
-            self.replicas.serve(self._live_state, self._load_live_state, step=self.step)
-            self.replicas.quorum(step=self.step, loader=self.loader)
-            self.replicas.check_restart_has_a_source(step=self.step)
+        self.steps.begin(self)
         if self.step >= t.steps:
             self.log.info(
                 "run already finished at step %d (training.steps = %d)", self.step, t.steps
@@ -418,14 +292,8 @@ class Trainer:
                 observer.before_step(step)
             heartbeat.mark("data", step=step)
             self.faults.step_runs(step, self.model.parameters)
-            if self.replicas is None:
-                lr = lr_at(self.step, cfg=self.cfg.optim, total_steps=t.steps)
-                loss, grad_norm = self.train_step(
-                    self.loader.next_batch(), lr, report_loss=is_logged(step)
-                )
-            else:
-                loss, grad_norm, lr = self._replicated_step()
-                step = self.step + 1  # a peer's step, where a failed attempt healed this group
+            loss, grad_norm, lr = self.steps.run(self, report_loss=is_logged(step))
+            step = self.step + 1  # a peer's, where a failed attempt healed this replica group
             finished, logged = step == t.steps, is_logged(step)
             self.step = step
             window_steps += 1
@@ -459,8 +327,7 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             for observer in self.observers:
                 observer.step_end(step)
-            if self.replicas is not None and not finished:
-                self.replicas.quorum(step=self.step, loader=self.loader)
+            self.steps.step_end(self, finished=finished)
         heartbeat.mark("checkpoint")
         self.checkpointer.wait()
         self.stop.close()
@@ -513,8 +380,7 @@ class Trainer:
         self.phase_ranges.close()
         heartbeat.unlisten(self.phase_ranges)
         self.stop_signals.close()
-        if self.replicas is not None:
-            self.replicas.close()
+        self.steps.close()
 
 
 def _perplexity(loss: float) -> float:

@@ -1,4 +1,5 @@
-"""Out-of-memory recovery: a step that runs out of memory on any rank is retried by every rank
+"""Out-of-memory recovery (`RecoveringBackward`, the step's backward strategy under
+training.oom_recovery): a step that runs out of memory on any rank is retried by every rank
 with half the micro-batch and twice the accumulation, so the global batch and the math stay the
 same.
 
@@ -24,11 +25,20 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from distrain.errors import DistrainError
+from distrain.observe.metrics import MetricsWriter
+from distrain.parallel.device import DistContext
+from distrain.parallel.model import ParallelModel
+from distrain.parallel.scaler import AgreedGradScaler
+from distrain.train.faults import Faults
+
+if TYPE_CHECKING:
+    from distrain.data import DistributedBatchLoader
 
 
 class OutOfMemoryAtMicroBatchOne(DistrainError):
@@ -94,3 +104,94 @@ def split(batches: list[tuple[torch.Tensor, ...]], micro_batch_size: int):
         tuple(part[i : i + micro_batch_size] for part in parts)
         for i in range(0, len(parts[0]), micro_batch_size)
     ]
+
+
+class RecoveringBackward:
+    """The step's forward and backward, retried with half the micro-batch (the loader's too,
+    for the steps after) until it fits on every rank. Gradients are synchronized after the
+    ranks agree, never by a rank that failed (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: ParallelModel,
+        scaler: AgreedGradScaler,
+        loader: DistributedBatchLoader,
+        *,
+        ctx: DistContext,
+        grad_group: dist.ProcessGroup,
+        bucket_cap_mb: float,
+        faults: Faults,
+        metrics: MetricsWriter,
+        logger: logging.Logger,
+    ):
+        self.model, self.scaler, self.loader = model, scaler, loader
+        self.ctx, self.grad_group, self.bucket_cap_mb = ctx, grad_group, bucket_cap_mb
+        self.faults, self.metrics, self.log = faults, metrics, logger
+        dims = model.dims
+        self.pipelined = dims.pp > 1
+        # Collectives inside the forward (FSDP2, tp, pp, cp's key/value all-gather): the ranks
+        # agree before each micro-batch.
+        self.agree = dims.dp_wrapper == "fsdp" or self.pipelined or dims.cp > 1
+
+    def __call__(
+        self,
+        batches: list[tuple[torch.Tensor, ...]],
+        target_share: torch.Tensor,
+        *,
+        step: int,
+        report_loss: bool,
+    ) -> torch.Tensor:
+        while True:
+            hook = self.faults.out_of_memory_hook(step, 1 if self.pipelined else len(batches))
+            loss = self._attempt(batches, target_share, hook)
+            if loss is not None:
+                return loss
+            self.model.zero_grad()
+            free_memory(self.ctx.device)
+            smaller = halve_micro_batch(self.loader.micro_batch_size, step=step, logger=self.log)
+            self.loader.set_micro_batch_size(smaller)
+            batches = split(batches, smaller)
+            if self.pipelined:
+                self.model.double_pipeline_microbatches()
+            self.metrics.log({"step": step, "oom_retry_micro_batch_size": smaller})
+
+    def _attempt(
+        self,
+        batches: list[tuple[torch.Tensor, ...]],
+        target_share: torch.Tensor,
+        hook: Callable[[int], None],
+    ) -> torch.Tensor | None:
+        """The loss of one attempt that succeeded on every rank, else None (every rank agrees)."""
+        device = self.ctx.device
+        if self.agree:
+            # Every path below joins exactly one agreement per attempt after the last one it
+            # passed, so the ranks' flag all-reduces pair up whoever failed where.
+            try:
+                loss = self.model.forward_backward(
+                    batches,
+                    self.scaler.scale,
+                    sync_each=True,
+                    before_micro_batch=agreed(hook, device),
+                    target_share=target_share,
+                )
+                failed = False
+            except StepAbandoned:
+                return None  # agreed already, by every rank
+            except torch.OutOfMemoryError:
+                failed = True  # inside a micro-batch (see the module docstring on when)
+            return None if any_rank_failed(failed, device) else loss
+        try:
+            loss = self.model.forward_backward(
+                batches,
+                self.scaler.scale,
+                sync=False,
+                before_micro_batch=hook,
+                target_share=target_share,
+            )
+            failed = False
+        except torch.OutOfMemoryError:
+            failed = True
+        if any_rank_failed(failed, device):
+            return None
+        self.model.all_reduce_gradients(self.grad_group, self.bucket_cap_mb)
+        return loss
