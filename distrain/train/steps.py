@@ -7,20 +7,36 @@ The loop (loop.py) calls the same four points either way."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from distrain.config.schema import Config
+from distrain.data import DistributedBatchLoader
 from distrain.optim.schedule import lr_at
+from distrain.parallel.model import ParallelModel
 from distrain.train.replica_groups import ReplicaGroups, StepNotCommitted, copy_into, transferable
 from distrain.train.rng import rng_state, set_rng_state
 from distrain.train.state import ModelState, OptimizerState
 
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
 
-    from distrain.train.loop import Trainer
+class TrainerView(Protocol):
+    """What a step strategy reads and moves of the loop (loop.py's `Trainer`)."""
+
+    step: int
+    loader: DistributedBatchLoader
+    model: ParallelModel
+    optimizers: list[torch.optim.Optimizer]
+
+    @property
+    def cfg(self) -> Config: ...
+
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, ...]], lr: float, *, report_loss: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 Result = tuple[torch.Tensor, torch.Tensor, float]
 """(loss, gradient norm, learning rate) of a step, on the device."""
@@ -29,10 +45,10 @@ Result = tuple[torch.Tensor, torch.Tensor, float]
 class PlainSteps:
     """Each step runs once; a failure ends the run (an elastic restart resumes it)."""
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         """The loop starts at trainer.step (resumed already)."""
 
-    def run(self, trainer: Trainer, *, report_loss: bool) -> Result:
+    def run(self, trainer: TrainerView, *, report_loss: bool) -> Result:
         """Step trainer.step + 1 on the next global batch."""
         lr = lr_at(trainer.step, cfg=trainer.cfg.optim, total_steps=trainer.cfg.training.steps)
         loss, grad_norm = trainer.train_step(
@@ -46,7 +62,7 @@ class PlainSteps:
         """After backward, before the update: the loss the step reports (this rank's)."""
         return loss
 
-    def step_end(self, trainer: Trainer, *, finished: bool) -> None:
+    def step_end(self, trainer: TrainerView, *, finished: bool) -> None:
         """The step is logged, evaluated and checkpointed as due."""
 
     def close(self) -> None:
@@ -60,7 +76,7 @@ class ReplicatedSteps(PlainSteps):
     def __init__(self, replicas: ReplicaGroups):
         self.replicas = replicas
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         self.replicas.serve(
             lambda: _live_state(trainer),
             lambda received: _load_live_state(trainer, received),
@@ -69,7 +85,7 @@ class ReplicatedSteps(PlainSteps):
         self.replicas.quorum(step=trainer.step, loader=trainer.loader)
         self.replicas.check_restart_has_a_source(step=trainer.step)
 
-    def run(self, trainer: Trainer, *, report_loss: bool) -> Result:
+    def run(self, trainer: TrainerView, *, report_loss: bool) -> Result:
         """The step on this group's share of the global batch, redone until every group of the
         quorum commits it. After a failed attempt the loader and the RNG are put back where the
         step began and the survivors' new quorum re-plans the same global batch over the groups
@@ -96,7 +112,7 @@ class ReplicatedSteps(PlainSteps):
         """The gradients and the loss averaged over the groups of the quorum."""
         return self.replicas.average(loss, params)
 
-    def step_end(self, trainer: Trainer, *, finished: bool) -> None:
+    def step_end(self, trainer: TrainerView, *, finished: bool) -> None:
         if not finished:
             self.replicas.quorum(step=trainer.step, loader=trainer.loader)
 
@@ -104,7 +120,7 @@ class ReplicatedSteps(PlainSteps):
         self.replicas.close()
 
 
-def _live_state(trainer: Trainer) -> dict[str, Any]:
+def _live_state(trainer: TrainerView) -> dict[str, Any]:
     """This rank's shards of the model and optimizer, the loader position, the RNG states and
     the step: what the same rank of a rejoining replica group loads."""
     parts, spec = trainer.model.parts, trainer.model.spec
@@ -119,7 +135,7 @@ def _live_state(trainer: Trainer) -> dict[str, Any]:
     )
 
 
-def _load_live_state(trainer: Trainer, received: dict[str, Any]) -> None:
+def _load_live_state(trainer: TrainerView, received: dict[str, Any]) -> None:
     model = ModelState(trainer.model.parts)
     optim = OptimizerState(trainer.model.parts, trainer.optimizers, trainer.model.spec)
     weights, moments = model.state_dict(), optim.state_dict()
