@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import train_in_process
 
-from distrain.checkpoint import checkpointer, manifest
+from distrain.checkpoint import checkpointer, load, manifest
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
@@ -456,7 +456,7 @@ def test_two_ranks_zero1_shards_shared_verification_and_one_rank_failing(tmp_pat
     # The shards load as one plain AdamW state, equal to a plain AdamW trained alike.
     got = optimizer_state_dict(*_adamw_pair(zero=False))
     step3 = str(tmp_path / "ckpt" / "step-00000003")
-    checkpointer.load(Storage(str(tmp_path / "ckpt")), step3, {"optim": got})
+    load.load(Storage(str(tmp_path / "ckpt")), step3, {"optim": got})
     for key in want:
         if key.startswith("state."):
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)

@@ -15,11 +15,9 @@ checkpoints, and claims its checkpoint location (OWNER.json, ownership.py) so th
 sent there by mistake is refused before its first step rather than deleting the first one's
 files.
 A save that fails on any rank fails on all: its directory is removed and the cause reported in
-one line; too many failures in a row stop the run. Resume takes the newest checkpoint whose
-manifest verifies (every rank hashing a share of its files); a torn, truncated or corrupted one
-is reported and skipped. A manifest and a `.metadata` are data from storage: names must stay
-inside the checkpoint folder, and the metadata is decoded without running code
-(metadata.py); one that fails either check is skipped with its reason.
+one line; too many failures in a row stop the run. Which committed checkpoints are kept is
+retention.py's; resuming from the newest one that verifies is restore.py's; the collectives of
+both sides are group.py's.
 """
 
 from __future__ import annotations
@@ -37,33 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distrain.checkpoint.load import SavedLayoutAware, load, root_cause
-from distrain.checkpoint.manifest import (
-    MANIFEST,
-    UNREADABLE,
-    Entry,
-    committed,
-    manifest_problem,
-    rank_record,
-    remove_checkpoint,
-    resume_from_step,
-    scan,
-    step_name,
-    step_of,
-    verify,
-    write_manifest,
-)
+from distrain.checkpoint.group import CheckpointGroup
+from distrain.checkpoint.load import root_cause
+from distrain.checkpoint.manifest import rank_record, step_name, write_manifest
 from distrain.checkpoint.ownership import claim, owner_problem
+from distrain.checkpoint.restore import Restorer
+from distrain.checkpoint.retention import Retention
 from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
-from distrain.parallel.device import checkpoint_group
 
 
 def checkpoint_storage(cfg: Config) -> Storage:
@@ -93,14 +78,6 @@ def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) 
         )
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 @dataclass
 class _Pending:
     """The async save in flight; `attempt` is set, then `recorded`, by the saving thread."""
@@ -115,11 +92,12 @@ class _Pending:
 
 
 class Checkpointer:
-    """Saves (sync or async, at most one in flight), commits, prunes and restores checkpoints.
+    """Saves (sync or async, at most one in flight) and commits checkpoints, applies retention
+    after each commit, claims the location, and restores the newest good one (restore.py).
 
-    A save that fails on any rank is failed on every rank: its directory is removed, the cause
-    is logged as one line and passed to `on_failure`, and after `max_failed_saves` failures in a
-    row `CheckpointError` stops the run (the newest committed checkpoint stays intact).
+        A save that fails on any rank is failed on every rank: its directory is removed, the cause
+        is logged as one line and passed to `on_failure`, and after `max_failed_saves` failures in a
+        row `CheckpointError` stops the run (the newest committed checkpoint stays intact).
     """
 
     def __init__(
@@ -137,38 +115,30 @@ class Checkpointer:
         on_failure: Callable[[int, str], None] | None = None,
     ):
         self.storage, self.layout, self.async_mode = storage, layout, async_mode
-        if keep_temporary < 1:
-            raise ValueError("keep_temporary must be >= 1: the newest checkpoint is always kept")
-        self.run_id, self.resume_from = run_id, resume_from
-        self.keep_temporary, self.log = keep_temporary, logger
-        self.damaged: set[int] = set()
-        """Steps of this storage that restore_latest found damaged: never counted by retention."""
+        self.run_id, self.log = run_id, logger
+        self.retention = Retention(
+            storage, run_id=run_id, keep_temporary=keep_temporary, logger=logger
+        )
         self.max_failed_saves, self.on_failure = max_failed_saves, on_failure
-        self.rank, self.world_size = _rank(), _world()
-        self.group = checkpoint_group(collective_timeout_s)
+        self.comm = CheckpointGroup(collective_timeout_s)
+        self.rank, self.world_size, self.group = (
+            self.comm.rank,
+            self.comm.world_size,
+            self.comm.group,
+        )
+        self.restorer = Restorer(
+            storage,
+            self.comm,
+            self.retention,
+            run_id=run_id,
+            resume_from=resume_from,
+            logger=logger,
+        )
         self.pending: _Pending | None = None
         # rank 0: step -> (path, kind, permanent)
         self.uncommitted: dict[int, tuple[str, str, bool, dict[str, Any]]] = {}
         self.failed_in_a_row = 0
         self.newest_committed: int | None = None
-
-    # --- collectives on the checkpoint group ---------------------------------------------------
-
-    def _broadcast(self, value: Any) -> Any:
-        """Rank 0's `value` on every rank."""
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def _all_gather(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order, on every rank."""
-        if self.group is None:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -183,7 +153,7 @@ class Checkpointer:
     ) -> None:
         """Collective. Returns once the state is captured (async) or written and committed
         (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
-        `preempt`: the save a stop signal asked for (kind "preempt", see `prune`); with
+        `preempt`: the save a stop signal asked for (kind "preempt", see retention.py); with
         `permanent` too it is also kept like a permanent one. `notes`: facts about the state
         (JSON values) that the manifest records under "notes", for checks made before loading
         (`SavedLayoutAware`, the launcher)."""
@@ -199,7 +169,7 @@ class Checkpointer:
                 prepared = (None, self.storage.free_bytes())
             except Exception as e:
                 prepared = (str(e) if isinstance(e, StorageError) else one_line(e), None)
-        prep_error, free_bytes = self._broadcast(prepared)
+        prep_error, free_bytes = self.comm.broadcast(prepared)
         if prep_error is not None:
             # Nothing of this save was written: the folder, if any, is not this save's to remove
             # (another run's, when the location is not this run's).
@@ -276,7 +246,7 @@ class Checkpointer:
     ) -> None:
         """Collective: combine every rank's attempt; commit the save if all succeeded, else
         remove it and count the failure."""
-        attempts = self._all_gather(attempt)
+        attempts = self.comm.all_gather(attempt)
         failed = [a for a in attempts if a.error is not None]
         commit_error = None
         if not failed:
@@ -285,7 +255,7 @@ class Checkpointer:
                     self._commit(step)
                 except Exception as e:
                     commit_error = str(e) if isinstance(e, StorageError) else one_line(e)
-            commit_error = self._broadcast(commit_error)
+            commit_error = self.comm.broadcast(commit_error)
         if not failed and commit_error is None:
             self.failed_in_a_row = 0
             self.newest_committed = step
@@ -352,7 +322,7 @@ class Checkpointer:
         del self.uncommitted[step]
         self.newest_committed = step
         self.log.info("checkpoint %s committed", self.storage.url_of(path))
-        self.prune()
+        self.retention.prune(self.newest_committed, in_flight=self.uncommitted)
 
     def commit_ready(self) -> None:
         """Rank 0, no collective: commit an async save whose ranks have all recorded their part,
@@ -368,53 +338,6 @@ class Checkpointer:
             except Exception as e:
                 self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
 
-    def prune(self) -> None:
-        """Keep the newest `keep_temporary` temporary checkpoints, the one just committed and
-        every permanent one; drop torn saves older than the newest committed checkpoint. Only
-        this run's checkpoints that can still be resumed count (`_counts_for_retention`). Only
-        ever after a commit, and never fatal: a storage error leaves the files for the next
-        prune and logs a warning. A preempt checkpoint is what the next start resumes from:
-        kept while it is the newest, counted as temporary once a later one is committed."""
-        try:
-            self._prune()
-        except Exception as e:
-            self.log.warning(
-                "retention skipped on %s: %s", self.storage.url, str(e).splitlines()[0][:400]
-            )
-
-    def _prune(self) -> None:
-        found = committed(self.storage)
-        entries = [e for e in found if self._counts_for_retention(e)]
-        temporary = [
-            e for e in entries if not e.permanent and not (e.kind == "preempt" and e is entries[-1])
-        ]
-        kept = {e.step for e in temporary[-self.keep_temporary :]} | {self.newest_committed}
-        for entry in temporary:
-            if entry.step not in kept:
-                remove_checkpoint(self.storage, entry.path)
-                self.log.info("retention: removed temporary checkpoint step %d", entry.step)
-        newest_step = max((e.step for e in entries), default=-1)
-        committed_steps = {e.step for e in found}
-        for name in self.storage.listdir():
-            step = step_of(name)
-            if (
-                step is not None
-                and step < newest_step
-                and step not in committed_steps
-                and step not in self.uncommitted
-            ):
-                self.storage.remove(self.storage.path(name))
-
-    def _counts_for_retention(self, entry: Entry) -> bool:
-        """Only this run's checkpoints that can still be resumed count towards (and are
-        removed by) retention: a damaged one never pushes a good one out."""
-        if entry.manifest.get("run_id") != self.run_id or entry.step in self.damaged:
-            return False
-        if manifest_problem(entry) is not None:
-            return False
-        present = set(self.storage.listdir(entry.path))
-        return set(entry.manifest["files"]) <= present
-
     def claim_location(self) -> None:
         """Collective, after resuming and before the first step (a start that fails before it
         leaves the location as it was): this run's checkpoints may go to its location only if
@@ -428,7 +351,7 @@ class Checkpointer:
                 error = str(e)
             except Exception as e:
                 error = f"cannot claim {self.storage.url}: {one_line(e)}"
-        error = self._broadcast(error)
+        error = self.comm.broadcast(error)
         if error is not None:
             raise CheckpointError(error)
 
@@ -453,110 +376,12 @@ class Checkpointer:
     # --- restoring ---------------------------------------------------------------------------
 
     def restore_latest(self, state: dict[str, Any]) -> int | None:
-        """Collective. Load the newest checkpoint that verifies; returns its step, or None.
-        Rank 0 lists the candidates; every rank verifies a share of each one's files."""
-        found: tuple[list[Entry], list[str], str | None] = ([], [], None)
-        if self.rank == 0:
-            unlisted = (
-                f"cannot list checkpoints under {self.storage.url}: %s; resuming is impossible "
-                "until the storage answers"
-            )
-            try:
-                self._check_owner()
-                found = (*scan(self.storage), None)
-            except StorageError as e:
-                found = ([], [], unlisted % e)
-            except CheckpointError as e:  # another run's location
-                found = ([], [], str(e))
-            except Exception as e:
-                found = ([], [], unlisted % one_line(e))
-        entries, torn, error = self._broadcast(found)
-        if error is not None:
-            raise CheckpointError(error)
-        for name in torn:
-            self.log.warning(
-                "checkpoint %s is incomplete (no %s: its save never finished, or the manifest "
-                "was deleted); ignoring it",
-                self.storage.url_of(self.storage.path(name)),
-                MANIFEST,
-            )
-        for entry in reversed(entries):
-            if entry.manifest is not UNREADABLE and entry.manifest.get("run_id") != self.run_id:
-                self.log.warning(
-                    "checkpoint %s belongs to another run (run id %s); ignoring it (set "
-                    "checkpoint.resume_from to start from it)",
-                    self.storage.url_of(entry.path),
-                    str(entry.manifest.get("run_id"))[:40],
-                )
-                continue
-            if self._restored(self.storage, entry, state):
-                return entry.step
-            self.damaged.add(entry.step)
-        if self.resume_from:
-            return self._restore_from(self.resume_from, state)
-        return None
-
-    def _restored(self, storage: Storage, entry: Entry, state: dict[str, Any]) -> bool:
-        """Collective: load `entry` into `state` if it verifies; else say why and return False."""
-        problem = self._verify_shared(storage, entry)
-        if problem is not None:
-            self.log.warning(
-                "checkpoint %s is damaged (%s); skipping it for the previous one",
-                storage.url_of(entry.path),
-                problem,
-            )
-            return False
-        for part in state.values():
-            if isinstance(part, SavedLayoutAware):
-                part.saved_manifest(entry.manifest)
-        load(storage, entry.path, state, process_group=self.group)
-        if storage is self.storage:
-            self.newest_committed = entry.step
-        return True
-
-    def _restore_from(self, location: str, state: dict[str, Any]) -> int:
-        """Collective: start from another run's checkpoint folder (checkpoint.resume_from)."""
-        parent, step = resume_from_step(location)
-        storage = Storage(parent, retry_s=self.storage.retry_s)
-        found: tuple[list[Entry], str | None] = ([], None)
-        if self.rank == 0:
-            try:
-                found = ([e for e in scan(storage)[0] if e.step == step], None)
-            except Exception as e:
-                found = ([], str(e) if isinstance(e, StorageError) else one_line(e))
-        entries, error = self._broadcast(found)
-        if error is not None or not entries or not self._restored(storage, entries[0], state):
-            raise CheckpointError(
-                f"checkpoint.resume_from = {location!r} is not a complete, intact checkpoint"
-                + (f" ({error})" if error else "")
-            )
-        self.log.warning(
-            "starting from checkpoint %s of run %s (checkpoint.resume_from), step %d",
-            storage.url_of(entries[0].path),
-            str(entries[0].manifest.get("run_id"))[:40],
-            step,
-        )
+        """Collective. Load the newest checkpoint that verifies (restore.py); returns its step,
+        or None."""
+        restored = self.restorer.restore_latest(state)
+        if restored is None:
+            return None
+        step, own = restored
+        if own:
+            self.newest_committed = step
         return step
-
-    def _verify_shared(self, storage: Storage, entry: Entry) -> str | None:
-        """Every rank checks every world_size-th file of `entry`; the first problem found (by
-        rank) is everyone's verdict. A storage that cannot be read stops the resume instead:
-        falling back to an older checkpoint for that would lose work for no reason."""
-        problem = manifest_problem(entry)
-        if problem is not None:
-            return problem
-        share = sorted(entry.manifest["files"])[self.rank :: self.world_size]
-        verdict: tuple[str | None, str | None] = (None, None)
-        try:
-            verdict = (verify(storage, entry, share), None)
-        except StorageError as e:
-            verdict = (None, str(e))
-        except Exception as e:  # what the checkpoint holds, not the storage, is at fault
-            verdict = (one_line(e), None)
-        verdicts = self._all_gather(verdict)
-        fatal = [v[1] for v in verdicts if v[1] is not None]
-        if fatal:
-            raise CheckpointError(
-                f"cannot verify checkpoint {storage.url_of(entry.path)}: {fatal[0]}"
-            )
-        return next((v[0] for v in verdicts if v[0] is not None), None)
