@@ -67,23 +67,35 @@ def train_in_process(run_dir: Path, **fields: object) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
 
+def plan_of(cfg: Config, world_size: int) -> Any:
+    """`cfg`'s `RunPlan` on `world_size` CPU ranks: the layout rules checked, "auto" decided."""
+    import torch
+
+    from distrain.layout.rules import validate
+    from distrain.parallel.run_plan import RunPlan
+
+    layout = validate(cfg, world_size)
+    return RunPlan.decided(
+        cfg, spec=layout.spec, model=layout.model, dims=layout.dims, device=torch.device("cpu")
+    )
+
+
 @contextlib.contextmanager
 def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """`cfg` validated for one process inside a real 1-process gloo group (ended on exit):
-    (layout, DistContext, mesh, data-parallel mesh), what `build_parallel_model` takes."""
+    """`cfg` planned for one process inside a real 1-process gloo group (ended on exit):
+    (RunPlan, DistContext, mesh, data-parallel mesh), what `build_parallel_model` takes."""
     import torch
     import torch.distributed as dist
 
-    from distrain.layout.rules import validate
     from distrain.parallel.device import DistContext
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        layout = validate(cfg, 1)
+        plan = plan_of(cfg, 1)
         ctx = DistContext(
             rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
         )
-        yield (layout, ctx, *layout.dims.build_mesh("cpu"))
+        yield (plan, ctx, *plan.dims.build_mesh("cpu"))
     finally:
         dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ outlives a run (parallel/compile.py). That a compiled run trains like an eager o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -94,7 +95,6 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
     from torch._dynamo.utils import counters
 
     from distrain.config.schema import Config
-    from distrain.models.gpt.spec import GPT_SPEC
     from distrain.parallel.compress import CommStats
     from distrain.parallel.model import build_parallel_model
 
@@ -102,13 +102,14 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
     cfg = Config()
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.ffn_dim = 32, 1, 2, 64
     cfg.training.seq_len, cfg.training.micro_batch_size = 32, 2
-    with one_rank_group(cfg) as (layout, ctx, mesh, dp_mesh):
+    with one_rank_group(cfg) as (plan, ctx, mesh, dp_mesh):
         models = {}
         for compiled in (False, True):
-            cfg.training.compile = compiled
-            models[compiled] = build_parallel_model(
-                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
+            training = dataclasses.replace(plan.config.training, compile=compiled)
+            planned = dataclasses.replace(
+                plan, config=dataclasses.replace(plan.config, training=training)
             )
+            models[compiled] = build_parallel_model(planned, mesh, dp_mesh, ctx, CommStats())
         tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         assert models[True].loss_in_model and not models[False].loss_in_model

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import plan_of
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config, DataConfig
@@ -26,9 +27,7 @@ from distrain.data.dataset import TokenDataset, build_datasets
 from distrain.data.documents import IGNORE_INDEX, DocumentIndex
 from distrain.errors import ConfigError
 from distrain.launch.preflight import preflight
-from distrain.layout.rules import validate
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights, summed_next_token_loss
-from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.attention_blocks import local_positions
 from distrain.parallel.compress import CommStats
 from distrain.parallel.context import attend_local
@@ -138,16 +137,13 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 def _layout_parity(rank: int, parallel: dict, batch, want_loss, want_grads) -> dict:
     """This layout's loss and gradients for the global batch against the 1-process ones."""
-    cfg = _config(parallel)
-    layout = validate(cfg, WORLD)
-    dims = layout.dims
+    plan = plan_of(_config(parallel), WORLD)
+    dims = plan.dims
     mesh, dp_mesh = dims.build_mesh("cpu")
     ctx = DistContext(
         rank=rank, local_rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo"
     )
-    model = build_parallel_model(
-        layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
-    )
+    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
     rows = GLOBAL // dims.dp_size
     mine = slice(dp_mesh.get_local_rank() * rows, (dp_mesh.get_local_rank() + 1) * rows)
     batches = list(zip(*(t[mine].split(MICRO) for t in batch), strict=True))

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from distrain_residual_mlp.model import ResidualMLPArgs
 from distrain_residual_mlp.spec import SPEC
+from helpers import plan_of
 
 from distrain.config.schema import Config
-from distrain.layout.rules import validate
 from distrain.models.registry import model_family, register_family
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
@@ -92,9 +92,8 @@ def _config(tp: int, pp: int, ac: str) -> Config:
 
 
 def _parallel(rank: int, tp: int, pp: int, ac: str) -> list[float]:
-    cfg = _config(tp, pp, ac)
-    layout = validate(cfg, WORLD_SIZE)
-    dims = layout.dims
+    plan = plan_of(_config(tp, pp, ac), WORLD_SIZE)
+    dims = plan.dims
     mesh, dp_mesh = dims.build_mesh("cpu")
     ctx = DistContext(
         rank=rank,
@@ -103,16 +102,7 @@ def _parallel(rank: int, tp: int, pp: int, ac: str) -> list[float]:
         device=torch.device("cpu"),
         backend="gloo",
     )
-    model = build_parallel_model(
-        ResidualMLPArgs(),
-        cfg,
-        dims,
-        mesh,
-        dp_mesh,
-        ctx,
-        CommStats(),
-        spec=model_family("residual_mlp"),
-    )
+    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dp_rank, rows = dp_mesh.get_local_rank(), GLOBAL_BATCH // dims.dp_size
     result = []

@@ -55,11 +55,9 @@ def tiny_config(*, stage: int = 0, ac: str = "none", world_size: int = 1) -> Con
 
 def measured_one_rank(cfg: Config):
     """The same step on real tensors, in a real 1-process gloo group."""
-    with one_rank_group(cfg) as (layout, ctx, mesh, dp_mesh):
+    with one_rank_group(cfg) as (plan, ctx, mesh, dp_mesh):
         torch.manual_seed(0)
-        model = build_parallel_model(
-            layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
-        )
+        model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
         optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
         return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
 

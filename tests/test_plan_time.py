@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import plan_of
 
 from distrain.config.schema import Config
-from distrain.layout.rules import validate
 from distrain.models.decoder.counts import num_params
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
@@ -191,14 +191,12 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
         found = {}
         for schedule in SCHEDULES:
             cfg = pipeline_config(schedule)
-            layout = validate(cfg, 2)
+            plan = plan_of(cfg, 2)
             ctx = DistContext(
                 rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo"
             )
-            mesh, dp_mesh = layout.dims.build_mesh("cpu")
-            model = build_parallel_model(
-                layout.model, cfg, layout.dims, mesh, dp_mesh, ctx, CommStats(), spec=GPT_SPEC
-            )
+            mesh, dp_mesh = plan.dims.build_mesh("cpu")
+            model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
             optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
             tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)
             batches = [(tokens, tokens)] * 8

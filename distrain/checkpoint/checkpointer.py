@@ -23,6 +23,7 @@ both sides are group.py's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -61,21 +62,25 @@ def checkpoint_storage(cfg: Config) -> Storage:
     )
 
 
-def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) -> None:
-    """Point `cfg` (a run folder's config.toml) at where a reading command (generate, export)
+def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) -> Config:
+    """`cfg` (a run folder's config.toml) pointed at where a reading command (generate, export)
     takes the run's checkpoints from: `checkpoint_dir` when given, else the run's own location,
     which must lie inside the run folder. A run folder is data that anyone may have written: a
-    checkpoint.dir elsewhere (another folder, a bucket) is read only when the user names it."""
-    cfg.run.dir = str(run_dir)  # the run may have moved since it was trained
-    if checkpoint_dir is not None:
-        cfg.checkpoint.dir = checkpoint_dir
-        return
-    named = cfg.checkpoint.dir
-    if named and ("://" in named or not Path(named).resolve().is_relative_to(run_dir.resolve())):
+    checkpoint.dir elsewhere (another folder, a bucket) is read only when the user names it.
+    `cfg` itself is not changed."""
+    # The run may have moved since it was trained.
+    run = dataclasses.replace(cfg.run, dir=str(run_dir))
+    named = cfg.checkpoint.dir if checkpoint_dir is None else checkpoint_dir
+    outside = named and (
+        "://" in named or not Path(named).resolve().is_relative_to(run_dir.resolve())
+    )
+    if checkpoint_dir is None and outside:
         raise ConfigError(
             f"{run_dir / 'config.toml'} keeps checkpoints at {named[:200]!r}, outside the run "
             f"folder; pass --checkpoint-dir {named[:200]!r} to read them there"
         )
+    checkpoint = dataclasses.replace(cfg.checkpoint, dir=named)
+    return dataclasses.replace(cfg, run=run, checkpoint=checkpoint)
 
 
 @dataclass

@@ -27,7 +27,7 @@ def load_model(
     (`checkpoint_dir`: where the checkpoints are, when not in the run folder)."""
     config_path = run_config_file(run_dir)
     cfg = load_config(str(config_path))
-    read_checkpoints_of(cfg, run_dir, checkpoint_dir)
+    cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     storage = checkpoint_storage(cfg)
     checkpointer = Checkpointer(
         storage,

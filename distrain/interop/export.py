@@ -55,7 +55,7 @@ TOKENIZER_FILES = (
 
 def _run_config(run_dir: Path, checkpoint_dir: str | None) -> Config:
     cfg = load_config(str(run_config_file(run_dir)))
-    read_checkpoints_of(cfg, run_dir, checkpoint_dir)
+    cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
     return cfg
 
 

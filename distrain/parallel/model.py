@@ -35,7 +35,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config.batch import BatchSizes
-from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelSpec
 from distrain.observe import heartbeat
@@ -50,10 +49,11 @@ from distrain.parallel.data_parallel import (
     install_comm_hook,
     settle_bucket_layout,
 )
-from distrain.parallel.device import DistContext, resolve_compile
+from distrain.parallel.device import DistContext
 from distrain.parallel.local import copy_from_flat
 from distrain.parallel.mesh import ParallelDims, embedding_group
 from distrain.parallel.moe_stats import MoEStats
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
 
@@ -387,59 +387,44 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_parallel_model(
-    args: Any,
-    cfg: Config,
-    dims: ParallelDims,
+    plan: RunPlan,
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
     ctx: DistContext,
     comm_stats: CommStats,
     *,
-    spec: ModelSpec,
     meta_model: nn.Module | None = None,
 ) -> ParallelModel:
-    """The model parts for this rank, a model of the family `spec` built from `args`, laid out
-    per `dims`; gradient communication (DDP's hook, or the model itself for DDP's plain
-    all-reduce) counts its bytes into `comm_stats`. `meta_model`: spec.build(args) already built
-    on the meta device (the planner builds it before it enters its fake-tensor mode, in which
-    module parameters could not be swapped by to_empty)."""
-    device = ctx.device
+    """The model parts for this rank: the model of `plan` (its family's, from its arguments)
+    laid out per its parallel degrees; gradient communication (DDP's hook, or the model itself
+    for DDP's plain all-reduce) counts its bytes into `comm_stats`. `meta_model`: the model
+    already built on the meta device (the planner builds it before it enters its fake-tensor
+    mode, in which module parameters could not be swapped by to_empty)."""
+    device, spec, dims, cfg = ctx.device, plan.spec, plan.dims, plan.config
     t = cfg.training
-    batch = BatchSizes(global_batch=t.global_batch_size, dp=dims.dp_size, micro=t.micro_batch_size)
     if meta_model is None:
         with torch.device("meta"):
-            meta_model = spec.build(args)
-    moe_settings = spec.moe_settings(args)
-    parts, stage_ids, num_stages, microbatches = _cut_stages(
-        meta_model, cfg, dims, mesh, spec, batch
-    )
+            meta_model = spec.build(plan.model)
+    moe_settings = spec.moe_settings(plan.model)
+    parts, stage_ids, num_stages, microbatches = cut_stages(meta_model, plan, mesh)
     ep_mesh = (
         dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
         if dims.ep > 1
         else None
     )
     # Whole-model compile only where nothing inside the model would be traced across blocks.
-    compiled = resolve_compile(t.compile, device)
     plain = dims.world_size == dims.dp_size and dims.ep == 1
     compile_whole = (
-        compiled
+        t.compile
         and plain
         and dims.dp_wrapper != "fsdp"
         and moe_settings is None
         and t.activation_checkpointing == "none"
     )
     parts = lay_out_parts(
-        parts,
-        cfg,
-        dims,
-        mesh,
-        spec,
-        comm_stats,
-        ep_mesh=ep_mesh,
-        compiled=compiled,
-        compile_whole=compile_whole,
+        parts, plan, mesh, comm_stats, ep_mesh=ep_mesh, compile_whole=compile_whole
     )
-    _materialize(parts, args, cfg, spec, device)
+    _materialize(parts, plan, device)
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
@@ -451,7 +436,7 @@ def build_parallel_model(
         parts,
         dims=dims,
         mesh=mesh,
-        batch=batch,
+        batch=plan.batch,
         precision=t.precision,
         pp_schedule=cfg.parallel.pp_schedule,
         device=device,
@@ -467,7 +452,7 @@ def build_parallel_model(
     )
     model.loss_in_model = compile_whole and spec.loss_in_forward
     if dims.dp_wrapper == "ddp":
-        _settle_ddp(model, cfg, dp_mesh, comm_stats, ctx)
+        _settle_ddp(model, plan, dp_mesh, comm_stats, ctx)
     model.comm_stats = comm_stats
     if moe_settings is not None:
         model.moe_stats = MoEStats(
@@ -484,40 +469,34 @@ def build_parallel_model(
     return model
 
 
-def _cut_stages(
-    model: nn.Module,
-    cfg: Config,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    spec: ModelSpec,
-    batch: BatchSizes,
+def cut_stages(
+    model: nn.Module, plan: RunPlan, mesh: DeviceMesh
 ) -> tuple[list[nn.Module], list[int], int, int]:
     """(parts, their stage ids, stages in all, pipeline microbatches): the whole model as one
-    part without a pipeline, else the stages this pp rank holds, cut by the family's spec."""
+    part without a pipeline, else the stages this pp rank holds, cut by the family's spec (the
+    planner's pipeline memory cuts its stages here too)."""
+    dims = plan.dims
     if dims.pp == 1:
         return [model], [0], 1, 1
     from distrain.parallel.pipeline import split_model, stage_ids_for_rank
 
-    p = cfg.parallel
+    p = plan.config.parallel
     num_stages = dims.pp * p.pp_stages_per_rank
     stage_ids = stage_ids_for_rank(
         mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
     )
-    parts = [split_model(model, s, num_stages, spec=spec) for s in stage_ids]
-    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else batch.accumulation
+    parts = [split_model(model, s, num_stages, spec=plan.spec) for s in stage_ids]
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else plan.batch.accumulation
     return parts, stage_ids, num_stages, microbatches
 
 
 def lay_out_parts(
     parts: list[nn.Module],
-    cfg: Config,
-    dims: ParallelDims,
+    plan: RunPlan,
     mesh: DeviceMesh,
-    spec: ModelSpec,
     comm_stats: CommStats,
     *,
     ep_mesh: DeviceMesh | None = None,
-    compiled: bool = False,
     compile_whole: bool = False,
 ) -> list[nn.Module]:
     """The layout's steps after the pipeline cut, on parts still on the meta device, in the one
@@ -525,16 +504,16 @@ def lay_out_parts(
     checkpointing and compile per part, then FSDP2 (the planner's pipeline memory builds its
     stages through here too)."""
     for part in parts:
-        _apply_layout(part, cfg, dims, mesh, ep_mesh, spec, comm_stats, compiled, compile_whole)
-    if dims.dp_wrapper != "fsdp":
+        _apply_layout(part, plan, mesh, ep_mesh, comm_stats, compile_whole)
+    if plan.dims.dp_wrapper != "fsdp":
         return parts
     return [
         apply_fsdp(
             part,
             mesh,
-            dims,
-            precision=cfg.training.precision,
-            blocks=getattr(part, spec.blocks),
+            plan.dims,
+            precision=plan.config.training.precision,
+            blocks=getattr(part, plan.spec.blocks),
             expert_mesh=None if ep_mesh is None else ep_mesh["dp_mod_ep"],
         )
         for part in parts
@@ -543,18 +522,15 @@ def lay_out_parts(
 
 def _apply_layout(
     part: nn.Module,
-    cfg: Config,
-    dims: ParallelDims,
+    plan: RunPlan,
     mesh: DeviceMesh,
     ep_mesh: DeviceMesh | None,
-    spec: ModelSpec,
     comm_stats: CommStats,
-    compiled: bool,
     compile_whole: bool,
 ) -> None:
     """Context, tensor and expert parallelism, activation checkpointing and compile, in that
     order, on one part still on the meta device."""
-    t = cfg.training
+    t, p, dims, spec = plan.config.training, plan.config.parallel, plan.dims, plan.spec
     blocks = getattr(part, spec.blocks)
     if dims.cp > 1:
         if spec.attention_modules is None:
@@ -566,29 +542,26 @@ def _apply_layout(
             part,
             spec.attention_modules(part),
             mesh["cp"],
-            cfg.parallel.cp_method,
+            p.cp_method,
             stage_seq_len=t.seq_len if dims.pp > 1 else None,
         )
     if dims.tp > 1:
         from distrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(
-            part, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel, spec=spec
-        )
+        apply_tensor_parallel(part, mesh["tp"], sequence_parallel=p.sequence_parallel, spec=spec)
     if ep_mesh is not None:
         from distrain.parallel.experts import apply_expert_parallel
 
         apply_expert_parallel(spec.moe_layers(part), ep_mesh["ep"], stats=comm_stats)
     apply_activation_checkpointing(blocks, t.activation_checkpointing, every=t.ac_every_layers)
-    if compiled:
+    if t.compile:
         apply_compile(part, whole=compile_whole, blocks=blocks)
 
 
-def _materialize(
-    parts: list[nn.Module], args: Any, cfg: Config, spec: ModelSpec, device: torch.device
-) -> None:
+def _materialize(parts: list[nn.Module], plan: RunPlan, device: torch.device) -> None:
     """Storage on `device` for every part, then the family's seeded init (the same values on
     every layout), from model.init_from's pretrained weights when it names them."""
+    spec, cfg = plan.spec, plan.config
     source = None
     if cfg.model.init_from:
         if spec.hf is None:
@@ -596,15 +569,15 @@ def _materialize(
                 f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
                 "remove model.init_from"
             )
-        source = spec.hf.source(cfg.model.init_from, args)
+        source = spec.hf.source(cfg.model.init_from, plan.model)
     for part in parts:
         part.to_empty(device=device)
-        spec.init_weights(part, args, cfg.training.seed, source=source)
+        spec.init_weights(part, plan.model, cfg.training.seed, source=source)
 
 
 def _settle_ddp(
     model: ParallelModel,
-    cfg: Config,
+    plan: RunPlan,
     dp_mesh: DeviceMesh,
     comm_stats: CommStats,
     ctx: DistContext,
@@ -613,15 +586,17 @@ def _settle_ddp(
     exactly as the run it continues), then its communication hook installed; without a hook
     the model counts DDP's plain all-reduce itself."""
     (ddp,) = model.parts
-    t = cfg.training
-    tokens = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device=ctx.device)
+    comm = plan.config.comm
+    tokens = torch.zeros(
+        plan.batch.micro, plan.config.training.seq_len, dtype=torch.long, device=ctx.device
+    )
     settle_bucket_layout(ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss))
     hooked = install_comm_hook(
         ddp,
         dp_mesh,
-        comm=cfg.comm,
+        comm=comm,
         stats=comm_stats,
         local_world_size=ctx.local_world_size,
-        timeout_s=cfg.comm.collective_timeout_s,
+        timeout_s=comm.collective_timeout_s,
     )
     model.allreduce_payload = None if hooked else allreduce_payload(ddp)

@@ -149,20 +149,20 @@ def base_config(ns: argparse.Namespace, absent: list[str] | None = None) -> Conf
     model.init_from; the tokenizer's vocabulary, which no plan reads, unchecked)."""
     from distrain.models.registry import family_of_preset
 
-    cfg = load_config(ns.config, [])
-    t = cfg.training
+    fields = {"training.micro_batch_size": "1"}
     if ns.preset:
-        cfg.model.preset = ns.preset
-        cfg.model.family = family_of_preset(ns.preset) or cfg.model.family
-    if ns.family:
-        cfg.model.family = ns.family
-    if ns.seq_len:
-        t.seq_len = ns.seq_len
-    if ns.global_batch:
-        t.global_batch_size = ns.global_batch
-    if ns.precision:
-        t.precision = ns.precision
-    t.micro_batch_size = 1
+        fields["model.preset"] = ns.preset
+        owner = family_of_preset(ns.preset)
+        if owner is not None:
+            fields["model.family"] = owner
+    named = {
+        "model.family": ns.family,
+        "training.seq_len": ns.seq_len,
+        "training.global_batch_size": ns.global_batch,
+        "training.precision": ns.precision,
+    }
+    fields.update({key: str(value) for key, value in named.items() if value})
+    cfg = load_config(ns.config, list(fields.items()))
     if absent is not None:
         from distrain.data.tokenizer import load_tokenizer
         from distrain.layout.rules import validate

@@ -42,6 +42,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
 from distrain.parallel.model import ParallelModel, build_parallel_model
+from distrain.parallel.run_plan import RunPlan
 from distrain.torch_compat import device_meshes_under_fake_mode, forget_dtensor_meshes
 
 
@@ -147,6 +148,18 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         forget_dtensor_meshes()
 
 
+def planned_run(cfg: Config, world_size: int) -> RunPlan:
+    """The `RunPlan` a fake build of `cfg` on `world_size` ranks is made from (the layout rules
+    checked): training.precision "auto" is planned as bf16, what it becomes on the GPUs the
+    planner prices, and "auto" compile as this machine decides it (eager on CPU)."""
+    layout = validate(cfg, world_size)
+    if cfg.training.precision == "auto":
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="bf16"))
+    return RunPlan.decided(
+        cfg, spec=layout.spec, model=layout.model, dims=layout.dims, device=torch.device("cpu")
+    )
+
+
 def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
     return tokens, tokens
@@ -158,10 +171,11 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
     whatever it says)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
-    layout = validate(cfg, world_size)
-    dims = layout.dims
-    assert dims is not None
+    cfg = dataclasses.replace(
+        cfg, training=dataclasses.replace(cfg.training, compile=False, micro_batch_size=1)
+    )
+    plan = planned_run(cfg, world_size)
+    dims = plan.dims
     with fake_world(world_size, rank):
         ctx = DistContext(
             rank=rank,
@@ -172,33 +186,22 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
-            meta_model = layout.spec.build(layout.model)
+            meta_model = plan.spec.build(plan.model)
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            return _fake_step(cfg, layout, dims, mesh, dp_mesh, ctx, meta_model)
+            return _fake_step(plan, mesh, dp_mesh, ctx, meta_model)
 
 
-def _fake_step(cfg, layout, dims, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
-    """Build, then one fwd/bwd at micro-batch 1 and 2 (the activation slope) and the optimizer
-    step; every pipeline micro-batch of the schedule is in flight together (the worst stage)."""
-    one_cfg = dataclasses.replace(
-        cfg, training=dataclasses.replace(cfg.training, micro_batch_size=1)
-    )
-    model = build_parallel_model(
-        layout.model,
-        one_cfg,
-        dims,
-        mesh,
-        dp_mesh,
-        ctx,
-        CommStats(),
-        spec=layout.spec,
-        meta_model=meta_model,
-    )
+def _fake_step(plan, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
+    """Build (for micro-batch 1), then one fwd/bwd at micro-batch 1 and 2 (the activation
+    slope) and the optimizer step; every pipeline micro-batch of the schedule is in flight
+    together (the worst stage)."""
+    cfg, dims = plan.config, plan.dims
+    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model)
     optimizers = [
         build_optimizer(
             part,
             cfg.optim,
-            spec=layout.spec,
+            spec=plan.spec,
             zero1_group=dp_mesh.get_group() if dims.zero_stage == 1 else None,
             dp_group=dp_mesh.get_group(),
         )

@@ -29,10 +29,9 @@ from torch import nn
 
 from distrain.config.schema import Config
 from distrain.family.spec import ModelSpec
-from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
-from distrain.parallel.model import lay_out_parts
+from distrain.parallel.model import cut_stages, lay_out_parts
 from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.memory import (
     LiveBytes,
@@ -40,6 +39,7 @@ from distrain.plan.memory import (
     grad_bytes,
     held_optimizer_state_bytes,
     local_bytes,
+    planned_run,
 )
 from distrain.torch_compat import device_meshes_under_fake_mode
 
@@ -75,28 +75,23 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
     """Memory of rank `rank` of a pp layout, from fake steps of its stage modules."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
-
-    layout = validate(cfg, world_size)
-    dims, spec, p, t = layout.dims, layout.spec, cfg.parallel, cfg.training
-    dim = layout.shape.dim
-    assert dims is not None and dims.pp > 1
+    plan = planned_run(cfg, world_size)
+    cfg, dims, spec = plan.config, plan.dims, plan.spec
+    p, t = cfg.parallel, cfg.training
+    dim = spec.shape(plan.model).dim
+    assert dims.pp > 1
     if dims.cp > 1 or dims.ep > 1:
         raise NotImplementedError("the planner does not yet plan pipelines with cp or ep")
-    num_stages = dims.pp * p.pp_stages_per_rank
-    local_batch = t.global_batch_size // dims.dp_size
-    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
-    rows = local_batch // microbatches
     with fake_world(world_size, rank):
         mesh, _ = dims.build_mesh("cpu")
         pp_rank = mesh["pp"].get_local_rank()
-        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, p.pp_stages_per_rank, p.pp_schedule)
         with torch.device("meta"):
-            meta = spec.build(layout.model)
+            meta = spec.build(plan.model)
         # Cut on meta, outside the fake mode (deep-copying a meta parameter inside it fails).
-        parts = [split_model(meta, s, num_stages, spec=spec) for s in stage_ids]
+        parts, stage_ids, num_stages, microbatches = cut_stages(meta, plan, mesh)
+        rows = plan.batch.local // microbatches
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            parts = lay_out_parts(parts, cfg, dims, mesh, spec, CommStats())
+            parts = lay_out_parts(parts, plan, mesh, CommStats())
             for part in parts:
                 part.to_empty(device="cpu")
             kept = in_flight(p.pp_schedule, dims.pp, pp_rank, p.pp_stages_per_rank, microbatches)

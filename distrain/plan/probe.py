@@ -44,14 +44,14 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.config.schema import Config
-from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
-from distrain.parallel.device import DistContext, resolve_compile
+from distrain.parallel.device import DistContext
 from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.model import build_parallel_model
+from distrain.parallel.run_plan import RunPlan
 from distrain.plan.collectives import LinkCost
-from distrain.plan.memory import fake_world
+from distrain.plan.memory import fake_world, planned_run
 
 # Dispatcher op name -> (kind, index of the argument whose bytes are the message, whether the
 # message is that argument times the group size: a functional all-gather's argument is its input).
@@ -146,20 +146,17 @@ def _median_time(fn: Any, repeats: int) -> float:
 
 def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -> Probe:
     """This layout's rank-0 step on this machine (see the module docstring). It runs on the
-    CPU, where training.compile "auto" means eager (parallel/device.py's resolve_compile)."""
-    compile_ = resolve_compile(cfg.training.compile, torch.device("cpu"))
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=compile_))
-    layout = validate(cfg, world_size)
-    dims = layout.dims
-    assert dims is not None
+    CPU, where training.compile "auto" means eager (memory.py's `planned_run`)."""
+    plan = planned_run(cfg, world_size)
+    cfg, dims = plan.config, plan.dims
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if dims.pp > 1:
-            return _probe_pipeline(cfg, layout, dims, repeats)
+            return _probe_pipeline(plan, repeats)
         if dims.dp_wrapper == "ddp":
             return _probe_ddp(cfg, world_size, dims.dp_size, repeats)
-        return _probe_fake_world(cfg, layout, world_size, repeats)
+        return _probe_fake_world(plan, world_size, repeats)
     finally:
         torch.set_num_threads(previous)
 
@@ -220,19 +217,18 @@ def _mean_probe(probes: list[Probe]) -> Probe:
     )
 
 
-def _probe_fake_world(cfg: Config, layout: Any, world_size: int, repeats: int) -> Probe:
-    dims, t = layout.dims, cfg.training
+def _probe_fake_world(plan: RunPlan, world_size: int, repeats: int) -> Probe:
+    cfg, dims = plan.config, plan.dims
+    t = cfg.training
     with fake_world(world_size):
         ctx = DistContext(
             rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"), backend="fake"
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         torch.manual_seed(t.seed)
-        model = build_parallel_model(
-            layout.model, cfg, dims, mesh, dp_mesh, ctx, CommStats(), spec=layout.spec
-        )
+        model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
         optimizers = [
-            build_optimizer(part, cfg.optim, spec=layout.spec, dp_group=dp_mesh.get_group())
+            build_optimizer(part, cfg.optim, spec=plan.spec, dp_group=dp_mesh.get_group())
             for part in model.parts
         ]
         rows = t.global_batch_size // dims.dp_size
@@ -261,10 +257,11 @@ def _probe_ddp(cfg: Config, world_size: int, dp: int, repeats: int) -> Probe:
         training=dataclasses.replace(t, global_batch_size=t.global_batch_size // dp),
         parallel=dataclasses.replace(cfg.parallel, zero_stage=0, dp_replicate=-1, dp_shard=-1),
     )
-    layout = validate(local, 1)
-    alone = _probe_fake_world(local, layout, 1, repeats)
+    alone_plan = planned_run(local, 1)
+    alone = _probe_fake_world(alone_plan, 1, repeats)
     with torch.device("meta"):
-        grad_bytes = 4 * sum(p.numel() for p in layout.spec.build(layout.model).parameters())
+        model = alone_plan.spec.build(alone_plan.model)
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
     bucket = int(cfg.comm.bucket_cap_mb * 2**20)
     buckets = [min(bucket, grad_bytes - start) for start in range(0, grad_bytes, bucket)]
     collectives = [Collective("all_reduce", b, dp) for b in buckets]
@@ -281,25 +278,25 @@ def _flush_denormals() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def _probe_pipeline(cfg: Config, layout: Any, dims: Any, repeats: int) -> Probe:
+def _probe_pipeline(plan: RunPlan, repeats: int) -> Probe:
     """Each stage's forward + backward of one microbatch and its optimizer step, timed alone."""
     from distrain.parallel.pipeline import split_model, stage_ids_for_rank
 
+    cfg, dims, spec = plan.config, plan.dims, plan.spec
     p, t = cfg.parallel, cfg.training
     num_stages = dims.pp * p.pp_stages_per_rank
-    local_batch = t.global_batch_size // dims.dp_size
-    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
-    rows = local_batch // microbatches
-    spec, dim = layout.spec, layout.shape.dim
+    microbatches = p.pp_microbatches if p.pp_microbatches > 0 else plan.batch.accumulation
+    rows = plan.batch.local // microbatches
+    dim = spec.shape(plan.model).dim
     with torch.device("meta"):
-        meta = spec.build(layout.model)
+        meta = spec.build(plan.model)
     stage_s, step_s = [], []
     tokens = torch.zeros(rows, t.seq_len, dtype=torch.long)
     hidden = torch.randn(rows, t.seq_len, dim)
     for stage_id in range(num_stages):
         stage = split_model(meta, stage_id, num_stages, spec=spec)
         stage.to_empty(device="cpu")
-        spec.init_weights(stage, layout.model, t.seed)
+        spec.init_weights(stage, plan.model, t.seed)
         optimizer = build_optimizer(stage, cfg.optim, spec=spec)
 
         def fwd_bwd(stage: nn.Module = stage, stage_id: int = stage_id) -> None:

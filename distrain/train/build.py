@@ -39,6 +39,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, host_group
 from distrain.parallel.mesh import ParallelDims, site_group
 from distrain.parallel.model import ParallelModel, build_parallel_model
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
 from distrain.train.backward import PlainBackward
@@ -53,7 +54,7 @@ from distrain.train.observers import (
 )
 from distrain.train.oom import RecoveringBackward
 from distrain.train.replica_groups import ReplicaGroups
-from distrain.train.resolve import RunPlan, resolve
+from distrain.train.resolve import resolve
 from distrain.train.rng import seed_everything
 from distrain.train.steps import PlainSteps, ReplicatedSteps
 
@@ -75,9 +76,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     eval_sets = build_eval_sets(cfg.data, t.seq_len, vocab_size=vocab_size)
 
     comm_stats = CommStats()
-    model = build_parallel_model(
-        plan.model, cfg, dims, mesh, dp_mesh, ctx, comm_stats, spec=plan.spec
-    )
+    model = build_parallel_model(plan, mesh, dp_mesh, ctx, comm_stats)
     timeout_s = cfg.comm.collective_timeout_s
     site = site_group(mesh, timeout_s=timeout_s) if dims.diloco else None
     optimizers, gradient_plan = build_optimizers(

@@ -42,11 +42,11 @@ from distrain.optim.schedule import set_lr
 from distrain.parallel.device import DistContext
 from distrain.parallel.mesh import ParallelDims
 from distrain.parallel.model import ParallelModel
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
 from distrain.train.backward import Backward
 from distrain.train.faults import Faults
-from distrain.train.resolve import RunPlan
 from distrain.train.state import (
     GlobalWeights,
     ModelState,
