@@ -363,11 +363,13 @@ def _assert_export_matches(run: Path, out: Path, **options) -> None:
         torch.testing.assert_close(_hf_logits(out, tokens), model(tokens), rtol=0, atol=LOGIT_TOL)
 
 
-# (name, family, ranks, layout overrides): few rows, each covering much.
+# (name, family, ranks, layout overrides): few rows, each covering much; every family once
+# under tp x pp (sequence parallel on, a pipeline of 1F1B).
+TP2_PP2 = {"parallel__tp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b"}
 HF_LAYOUTS = [
     ("dp2_zero3", "gpt2", 2, {"parallel__zero_stage": 3}),
-    ("tp2_sp_gqa", "llama", 2, {"parallel__tp": 2}),
-    ("pp2_1f1b", "llama", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
+    ("tp2_pp2_gpt2", "gpt2", 4, TP2_PP2),
+    ("tp2_pp2_llama_gqa", "llama", 4, TP2_PP2),
     ("tp2_pp2_qwen3", "qwen3", 4, {"parallel__tp": 2, "parallel__pp": 2}),
     ("ep2_zero3_mixtral", "mixtral", 2, {"parallel__ep": 2, "parallel__zero_stage": 3}),
     ("tp2_pp2_mixtral", "mixtral", 4, {"parallel__tp": 2, "parallel__pp": 2}),
