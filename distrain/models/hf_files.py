@@ -1,7 +1,7 @@
 """Hugging Face checkpoint folders, whatever the model: the `hf:DIR` spelling, the files a
 folder holds (config.json, safetensors files and their index), and `HfTensor`, how one Hugging Face
 tensor is made of a family's tensors. A family's own mapping (names, config.json keys) lives with
-the family (distrain/models/gpt/hf.py for the GPT's Llama and GPT-2 mapping).
+the family (distrain/models/llama/hf.py for Llama's mapping, gpt2/hf.py for GPT-2's).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The training side of mixture-of-experts layers: their balancing losses added to each
 micro-batch's loss, the expert-bias update after each optimizer step (DeepSeek-V3's auxiliary-loss-
 free balancing, from the load summed over all data-parallel ranks), and the per-logged-step
-metrics. The layer (models/moe.py) holds no collectives; the all-reduces live here. The layers
-come from the model family's spec (`moe_layers`); what is read of each is `RoutedLayer`.
+metrics. The layer (models/decoder/moe.py) holds no collectives; the all-reduces live here.
+The layers come from the model family's spec (`moe_layers`); what is read of each is
+`RoutedLayer`.
 
 Every figure stays on the device between logging steps: the bias update is a device all-reduce
 and a sign, and the metrics are read (one all-reduce, one host copy) only when a row is logged.

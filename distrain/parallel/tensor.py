@@ -4,9 +4,9 @@ This module owns the mechanism: a family's `tensor_plan` (family/spec.py: which 
 which DTensor `ParallelStyle`) applied from the outside by `parallelize_module` (the model itself
 holds no parallel code), the style for a module TP does not split (`ReplicatedParallel`), the
 sequence-length check under SP, and the loss context the trainer wraps the loss and its backward
-in. The GPT's plan (Megatron-LM's split) is models/gpt/parallelize.py's. Whether a model splits
-evenly over `parallel.tp` ranks is one of layout/rules.py's rules (DTensor would accept uneven
-shards: a head cut between ranks is no longer attention).
+in. The decoder's plan (Megatron-LM's split) is models/decoder/parallelize.py's. Whether a
+model splits evenly over `parallel.tp` ranks is one of layout/rules.py's rules (DTensor would
+accept uneven shards: a head cut between ranks is no longer attention).
 
 What callers must know:
 - A plan turns every parameter into a DTensor on the tp mesh: split weights are
@@ -16,7 +16,7 @@ What callers must know:
 - Between modules activations are plain tensors: the full sequence without SP, this rank's
   contiguous chunk of the sequence (torch.chunk order) with SP.
 - An output head may leave its logits a DTensor sharded over the vocabulary (Shard(-1), the
-  GPT's). Compute the loss AND call backward inside `tp_loss_context(True)`; the loss is then a
+  decoder's). Compute the loss AND call backward inside `tp_loss_context(True)`; the loss is then a
   Replicate DTensor, whose `.full_tensor()` is a plain tensor without communication (for
   logging, summing micro-batch losses). For sampling or evaluation outside that context use
   `logits.full_tensor()`.

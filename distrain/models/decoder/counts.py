@@ -1,4 +1,4 @@
-"""The GPT family's exact parameter count and training FLOPs per token, from its arguments alone
+"""The decoder's exact parameter count and training FLOPs per token, from its arguments alone
 (no model instance: a 70B plan costs nothing to compute)."""
 
 from __future__ import annotations

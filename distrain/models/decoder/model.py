@@ -1,5 +1,6 @@
-"""Decoder-only GPT as a plain nn.Module: no parallel code lives here (its plans are
-parallelize.py's and spec.py's, applied by distrain/parallel/).
+"""The decoder-only transformer every built-in family builds (`Decoder`), as a plain nn.Module:
+no parallel code lives here (its plans are parallelize.py's and spec.py's, applied by
+distrain/parallel/).
 
 Attention goes through `scaled_dot_product_attention`, with grouped-query attention when there are
 fewer key/value heads than query heads; norms are RMSNorm or LayerNorm; positions are rotary (the

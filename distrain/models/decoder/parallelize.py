@@ -1,4 +1,4 @@
-"""The GPT's parallel plans: Megatron-style tensor/sequence parallelism (`tensor_plan`), read by
+"""The decoder's parallel plans: Megatron-style tensor/sequence parallelism (`tensor_plan`), read by
 parallel/tensor.py through the family's spec (spec.py), which also names what a pipeline stage
 keeps and where checkpointing, compile and FSDP2 wrap.
 
@@ -70,7 +70,7 @@ def _block_plan(
 
 
 def tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The styles of the GPT `model` (or one pipeline stage of it), by submodule path, in the
+    """The styles of the decoder `model` (or one pipeline stage of it), by submodule path, in the
     order `parallelize_module` applies them (see the module docstring)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
