@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from s3 import S3Server, expected_kind, s3  # noqa: F401  (s3: the module-scoped fixture)
 
-from distrain.checkpoint.checkpointer import load
+from distrain.checkpoint.load import load
 from distrain.checkpoint.storage import Storage
 from distrain.errors import CheckpointError
 

@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, MissingInput
 
 MIN_SECRET_BYTES = 16
 
@@ -49,10 +49,12 @@ def read_secret(path: str) -> bytes:
     file = Path(path)
     try:
         info = file.lstat()
-    except OSError as error:
-        raise ConfigError(
+    except FileNotFoundError as error:
+        raise MissingInput(
             f"{field} = {path!r}: {error.strerror}; create it on every host"
         ) from None
+    except OSError as error:
+        raise ConfigError(f"{field} = {path!r}: {error.strerror}") from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"{field} = {path!r} is not a regular file; give the file itself")
     if info.st_mode & 0o077:

@@ -44,8 +44,9 @@ _LOCAL_PROTOCOLS = (None, "file", "local")
 
 def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     """Raise ConfigError (one line naming the field, the path and the cause) for the first
-    problem found. With `absent` (`train --check`), a data file, eval set or tokenizer that is
-    not there is added to it (what was not checked) instead, and the rest is checked."""
+    problem found. With `absent` (`train --check`), a data file, eval set, tokenizer or run
+    secret that is not there is added to it (what was not checked) instead, and the rest is
+    checked."""
 
     def noted(check: Callable[[], None]) -> None:
         try:
@@ -72,7 +73,7 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
         noted(partial(check_eval_set, e.name, e.path))
     check_trackers_installed(cfg.metrics)
     if cfg.fault_tolerance.replica_groups and cfg.fault_tolerance.secret_file:
-        read_secret(cfg.fault_tolerance.secret_file)
+        noted(partial(read_secret, cfg.fault_tolerance.secret_file))
     if cfg.data.document_masking and cfg.data.eos_id is None:
         for path in [s.path for s in cfg.data.sources] or [cfg.data.path]:
             if absent is not None and _is_local(path) and not Path(path).exists():

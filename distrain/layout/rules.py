@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -65,7 +66,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "tokenizer_needs_token_file",
         "config",
-        lambda f: f.cfg.data.tokenizer != "bytes" and not is_token_data(f.cfg.data),
+        # A data.path not there yet is preflight's to name (or train --check's to note).
+        lambda f: (
+            f.cfg.data.tokenizer != "bytes"
+            and not is_token_data(f.cfg.data)
+            and not _missing_locally(f.cfg.data.path)
+        ),
         "data.tokenizer = {f.cfg.data.tokenizer!r} trains on token files: tokenize the text "
         "first (distrain prepare --tokenizer {f.cfg.data.tokenizer} --out DATA.bin TEXT...) and "
         "set data.path = DATA.bin",
@@ -492,6 +498,11 @@ class Layout:
         return FamilyModel(self.spec, self.model)
 
 
+def _missing_locally(path: str) -> bool:
+    """A local data.path that does not exist (the default corpus, "", is always there)."""
+    return path != "" and "://" not in path and not Path(path).exists()
+
+
 def validate(cfg: Config, world_size: int | None, *, absent: list[str] | None = None) -> Layout:
     """Refuse (LayoutError, one line) the first rule `cfg` breaks on `world_size` ranks; with
     world_size None (elastic MIN:MAX) only the rules that do not depend on it. With `absent`
@@ -504,8 +515,11 @@ def validate(cfg: Config, world_size: int | None, *, absent: list[str] | None = 
     except MissingInput as e:
         if absent is None:
             raise
-        absent.append(f"{e} (the rules were checked with model.preset {cfg.model.preset!r})")
-        args = model_args(replace(cfg.model, init_from=""))
+        # model.preset's shape, or the family's first preset's where the preset is another
+        # family's (the default one, with the folder the family's only model).
+        preset = cfg.model.preset if cfg.model.preset in spec.presets else next(iter(spec.presets))
+        absent.append(f"{e} (the rules were checked with model.preset {preset!r})")
+        args = model_args(replace(cfg.model, init_from="", preset=preset))
     facts = Facts(cfg=cfg, spec=spec, model=spec.shape(args), absent=absent)
     _check(facts, "config")
     if world_size is None:
