@@ -6,6 +6,7 @@ without harming earlier checkpoints; a save that outlives the grace period is cu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,6 +98,9 @@ def assert_preempted(run: Path, rc: int, err: str) -> int:
     assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("distrain: preempted: stopped by "), err[-4000:]
+    # Said once, by the launcher; torchrun's agent adds no warning per signal and worker.
+    assert err.count("preempt checkpoint step-") == 1, err[-4000:]
+    assert "torch/distributed/elastic" not in err, err[-4000:]
     entries = committed(Storage(str(run / "checkpoints")))
     assert [e.kind for e in entries][-1:] == ["preempt"], entries
     step = entries[-1].step
@@ -174,6 +178,27 @@ def test_sigterm_to_every_process_at_once_is_one_request(tmp_path):
     rc, err = finish(proc)
     assert_preempted(run, rc, err)
     assert "aborting" not in err
+
+
+@pytest.mark.slow
+def test_more_sigterms_after_the_commit_keep_the_preempted_outcome(tmp_path):
+    """Slurm, or an impatient user, sends SIGTERM again once the launcher has said its preempt
+    checkpoint is committed: it still exits 75, not 143 (a death by that signal after saying
+    "committed")."""
+    run = tmp_path / "run"
+    proc = start_train(run, "--nproc", "2", **FIELDS)
+    wait_for_step(proc, run, SIGNAL_AFTER_STEP)
+    os.kill(proc.pid, signal.SIGTERM)
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if line.startswith("distrain: preempted:"):
+            break
+    for _ in range(2):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    rc, rest = finish(proc)
+    assert_preempted(run, rc, "".join(said) + rest)
 
 
 @pytest.mark.slow

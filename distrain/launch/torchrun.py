@@ -12,7 +12,9 @@ checkpoint on their own (the trainer does that), so a restart costs at most the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -219,6 +221,36 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
+def _quiet_agent() -> None:
+    """Torchrun's agent (this process) logs a warning per worker it signals and per signal it
+    gets, and an error for a worker that stopped with a preempt checkpoint (exit 75), all of
+    which the launcher's own one-line outcome says better. Its errors about failed attempts
+    stay (they say why a restart happens), unless torchrun's LOGLEVEL asks for other levels."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            agent_logger = logging.getLogger(name)
+            agent_logger.setLevel(logging.ERROR)
+            if not any(isinstance(f, _PreemptedIsNoFailure) for f in agent_logger.filters):
+                agent_logger.addFilter(_PreemptedIsNoFailure())
+
+
+class _PreemptedIsNoFailure(logging.Filter):
+    """Drops the agent's "failed (exitcode: 75)": that worker stopped as asked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"(exitcode: {EXIT_PREEMPTED})" not in record.getMessage()
+
+
+def _ignore_stop_signals() -> None:
+    """The workers are gone and the outcome is being read: a stop signal now (a second SIGTERM
+    from Slurm or a user) has nothing left to stop, and must not turn the outcome's exit status
+    (75 for a committed preempt checkpoint) into a death by signal."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def _environ(updates: dict[str, str]) -> Iterator[None]:
     """`updates` in this process's environment for the agent to copy into the workers', then the
@@ -243,6 +275,7 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
     torchrun's agent, which waits up to the grace period for them; the outcome is then read from
     `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
     env = worker_env(plan)
+    _quiet_agent()
     started = time.time()
     # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
     # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
@@ -256,12 +289,14 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
         with _environ(env):
             run(get_args_parser().parse_args(torchrun_argv(plan, worker_argv)))
     except SignalException as e:
+        _ignore_stop_signals()
         raise launcher_outcome(checkpoints, since=started, signum=e.sigval) from None
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
             # A signal that reached workers only: they stopped with a checkpoint. The agent took
             # the first one's exit 75 for a failure and SIGTERMed the others (those still tearing
             # down die of it), so the checkpoint, not their exit codes, decides.
+            _ignore_stop_signals()
             raise launcher_outcome(checkpoints, since=started, signum=None) from None
         error = reported(e.failures)
         if error is not None:
