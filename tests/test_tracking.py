@@ -111,7 +111,7 @@ def _history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in points}
 
 
-def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference, tmp_path):
+def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference, tmp_path, capfd):
     pytest.importorskip("wandb")
     run = tmp_path / "run"
     fields = dict(FIELDS, metrics__wandb__mode="offline", metrics__wandb__project="tracking")
@@ -131,6 +131,10 @@ def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference,
     val = [h for h in second["history"] if "val_loss" in h]
     assert [h["step"] for h in val] == [8] and val[0]["val_loss"] == rows[-1]["val_loss"]
     assert {"config.toml", "summary.json", "plots/metrics.png"} <= set(second["files"])
+    # Copies in W&B's run folder, saved from there: no symlink, nor W&B's warning about one.
+    saved = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/files/summary.json"))[-1]
+    assert saved.is_file() and not saved.is_symlink()
+    assert "Symlinked" not in capfd.readouterr().err
 
 
 def test_mlflow_run_logs_config_metrics_artifacts_and_resumes_the_same_run(

@@ -4,7 +4,8 @@ metrics.wandb.project, online or offline (metrics.wandb.mode), continued by id o
 Metrics are logged against their own `step` key (`define_metric`), not W&B's internal step, so
 a resumed run that redoes steps since its checkpoint is accepted. W&B's console capture and
 system-metrics sampling are off: the training process's output and CPU stay its own. `wandb`
-is imported when the tracker first connects."""
+is imported when the tracker first connects. Files (the config, the summary, the plots) are
+copied into the W&B run's own folder and saved from there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from distrain.config.schema import WandbConfig
+from distrain.files import write_atomic
 
 
 class WandbBackend:
@@ -53,8 +55,13 @@ class WandbBackend:
             self.run.log({**numbers, "step": step})
 
     def log_artifact(self, path: Path, *, folder: str) -> None:
-        base = path.parent.parent if folder else path.parent
-        self.run.save(str(path), base_path=str(base), policy="now")
+        """A copy of `path` in the W&B run's files (under `folder`), uploaded now: saved from
+        there, W&B neither symlinks it (with a warning per file) nor sees later changes."""
+        files = Path(self.run.dir)
+        copy = files / folder / path.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(copy, path.read_bytes())
+        self.run.save(str(copy), base_path=str(files), policy="now")
 
     def finish(self, *, completed: bool | None) -> None:
         self.run.finish(exit_code=0 if completed is not False else 1)
