@@ -593,6 +593,12 @@ def _train_args(run_dir: Path, **fields: str) -> list[str]:
         ({"checkpoint.dir": "nosuch://bucket/run"}, "unknown protocol nosuch://"),
         ({"training.micro_batch_size": "auto"},
          "training.micro_batch_size = 'auto' on CPU needs training.memory_budget_gb"),
+        # What the corpus holds decides these (the workers found them, each printing its own).
+        ({"data.max_bytes": "2000"},
+         "corpus too small for seq_len 128: 2000 tokens give 14 train and 0 validation samples"),
+        ({"data.max_bytes": "20000", "training.global_batch_size": "1024"},
+         "the data set is too small: the training split holds 148 sequences of 128 tokens, one "
+         "global batch needs 1024"),
     ],
 )  # fmt: skip
 def test_train_refuses_before_launch(fields, expected, tmp_path, capsys, no_launch):
@@ -792,14 +798,14 @@ def test_worker_entry_does_not_import_the_cli():
 
 
 def test_a_worker_error_reaches_the_console_once(tmp_path):
-    """Each of 2 workers fails on the same data error: the launcher prints the first rank's
-    line once (not each rank's), and exits with its status; the workers' logs keep it."""
+    """Each of 2 workers stops on the same non-finite gradient (training.nonfinite = "stop",
+    decided inside a step): the launcher prints the first rank's line once (not each rank's),
+    and exits with its status; the workers' logs keep it."""
     result = run_cli(
         "train", "--nproc", "2", "--run.dir", str(tmp_path / "run"),
-        "--data.max_bytes", "2000", "--training.steps", "2",
+        "--data.max_bytes", "100000", "--training.steps", "4",
+        "--training.nonfinite", "stop", "--debug.nan_at_step", "2",
     )  # fmt: skip
     assert result.returncode == 1
-    mentions = [line for line in result.stderr.splitlines() if "corpus too small" in line]
-    assert len(mentions) == 1 and mentions[0].startswith(
-        "distrain: error: corpus too small for seq_len 128: 2000 tokens give 14 train"
-    ), result.stderr
+    mentions = [line for line in result.stderr.splitlines() if "non-finite" in line]
+    assert len(mentions) == 1 and mentions[0].startswith("distrain: error: "), result.stderr

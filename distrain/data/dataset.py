@@ -142,6 +142,29 @@ def build_datasets(
     return train, val
 
 
+def check_split(cfg: DataConfig, seq_len: int, global_batch_size: int) -> None:
+    """Before any worker starts: the corpus of data.path (one file or folder, read as the
+    workers read it; token files are memory-mapped) splits into samples for validation and at
+    least one global batch for training (`build_datasets`' and the loader's refusals, raised
+    here instead of in every worker)."""
+    train, _ = build_datasets(dataclasses.replace(cfg, document_masking=False), seq_len)
+    if len(train) < global_batch_size:
+        raise too_small_for_a_batch(len(train), seq_len, global_batch_size)
+
+
+def too_small_for_a_batch(
+    samples: int, seq_len: int, global_batch_size: int, of: str = ""
+) -> DataError:
+    """The refusal of a training split (`of`: which source's) of fewer `samples` than one global
+    batch needs."""
+    return DataError(
+        f"the data set is too small: the training split{of} holds {samples} sequences of "
+        f"{seq_len} tokens, one global batch needs {global_batch_size} "
+        "(training.global_batch_size); use more data (data.path, data.max_bytes), a smaller "
+        "training.global_batch_size or a shorter training.seq_len"
+    )
+
+
 def build_eval_sets(
     cfg: DataConfig, seq_len: int, *, vocab_size: int | None = None
 ) -> dict[str, TokenDataset]:

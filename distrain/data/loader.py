@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from distrain.data.corpus import DataError
-from distrain.data.dataset import Batch, TokenDataset
+from distrain.data.dataset import Batch, TokenDataset, too_small_for_a_batch
 from distrain.data.documents import packed_sample
 from distrain.data.mixture import Mixture
 from distrain.observe.logs import LOGGER_NAME
@@ -65,12 +65,8 @@ class DistributedBatchLoader:
         for source in mixture.sources:
             of = f" of {source.name!r}" if len(mixture.sources) > 1 else ""
             if len(source) < global_batch_size:
-                raise DataError(
-                    f"the data set is too small: the training split{of} holds "
-                    f"{len(source)} sequences of {source.dataset.seq_len} tokens, one global "
-                    f"batch needs {global_batch_size} (training.global_batch_size); use more data "
-                    "(data.path, data.max_bytes), a smaller training.global_batch_size or a "
-                    "shorter training.seq_len"
+                raise too_small_for_a_batch(
+                    len(source), source.dataset.seq_len, global_batch_size, of
                 )
         self.mixture = mixture
         self.dataset = mixture.sources[0].dataset

@@ -31,6 +31,7 @@ from distrain.checkpoint.ownership import owner_problem
 from distrain.config.ft_network import read_secret
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
+from distrain.data.dataset import check_split
 from distrain.data.documents import boundaries_file, no_boundaries_message
 from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
@@ -62,13 +63,14 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
         ):
             field = f"data.sources[{i}] ({name!r})"
             noted(partial(check_data_source, field, source.path, cfg.data.tokenizer))
-    elif cfg.data.path:
+    else:
         tokens = is_token_data(cfg.data)
-        noted(
-            partial(
-                check_data_source, "data.path", cfg.data.path, cfg.data.tokenizer, tokens=tokens
+        if cfg.data.path:
+            noted(
+                partial(
+                    check_data_source, "data.path", cfg.data.path, cfg.data.tokenizer, tokens=tokens
+                )
             )
-        )
     for e in cfg.data.eval_sets:
         noted(partial(check_eval_set, e.name, e.path))
     check_trackers_installed(cfg.metrics)
@@ -81,6 +83,8 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
             one = dataclasses.replace(cfg.data, path=path, sources=())
             if is_sharded(path) or boundaries_file(one) is None:
                 raise ConfigError(no_boundaries_message(one))
+    if not cfg.data.sources and _readable_here(cfg.data.path):
+        check_split(cfg.data, cfg.training.seq_len, cfg.training.global_batch_size)
     check_writable("run.dir", Path(cfg.run.dir))
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:
@@ -90,6 +94,14 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
     check_resume_from(cfg)
+
+
+def _readable_here(path: str) -> bool:
+    """A corpus the launcher reads as the workers will: the default one, or a local file or
+    folder that is not sharded (a sharded dataset's shards are fetched by the workers)."""
+    if path == "":
+        return True
+    return _is_local(path) and Path(path).exists() and not is_sharded(path)
 
 
 def check_checkpoint_location(cfg: Config) -> None:
