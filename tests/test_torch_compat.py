@@ -41,6 +41,18 @@ def test_flatten_mesh_names_one_axis_of_all(one_rank):
     assert flat.mesh_dim_names == ("dp",) and flat.size() == 1
 
 
+def test_dtensor_storage_is_the_local_tensor_itself(one_rank):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    whole = torch.arange(6.0).reshape(2, 3)
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    local = torch_compat.dtensor_storage(sharded)
+    assert type(local) is torch.Tensor and torch.equal(local, whole)
+    assert local.untyped_storage()._cdata == sharded.to_local().untyped_storage()._cdata
+    assert torch_compat.dtensor_storage(whole) is whole
+
+
 def test_a_flattened_axis_is_sliced_without_a_warning():
     """Context parallelism's meshes (dp x cp for DDP, dp_shard x cp for FSDP2, HSDP's pair) are
     slices of flattened axes: torch 2.13 warns on each (the cp run printed it once per rank)."""

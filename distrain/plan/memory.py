@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -43,7 +42,11 @@ from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
 from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.run_plan import RunPlan
-from distrain.torch_compat import device_meshes_under_fake_mode, forget_dtensor_meshes
+from distrain.torch_compat import (
+    device_meshes_under_fake_mode,
+    dtensor_storage,
+    forget_dtensor_meshes,
+)
 
 
 @dataclass(frozen=True)
@@ -93,16 +96,18 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # A view (or in-place result) shares an input's storage: no new bytes, even when that
-        # input was made before the mode (a parameter's transpose).
+        # input was made before the mode (a parameter's transpose). A DTensor op runs its local
+        # op below this mode, unseen: its output's local tensor is what it made (tp and sp
+        # activations are DTensors).
         inputs = {
-            self._key(t)
+            self._key(dtensor_storage(t))
             for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            if isinstance(t, torch.Tensor)
         }
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            if not isinstance(t, torch.Tensor):
                 continue
-            storage = t.untyped_storage()
+            storage = dtensor_storage(t).untyped_storage()
             key = storage._cdata
             if key in self._seen or key in inputs:
                 continue
