@@ -55,6 +55,9 @@ def _progress(rows: list[dict], reference: list[dict], *, same_start: bool = Tru
 
 
 UNCOMPRESSED = "uncompressed"
+# Layouts whose own collectives (no gradient hook) make their comm_bytes.
+LAYOUT_TEST = "test_a_layouts_own_collectives_are_counted"
+LAYOUT_COMM = {"zero3": {"parallel__zero_stage": 3}, "pp2": {"parallel__pp": 2}}
 
 
 def batched_runs(names: set[str]) -> dict[str, Run]:
@@ -107,6 +110,8 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
             ),
         )
     runs[f"{HIERARCHICAL}:flat"] = Run(4, HIERARCHICAL_FIELDS)
+    for name, fields in LAYOUT_COMM.items():
+        runs[f"{LAYOUT_TEST}[{name}]"] = Run(2, dict(FIELDS, training__steps=4, **fields))
     runs = {name: run for name, run in runs.items() if name.split(":")[0] in names}
     others = any(not name.startswith(CP_ONEBIT) for name in runs)
     if any(name.startswith(CP_ONEBIT) for name in runs):  # AdamW under their own layout
@@ -166,6 +171,32 @@ def test_plain_allreduce_is_counted_without_a_hook(uncompressed, tmp_path):
     assert [r["comm_bytes"] for r in uncompressed] == [4.0 * params] * STEPS
     assert all(r["comm_compression_ratio"] == 1.0 for r in uncompressed)
     assert not any("comm_inflight_s" in r for r in uncompressed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUT_COMM))
+def test_a_layouts_own_collectives_are_counted(name, batched, request, tmp_path):
+    """comm_bytes of layouts that communicate without a gradient hook (recorded over one step,
+    parallel/comm_record.py), against their count by hand on 2 ranks: ZeRO-3 all-gathers the
+    fp32 parameters in forward and again in backward and reduce-scatters the gradients, each
+    rank sending (N - 1)/N of them each time (accumulation 1: 3 x 2P bytes); rank 0 of a 2-stage
+    pipeline sends the global batch's activations to stage 1 ([8, 64, 128] fp32). Each also
+    sends a few bytes for scalars (the gradient norm's all-reduce: 4; measured 4 and 6 in all).
+    The count is there from the second step, the one recorded (the first also sets the
+    pipeline's shapes up)."""
+    rows = _rows(batched(request.node.name))
+    assert "comm_bytes" not in rows[0]
+    rows = rows[1:]
+    fields = dict(FIELDS, **LAYOUT_COMM[name])
+    cfg = load_config(None, overrides(tmp_path, **fields))
+    args = model_args(cfg.model)
+    t = cfg.training
+    want = {
+        "zero3": 3 * 4.0 * num_params(args) / 2,
+        "pp2": 4.0 * t.global_batch_size * t.seq_len * args.dim,
+    }[name]
+    counted = {r["comm_bytes"] for r in rows}
+    assert len(counted) == 1 and want + 4 <= counted.pop() <= want + 16, (counted, want)
 
 
 # zero_stage 1: OneBitZeroAdam (state sharded, gradients compressed to the owners, the owners'

@@ -10,6 +10,7 @@ later, and nothing here runs a step."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -117,8 +118,25 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
     )
     phase_ranges = PhaseRanges(ctx.device)
+
+    def counted() -> float:
+        """The bytes counted where their collectives were issued: gradients', DiLoCo's."""
+        outer_bytes = 0.0 if outer is None else outer.bytes_sent
+        return comm_stats.snapshot()["bytes_sent"] + outer_bytes
+
     observers = _observers(
-        cfg, ctx, run_dir, model, mesh, comm_stats, nonfinite, metrics, phase_ranges, loader, logger
+        cfg,
+        ctx,
+        run_dir,
+        model,
+        mesh,
+        comm_stats,
+        nonfinite,
+        metrics,
+        phase_ranges,
+        loader,
+        logger,
+        counted,
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
@@ -280,6 +298,7 @@ def _observers(
     phase_ranges: PhaseRanges,
     loader: DistributedBatchLoader,
     logger: logging.Logger,
+    counted: Callable[[], float],
 ) -> list[StepObserver]:
     """The step observers, in the order the loop calls them: the metrics row's producers,
     then the sink, then what reads the row. The profiler's phase ranges listen to the
@@ -299,7 +318,12 @@ def _observers(
         nonfinite,
         LossSpikes(t.loss_spike_factor),
         Stragglers(ctx.device, ratio=cfg.watchdog.straggler_ratio, rank=ctx.rank, logger=logger),
-        CommMetrics(comm_stats),
+        CommMetrics(
+            comm_stats,
+            # Compiled code is not entered with the recording mode: it would recompile.
+            record_layout=not t.compile and _layout_collectives(model.dims),
+            counted=counted,
+        ),
         DataMetrics(loader),
     ]
     if model.moe_stats is not None:
@@ -312,3 +336,9 @@ def _observers(
         profiler,
     ]
     return observers
+
+
+def _layout_collectives(dims: ParallelDims) -> bool:
+    """Whether the layout itself communicates in a step (FSDP2, tp, pp, cp), beyond the
+    gradient collectives CommStats counts where they are issued."""
+    return dims.dp_wrapper == "fsdp" or dims.tp > 1 or dims.pp > 1 or dims.cp > 1

@@ -1,4 +1,4 @@
-"""The trainer's observers over what the parallel layer counts: gradient-communication bytes
+"""The trainer's observers over what the parallel layer counts: communication bytes
 (`CommMetrics`), DiLoCo's outer steps (`DiLoCoMetrics`), mixture-of-experts load statistics
 (`MoEMetrics`) and the cross-replica consistency check of debug.check_replicas
 (`ReplicaCheck`); and over the loader: its data wait and tokens per source (`DataMetrics`).
@@ -7,11 +7,14 @@ progress) live in observe/."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.data.loader import DistributedBatchLoader
 from distrain.observe.observer import Row, StepObserver
 from distrain.optim.diloco import DiLoCo
+from distrain.parallel.comm_record import RecordCollectives
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.moe_stats import MoEStats
@@ -19,19 +22,48 @@ from distrain.parallel.sanity import check_all_replicas
 
 
 class CommMetrics(StepObserver):
-    """This rank's gradient-communication cost per step over the logging window, counted where
-    each collective was issued (DDP hook, DDP's plain all-reduce, 1-bit Adam); nothing without
-    data-parallel gradient communication."""
+    """This rank's communication per step over the logging window (`comm_bytes`): what the
+    gradient collectives sent, counted where each was issued (DDP hook, DDP's plain all-reduce,
+    1-bit Adam, expert parallelism's all-to-all), with the ratio against a plain fp32
+    all-reduce; and, with `record_layout`, what the layout's own collectives send each step
+    (FSDP2's all-gathers and reduce-scatters, tp's, cp's, pipeline sends, the gradient norm's),
+    recorded once, over this process's second step (parallel/comm_record.py: they are the same
+    every step; the first also sets up, e.g. a pipeline's shapes), less what `counted()` (the
+    counts above, and DiLoCo's outer steps') grew by in that step."""
 
-    def __init__(self, stats: CommStats):
-        self.stats = stats
+    def __init__(self, stats: CommStats, *, record_layout: bool, counted: Callable[[], float]):
+        self.stats, self.record_layout, self.counted = stats, record_layout, counted
+        self.layout_bytes: float | None = None
+        """What the layout's collectives send per step, once recorded."""
+        self._recording: tuple[RecordCollectives, float] | None = None
+        self._record_step = 0
+
+    def start(self, step: int) -> None:
+        self._record_step = step + 2
+
+    def before_step(self, step: int) -> None:
+        if self.record_layout and step == self._record_step:
+            recorder = RecordCollectives()
+            self._recording = (recorder, self.counted())
+            recorder.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self._recording is None:
+            return
+        recorder, counted_before = self._recording
+        recorder.__exit__(None, None, None)
+        self._recording = None
+        self.layout_bytes = max(0.0, recorder.wire_bytes() - (self.counted() - counted_before))
 
     def logged(self, row: Row, *, steps: int) -> None:
         snap = self.stats.snapshot()
         self.stats.reset()
+        layout = self.layout_bytes or 0.0
+        if not snap["fp32_equivalent_bytes"] and not layout:
+            return
+        row["comm_bytes"] = snap["bytes_sent"] / steps + layout
         if not snap["fp32_equivalent_bytes"]:
             return
-        row["comm_bytes"] = snap["bytes_sent"] / steps
         row["comm_fp32_bytes"] = snap["fp32_equivalent_bytes"] / steps
         row["comm_compression_ratio"] = snap["compression_ratio"]
         # Only hooks and 1-bit Adam time their collectives; DDP's plain all-reduce is counted
@@ -67,6 +99,7 @@ class DiLoCoMetrics(StepObserver):
         outer = self.outer
         row["diloco_outer_steps"] = outer.outer_steps
         row["diloco_bytes"] = outer.take_bytes() / steps
+        row["comm_bytes"] = row.get("comm_bytes", 0.0) + row["diloco_bytes"]
         last = outer.take_last_step()
         if last is not None:
             row["diloco_pseudo_grad_norm"], row["diloco_drift"] = (float(x) for x in last)
