@@ -520,3 +520,21 @@ def test_onebit_adam_loads_in_place_as_dcp_does():
     _steps(restarted, optimizer, range(5, 8))
     for got, want in zip(restarted.parameters(), model.parameters(), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_step_that_raises_while_recorded_leaves_no_recording_behind():
+    """The layout's collectives are recorded by a dispatch mode entered before the step and left
+    after it; a step that raises skips `after_step`, and the run's end (`close`) leaves it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from distrain.parallel.compress import CommStats
+    from distrain.train.observers import CommMetrics
+
+    metrics = CommMetrics(CommStats(), record_layout=True, counted=lambda: 0.0)
+    metrics.start(0)
+    metrics.before_step(1)
+    assert _get_current_dispatch_mode() is None  # the first step is not recorded
+    metrics.before_step(2)
+    assert _get_current_dispatch_mode() is not None
+    metrics.close()
+    assert _get_current_dispatch_mode() is None and metrics.layout_bytes is None

@@ -55,6 +55,12 @@ class CommMetrics(StepObserver):
         self._recording = None
         self.layout_bytes = max(0.0, recorder.wire_bytes() - (self.counted() - counted_before))
 
+    def close(self) -> None:
+        """A step that raised ends the run inside the recording: leave no mode behind."""
+        if self._recording is not None:
+            self._recording[0].__exit__(None, None, None)
+            self._recording = None
+
     def logged(self, row: Row, *, steps: int) -> None:
         snap = self.stats.snapshot()
         self.stats.reset()
