@@ -29,7 +29,8 @@ class CommMetrics(StepObserver):
     (FSDP2's all-gathers and reduce-scatters, tp's, cp's, pipeline sends, the gradient norm's),
     recorded once, over this process's second step (parallel/comm_record.py: they are the same
     every step; the first also sets up, e.g. a pipeline's shapes), less what `counted()` (the
-    counts above, and DiLoCo's outer steps') grew by in that step."""
+    counts above, and DiLoCo's outer steps') grew by in that step; that part is also its own
+    figure, `comm_layout_bytes`. `comm_compression_ratio` is the gradient collectives' alone."""
 
     def __init__(self, stats: CommStats, *, record_layout: bool, counted: Callable[[], float]):
         self.stats, self.record_layout, self.counted = stats, record_layout, counted
@@ -68,6 +69,8 @@ class CommMetrics(StepObserver):
         if not snap["fp32_equivalent_bytes"] and not layout:
             return
         row["comm_bytes"] = snap["bytes_sent"] / steps + layout
+        if layout:
+            row["comm_layout_bytes"] = layout
         if not snap["fp32_equivalent_bytes"]:
             return
         row["comm_fp32_bytes"] = snap["fp32_equivalent_bytes"] / steps
