@@ -596,6 +596,9 @@ def _train_args(run_dir: Path, **fields: str) -> list[str]:
         # What the corpus holds decides these (the workers found them, each printing its own).
         ({"data.max_bytes": "2000"},
          "corpus too small for seq_len 128: 2000 tokens give 14 train and 0 validation samples"),
+        # Outside --check a missing run secret is refused, not noted as absent.
+        ({**FT, "fault_tolerance.secret_file": "/nonexistent/run.secret"},
+         "fault_tolerance.secret_file = '/nonexistent/run.secret': No such file or directory"),
         ({"data.max_bytes": "20000", "training.global_batch_size": "1024"},
          "the data set is too small: the training split holds 148 sequences of 128 tokens, one "
          "global batch needs 1024"),
