@@ -29,9 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from harness import write_json
 
 from distrain.config.schema import ModelConfig
 from distrain.models.decoder.model import Decoder, init_weights
@@ -132,8 +132,7 @@ def main(argv: list[str]) -> None:
             f"{r['peak_added_mib'] / base['peak_added_mib']:.2f} | {r['step_cpu_s']:.2f} | "
             f"{r['step_cpu_s'] / base['step_cpu_s']:.2f} | {r['step_s']:.2f} |"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    write_json(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

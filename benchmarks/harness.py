@@ -1,6 +1,7 @@
 """What every benchmark script shares: running on several ranks (a script started by hand
 re-launches itself on N local ranks through torchrun's API; started by torchrun, RANK set, it is
-a worker), a worker's process group and logger, and writing the JSON result."""
+a worker), a worker's process group and logger, and writing the JSON result with the record of
+its run (command, start and end, load average at both, machine, code; see `run_record`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import contextlib
 import json
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,27 @@ from distrain.observe.logs import close_logging, setup_logging
 from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext, init_distributed, teardown
 from distrain.train.loop import Trainer
+
+# The command's start, set once by the process started by hand and inherited by the ranks it
+# launches, so that a JSON a worker writes records the command and start its user typed.
+_STARTED_ENV = "DISTRAIN_BENCH_STARTED"
+if _STARTED_ENV not in os.environ:
+    _script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        _script = _script.relative_to(Path.cwd())
+    # The thread count is part of what a CPU figure measured.
+    _env = (
+        [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
+        if "OMP_NUM_THREADS" in os.environ
+        else []
+    )
+    os.environ[_STARTED_ENV] = json.dumps(
+        {
+            "command": shlex.join([*_env, "python3", str(_script), *sys.argv[1:]]),
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "load_average_start": list(os.getloadavg()),
+        }
+    )
 
 
 def is_worker() -> bool:
@@ -124,10 +150,49 @@ def wait_all(procs: list[subprocess.Popen], log: Path, *, timeout_s: float) -> N
             raise RuntimeError(f"run failed (exit {code}), log {log}:\n{tail}")
 
 
+def run_record() -> dict[str, Any]:
+    """What a figure needs to be judged and recomputed: the command as typed, its start and end
+    (UTC), the 1/5/15-minute load average at both, the machine (CPU model, cores, memory, GPU)
+    and the code (torch version, git commit, whether distrain/ or a benchmark script had
+    uncommitted changes)."""
+    record = json.loads(os.environ[_STARTED_ENV])
+    record["ended"] = datetime.now(UTC).isoformat(timespec="seconds")
+    record["load_average_end"] = list(os.getloadavg())
+    record["machine"] = _machine()
+    record["torch"] = torch.__version__
+    record["commit"] = _git("rev-parse", "--short", "HEAD")
+    record["uncommitted_changes"] = bool(
+        _git("status", "--porcelain", "--untracked-files=no", "--", "distrain", "benchmarks/*.py")
+    )
+    return record
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory_gib = None
+    with contextlib.suppress(OSError, ValueError):
+        kib = Path("/proc/meminfo").read_text().split("MemTotal:", 1)[1].split()[0]
+        memory_gib = round(int(kib) / 2**20, 1)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory_gib, "gpu": gpu}
+
+
+def _git(*args: str) -> str:
+    here = Path(__file__).resolve().parent
+    done = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
 def write_json(path: str | Path, result: dict[str, Any]) -> None:
+    """Write `result` with the run's record (`run_record`) under the key "record"."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps({**result, "record": run_record()}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

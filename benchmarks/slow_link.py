@@ -11,6 +11,11 @@ rank on this machine's loopback. Variants:
 
     accelerate ddp     vs_accelerate.py's Accelerate loop (its best setting on this CPU: fp32,
                        foreach AdamW; bf16 autocast only pays on a CPU with native bf16)
+    accelerate fp16/powersgd
+                       the same loop with Accelerate's own DDP communication hook
+                       (DistributedDataParallelKwargs.comm_hook; PowerSGD at rank 2 from step
+                       2, as distrain's, in one gradient bucket: see ACCELERATE_HOOKS). Its
+                       bf16 hook is torch's bf16_compress_hook, which refuses CPU tensors.
     distrain ddp       distrain's default (DDP, fp32 gradients, bucketed and overlapped)
     distrain fp16/bf16/powersgd/onebit
                        comm.gradient_compression (PowerSGD from step 2)
@@ -30,6 +35,7 @@ distrain's val_batches on both sides) is measured, and the clock restarts.
                    until the first evaluation at or below the target: the peer's (accelerate
                    ddp's) final validation loss on the same link and preset, median over reps;
                    "-" when a run never reached it
+    x best acc.    the fastest Accelerate variant's time to loss on the link / this one's
     tokens/s       global batch x seq_len x steps / training time (evaluations excluded)
     MB/step wire   bytes host 0 sent on lab0 during the run (/sys/class/net/lab0/statistics/
                    tx_bytes inside its namespace: setup, evaluations and TCP overhead included)
@@ -114,9 +120,24 @@ def _diloco(inner_steps: int) -> dict[str, Any]:
     }
 
 
-# name -> config fields (section__field) of the distrain variants; PEER is the Accelerate loop.
-VARIANTS: dict[str, dict[str, Any]] = {
+# The Accelerate loop's variants: name -> its DistributedDataParallelKwargs fields. torch's
+# PowerSGD hook issues its second all-reduce from the first one's completion callback; gloo runs
+# those on its own threads in whatever order buckets finish, so with several buckets two ranks
+# can issue them in different orders and gloo aborts ("Received data size doesn't match"). One
+# bucket (all of `small`'s 43 MB) keeps one chain per step: what distrain's own PowerSGD does on
+# gloo by finishing each bucket's chain before the next (distrain.parallel.compress).
+ACCELERATE_HOOKS: dict[str, dict[str, Any]] = {
     PEER: {},
+    "accelerate fp16": {"comm_hook": "fp16"},
+    "accelerate powersgd": {
+        "comm_hook": "power_sgd",
+        "comm_state_option": {"matrix_approximation_rank": 2, "start_powerSGD_iter": FREEZE_STEP},
+        "bucket_cap_mb": 1024,
+    },
+}
+# name -> config fields (section__field) of the distrain variants; the Accelerate loop's have none.
+VARIANTS: dict[str, dict[str, Any]] = {
+    **{name: {} for name in ACCELERATE_HOOKS},
     "distrain ddp": {},
     "distrain fp16": {"comm__gradient_compression": "fp16"},
     "distrain bf16": {"comm__gradient_compression": "bf16"},
@@ -254,7 +275,9 @@ def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger
 
 
 def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext) -> dict:
-    step_fn, model = build_accelerate(cfg, ctx, fused=False)
+    step_fn, model = build_accelerate(
+        cfg, ctx, fused=False, ddp_kwargs=ACCELERATE_HOOKS[args.variant]
+    )
     t = cfg.training
     _, val_set = build_datasets(cfg.data, t.seq_len, vocab_size=model_args(cfg.model).vocab_size)
     batches = val_batches(
@@ -291,7 +314,7 @@ def worker(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     with worker_session(run_dir, "cpu") as (ctx, logger):
         cfg = make_config(args, run_dir, args.variant)
-        if args.variant == PEER:
+        if args.variant in ACCELERATE_HOOKS:
             result = run_accelerate(cfg, args, ctx)
         else:
             result = run_distrain(cfg, args, ctx, logger)
@@ -408,6 +431,15 @@ def summarize(
         r["exposed_s_per_step"] = _median(r["step_s"]) - _median(base["step_s"]) if base else None
         peer_time, own = _median(peer["time_to_loss_s"]), _median(r["time_to_loss_s"])
         r["time_to_loss_x_peer"] = peer_time / own if peer_time and own else None
+        reached = [
+            _median(a["time_to_loss_s"])
+            for a in rows
+            if (a["link"], a["preset"]) == (r["link"], r["preset"])
+            and a["variant"] in ACCELERATE_HOOKS
+            and _median(a["time_to_loss_s"])
+        ]
+        best = min(reached, default=None)
+        r["time_to_loss_x_best_accelerate"] = best / own if best and own else None
         r["tokens_per_s_x_peer"] = _ratio(r["tokens_per_s"], peer["tokens_per_s"])
         r["val_loss_vs_peer"] = _median(r["final_val_loss"]) / r["target_val_loss"] - 1
         compute = by_key.get((LOOPBACK, r["preset"], "distrain ddp"))

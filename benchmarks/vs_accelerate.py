@@ -174,22 +174,33 @@ def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger
 
 
 def build_accelerate(
-    cfg: Config, ctx: DistContext, *, fused: bool
+    cfg: Config,
+    ctx: DistContext,
+    *,
+    fused: bool,
+    ddp_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Callable[[int], torch.Tensor], nn.Module]:
     """The plain Accelerate DDP loop of `cfg`: (step(i) -> mean loss of step i, the prepared
-    model). Its model starts from distrain's seeded weights, its loader is distrain's."""
+    model). Its model starts from distrain's seeded weights, its loader is distrain's.
+    `ddp_kwargs` are fields of Accelerate's `DistributedDataParallelKwargs`, e.g. its own
+    communication hook: {"comm_hook": "power_sgd", "comm_state_option": {...}} (`comm_hook` a
+    `DDPCommunicationHookType` value)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
     # One Accelerator per variant in this process: its state is a singleton, reset between
     # variants (the process group, PartialState's, stays).
     AcceleratorState._reset_state()
+    kwargs = dict(ddp_kwargs or {})
+    kwargs["comm_hook"] = DDPCommunicationHookType(kwargs.get("comm_hook", "no"))
     t, o = cfg.training, cfg.optim
     accum = t.global_batch_size // (t.micro_batch_size * ctx.world_size)
     accelerator = Accelerator(
         mixed_precision="bf16" if t.precision == "bf16" else "no",
         gradient_accumulation_steps=accum,
         cpu=ctx.device.type == "cpu",
+        kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)],
     )
     margs = model_args(cfg.model)
     torch.manual_seed(t.seed)
