@@ -61,6 +61,7 @@ Rank 0 prints a table and writes JSON to --out (default benchmarks/results/pipel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -291,7 +292,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         "stages_per_rank_interleaved": args.stages_per_rank,
         "micro_batch_size": args.micro_batch_size,
         "seq_len": args.seq_len,
-        "model": vars(margs),
+        "model": dataclasses.asdict(margs),
         "warmup": args.warmup,
         "steps": args.steps,
         "backend": "gloo",
