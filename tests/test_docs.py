@@ -102,3 +102,27 @@ def test_the_architecture_map_names_every_folder_and_root_module():
     want = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()}
     want |= {p.name for p in package.glob("*.py")}
     assert named == want
+
+
+def test_every_benchmark_table_is_its_committed_json_rendered():
+    """Each `<!-- benchmark: NAME -->` block of docs/ is what benchmarks/tables.py renders from
+    benchmarks/results/NAME.json (`python3 benchmarks/tables.py` rewrites them), and every JSON
+    there backs a page: a figure typed by hand, or a JSON no page quotes, fails here."""
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks/tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    named = set()
+    for page in tables.pages():
+        text = page.read_text()
+        for block in tables.blocks(text):
+            name = block.group("name")
+            assert (tables.RESULTS / f"{name}.json").is_file(), f"{page}: no JSON for {name}"
+            assert block.group("body") == tables.render(name), (
+                f"{page.relative_to(ROOT)}: the {name} block differs from its JSON; run "
+                "python3 benchmarks/tables.py"
+            )
+            named.add(f"{name}.json")
+        named |= set(re.findall(r"benchmarks/results/([\w.-]+\.json)", text))
+    assert named, "no page quotes a benchmark record"
+    unquoted = {p.name for p in tables.RESULTS.glob("*.json")} - named
+    assert not unquoted, f"benchmark records no page quotes: {sorted(unquoted)}"
