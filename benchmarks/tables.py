@@ -208,7 +208,229 @@ def mfu(d: dict[str, Any]) -> str:
     )
 
 
+def vs_accelerate(d: dict[str, Any]) -> str:
+    c = d["config"]
+    rows = [
+        (
+            r["variant"],
+            f"{r['tokens_per_s']:,.0f}",
+            span(r["tokens_per_s_reps"], ",.0f"),
+            f"{r['setup_s']:.2f}",
+            f"{r['time_to_target_s']:.2f}",
+            f"{r['final_loss']:.4f}",
+            f"{r['ratio_tokens_per_s']:.2f}",
+            f"{r['ratio_time_to_target']:.2f}",
+            f"{r['projected_job_s']:.0f}",
+            f"{r['ratio_projected_job']:.2f}",
+        )
+        for r in d["rows"]
+    ]
+    head = ("variant", "tokens/s", "[min-max]", "setup s", "to target s", "final loss",
+            "ratio tok/s", "ratio time", f"{c['job_steps']}-step job s", "ratio job")  # fmt: skip
+    return (
+        f"`{c['preset']}`, global batch {c['global_batch_size']} x seq {c['seq_len']}, "
+        f"micro-batch {c['micro_batch_size']}, {c['warmup']} warmup + {c['steps']} timed steps, "
+        f"{c['reps']} interleaved repetitions (medians); target loss {c['target_loss']:.4f}; "
+        f"ratios against accelerate fp32 2x1:\n\n" + table(head, rows)
+    )
+
+
+def slow_link(d: dict[str, Any]) -> str:
+    c = d["config"]
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.2f}" if x else "-"
+
+    rows = []
+    for r in d["rows"]:
+        name = f"**{r['variant']} (recipe)**" if r["recipe"] else r["variant"]
+        reached = span(r["time_to_loss_s"])
+        rows.append(
+            (
+                r["link"],
+                r["preset"],
+                name,
+                reached if reached != "-" else "not reached",
+                ratio(r["time_to_loss_x_peer"]),
+                ratio(r.get("time_to_loss_x_best_accelerate")),
+                span(r["tokens_per_s"], ".0f"),
+                span(r["step_s"], ".2f"),
+                span(r["wire_bytes_per_step"], ".2f", 1e-6),
+                span(r["counted_bytes_per_step"], ".2f", 1e-6),
+                span(r["final_val_loss"], ".4f"),
+            )
+        )
+    head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
+            "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss")  # fmt: skip
+    return (
+        f"2 hosts x {c['procs']} process (gloo, CPU, OMP_NUM_THREADS=1), global batch "
+        f"{c['global_batch_size']} x seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, "
+        f"{c['steps']} steps, validation every {c['eval_every']}, {c['reps']} interleaved "
+        f"repetitions: median [min-max]; target: accelerate ddp's final validation loss on the "
+        f"link:\n\n" + table(head, rows)
+    )
+
+
+def checkpoint(d: dict[str, Any]) -> str:
+    c = d["config"]
+    names = {"none": "sync", "async": "async"}
+    rows = [
+        (
+            names.get(r["mode"], r["mode"]),
+            f"{r['stall_s'] * 1e3:.0f}",
+            f"{r['save_call_s'] * 1e3:.0f}",
+            f"{r['wait_s'] * 1e3:.0f}",
+            f"{r['baseline_step_s'] * 1e3:.0f}",
+            f"{r['checkpoint_bytes'] / 1e6:.1f}",
+        )
+        for r in d["modes"]
+    ]
+    head = ("save", "stall ms", "save call ms", "wait ms", "step ms", "checkpoint MB")
+    return (
+        f"`{c['preset']}`, {c['num_ranks']} ranks ({c['backend']}, {c['device']}), micro-batch "
+        f"{c['micro_batch_size']} x {c['seq_len']}, {c['rounds']} interleaved rounds of a save "
+        f"and {c['steps_per_block']} steps per mode, median over rounds, slowest rank:\n\n"
+        + table(head, rows)
+        + f"\n\nStall ratio async / sync: **{d['stall_ratio_async_over_sync']:.2f}**."
+    )
+
+
+def _runs_table(runs: list[dict[str, float]], median: dict[str, float], unit: str) -> str:
+    """A figure per row: its median, then each run's."""
+    head = ("figure", f"median {unit}", *(f"run {i + 1}" for i in range(len(runs))))
+    rows = [
+        (key.replace("_", " "), f"**{value:.2f}**", *(f"{run[key]:.2f}" for run in runs))
+        for key, value in median.items()
+    ]
+    return table(head, rows)
+
+
+def recovery(d: dict[str, Any]) -> str:
+    c, inproc = d["config"], d["inprocess"]
+    parts = [
+        f"`{c['preset']}`, {c['ranks']} ranks ({c['backend']}), kill at step {c['kill_step']}, "
+        f"checkpoint at step {c['checkpoint_step']}."
+    ]
+    if d["runs_s"]:
+        parts.append(
+            f"Restart path ({c['launch']}), seconds:\n\n"
+            + _runs_table(d["runs_s"], d["median_s"], "s")
+        )
+    if inproc["runs"]:
+        hb = inproc["lighthouse"]["heartbeat_timeout_ms"]
+        parts.append(
+            f"In-process path ({inproc['launch']}, lighthouse heartbeat timeout {hb} ms, "
+            f"{inproc['steps_after_kill']} steps after the kill):\n\n"
+            + _runs_table(inproc["runs"], inproc["median"], "")
+        )
+    return "\n\n".join(parts)
+
+
+def preempt(d: dict[str, Any]) -> str:
+    c = d["config"]
+    parts = [
+        f"{c['signal']} after step {c['signal_after_step']} of `{c['launch']}` ({c['backend']}, "
+        f"global batch {c['global_batch_size']} x {c['seq_len']})."
+    ]
+    for preset, result in d["presets"].items():
+        parts.append(f"`{preset}`:\n\n" + _runs_table(result["runs"], result["median"], ""))
+    return "\n\n".join(parts)
+
+
+def prepare(d: dict[str, Any]) -> str:
+    rows = [
+        (r["method"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['cpu_s']:.2f}")
+        for r in d["rows"]
+    ]
+    return (
+        f"{d['files']} files, {d['bytes'] / 1e6:.1f} MB, {d['rows'][0]['tokens']:,} tokens of "
+        f"a {d['vocab']}-token BPE, median of {d['repeats']}:\n\n"
+        + table(("method", "seconds", "tokens/s", "CPU seconds"), rows)
+    )
+
+
+def pipeline(d: dict[str, Any]) -> str:
+    c, m = d["config"], d["config"]["model"]
+    rows = []
+    for r in d["results"]:
+        theory = f"{r['theory']:.1%}"
+        if "theory_upper_bound" in r:
+            theory += f" (estimate; {r['theory_upper_bound']:.1%} bound)"
+        idle = [f"{rank['idle']:.1%}" for rank in r["ranks"]]
+        rows.append((r["schedule"], *idle, theory, f"{r['mean_step_s'] * 1e3:.0f}"))
+    head = ("schedule", *(f"rank {i} idle" for i in range(c["pp"])), "theory", "step ms")
+    return (
+        f"p = {c['pp']}, m = {c['microbatches']}, v = {c['stages_per_rank_interleaved']}, "
+        f"micro-batch {c['micro_batch_size']} x {c['seq_len']}, GPT dim {m['dim']} x "
+        f"{m['n_layers']} layers, {c['backend']}, {c['threads_per_rank']} thread per rank, "
+        f"{c['steps']} timed steps after {c['warmup']} warmup:\n\n" + table(head, rows)
+    )
+
+
+def context(d: dict[str, Any]) -> str:
+    rows = [
+        (
+            r["cp"],
+            r["method"] if r["cp"] > 1 else "-",
+            r["seq_len"],
+            r["seq_len"] // r["cp"],
+            f"{r['activations_mib']:.1f}",
+            f"{r['peak_rss_mib']:.0f}",
+        )
+        for r in d["rows"]
+    ]
+    head = ("cp", "method", "seq_len", "tokens per rank", "activations MiB", "peak RSS MiB")
+    fits = ", ".join(f"{name} {seq or 'none'}" for name, seq in d["fits"].items())
+    return (
+        "`tiny`, micro-batch 1, CPU/gloo; per rank, the largest over ranks:\n\n"
+        + table(head, rows)
+        + f"\n\nLongest measured sequence within {d['budget_mib']:.0f} MiB of peak RSS per "
+        f"rank: {fits}."
+    )
+
+
+def faults(d: dict[str, Any]) -> str:
+    def mark(value: bool | None) -> str:
+        return "-" if value is None else ("yes" if value else "**no**")
+
+    rows, skipped = [], []
+    for r in d["runs"]:
+        if "skipped" in r:
+            skipped.append(f"{r['fault']} (not run: {r['skipped']})")
+            continue
+        seconds = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}"
+        rows.append(
+            (r["fault"], r["seed"], r["rank"], r["step"], mark(r["finished"]),
+             mark(r["losses_match"]), r["steps_lost"], seconds, mark(r["diagnosis_rank"]),
+             mark(r["diagnosis_cause"]))
+        )  # fmt: skip
+    head = ("fault", "seed", "rank", "step", "finished", "losses = uninterrupted", "steps lost",
+            "recovery s", "diagnose: rank", "diagnose: cause")  # fmt: skip
+    summary = [
+        (fault, s["runs"], s["finished"], s["losses_match"], s["steps_lost_max"],
+         "-" if s["recovery_s_median"] is None else f"{s['recovery_s_median']:.1f}",
+         s["diagnosis_rank"], s["diagnosis_cause"])
+        for fault, s in d["summary"].items()
+    ]  # fmt: skip
+    sum_head = ("fault", "runs", "finished", "losses = uninterrupted", "most steps lost",
+                "median recovery s", "diagnose: rank", "diagnose: cause")  # fmt: skip
+    text = f"`{d['config']['launch']}`:\n\n" + table(head, rows)
+    text += "\n\nBy fault:\n\n" + table(sum_head, summary)
+    if skipped:
+        text += "\n\nNot run: " + "; ".join(skipped) + "."
+    return text
+
+
 RENDERERS: dict[str, Renderer] = {
+    "faults": faults,
+    "context": context,
+    "prepare": prepare,
+    "pipeline": pipeline,
+    "preempt": preempt,
+    "recovery": recovery,
+    "checkpoint": checkpoint,
+    "slow_link": slow_link,
+    "vs_accelerate": vs_accelerate,
     "mfu": mfu,
     "overhead": overhead,
     "moe": moe,
