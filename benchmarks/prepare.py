@@ -87,8 +87,9 @@ def baseline(files: list[Path], tokenizer: Path) -> tuple[int, float]:
 
 
 def cpu_seconds() -> float:
-    """User + system CPU time of this process and its finished children (prepare's workers):
-    what the work cost whatever else the machine runs, unlike wall time."""
+    """User + system CPU time of this process and its finished children: what the work cost
+    whatever else the machine runs, unlike wall time. prepare's workers are not among them (the
+    forkserver forks them), so a run with workers has no CPU figure (None in the JSON)."""
     own, children = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
@@ -110,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="distrain-prepare-") as tmp:
         tokenizer = train_bpe(files, args.vocab, Path(tmp) / "tokenizer.json")
 
-        def measure(name: str, run) -> None:  # type: ignore[no-untyped-def]
+        def measure(name: str, run, *, counted: bool = True) -> None:  # type: ignore[no-untyped-def]
             runs, cpu = [], []
             for _ in range(args.repeats):
                 before = cpu_seconds()
@@ -123,7 +124,7 @@ def main() -> None:
             count = tokens.pop()
             rows.append({"method": name, "tokens": count, "seconds": seconds,
                          "tokens_per_s": count / seconds,
-                         "cpu_s": statistics.median(cpu)})  # fmt: skip
+                         "cpu_s": statistics.median(cpu) if counted else None})  # fmt: skip
 
         # The library's own threads first: once TOKENIZERS_PARALLELISM is false it stays off.
         measure(f"tokenizers, its threads ({os.cpu_count()} cores)",
@@ -138,7 +139,7 @@ def main() -> None:
                                  tokenizer=f"hf:{tokenizer}", workers=workers)  # fmt: skip
                 return result.sidecar.num_tokens, result.seconds
 
-            measure(f"distrain prepare, {workers} process(es)", run_prepare)
+            measure(f"distrain prepare, {workers} process(es)", run_prepare, counted=workers == 1)
     load = os.getloadavg()[0]
     print(
         f"{len(files)} files, {num_bytes / 1e6:.1f} MB, BPE vocab {args.vocab}, median of "
@@ -146,9 +147,10 @@ def main() -> None:
     )
     print(f"{'method':<40}{'tokens':>12}{'seconds':>10}{'tokens/s':>12}{'CPU s':>8}")
     for r in rows:
+        cpu = "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f}"
         print(
             f"{r['method']:<40}{r['tokens']:>12,}{r['seconds']:>10.2f}"
-            f"{r['tokens_per_s']:>12,.0f}{r['cpu_s']:>8.2f}"
+            f"{r['tokens_per_s']:>12,.0f}{cpu:>8}"
         )
     summary = {"files": len(files), "bytes": num_bytes, "vocab": args.vocab}
     summary.update(repeats=args.repeats, load_average_1min=load, rows=rows)

@@ -295,11 +295,16 @@ def checkpoint(d: dict[str, Any]) -> str:
     )
 
 
+def label(key: str) -> str:
+    """A JSON key as a table's words: `signal_to_exit_s` -> "signal to exit s"."""
+    return key.replace("_", " ").replace(" mb", " MiB")
+
+
 def _runs_table(runs: list[dict[str, float]], median: dict[str, float], unit: str) -> str:
     """A figure per row: its median, then each run's."""
-    head = ("figure", f"median {unit}", *(f"run {i + 1}" for i in range(len(runs))))
+    head = ("figure", f"median {unit}".strip(), *(f"run {i + 1}" for i in range(len(runs))))
     rows = [
-        (key.replace("_", " "), f"**{value:.2f}**", *(f"{run[key]:.2f}" for run in runs))
+        (label(key), f"**{value:.2f}**", *(f"{run[key]:.2f}" for run in runs))
         for key, value in median.items()
     ]
     return table(head, rows)
@@ -339,7 +344,12 @@ def preempt(d: dict[str, Any]) -> str:
 
 def prepare(d: dict[str, Any]) -> str:
     rows = [
-        (r["method"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['cpu_s']:.2f}")
+        (
+            r["method"],
+            f"{r['seconds']:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
+            "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f}",
+        )
         for r in d["rows"]
     ]
     return (
@@ -421,7 +431,39 @@ def faults(d: dict[str, Any]) -> str:
     return text
 
 
+def data(d: dict[str, Any]) -> str:
+    a = d["args"]
+
+    def ms(seconds: float) -> str:
+        return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+    where = {"local": "local", "s3": "S3, shaped"}
+    waits = [
+        (where[w], mode.split()[-1], ms(s["first_s"]), ms(s["median_s"]), ms(s["p99_s"]),
+         ms(s["max_s"]))
+        for w in ("local", "s3")
+        for mode, s in d[w].items()
+    ]  # fmt: skip
+    rss = [
+        (size, f"{r['loader_peak_rss_mb']:.1f} MB", f"{r['read_mb']:.0f} MB")
+        for size, r in d["rss"].items()
+    ]
+    return (
+        f"Data wait per step: global batch {a['batch']} x {a['seq_len']} tokens, shards of "
+        f"{a['shard_mb']} MB, each step followed by {a['step_ms']:g} ms of simulated compute; "
+        f"local: {a['rounds']} x {a['steps']} steps per mode on a {a['local_gb']:g} GB dataset; "
+        f"S3: {a['steps']} steps per mode from a {a['s3_mb']} MB dataset on the local SeaweedFS "
+        f"server through a relay shaping the link to {a['rate_mbit']:g} Mbit/s with "
+        f"{a['delay_ms']:g} ms before each request:\n\n"
+        + table(("where", "data.prefetch_batches", "first step", "median", "p99", "max"), waits)
+        + f"\n\nPeak memory of the loader (largest resident set after any of {a['rss_steps']} "
+        "steps, minus the process's before the loader was built; prefetch 2):\n\n"
+        + table(("dataset", "loader peak RSS", "samples read"), rss)
+    )
+
+
 RENDERERS: dict[str, Renderer] = {
+    "data": data,
     "faults": faults,
     "context": context,
     "prepare": prepare,
