@@ -213,7 +213,6 @@ def vs_accelerate(d: dict[str, Any]) -> str:
     rows = [
         (
             r["variant"],
-            f"{r['tokens_per_s']:,.0f}",
             span(r["tokens_per_s_reps"], ",.0f"),
             f"{r['setup_s']:.2f}",
             f"{r['time_to_target_s']:.2f}",
@@ -225,7 +224,7 @@ def vs_accelerate(d: dict[str, Any]) -> str:
         )
         for r in d["rows"]
     ]
-    head = ("variant", "tokens/s", "[min-max]", "setup s", "to target s", "final loss",
+    head = ("variant", "tokens/s [min-max]", "setup s", "to target s", "final loss",
             "ratio tok/s", "ratio time", f"{c['job_steps']}-step job s", "ratio job")  # fmt: skip
     return (
         f"`{c['preset']}`, global batch {c['global_batch_size']} x seq {c['seq_len']}, "
