@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from helpers import train_in_process
 
 from distrain.checkpoint import checkpointer, load, manifest
-from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import OptimConfig
@@ -36,7 +36,7 @@ def _state(value: float) -> dict:
     return {"model": {"w": torch.full((64, 64), value)}, "step": torch.tensor(0)}
 
 
-def _checkpointer(tmp_path, *, keep: int = 2, async_mode: bool = False) -> Checkpointer:
+def _checkpointer(tmp_path, *, keep: int = 2, async_mode: str = "off") -> Checkpointer:
     return Checkpointer(
         Storage(str(tmp_path)),
         run_id="test",
@@ -231,18 +231,27 @@ def test_a_success_resets_the_failure_count_and_other_causes_are_named(tmp_path,
     assert len(failures) == 2 and ckpt.newest_committed == 2
 
 
-def test_async_failure_is_settled_at_the_next_wait(tmp_path, monkeypatch):
-    ckpt = _checkpointer(tmp_path, async_mode=True)
+def test_a_failed_background_save_is_reported_and_the_next_one_commits(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path, async_mode="thread")
     failures: list[str] = []
+    saved: list[SaveRecord] = []
     ckpt.on_failure = lambda step, message: failures.append(message)
+    ckpt.on_saved = saved.append
     ckpt.save(1, _state(1.0), permanent=False)
-    _failing_writer(ckpt, monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
-    ckpt.save(2, _state(2.0), permanent=False)  # settles step 1, starts step 2
-    ckpt.commit_ready()  # never commits a save that failed
     ckpt.wait()
+    with monkeypatch.context() as patch:
+        _failing_writer(ckpt, patch, OSError(errno.ENOSPC, "No space left on device"))
+        ckpt.save(2, _state(2.0), permanent=False)  # returns once staged: no error here
+        ckpt.wait()
     assert len(failures) == 1 and re.fullmatch(_disk_full_message(2, tmp_path), failures[0])
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
-    assert ckpt.newest_committed == 1
+    assert ckpt.newest_committed == 1 and ckpt.failed_in_a_row == 1
+    ckpt.save(3, _state(3.0), permanent=False)  # the next interval tries again
+    ckpt.close()
+    assert ckpt.newest_committed == 3 and ckpt.failed_in_a_row == 0
+    assert [(r.step, r.error is None) for r in saved] == [(1, True), (2, False), (3, True)]
+    assert saved[0].bytes == 64 * 64 * 4 + 8 and saved[0].write_s > 0 and saved[0].stall_s > 0
+    assert _restored(_checkpointer(tmp_path)) == (3, 3.0)
 
 
 @contextlib.contextmanager
@@ -314,7 +323,7 @@ def test_real_full_disk(small_disk):
 
 
 def test_async_save_commits_after_wait(tmp_path):
-    ckpt = _checkpointer(tmp_path, async_mode=True)
+    ckpt = _checkpointer(tmp_path, async_mode="thread")
     state = _state(3.0)
     ckpt.save(4, state, permanent=False)
     state["model"]["w"].fill_(99.0)  # training goes on: the save holds its own copy
@@ -384,7 +393,7 @@ def _two_rank_worker(rank: int, tmp_path) -> None:
     report: dict = {}
     storage = Storage(str(tmp_path / "ckpt"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="dp2", async_mode=False, keep_temporary=5, logger=LOG
+        storage, run_id="test", layout="dp2", async_mode="off", keep_temporary=5, logger=LOG
     )
     report["group_is_own"] = ckpt.group is not None and ckpt.group != dist.group.WORLD
 

@@ -207,7 +207,7 @@ def test_second_sigint_during_the_save_aborts_and_keeps_earlier_checkpoints(tmp_
     fields = dict(
         FIELDS,
         checkpoint__interval_steps=2,
-        checkpoint__async_mode="async",
+        checkpoint__async_mode="thread",
         debug__preempt_delay_s=60,
     )
     proc = start_train(run, "--nproc", "2", **fields)
@@ -245,7 +245,7 @@ def test_a_save_longer_than_the_grace_period_is_cut_off(tmp_path):
     """One process, no launcher: the worker's own timer bounds the stop."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", "distrain.train"]
-    fields = dict(FIELDS, checkpoint__preempt_grace_s=2, checkpoint__async_mode="async")
+    fields = dict(FIELDS, checkpoint__preempt_grace_s=2, checkpoint__async_mode="thread")
     for key, value in overrides(run, **fields, debug__preempt_delay_s=60):
         args += [f"--{key}", value]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -345,7 +345,7 @@ def test_retention_keeps_the_newest_preempt_checkpoint(tmp_path):
         storage,
         run_id="test",
         layout="",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=logging.getLogger("t"),
     )
@@ -368,7 +368,7 @@ def test_a_preempt_save_at_a_permanent_step_is_kept_like_a_permanent_one(tmp_pat
         storage,
         run_id="test",
         layout="",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=logging.getLogger("t"),
     )

@@ -77,7 +77,7 @@ def test_s3_save_hashes_while_writing_and_reads_nothing_back(
     url = s3.url("nothing-read-back")
     storage = Storage(url)
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     opened: list[tuple[str, str]] = []
     real_open = s3fs.S3FileSystem._open
@@ -111,7 +111,7 @@ def test_s3_save_never_syncs_the_node(s3: S3Server, monkeypatch):  # noqa: F811
     monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
     storage = Storage(s3.url("no-sync"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(1, {"w": torch.randn(200, 50), "step": torch.tensor(1)}, permanent=False)
     assert ckpt.newest_committed == 1
@@ -155,7 +155,7 @@ def test_next_save_of_a_step_aborts_a_killed_saves_uploads(s3: S3Server):  # noq
     # Nothing but an open upload: the step folder does not even list.
     _killed_upload(storage, storage.path("step-00000003", "__0_0.distcp"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(3, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 3
@@ -168,7 +168,7 @@ def test_pruning_a_torn_save_aborts_its_uploads(s3: S3Server):  # noqa: F811
     storage.fs.pipe_file(storage.path("step-00000001", "__1_0.distcp"), b"rank 1")
     _killed_upload(storage, storage.path("step-00000001", "__0_0.distcp"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(2, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 2

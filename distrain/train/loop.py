@@ -317,10 +317,9 @@ class Trainer:
                 heartbeat.mark("checkpoint")
                 self.save_checkpoint(kind, preempt=stopping)
             if logged:
-                self.checkpointer.commit_ready()
+                self.checkpointer.report_settled()
             if stopping:
-                self.faults.before_preempt_commit()
-                self.checkpointer.wait()
+                self.checkpointer.close()
                 self.stop.close()
                 raise Preempted(preempted_message(step, t.steps, self.stop.signal_name))
             if step % t.log_interval_steps == 0:
@@ -329,7 +328,7 @@ class Trainer:
                 observer.step_end(step)
             self.steps.step_end(self, finished=finished)
         heartbeat.mark("checkpoint")
-        self.checkpointer.wait()
+        self.checkpointer.close()
         self.stop.close()
         newest = self.checkpointer.newest_committed
         self.log.info(
