@@ -133,3 +133,28 @@ def test_staging_reuses_its_buffers():
         assert staged.data_ptr() == pointer and torch.equal(staged, weights)
         assert staged.data_ptr() != weights.data_ptr()
     stager.close()
+
+
+@pytest.mark.requires("cuda")
+def test_pinned_staging_from_cuda_holds_the_weights_of_its_step(tmp_path):
+    """On CUDA the staging copy is non-blocking into pinned memory: the checkpoint must still
+    hold the values of its step when the weights change on the device right after save()."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ckpt = Checkpointer(
+        Storage(str(tmp_path)),
+        run_id="test",
+        layout="test",
+        async_mode="thread",
+        keep_temporary=2,
+        logger=LOG,
+        pinned_staging=True,
+    )
+    weights = torch.randn(4096, 4096, device="cuda")
+    expected = weights.cpu()
+    ckpt.save(1, {"model": {"w": weights}}, permanent=False)
+    weights.mul_(2.0).add_(1.0)  # queued on the device right behind the staging copy
+    ckpt.close()
+    target = {"model": {"w": torch.zeros(4096, 4096)}}
+    assert ckpt.restore_latest(target) == 1
+    assert torch.equal(target["model"]["w"], expected)

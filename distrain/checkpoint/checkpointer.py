@@ -263,7 +263,11 @@ class Checkpointer:
         writer = self.storage.dcp_writer(path)
         error: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            # One process: no collective at all (the default group may be NCCL's, which a
+            # writer thread must not share with training).
+            dcp.save(
+                state, storage_writer=writer, process_group=self.group, no_dist=self.group is None
+            )
         except (Exception, CheckpointException) as e:
             error = e
         attempt = self._finish_part(path, writer, error)
