@@ -1,10 +1,11 @@
-"""What a checkpoint save costs training: synchronous (`checkpoint.async_mode = "off"`) against a
-background save (`"thread"`), side by side in one run.
+"""What a checkpoint save costs training: synchronous (`checkpoint.async_mode = "off"`) against
+background saves written by a thread (`"thread"`) or by a writer process (`"process"`), side by
+side in one run.
 
-Two real distrain `Trainer`s train the same model on N ranks (gloo; CPU, or one CUDA device per
-rank with --device cuda), one per mode, each saving into its own folder. Checkpoint intervals are
-off: this script alone decides when to save. After W untimed warmup steps of each, R rounds run;
-in each round both modes (the one that goes first alternates) time two blocks, each after a
+Three real distrain `Trainer`s train the same model on N ranks (gloo on CPU; NCCL and one CUDA
+device per rank with --device cuda), one per mode, each saving into its own folder. Checkpoint
+intervals are off: this script alone decides when to save. After W untimed warmup steps of each,
+R rounds run; in each round every mode (the order rotates) times two blocks, each after a
 barrier, each the slowest rank's time (all_reduce MAX):
 
 - baseline: K training steps, no save; step = block time / K;
@@ -20,10 +21,12 @@ Per mode, medians over rounds:
 - in-flight step: the mean time of the steps that began while the save was in flight;
 - goodput: (K + 1) x step / save block, the fraction of wall time spent training in a run that
   saves every K + 1 steps.
-Then the ratios the goals are stated in: stall thread / off, and in-flight step / step.
+Then the ratios the goals are stated in, per background mode: stall / off's stall, and in-flight
+step / step.
 
-Memory: after the rounds, --rss-saves saves of the "thread" trainer, one step apart, with the
-process's resident memory (VmRSS, rank 0) after each: flat when the staging buffers are reused.
+Memory: after the rounds, --rss-saves saves of each background trainer, one step apart, with the
+process's resident memory (VmRSS, rank 0; the training process, not the writer process) after
+each: flat when the staging buffers are reused.
 
 Limits: on CPU, staging is a host-to-host copy; on CUDA it is a device-to-pinned-host copy. With
 ranks on every core of a small machine the writer thread competes with training for CPU, which a
@@ -32,7 +35,7 @@ GPU machine's idle host cores do not. Writes go to a local folder (the page cach
 Run from the repository root (the script launches its own ranks through torchrun's API):
 
     python3 benchmarks/checkpoint.py                  # preset small, 2 ranks, 5 rounds x 4 steps
-    python3 benchmarks/checkpoint.py --preset tiny --nproc 4 --rounds 3 --rss-saves 10
+    python3 benchmarks/checkpoint.py --preset tiny --ranks 4 --rounds 3 --rss-saves 10
 
 Rank 0 prints a table and writes JSON to --out (default benchmarks/results/checkpoint.json).
 """
@@ -59,7 +62,7 @@ from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
-MODES = ("off", "thread")
+MODES = ("off", "thread", "process")
 # The corpus only supplies token windows; a 2 MB prefix of the default one is plenty.
 CORPUS_BYTES = 2_000_000
 # Timed quantities of one round, reduced with MAX over ranks in this order.
@@ -70,7 +73,7 @@ MIB = 1 << 20
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model preset (tiny or small on CPU)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--rss-saves", type=int, default=50, help="background saves of the memory check"
@@ -95,7 +98,7 @@ def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
     t = cfg.training
     t.micro_batch_size = args.micro_batch_size
     t.seq_len = args.seq_len
-    t.global_batch_size = args.micro_batch_size * args.nproc
+    t.global_batch_size = args.micro_batch_size * args.ranks
     t.steps = args.warmup + args.rounds * (2 * args.steps + 1) + args.rss_saves
     cfg.metrics.progress_bar = False
     cfg.metrics.tensorboard = False
@@ -212,7 +215,7 @@ def summarize(mode: str, rounds: list[dict[str, float]], k: int, size: int) -> d
 
 def measure(
     args: argparse.Namespace, ctx: DistContext, logger: Any, run_dir: Path
-) -> tuple[list[dict[str, Any]], list[float]]:
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Warm both modes up, time `args.rounds` interleaved rounds of each, then the memory of
     `args.rss_saves` background saves."""
     trainers: dict[str, Trainer] = {}
@@ -225,23 +228,26 @@ def measure(
             train(trainer, args.warmup)
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
-            order = MODES if round_ % 2 == 0 else tuple(reversed(MODES))
+            order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
             for mode in order:
                 rounds[mode].append(time_round(trainers[mode], args.steps))
         rows = [
             summarize(mode, rounds[mode], args.steps, checkpoint_bytes(trainers[mode]))
             for mode in MODES
         ]
-        return rows, rss_over_saves(trainers["thread"], args.rss_saves)
+        rss = {mode: rss_over_saves(trainers[mode], args.rss_saves) for mode in MODES[1:]}
+        return rows, rss
     finally:
         for trainer in trainers.values():
             trainer.close()
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], rss: list[float]) -> None:
+def report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], rss: dict[str, list[float]]
+) -> None:
     """Print the table and write the JSON (rank 0 only)."""
     print(
-        f"\ncheckpoint cost: preset {args.preset}, {args.nproc} ranks ({args.device}), "
+        f"\ncheckpoint cost: preset {args.preset}, {args.ranks} ranks ({args.device}), "
         f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.rounds} interleaved "
         f"rounds x (save + {args.steps} steps) per mode, median over rounds, slowest rank"
     )
@@ -257,17 +263,22 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], rss: list[float
             f"{r['baseline_step_s'] * 1e3:>8.1f}  {r['in_flight_step_s'] * 1e3:>17.1f}  "
             f"{r['goodput']:>7.3f}  {r['checkpoint_bytes'] / 1e6:>8.1f}"
         )
-    by_mode = {r["mode"]: r for r in rows}
-    thread, off = by_mode["thread"], by_mode["off"]
-    stall_ratio = thread["stall_s"] / off["stall_s"]
-    in_flight_ratio = thread["in_flight_step_s"] / thread["baseline_step_s"]
-    print(f"stall thread / off: {stall_ratio:.3f} (goal <= 0.10)")
-    print(f"in-flight step / step (thread): {in_flight_ratio:.3f} (goal <= 1.10)")
-    growth = rss[-1] - rss[min(9, len(rss) - 1)] if rss else math.nan
-    print(
-        f"resident memory over {len(rss)} background saves (rank 0): first {rss[0]:.0f} MiB, "
-        f"last {rss[-1]:.0f} MiB, growth from the 10th {growth:+.1f} MiB"
-    )
+    off = next(r for r in rows if r["mode"] == "off")
+    ratios: dict[str, dict[str, float]] = {}
+    for r in rows[1:]:
+        mode, series = r["mode"], rss[r["mode"]]
+        ratios[mode] = {
+            "stall_over_off": r["stall_s"] / off["stall_s"],
+            "in_flight_step_over_step": r["in_flight_step_s"] / r["baseline_step_s"],
+            "rss_growth_mib_from_10th_save": series[-1] - series[min(9, len(series) - 1)],
+        }
+        print(
+            f"{mode}: stall / off {ratios[mode]['stall_over_off']:.3f} (goal <= 0.10), "
+            f"in-flight step / step {ratios[mode]['in_flight_step_over_step']:.3f} "
+            f"(goal <= 1.10); resident memory over {len(series)} saves: first "
+            f"{series[0]:.0f} MiB, last {series[-1]:.0f} MiB, growth from the 10th "
+            f"{ratios[mode]['rss_growth_mib_from_10th_save']:+.1f} MiB"
+        )
     print(
         "stall = save call + wait for it before the next save; lost = save block - (K+1) x step; "
         "goodput = (K+1) x step / save block; MB = 10^6 bytes"
@@ -278,7 +289,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], rss: list[float
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": {
             "preset": args.preset,
-            "num_ranks": args.nproc,
+            "num_ranks": args.ranks,
             "backend": "gloo" if args.device == "cpu" else "nccl",
             "device": args.device,
             "warmup": args.warmup,
@@ -292,10 +303,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], rss: list[float
             "cpu_count": os.cpu_count(),
             "load_average_1_5_15": list(load),
         },
-        "stall_ratio_thread_over_off": stall_ratio,
-        "in_flight_step_ratio": in_flight_ratio,
+        "ratios": ratios,
         "rss_mib_after_each_save": rss,
-        "rss_growth_mib_from_10th_save": growth,
         "modes": rows,
     }
     write_json(args.out, result)
@@ -315,7 +324,7 @@ def main() -> None:
     if is_worker():
         worker(args)
     else:
-        launch_self(__file__, args.nproc, argv, name="checkpoint")
+        launch_self(__file__, args.ranks, argv, name="checkpoint")
 
 
 if __name__ == "__main__":

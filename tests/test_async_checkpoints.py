@@ -1,8 +1,9 @@
-"""Background saves (checkpoint.async_mode = "thread"): training goes on while a save is
-written, a rank killed with SIGKILL from outside during a background save resumes from the
+"""Background saves (checkpoint.async_mode = "thread" and "process"): training goes on while a
+save is written, a rank killed with SIGKILL from outside during a background save resumes from the
 newest complete checkpoint bit for bit, the checkpoint holds the weights of its step although
 training changed them right after staging, the staging buffers are reused from save to save,
-and what saves cost reaches metrics, `status` and `diagnose`."""
+a killed writer process fails its save and the next one commits, and what saves cost reaches
+metrics, `status` and `diagnose`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +31,8 @@ FIELDS = {
     "training__steps": STEPS,
     **SMALL_RUN,
     "checkpoint__interval_steps": 2,
-    "checkpoint__async_mode": "thread",
 }
+MODES = ("thread", "process")
 HELD = 4
 
 
@@ -40,14 +42,16 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_background_save_resumes_bit_exact(tmp_path, check_ok):
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkill_during_a_background_save_resumes_bit_exact(tmp_path, check_ok, mode):
+    fields = dict(FIELDS, checkpoint__async_mode=mode)
     reference = tmp_path / "reference"
-    check_ok(train_cli(reference, 2, **FIELDS))
+    check_ok(train_cli(reference, 2, **fields))
     run = tmp_path / "run"
     # Step 4's save is written, then held uncommitted in its writer thread: training goes on
     # past it (the step waited only for staging) until step 6's save waits for it.
     agent = start_train(
-        run, "--nproc", "2", "--max-restarts", "1", **FIELDS, debug__hold_checkpoint_step=HELD
+        run, "--nproc", "2", "--max-restarts", "1", **fields, debug__hold_checkpoint_step=HELD
     )
     try:
         log = run / "logs" / "rank0.log"
@@ -77,9 +81,10 @@ def test_sigkill_during_a_background_save_resumes_bit_exact(tmp_path, check_ok):
     assert [e.step for e in committed(Storage(str(run / "checkpoints")))][-1] == STEPS
 
 
-def test_saves_cost_reaches_metrics_status_and_diagnose(tmp_path, check_ok):
+@pytest.mark.parametrize("mode", MODES)
+def test_saves_cost_reaches_metrics_status_and_diagnose(tmp_path, check_ok, mode):
     run = tmp_path / "run"
-    check_ok(train_cli(run, 1, **FIELDS))
+    check_ok(train_cli(run, 1, **FIELDS, checkpoint__async_mode=mode))
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "checkpoint_stall_s" in r]
     assert [r["step"] for r in rows] == [2, 4, 6, 8]
     for r in rows:
@@ -91,18 +96,23 @@ def test_saves_cost_reaches_metrics_status_and_diagnose(tmp_path, check_ok):
     assert "checkpoint saves: 4, 0 failed" in diagnosis, diagnosis
 
 
-def test_the_checkpoint_holds_the_staged_weights(tmp_path, monkeypatch):
-    """The state changes as soon as save() returns, while the writer is held before writing:
-    the checkpoint (its hashes verified on restore) holds the values of its step."""
-    ckpt = Checkpointer(
+def _checkpointer(tmp_path: Path, mode: str) -> Checkpointer:
+    return Checkpointer(
         Storage(str(tmp_path)),
         run_id="test",
         layout="test",
-        async_mode="thread",
+        async_mode=mode,
         keep_temporary=2,
         logger=LOG,
     )
-    release = __import__("threading").Event()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_checkpoint_holds_the_staged_weights(tmp_path, monkeypatch, mode):
+    """The state changes as soon as save() returns, while the writer is held before writing:
+    the checkpoint (its hashes verified on restore) holds the values of its step."""
+    ckpt = _checkpointer(tmp_path, mode)
+    release = threading.Event()
     real_writer = ckpt.storage.dcp_writer
 
     def held_writer(path: str):
@@ -120,6 +130,41 @@ def test_the_checkpoint_holds_the_staged_weights(tmp_path, monkeypatch):
     assert torch.equal(target["model"]["w"], torch.full((256, 256), 1.0))
     manifest = json.loads((tmp_path / "step-00000001" / "MANIFEST.json").read_text())
     assert manifest["files"]
+
+
+def test_a_killed_writer_process_fails_its_save_and_the_next_one_commits(tmp_path):
+    ckpt = _checkpointer(tmp_path, "process")
+    failures: list[str] = []
+    ckpt.on_failure = lambda step, message: failures.append(message)
+    state = {"model": {"w": torch.full((256, 256), 1.0)}}
+    ckpt.save(1, state, permanent=False)
+    ckpt.wait()
+    writer = ckpt.writer_process
+    assert writer is not None
+    write = writer.write
+
+    def killed_as_it_writes(*args):
+        """SIGKILL the writer process once the save has planned its files, then write."""
+        os.kill(writer.process.pid, signal.SIGKILL)
+        writer.process.join(10)
+        return write(*args)
+
+    writer.write = killed_as_it_writes  # type: ignore[method-assign]
+    state["model"]["w"].fill_(2.0)
+    ckpt.save(2, state, permanent=False)
+    ckpt.wait()
+    assert failures == [
+        f"checkpoint step-00000002 not saved: writing to {tmp_path} failed on rank 0 "
+        f"(CheckpointError: the checkpoint writer process died (exit code -{signal.SIGKILL}))"
+    ]
+    assert not (tmp_path / "step-00000002").exists()  # removed, never committed
+    state["model"]["w"].fill_(3.0)
+    ckpt.save(3, state, permanent=False)  # a new writer process
+    ckpt.close()
+    assert ckpt.newest_committed == 3 and len(failures) == 1
+    target = {"model": {"w": torch.zeros(256, 256)}}
+    assert _checkpointer(tmp_path, "off").restore_latest(target) == 3
+    assert float(target["model"]["w"][0, 0]) == 3.0
 
 
 def test_staging_reuses_its_buffers():

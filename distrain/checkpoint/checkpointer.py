@@ -5,7 +5,8 @@ Protocol (the same for a local folder and an object store):
 1. every rank writes its DCP shards, hashing each file's bytes as they go out
    (storage.HashingWriter: nothing is read back): from the training thread (checkpoint.async_mode
    "off"), or from a writer thread that writes a staged copy (staging.py) while training goes on
-   ("thread"), in which case every later step of the protocol runs in that thread too;
+   ("thread"; every later step of the protocol runs in that thread too), or from that thread
+   with the files' bytes written by a process of this rank's own ("process", writer_process.py);
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
@@ -49,6 +50,7 @@ from distrain.checkpoint.retention import Retention
 from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.staging import Stager
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
+from distrain.checkpoint.writer_process import OffloadedWriter, WriterProcess
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
@@ -85,7 +87,7 @@ def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) 
     return dataclasses.replace(cfg, run=run, checkpoint=checkpoint)
 
 
-ASYNC_MODES = ("off", "thread")
+ASYNC_MODES = ("off", "thread", "process")
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,11 @@ class Checkpointer:
 
     `async_mode` "off": a save is written, verified and committed before `save` returns.
     "thread": `save` returns once the state is staged (staging.py); a writer thread writes,
-    verifies and commits it while training goes on. At most one save is in flight: the next one,
-    the end of the run and a stop signal's save wait for it first (a save skipped instead could
-    leave a run that saves more often than it can write with no checkpoint at all).
+    verifies and commits it while training goes on. "process": the same, with the files
+    serialized, hashed and written by a writer process (writer_process.py). At most one save
+    is in flight: the next one, the end of the run and a stop signal's save wait for it first
+    (a save skipped instead could leave a run that saves more often than it can write with no
+    checkpoint at all).
 
     A save that fails on any rank is failed on every rank: its directory is removed, the cause
     is logged as one line and passed to `on_failure`, and training goes on; after
@@ -172,7 +176,12 @@ class Checkpointer:
             resume_from=resume_from,
             logger=logger,
         )
-        self.stager = None if async_mode == "off" else Stager(pinned=pinned_staging, shared=False)
+        self.stager = (
+            None
+            if async_mode == "off"
+            else Stager(pinned=pinned_staging, shared=async_mode == "process")
+        )
+        self.writer_process: WriterProcess | None = None
         self.in_flight: Future | None = None
         self._settled: list[SaveRecord] = []
         self._settled_lock = threading.Lock()
@@ -234,8 +243,11 @@ class Checkpointer:
                 self.on_saved(record)
 
     def close(self) -> None:
-        """Finish the save in flight and free the staging buffers."""
+        """Finish the save in flight, stop the writer process and free the staging buffers."""
         self.wait()
+        if self.writer_process is not None:
+            self.writer_process.close()
+            self.writer_process = None
         if self.stager is not None:
             self.stager.close()
 
@@ -263,10 +275,11 @@ class Checkpointer:
         writer = self.storage.dcp_writer(path)
         error: BaseException | None = None
         try:
+            target = writer if self.async_mode != "process" else self._offloaded(writer, path)
             # One process: no collective at all (the default group may be NCCL's, which a
             # writer thread must not share with training).
             dcp.save(
-                state, storage_writer=writer, process_group=self.group, no_dist=self.group is None
+                state, storage_writer=target, process_group=self.group, no_dist=self.group is None
             )
         except (Exception, CheckpointException) as e:
             error = e
@@ -281,6 +294,15 @@ class Checkpointer:
         if self.before_commit is not None:
             self.before_commit(job.step, job.kind)
         self._settle(job, path, attempt, free_bytes, started)
+
+    def _offloaded(self, writer: HashingWriter, path: str) -> OffloadedWriter:
+        """`writer` with its files written by the writer process (a new one if it died)."""
+        if self.writer_process is not None and not self.writer_process.alive():
+            self.writer_process.close()
+            self.writer_process = None
+        if self.writer_process is None:
+            self.writer_process = WriterProcess()
+        return OffloadedWriter(writer, self.writer_process, self.storage, path)
 
     def _finish_part(
         self, path: str, writer: HashingWriter, error: BaseException | None
