@@ -6,11 +6,8 @@ storage), so many saves cost one copy's memory, not one per save."""
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -28,46 +25,11 @@ class Stager:
         )
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `state` (its Stateful entries by their state_dict): its tensors in the kept
-        host buffers, valid until the next call; every other value deep-copied."""
+        """A host copy of `state` (its Stateful entries by their state_dict), in the kept
+        buffers: valid until the next call."""
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        tensors: list[torch.Tensor] = []
-        skeleton = _hollow(plain, tensors)
-        staged = self._stager.stage(dict(enumerate(tensors)))
-        return _filled(skeleton, staged)  # type: ignore[arg-type]
+        return self._stager.stage(plain)  # type: ignore[return-value]
 
     def close(self) -> None:
         """Free the kept buffers."""
         self._stager.close()
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where the tensor numbered `index` goes back."""
-
-    index: int
-
-
-def _hollow(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """`value` with each tensor inside its dicts, lists and tuples replaced by a `_Slot` (the
-    tensor appended to `tensors`) and everything else deep-copied: only tensors go through the
-    staging buffers."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
-    if isinstance(value, dict):
-        return {k: _hollow(v, tensors) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_hollow(v, tensors) for v in value)
-    return copy.deepcopy(value)
-
-
-def _filled(value: Any, staged: dict[int, torch.Tensor]) -> Any:
-    """`_hollow`'s skeleton with the staged tensors in their slots."""
-    if isinstance(value, _Slot):
-        return staged[value.index]
-    if isinstance(value, dict):
-        return {k: _filled(v, staged) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_filled(v, staged) for v in value)
-    return value
