@@ -124,7 +124,8 @@ def test_the_checkpoint_holds_the_staged_weights(tmp_path, monkeypatch, mode):
     ckpt.save(1, state, permanent=False)
     state["model"]["w"].fill_(99.0)  # the next optimizer step, before anything is written
     release.set()
-    ckpt.close()
+    ckpt.wait()
+    ckpt.close(timeout_s=0)
     target = {"model": {"w": torch.zeros(256, 256)}}
     assert ckpt.restore_latest(target) == 1
     assert torch.equal(target["model"]["w"], torch.full((256, 256), 1.0))
@@ -160,7 +161,8 @@ def test_a_killed_writer_process_fails_its_save_and_the_next_one_commits(tmp_pat
     assert not (tmp_path / "step-00000002").exists()  # removed, never committed
     state["model"]["w"].fill_(3.0)
     ckpt.save(3, state, permanent=False)  # a new writer process
-    ckpt.close()
+    ckpt.wait()
+    ckpt.close(timeout_s=0)
     assert ckpt.newest_committed == 3 and len(failures) == 1
     target = {"model": {"w": torch.zeros(256, 256)}}
     assert _checkpointer(tmp_path, "off").restore_latest(target) == 3
@@ -199,7 +201,8 @@ def test_pinned_staging_from_cuda_holds_the_weights_of_its_step(tmp_path):
     expected = weights.cpu()
     ckpt.save(1, {"model": {"w": weights}}, permanent=False)
     weights.mul_(2.0).add_(1.0)  # queued on the device right behind the staging copy
-    ckpt.close()
+    ckpt.wait()
+    ckpt.close(timeout_s=0)
     target = {"model": {"w": torch.zeros(4096, 4096)}}
     assert ckpt.restore_latest(target) == 1
     assert torch.equal(target["model"]["w"], expected)

@@ -247,7 +247,8 @@ def test_a_failed_background_save_is_reported_and_the_next_one_commits(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
     assert ckpt.newest_committed == 1 and ckpt.failed_in_a_row == 1
     ckpt.save(3, _state(3.0), permanent=False)  # the next interval tries again
-    ckpt.close()
+    ckpt.wait()
+    ckpt.close(timeout_s=0)
     assert ckpt.newest_committed == 3 and ckpt.failed_in_a_row == 0
     assert [(r.step, r.error is None) for r in saved] == [(1, True), (2, False), (3, True)]
     assert saved[0].bytes == 64 * 64 * 4 + 8 and saved[0].write_s > 0 and saved[0].stall_s > 0

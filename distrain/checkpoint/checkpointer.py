@@ -242,9 +242,23 @@ class Checkpointer:
             if self.on_saved is not None:
                 self.on_saved(record)
 
-    def close(self) -> None:
-        """Finish the save in flight, stop the writer process and free the staging buffers."""
-        self.wait()
+    def close(self, timeout_s: float) -> None:
+        """At the end of the process: give a save still in flight (after an error: a finished
+        run has waited for it) up to `timeout_s` to settle, as the other ranks' writers finish
+        the protocol with this one while they live; then stop the writer process and free the
+        staging buffers. Never raises: the error that ended the run is the one to report."""
+        future, self.in_flight = self.in_flight, None
+        if future is not None:
+            try:
+                future.result(timeout=timeout_s)
+            except TimeoutError:
+                self.log.warning(
+                    "the checkpoint save in flight did not settle within %.0fs; leaving it "
+                    "uncommitted",
+                    timeout_s,
+                )
+            except BaseException as e:
+                self.log.warning("the checkpoint save in flight failed: %s", one_line(e))
         if self.writer_process is not None:
             self.writer_process.close()
             self.writer_process = None

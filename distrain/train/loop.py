@@ -319,7 +319,7 @@ class Trainer:
             if logged:
                 self.checkpointer.report_settled()
             if stopping:
-                self.checkpointer.close()
+                self.checkpointer.wait()
                 self.stop.close()
                 raise Preempted(preempted_message(step, t.steps, self.stop.signal_name))
             if step % t.log_interval_steps == 0:
@@ -328,7 +328,7 @@ class Trainer:
                 observer.step_end(step)
             self.steps.step_end(self, finished=finished)
         heartbeat.mark("checkpoint")
-        self.checkpointer.close()
+        self.checkpointer.wait()
         self.stop.close()
         newest = self.checkpointer.newest_committed
         self.log.info(
@@ -373,6 +373,8 @@ class Trainer:
             observer.logged(row, steps=steps)
 
     def close(self) -> None:
+        # After an error, a background save in flight gets the time a stop signal would.
+        self.checkpointer.close(timeout_s=self.cfg.checkpoint.preempt_grace_s)
         self.loader.close()
         for observer in reversed(self.observers):
             observer.close()
