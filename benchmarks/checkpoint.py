@@ -243,7 +243,10 @@ def measure(
 
 
 def report(
-    args: argparse.Namespace, rows: list[dict[str, Any]], rss: dict[str, list[float]]
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    rss: dict[str, list[float]],
+    load_at_start: list[float],
 ) -> None:
     """Print the table and write the JSON (rank 0 only)."""
     print(
@@ -283,9 +286,12 @@ def report(
         "stall = save call + wait for it before the next save; lost = save block - (K+1) x step; "
         "goodput = (K+1) x step / save block; MB = 10^6 bytes"
     )
-    load = os.getloadavg()
+    argv = sys.argv[1:]
+    if "--run-dir" in argv:  # the launcher's, for its workers
+        at = argv.index("--run-dir")
+        argv = argv[:at] + argv[at + 2 :]
     result = {
-        "command": "python3 benchmarks/checkpoint.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python3 benchmarks/checkpoint.py", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": {
             "preset": args.preset,
@@ -301,7 +307,8 @@ def report(
             "torch": torch.__version__,
             "omp_num_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
-            "load_average_1_5_15": list(load),
+            "load_average_1_5_15_at_start": load_at_start,
+            "load_average_1_5_15_at_end": list(os.getloadavg()),
         },
         "ratios": ratios,
         "rss_mib_after_each_save": rss,
@@ -313,9 +320,10 @@ def report(
 def worker(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     with worker_session(run_dir, args.device) as (ctx, logger):
+        load_at_start = list(os.getloadavg())
         rows, rss = measure(args, ctx, logger, run_dir)
         if ctx.rank == 0:
-            report(args, rows, rss)
+            report(args, rows, rss, load_at_start)
 
 
 def main() -> None:

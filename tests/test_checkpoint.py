@@ -24,6 +24,7 @@ from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import OptimConfig
 from distrain.errors import CheckpointError
+from distrain.observe.diagnose import diagnose
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
 from distrain.optim.state_dict import optimizer_state_dict
@@ -344,11 +345,15 @@ def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
     }
     with _tmpfs(tmp_path / "disk", "16m") as disk:
         # Saves at 2 (fits), 4 and 6 (no room beside step 2): two failures, then it finishes.
+        # Written in the background: a failed background save never stops training either.
         run = tmp_path / "finishes"
-        train_in_process(run, **fields, checkpoint__dir=disk / "a")
+        train_in_process(run, **fields, checkpoint__dir=disk / "a", checkpoint__async_mode="thread")
         failed = [r for r in read_metrics(run / "metrics.jsonl") if "checkpoint_failed" in r]
         assert [r["step"] for r in failed] == [4, 6]
         assert re.fullmatch(_disk_full_message(4, disk / "a"), failed[0]["checkpoint_error"])
+        named = diagnose(run)
+        assert "checkpoint saves: 3, 2 failed; last (step 6)" in named, named
+        assert named.count("  failed save: checkpoint step-0000000") == 2, named
         log = (run / "logs" / "rank0.log").read_text()
         assert "finished 6 steps (newest committed checkpoint: step-00000002)" in log
         assert sorted(p.name for p in (disk / "a").iterdir()) == ["OWNER.json", "step-00000002"]

@@ -130,10 +130,16 @@ def reference(batch_pool) -> dict[int, float]:
     return losses(read_metrics(run_dir / "metrics.jsonl"))
 
 
+# Background saves at every step: the stop signal's save waits for the one in flight, then
+# commits its own.
+BACKGROUND = {"checkpoint__async_mode": "thread", "checkpoint__interval_steps": 1}
+
+
 @pytest.mark.slow
-def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path, reference):
+@pytest.mark.parametrize("saves", [{}, BACKGROUND], ids=["sync", "background"])
+def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path, reference, saves):
     run = tmp_path / "run"
-    proc = start_train(run, "--nproc", "2", **FIELDS)
+    proc = start_train(run, "--nproc", "2", **FIELDS, **saves)
     wait_for_step(proc, run, SIGNAL_AFTER_STEP)
     sent = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
@@ -143,6 +149,9 @@ def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path
     assert "stopped by SIGTERM" in err
     assert took < 120 + 5, took  # the default grace period plus the agent's margin
 
+    if saves:
+        kinds = {e.step: e.kind for e in committed(Storage(str(run / "checkpoints")))}
+        assert kinds[step] == "preempt" and kinds.get(step - 1) == "temporary", kinds
     resumed = train_cli(run, 2, **FIELDS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from checkpoint step-{step:08d}" in (run / "logs" / "rank0.log").read_text()
