@@ -120,7 +120,7 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
     """The uninterrupted 2-rank run, where the resume test is selected (tests/batch.py's pool:
     it shares the session's 2-rank torchrun launch)."""
     user = "test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact"
-    return {REFERENCE: Run(2, FIELDS)} if user in names else {}
+    return {REFERENCE: Run(2, FIELDS)} if any(n.startswith(user) for n in names) else {}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ BACKGROUND = {"checkpoint__async_mode": "thread", "checkpoint__interval_steps": 
 @pytest.mark.parametrize("saves", [{}, BACKGROUND], ids=["sync", "background"])
 def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path, reference, saves):
     run = tmp_path / "run"
-    proc = start_train(run, "--nproc", "2", **FIELDS, **saves)
+    proc = start_train(run, "--nproc", "2", **{**FIELDS, **saves})
     wait_for_step(proc, run, SIGNAL_AFTER_STEP)
     sent = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
