@@ -142,6 +142,12 @@ def test_layout_names_and_a_plan_without_a_fit():
         "memory, or shrink"
     ]
     assert methods_table(rows, cluster) == []
+    one = "--preset tiny --nodes 1 --gpus-per-node 1 --seq-len 32 --global-batch 2".split()
+    cfg, cluster, rows = priced(one)
+    said = recommendation(rows, cfg, cluster)
+    assert "  layout:        1 device, ZeRO-0, no activation checkpointing (row 1)" in said
+    assert " " * 17 + "why: no data-parallel group: one device" in said
+    assert methods_table(rows, cluster) == []
 
 
 @pytest.mark.slow

@@ -128,12 +128,10 @@ def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[s
 def _communication(best: PlanRow, cluster: Cluster) -> list[str]:
     advice = best.communication
     if advice is None:
-        return _item(
-            "communication",
-            "none to choose",
-            f"no data-parallel group: the layout splits the model over all "
-            f"{_plural(cluster.world_size, 'device')}",
-        )
+        split = f"the layout splits the model over all {cluster.world_size} devices"
+        if cluster.world_size == 1:
+            split = "one device"
+        return _item("communication", "none to choose", f"no data-parallel group: {split}")
     chosen = advice.recommended
     settings = () if chosen.method == "plain" else (chosen.settings,)
     return _item("communication", method_label(chosen), method_reason(advice), *settings)
