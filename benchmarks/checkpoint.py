@@ -177,6 +177,16 @@ def rss_over_saves(trainer: Trainer, saves: int) -> list[float]:
     return rss
 
 
+def rss_trend(series: list[float]) -> dict[str, float]:
+    """From the 10th save on (the first ones warm up buffers and caches): the least-squares
+    slope of resident memory per save, and its range (max - min)."""
+    tail = series[9:] if len(series) > 10 else series
+    if len(tail) < 2:
+        return {"rss_slope_mib_per_save": math.nan, "rss_range_mib": math.nan}
+    slope = statistics.linear_regression(range(len(tail)), tail).slope
+    return {"rss_slope_mib_per_save": slope, "rss_range_mib": max(tail) - min(tail)}
+
+
 def checkpoint_bytes(trainer: Trainer) -> int:
     """Bytes of the newest committed checkpoint, all ranks' files (from its manifest)."""
     newest = committed(trainer.checkpointer.storage)[-1]
@@ -273,14 +283,15 @@ def report(
         ratios[mode] = {
             "stall_over_off": r["stall_s"] / off["stall_s"],
             "in_flight_step_over_step": r["in_flight_step_s"] / r["baseline_step_s"],
-            "rss_growth_mib_from_10th_save": series[-1] - series[min(9, len(series) - 1)],
+            **rss_trend(series),
         }
         print(
             f"{mode}: stall / off {ratios[mode]['stall_over_off']:.3f} (goal <= 0.10), "
             f"in-flight step / step {ratios[mode]['in_flight_step_over_step']:.3f} "
             f"(goal <= 1.10); resident memory over {len(series)} saves: first "
-            f"{series[0]:.0f} MiB, last {series[-1]:.0f} MiB, growth from the 10th "
-            f"{ratios[mode]['rss_growth_mib_from_10th_save']:+.1f} MiB"
+            f"{series[0]:.0f} MiB, last {series[-1]:.0f} MiB, from the 10th on "
+            f"{ratios[mode]['rss_slope_mib_per_save']:+.2f} MiB per save (least squares), "
+            f"range {ratios[mode]['rss_range_mib']:.1f} MiB"
         )
     print(
         "stall = save call + wait for it before the next save; lost = save block - (K+1) x step; "
