@@ -2,7 +2,8 @@
 the training step may overwrite as soon as the copy is taken. On CUDA the copy goes to pinned
 memory (a fast device-to-host transfer); for a writer process it goes to shared memory. The
 buffers are kept from one save to the next (torch's DefaultStager keeps one copy per source
-storage), so many saves cost one copy's memory, not one per save."""
+storage), so many saves cost one copy's memory, not one per save. A shared copy holds one open
+file per tensor for as long as it is kept."""
 
 from __future__ import annotations
 
