@@ -1,39 +1,50 @@
-"""Training stall caused by a checkpoint save: synchronous against asynchronous, as a ratio.
+"""What a checkpoint save costs training: synchronous (`checkpoint.async_mode = "off"`) against
+background saves written by a thread (`"thread"`) or by a writer process (`"process"`), side by
+side in one run.
 
-Two real distrain `Trainer`s train the same model on 2 ranks over gloo (CPU), one with
-`checkpoint.async_mode = "none"`, one with `"async"`, each saving into its own temporary directory.
-Checkpoint intervals are off and nothing saves at the end: this script alone decides when to save.
-After W untimed warmup steps of each, R rounds run; in each round both modes (the one that goes
-first alternates between rounds) time two blocks, each after a barrier, each the slowest rank's
-time (all_reduce MAX):
+Three real distrain `Trainer`s train the same model on N ranks (gloo on CPU; NCCL and one CUDA
+device per rank with --device cuda), one per mode, each saving into its own folder. Checkpoint
+intervals are off: this script alone decides when to save. After W untimed warmup steps of each,
+R rounds run; in each round every mode (the order rotates) times two blocks, each after a
+barrier, each the slowest rank's time (all_reduce MAX):
 
-- baseline: K training steps, no save; baseline step time = block time / K;
+- baseline: K training steps, no save; step = block time / K;
 - save: one step, `trainer.save_checkpoint("temporary")`, K more steps, then
-  `trainer.checkpointer.wait()` (the in-flight async save finishes and commits there, so whatever
-  it still costs counts; sync saves commit inside the save call and the wait is nearly free).
+  `trainer.checkpointer.wait()` (a background save still in flight finishes there), which is
+  where the next save of a run saving every K + 1 steps would wait.
 
-stall = save block time - (K + 1) x baseline step time: the wall time the save added to training.
-The table shows per mode the median stall over rounds, the median time the save call blocked the
-training loop, the median wait() time, the median baseline step time and the size of one
-checkpoint (all ranks' files, from its manifest); then the ratio async / sync of median stalls.
+Per mode, medians over rounds:
+- stall: what the training step waited for the save: the save call plus that wait (for "off"
+  the whole save; for "thread" the staging copy, plus the wait if the write outlasted K steps);
+- lost: save block - (K + 1) x step, the wall time the save added to training (the stall plus
+  any slowdown of the steps that ran beside the writer);
+- in-flight step: the mean time of the steps that began while the save was in flight;
+- goodput: (K + 1) x step / save block, the fraction of wall time spent training in a run that
+  saves every K + 1 steps.
+Then the ratios the goals are stated in, per background mode: stall / off's stall, and in-flight
+step / step.
 
-Limits: on CPU, async staging is an in-memory copy of the whole state (on GPU it is a device-to-host
-copy), so the save call still blocks for that copy. With 2 ranks on a 2-core machine the background
-writer thread competes with training for CPU, which inflates the async stall here compared to a GPU
-machine, where the writer uses host cores the training loop leaves idle. Writes go to a local temp
-dir (page cache), so storage bandwidth is hardly measured.
+Memory: after the rounds, --rss-saves saves of each background trainer, one step apart, with the
+process's resident memory (VmRSS, rank 0; the training process, not the writer process) after
+each: flat when the staging buffers are reused.
 
-Run from the repository root (the script launches its own 2 ranks through torchrun's API):
+Limits: on CPU, staging is a host-to-host copy; on CUDA it is a device-to-pinned-host copy. With
+ranks on every core of a small machine the writer thread competes with training for CPU, which a
+GPU machine's idle host cores do not. Writes go to a local folder (the page cache).
 
-    python3 benchmarks/checkpoint.py                  # preset small, 5 rounds x 4 steps
-    python3 benchmarks/checkpoint.py --preset tiny --rounds 8
+Run from the repository root (the script launches its own ranks through torchrun's API):
 
-Rank 0 prints a table and writes JSON to --out (default benchmarks/results/checkpoint.json).
+    python3 benchmarks/checkpoint.py                  # preset small, 2 ranks, 5 rounds x 4 steps
+    python3 benchmarks/checkpoint.py --preset tiny --ranks 4 --rounds 3 --rss-saves 10
+
+Rank 0 prints a table and writes JSON to --out (default benchmarks/results/checkpoint.json), with
+the run's record (harness.run_record: command, times, load, machine, commit).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -43,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import is_worker, launch_self, worker_session, write_json
+from harness import is_worker, launch_self, synchronize, worker_session, write_json
 
 from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
@@ -52,17 +63,22 @@ from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
-NUM_RANKS = 2
-MODES = ("none", "async")
+MODES = ("off", "thread", "process")
 # The corpus only supplies token windows; a 2 MB prefix of the default one is plenty.
 CORPUS_BYTES = 2_000_000
 # Timed quantities of one round, reduced with MAX over ranks in this order.
-FIELDS = ("baseline_s", "save_block_s", "save_call_s", "wait_s")
+FIELDS = ("baseline_s", "save_block_s", "save_call_s", "wait_s", "in_flight_step_s")
+MIB = 1 << 20
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model preset (tiny or small on CPU)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (processes)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--rss-saves", type=int, default=50, help="background saves of the memory check"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="W: untimed steps of each mode")
     parser.add_argument("--rounds", type=int, default=5, help="R: rounds of each mode")
     parser.add_argument("--steps", type=int, default=4, help="K: steps per baseline block")
@@ -77,14 +93,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
     cfg = Config()
     cfg.run.dir = str(run_dir)
-    cfg.run.device = "cpu"
+    cfg.run.device = args.device
     cfg.model.preset = args.preset
     cfg.data.max_bytes = CORPUS_BYTES
     t = cfg.training
     t.micro_batch_size = args.micro_batch_size
     t.seq_len = args.seq_len
-    t.global_batch_size = args.micro_batch_size * NUM_RANKS
-    t.steps = args.warmup + args.rounds * (2 * args.steps + 1)
+    t.global_batch_size = args.micro_batch_size * args.ranks
+    t.steps = args.warmup + args.rounds * (2 * args.steps + 1) + args.rss_saves
     cfg.metrics.progress_bar = False
     cfg.metrics.tensorboard = False
     c = cfg.checkpoint
@@ -109,9 +125,11 @@ def train(trainer: Trainer, num_steps: int) -> None:
 
 def time_round(trainer: Trainer, k: int) -> dict[str, float]:
     """One baseline block and one save block; each time is the slowest rank's."""
+    device = trainer.ctx.device
     dist.barrier()
     start = time.perf_counter()
     train(trainer, k)
+    synchronize(device)
     baseline = time.perf_counter() - start
 
     dist.barrier()
@@ -120,14 +138,54 @@ def time_round(trainer: Trainer, k: int) -> dict[str, float]:
     call_start = time.perf_counter()
     trainer.save_checkpoint("temporary")
     save_call = time.perf_counter() - call_start
-    train(trainer, k)
+    in_flight = []
+    for _ in range(k):
+        save = trainer.checkpointer.in_flight
+        step_start = time.perf_counter()
+        train(trainer, 1)
+        synchronize(device)
+        if save is not None and not save.done():
+            in_flight.append(time.perf_counter() - step_start)
     wait_start = time.perf_counter()
     trainer.checkpointer.wait()
     end = time.perf_counter()
-
-    times = torch.tensor([baseline, end - start, save_call, end - wait_start], dtype=torch.float64)
+    in_flight_step = statistics.mean(in_flight) if in_flight else math.nan
+    times = torch.tensor(
+        [baseline, end - start, save_call, end - wait_start, in_flight_step],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return dict(zip(FIELDS, times.tolist(), strict=True))
+
+
+def rss_mib() -> float:
+    """This process's resident memory (VmRSS), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def rss_over_saves(trainer: Trainer, saves: int) -> list[float]:
+    """Resident memory after each of `saves` background saves, one step apart."""
+    rss = []
+    for _ in range(saves):
+        train(trainer, 1)
+        trainer.save_checkpoint("temporary")
+        trainer.checkpointer.wait()
+        rss.append(rss_mib())
+    return rss
+
+
+def rss_trend(series: list[float]) -> dict[str, float]:
+    """From the 10th save on (the first ones warm up buffers and caches): the least-squares
+    slope of resident memory per save, and its range (max - min)."""
+    tail = series[9:] if len(series) > 10 else series
+    if len(tail) < 2:
+        return {"rss_slope_mib_per_save": math.nan, "rss_range_mib": math.nan}
+    slope = statistics.linear_regression(range(len(tail)), tail).slope
+    return {"rss_slope_mib_per_save": slope, "rss_range_mib": max(tail) - min(tail)}
 
 
 def checkpoint_bytes(trainer: Trainer) -> int:
@@ -136,19 +194,31 @@ def checkpoint_bytes(trainer: Trainer) -> int:
     return sum(info["size"] for info in newest.manifest["files"].values())
 
 
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
 def summarize(mode: str, rounds: list[dict[str, float]], k: int, size: int) -> dict[str, Any]:
     step_s = [r["baseline_s"] / k for r in rounds]
-    stall_s = [r["save_block_s"] - (k + 1) * s for r, s in zip(rounds, step_s, strict=True)]
+    lost_s = [r["save_block_s"] - (k + 1) * s for r, s in zip(rounds, step_s, strict=True)]
+    stall_s = [r["save_call_s"] + r["wait_s"] for r in rounds]
+    goodput = [(k + 1) * s / r["save_block_s"] for r, s in zip(rounds, step_s, strict=True)]
     return {
         "mode": mode,
         "stall_s": statistics.median(stall_s),
+        "lost_s": statistics.median(lost_s),
         "save_call_s": statistics.median(r["save_call_s"] for r in rounds),
         "wait_s": statistics.median(r["wait_s"] for r in rounds),
+        "in_flight_step_s": _median([r["in_flight_step_s"] for r in rounds]),
         "baseline_step_s": statistics.median(step_s),
+        "goodput": statistics.median(goodput),
         "checkpoint_bytes": size,
         "per_round": {
             "stall_s": stall_s,
+            "lost_s": lost_s,
             "baseline_step_s": step_s,
+            "goodput": goodput,
             **{field: [r[field] for r in rounds] for field in FIELDS},
         },
     }
@@ -156,8 +226,9 @@ def summarize(mode: str, rounds: list[dict[str, float]], k: int, size: int) -> d
 
 def measure(
     args: argparse.Namespace, ctx: DistContext, logger: Any, run_dir: Path
-) -> list[dict[str, Any]]:
-    """Warm both modes up, then time `args.rounds` interleaved rounds of each."""
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Warm both modes up, time `args.rounds` interleaved rounds of each, then the memory of
+    `args.rss_saves` background saves."""
     trainers: dict[str, Trainer] = {}
     try:
         for mode in MODES:
@@ -168,50 +239,68 @@ def measure(
             train(trainer, args.warmup)
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
-            order = MODES if round_ % 2 == 0 else tuple(reversed(MODES))
+            order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
             for mode in order:
                 rounds[mode].append(time_round(trainers[mode], args.steps))
-        return [
+        rows = [
             summarize(mode, rounds[mode], args.steps, checkpoint_bytes(trainers[mode]))
             for mode in MODES
         ]
+        rss = {mode: rss_over_saves(trainers[mode], args.rss_saves) for mode in MODES[1:]}
+        return rows, rss
     finally:
         for trainer in trainers.values():
             trainer.close()
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], rss: dict[str, list[float]]
+) -> None:
     """Print the table and write the JSON (rank 0 only)."""
     print(
-        f"\ncheckpoint stall: preset {args.preset}, {NUM_RANKS} ranks (gloo, CPU), micro-batch "
-        f"{args.micro_batch_size} x {args.seq_len} tokens, {args.rounds} interleaved rounds x "
-        f"(save + {args.steps} steps) per mode, median over rounds, slowest rank"
+        f"\ncheckpoint cost: preset {args.preset}, {args.ranks} ranks ({args.device}), "
+        f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.rounds} interleaved "
+        f"rounds x (save + {args.steps} steps) per mode, median over rounds, slowest rank"
     )
     header = (
-        f"{'mode':>5}  {'stall ms':>9}  {'save call ms':>12}  {'wait ms':>8}  "
-        f"{'step ms':>8}  {'ckpt MB':>8}"
+        f"{'mode':>6}  {'stall ms':>9}  {'lost ms':>8}  {'step ms':>8}  {'in-flight step ms':>17}"
+        f"  {'goodput':>7}  {'ckpt MB':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['mode']:>5}  {r['stall_s'] * 1e3:>9.1f}  {r['save_call_s'] * 1e3:>12.1f}  "
-            f"{r['wait_s'] * 1e3:>8.1f}  {r['baseline_step_s'] * 1e3:>8.1f}  "
-            f"{r['checkpoint_bytes'] / 1e6:>8.1f}"
+            f"{r['mode']:>6}  {r['stall_s'] * 1e3:>9.1f}  {r['lost_s'] * 1e3:>8.1f}  "
+            f"{r['baseline_step_s'] * 1e3:>8.1f}  {r['in_flight_step_s'] * 1e3:>17.1f}  "
+            f"{r['goodput']:>7.3f}  {r['checkpoint_bytes'] / 1e6:>8.1f}"
         )
-    by_mode = {r["mode"]: r for r in rows}
-    ratio = by_mode["async"]["stall_s"] / by_mode["none"]["stall_s"]
-    print(f"stall ratio async / sync: {ratio:.3f}")
+    off = next(r for r in rows if r["mode"] == "off")
+    ratios: dict[str, dict[str, float]] = {}
+    for r in rows[1:]:
+        mode, series = r["mode"], rss[r["mode"]]
+        ratios[mode] = {
+            "stall_over_off": r["stall_s"] / off["stall_s"],
+            "in_flight_step_over_step": r["in_flight_step_s"] / r["baseline_step_s"],
+            **rss_trend(series),
+        }
+        print(
+            f"{mode}: stall / off {ratios[mode]['stall_over_off']:.3f} (goal <= 0.10), "
+            f"in-flight step / step {ratios[mode]['in_flight_step_over_step']:.3f} "
+            f"(goal <= 1.10); resident memory over {len(series)} saves: first "
+            f"{series[0]:.0f} MiB, last {series[-1]:.0f} MiB, from the 10th on "
+            f"{ratios[mode]['rss_slope_mib_per_save']:+.2f} MiB per save (least squares), "
+            f"range {ratios[mode]['rss_range_mib']:.1f} MiB"
+        )
     print(
-        "stall = save block - (K+1) x baseline step; save call = time save_checkpoint blocked; "
-        "wait = checkpointer.wait() after the K steps (inside the stall); MB = 10^6 bytes"
+        "stall = save call + wait for it before the next save; lost = save block - (K+1) x step; "
+        "goodput = (K+1) x step / save block; MB = 10^6 bytes"
     )
     result = {
         "config": {
             "preset": args.preset,
-            "num_ranks": NUM_RANKS,
-            "backend": "gloo",
-            "device": "cpu",
+            "num_ranks": args.ranks,
+            "backend": "gloo" if args.device == "cpu" else "nccl",
+            "device": args.device,
             "warmup": args.warmup,
             "rounds": args.rounds,
             "steps_per_block": args.steps,
@@ -222,7 +311,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             "omp_num_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
         },
-        "stall_ratio_async_over_sync": ratio,
+        "ratios": ratios,
+        "rss_mib_after_each_save": rss,
         "modes": rows,
     }
     write_json(args.out, result)
@@ -230,10 +320,10 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
-    with worker_session(run_dir) as (ctx, logger):
-        rows = measure(args, ctx, logger, run_dir)
+    with worker_session(run_dir, args.device) as (ctx, logger):
+        rows, rss = measure(args, ctx, logger, run_dir)
         if ctx.rank == 0:
-            report(args, rows)
+            report(args, rows, rss)
 
 
 def main() -> None:
@@ -242,7 +332,7 @@ def main() -> None:
     if is_worker():
         worker(args)
     else:
-        launch_self(__file__, NUM_RANKS, argv, name="checkpoint")
+        launch_self(__file__, args.ranks, argv, name="checkpoint")
 
 
 if __name__ == "__main__":

@@ -272,25 +272,44 @@ def slow_link(d: dict[str, Any]) -> str:
 
 def checkpoint(d: dict[str, Any]) -> str:
     c = d["config"]
-    names = {"none": "sync", "async": "async"}
+
+    def ms(seconds: float) -> str:
+        return "-" if seconds != seconds else f"{seconds * 1e3:.0f}"  # NaN: none in flight
+
     rows = [
         (
-            names.get(r["mode"], r["mode"]),
-            f"{r['stall_s'] * 1e3:.0f}",
-            f"{r['save_call_s'] * 1e3:.0f}",
-            f"{r['wait_s'] * 1e3:.0f}",
-            f"{r['baseline_step_s'] * 1e3:.0f}",
-            f"{r['checkpoint_bytes'] / 1e6:.1f}",
+            r["mode"],
+            ms(r["stall_s"]),
+            ms(r["lost_s"]),
+            ms(r["baseline_step_s"]),
+            ms(r["in_flight_step_s"]),
+            f"{r['goodput']:.3f}",
+            "-"
+            if r["mode"] not in d["ratios"]
+            else f"{d['ratios'][r['mode']]['rss_slope_mib_per_save']:+.2f}",
         )
         for r in d["modes"]
     ]
-    head = ("save", "stall ms", "save call ms", "wait ms", "step ms", "checkpoint MB")
+    head = (
+        "mode",
+        "stall ms",
+        "lost ms",
+        "step ms",
+        "in-flight step ms",
+        "goodput",
+        "memory MiB/save",
+    )
+    ratios = "; ".join(
+        f"{mode}: stall / off {r['stall_over_off']:.2f}, in-flight step / step "
+        f"{r['in_flight_step_over_step']:.2f}"
+        for mode, r in d["ratios"].items()
+    )
     return (
         f"`{c['preset']}`, {c['num_ranks']} ranks ({c['backend']}, {c['device']}), micro-batch "
-        f"{c['micro_batch_size']} x {c['seq_len']}, {c['rounds']} interleaved rounds of a save "
-        f"and {c['steps_per_block']} steps per mode, median over rounds, slowest rank:\n\n"
-        + table(head, rows)
-        + f"\n\nStall ratio async / sync: **{d['stall_ratio_async_over_sync']:.2f}**."
+        f"{c['micro_batch_size']} x {c['seq_len']}, {c['rounds']} rounds of a save and "
+        f"{c['steps_per_block']} steps per mode, median over rounds, slowest rank; memory: "
+        f"slope over {len(next(iter(d['rss_mib_after_each_save'].values())))} saves from the "
+        f"10th on:\n\n" + table(head, rows) + f"\n\n{ratios}."
     )
 
 

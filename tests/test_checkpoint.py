@@ -19,11 +19,12 @@ import torch.multiprocessing as mp
 from helpers import train_in_process
 
 from distrain.checkpoint import checkpointer, load, manifest
-from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import OptimConfig
 from distrain.errors import CheckpointError
+from distrain.observe.diagnose import diagnose
 from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
 from distrain.optim.state_dict import optimizer_state_dict
@@ -36,7 +37,7 @@ def _state(value: float) -> dict:
     return {"model": {"w": torch.full((64, 64), value)}, "step": torch.tensor(0)}
 
 
-def _checkpointer(tmp_path, *, keep: int = 2, async_mode: bool = False) -> Checkpointer:
+def _checkpointer(tmp_path, *, keep: int = 2, async_mode: str = "off") -> Checkpointer:
     return Checkpointer(
         Storage(str(tmp_path)),
         run_id="test",
@@ -231,18 +232,28 @@ def test_a_success_resets_the_failure_count_and_other_causes_are_named(tmp_path,
     assert len(failures) == 2 and ckpt.newest_committed == 2
 
 
-def test_async_failure_is_settled_at_the_next_wait(tmp_path, monkeypatch):
-    ckpt = _checkpointer(tmp_path, async_mode=True)
+def test_a_failed_background_save_is_reported_and_the_next_one_commits(tmp_path, monkeypatch):
+    ckpt = _checkpointer(tmp_path, async_mode="thread")
     failures: list[str] = []
+    saved: list[SaveRecord] = []
     ckpt.on_failure = lambda step, message: failures.append(message)
+    ckpt.on_saved = saved.append
     ckpt.save(1, _state(1.0), permanent=False)
-    _failing_writer(ckpt, monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
-    ckpt.save(2, _state(2.0), permanent=False)  # settles step 1, starts step 2
-    ckpt.commit_ready()  # never commits a save that failed
     ckpt.wait()
+    with monkeypatch.context() as patch:
+        _failing_writer(ckpt, patch, OSError(errno.ENOSPC, "No space left on device"))
+        ckpt.save(2, _state(2.0), permanent=False)  # returns once staged: no error here
+        ckpt.wait()
     assert len(failures) == 1 and re.fullmatch(_disk_full_message(2, tmp_path), failures[0])
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
-    assert ckpt.newest_committed == 1
+    assert ckpt.newest_committed == 1 and ckpt.failed_in_a_row == 1
+    ckpt.save(3, _state(3.0), permanent=False)  # the next interval tries again
+    ckpt.wait()
+    ckpt.close(timeout_s=0)
+    assert ckpt.newest_committed == 3 and ckpt.failed_in_a_row == 0
+    assert [(r.step, r.error is None) for r in saved] == [(1, True), (2, False), (3, True)]
+    assert saved[0].bytes == 64 * 64 * 4 + 8 and saved[0].write_s > 0 and saved[0].stall_s > 0
+    assert _restored(_checkpointer(tmp_path)) == (3, 3.0)
 
 
 @contextlib.contextmanager
@@ -314,7 +325,7 @@ def test_real_full_disk(small_disk):
 
 
 def test_async_save_commits_after_wait(tmp_path):
-    ckpt = _checkpointer(tmp_path, async_mode=True)
+    ckpt = _checkpointer(tmp_path, async_mode="thread")
     state = _state(3.0)
     ckpt.save(4, state, permanent=False)
     state["model"]["w"].fill_(99.0)  # training goes on: the save holds its own copy
@@ -334,11 +345,15 @@ def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
     }
     with _tmpfs(tmp_path / "disk", "16m") as disk:
         # Saves at 2 (fits), 4 and 6 (no room beside step 2): two failures, then it finishes.
+        # Written in the background: a failed background save never stops training either.
         run = tmp_path / "finishes"
-        train_in_process(run, **fields, checkpoint__dir=disk / "a")
+        train_in_process(run, **fields, checkpoint__dir=disk / "a", checkpoint__async_mode="thread")
         failed = [r for r in read_metrics(run / "metrics.jsonl") if "checkpoint_failed" in r]
         assert [r["step"] for r in failed] == [4, 6]
         assert re.fullmatch(_disk_full_message(4, disk / "a"), failed[0]["checkpoint_error"])
+        named = diagnose(run)
+        assert "checkpoint saves: 3, 2 failed; last (step 6)" in named, named
+        assert named.count("  failed save: checkpoint step-0000000") == 2, named
         log = (run / "logs" / "rank0.log").read_text()
         assert "finished 6 steps (newest committed checkpoint: step-00000002)" in log
         assert sorted(p.name for p in (disk / "a").iterdir()) == ["OWNER.json", "step-00000002"]
@@ -384,7 +399,7 @@ def _two_rank_worker(rank: int, tmp_path) -> None:
     report: dict = {}
     storage = Storage(str(tmp_path / "ckpt"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="dp2", async_mode=False, keep_temporary=5, logger=LOG
+        storage, run_id="test", layout="dp2", async_mode="off", keep_temporary=5, logger=LOG
     )
     report["group_is_own"] = ckpt.group is not None and ckpt.group != dist.group.WORLD
 

@@ -53,7 +53,7 @@ def _checkpointer(root: Path) -> Checkpointer:
         Storage(str(root)),
         run_id="fuzz",
         layout="test",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=2,
         logger=LOG,
     )

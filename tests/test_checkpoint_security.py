@@ -43,7 +43,7 @@ def _checkpointer(root: Path, *, keep: int = 2, run_id: str = "run-a") -> Checkp
         Storage(str(root)),
         run_id=run_id,
         layout="test",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=keep,
         logger=LOG,
     )
@@ -345,7 +345,7 @@ def test_another_runs_checkpoint_is_not_resumed_unless_named(tmp_path, caplog):
         Storage(str(tmp_path / "mine")),
         run_id="run-b",
         layout="test",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=LOG,
         resume_from=str(shared / "step-00000003"),

@@ -126,6 +126,8 @@ KILL_AFTER_STEP = 6
 # The interrupted run: a checkpoint at step 6, between outer steps 4 and 8 (the sites' weights
 # and AdamW states differ there), then a crash at step 9.
 INTERRUPTED = {"checkpoint__interval_steps": 6}
+THREAD_SAVES = {"checkpoint__async_mode": "thread"}
+PROCESS_SAVES = {"checkpoint__async_mode": "process"}
 STREAM_INTERRUPTED = "test_streaming_resume_is_bit_for_bit:interrupted"
 INTERRUPTED_H4 = "test_resume_is_bit_for_bit:interrupted"
 H4_DILOCO = "test_h4_trains_at_the_single_process_level:diloco"
@@ -158,7 +160,11 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
         H4_DILOCO: Run(2, H4_RUN),
         "test_h4_trains_at_the_single_process_level:summed": Run(2, {**RUN, **SITES, **SUMMED}),
         INTERRUPTED_H4: Run(
-            2, {**RUN, **SITES, **H4, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
+            2,
+            # Its step-6 save written by a writer thread, the streaming run's by a writer
+            # process: DiLoCo's global weights and outer state are staged with the rest.
+            {**RUN, **SITES, **H4, **INTERRUPTED, "debug__fail_at_step": 9, **THREAD_SAVES},
+            fails=True,
         ),
         "test_streaming_trains_at_the_single_process_level:streaming": Run(
             2, {**RUN, **SITES, **STREAM}
@@ -171,7 +177,9 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
         ),
         # Fragment 1's average is in flight at the checkpoint (issued at 6, merged at 7).
         STREAM_INTERRUPTED: Run(
-            2, {**RUN, **SITES, **STREAM, **INTERRUPTED, "debug__fail_at_step": 9}, fails=True
+            2,
+            {**RUN, **SITES, **STREAM, **INTERRUPTED, "debug__fail_at_step": 9, **PROCESS_SAVES},
+            fails=True,
         ),
     }
     for name, sites in COMPOSITIONS.items():

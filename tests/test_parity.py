@@ -355,16 +355,19 @@ def test_moe_layout_matches_single_process(model, layout, moe_reference, batched
 def test_resume_across_layouts(references, tmp_path):
     """A tied-embedding model, tp2 -> dp2 (ZeRO-1) -> pp2 x dp2 (embedding and head on different
     stages, each with its copy) -> 1 process: each attempt resumes the last one's checkpoint
-    under a new layout, and the stitched loss curve is the uninterrupted 1-process curve."""
+    under a new layout, and the stitched loss curve is the uninterrupted 1-process curve. The
+    attempts save in the background (a writer thread, a writer process, a thread): a crash
+    gives the save in flight time to commit, so each resumes the step before its crash."""
     run = tmp_path / "run"
     steps = (("training__steps", 8),)
     fields = dict(BASE, **dict(TIED + steps), checkpoint__interval_steps=2)
-    first = train_cli(run, 2, **fields, parallel__tp=2, debug__fail_at_step=3)
+    thread, process = {"checkpoint__async_mode": "thread"}, {"checkpoint__async_mode": "process"}
+    first = train_cli(run, 2, **fields, **thread, parallel__tp=2, debug__fail_at_step=3)
     assert first.returncode != 0
-    second = train_cli(run, 2, **fields, parallel__zero_stage=1, debug__fail_at_step=5)
+    second = train_cli(run, 2, **fields, **process, parallel__zero_stage=1, debug__fail_at_step=5)
     assert second.returncode != 0
     third = train_cli(
-        run, 4, **fields, parallel__pp=2, parallel__zero_stage=3, debug__fail_at_step=7
+        run, 4, **fields, **thread, parallel__pp=2, parallel__zero_stage=3, debug__fail_at_step=7
     )
     assert third.returncode != 0
     assert "resumed from" in third.stderr and "step-00000004" in third.stderr, third.stderr[-3000:]
@@ -380,10 +383,13 @@ MIXTRAL = (("model__family", "mixtral"), ("model__preset", "mixtral-tiny"))
 @pytest.mark.parametrize(
     ("model", "layout"),
     [
-        (QWEN3, {"parallel__tp": 2}),
-        (MIXTRAL, {"parallel__ep": 2, "parallel__zero_stage": 3}),
-        (LLAMA, {"parallel__pp": 2}),
-        (GPT2, {"parallel__zero_stage": 3}),
+        (QWEN3, {"parallel__tp": 2, "checkpoint__async_mode": "thread"}),
+        (
+            MIXTRAL,
+            {"parallel__ep": 2, "parallel__zero_stage": 3, "checkpoint__async_mode": "process"},
+        ),
+        (LLAMA, {"parallel__pp": 2, "checkpoint__async_mode": "thread"}),
+        (GPT2, {"parallel__zero_stage": 3, "checkpoint__async_mode": "process"}),
     ],
     ids=["qwen3_tp2", "mixtral_ep2_zero3", "llama_pp2", "gpt2_zero3"],
 )
@@ -391,8 +397,10 @@ def test_a_family_resumes_on_another_layout(model, layout, references, tmp_path)
     """Each family's checkpoint is layout-independent too: 2 ranks (Qwen3 under tp2, Mixtral's
     experts split under ep2, Llama in 2 pipeline stages, GPT-2 sharded by ZeRO-3) stop at step
     3 with a checkpoint of step 2, one process resumes it, and the stitched curve is the
-    uninterrupted 1-process curve. Micro-batches of 2 throughout: MoE balancing losses are
-    counted per micro-batch, so the reference routes the same groups."""
+    uninterrupted 1-process curve; the 2-rank runs save in the background (a writer thread or
+    process), so the staged copy of DTensors and pipeline stages is what resumes. Micro-batches
+    of 2 throughout: MoE balancing losses are counted per micro-batch, so the reference routes
+    the same groups."""
     run = tmp_path / "run"
     model = (*model, ("training__micro_batch_size", 2))
     fields = dict(BASE, **dict(model), checkpoint__interval_steps=2)

@@ -280,8 +280,13 @@ def test_plan_command_ranks_fitting_layouts_first(capsys):
         assert r["fits"] == (peak <= 12e6)
         assert (r["reason"] == "") == r["fits"]
     assert {r["memory_source"] for r in rows} == {"fake build", "model"}
+    # Advised: the three fastest that fit and have a data-parallel group (tp2 has none).
     advised = [r for r in rows if r["communication"] is not None]
-    assert len(advised) == 3 and all(r["fits"] for r in advised)
+    grouped = [
+        r for r in rows if r["fits"] and r["layout"]["dp_replicate"] * r["layout"]["dp_shard"] > 1
+    ]
+    assert advised == grouped[:3] and len(advised) == 2
+    assert any(r["fits"] and r["layout"]["tp"] == 2 for r in rows)
     assert advised[0]["communication"]["recommended"]["method"] == "plain"
 
 
@@ -417,19 +422,40 @@ def test_progress_only_on_a_terminal(capsys):
 
 
 def test_plan_text_restates_the_question_and_names_its_choice(capsys):
-    """The text answer starts with the question as the plan read it (precision from the config
-    said so) and a one-line recommendation: the first row that fits, with why."""
+    """The text answer, within 100 columns, starts with the question as the plan read it
+    (precision from the config said so), then names the layout, the communication and the
+    micro-batch to use, each on its own line with why: the first row that fits, and the method
+    advised for it, the one marked in the methods table below."""
     plan_command(
         ["--preset", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "32",
          "--global-batch", "4", "--gpu-memory", "12MB", "--zero", "0,3", "--checkpointing",
          "none", "--peak", "100G", "--top", "3"]
     )  # fmt: skip
-    question, use, header, _, first, *_ = capsys.readouterr().out.splitlines()
-    assert question.startswith("plan: gpt tiny (853K parameters), global batch 4 x 32 tokens")
-    assert "fp32 (the config's; --precision)" in question
-    assert "on 1 node(s) x 2 device(s) of 0.0112 GiB" in question
-    assert use.startswith("use: dp_replicate ") and "(row 1), because it has the fastest" in use
-    assert header.split()[:3] == ["#", "dp_rep", "dp_shd"] and first.split()[-1] == "yes"
-    layout = first.split()[1:8]  # the row the recommendation names
-    assert f"dp_replicate {layout[0]} x dp_shard {layout[1]} x tp {layout[2]}" in use
-    assert f"ZeRO-{layout[4]}" in use and f"micro-batch {layout[6]}" in use
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert lines[:5] == [
+        "plan for:",
+        "  model        gpt tiny, 853K parameters, fp32 (the config's; --precision)",
+        "  batch        4 sequences x 32 tokens per step",
+        "  devices      1 node x 2 devices of 0.0112 GiB (0.012 GB), 100 GFLOP/s peak x 0.45",
+        "  links        450 GB/s per device inside a node",
+    ]
+    start = lines.index("recommended:") + 1
+    block = lines[start : lines.index("", start)]
+    named = {
+        line.split(":")[0].strip(): line.split(":", 1)[1].strip()
+        for line in block
+        if not line.startswith(" " * 4)
+    }
+    assert list(named) == ["layout", "communication", "micro-batch"]
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    first = lines[header + 2].split()  # the row the recommendation names
+    assert first[0] == "1" and first[-1] == "yes"
+    layout, zero, ac, mb = first[1:5]
+    assert named["layout"] == f"{layout}, ZeRO-{zero}, no activation checkpointing (row 1)"
+    assert named["micro-batch"] == mb
+    assert named["communication"] == "plain FSDP2"  # 2 ranks of one node: nothing to compress
+    reasons = [line.strip() for line in block if line.startswith(" " * 17 + "why: ")]
+    assert len(reasons) == 3 and reasons[0].startswith("why: fastest step that fits")
+    marked = [line for line in lines if line.endswith("<- recommended")]
+    assert len(marked) == 1 and marked[0].startswith("  plain FSDP2 ")

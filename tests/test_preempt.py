@@ -120,7 +120,7 @@ def batched_runs(names: set[str]) -> dict[str, Run]:
     """The uninterrupted 2-rank run, where the resume test is selected (tests/batch.py's pool:
     it shares the session's 2-rank torchrun launch)."""
     user = "test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact"
-    return {REFERENCE: Run(2, FIELDS)} if user in names else {}
+    return {REFERENCE: Run(2, FIELDS)} if any(n.startswith(user) for n in names) else {}
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +130,16 @@ def reference(batch_pool) -> dict[int, float]:
     return losses(read_metrics(run_dir / "metrics.jsonl"))
 
 
+# Background saves at every step: the stop signal's save waits for the one in flight, then
+# commits its own.
+BACKGROUND = {"checkpoint__async_mode": "thread", "checkpoint__interval_steps": 1}
+
+
 @pytest.mark.slow
-def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path, reference):
+@pytest.mark.parametrize("saves", [{}, BACKGROUND], ids=["sync", "background"])
+def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path, reference, saves):
     run = tmp_path / "run"
-    proc = start_train(run, "--nproc", "2", **FIELDS)
+    proc = start_train(run, "--nproc", "2", **{**FIELDS, **saves})
     wait_for_step(proc, run, SIGNAL_AFTER_STEP)
     sent = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
@@ -143,6 +149,9 @@ def test_sigterm_to_launcher_saves_and_the_next_start_resumes_bit_exact(tmp_path
     assert "stopped by SIGTERM" in err
     assert took < 120 + 5, took  # the default grace period plus the agent's margin
 
+    if saves:
+        kinds = {e.step: e.kind for e in committed(Storage(str(run / "checkpoints")))}
+        assert kinds[step] == "preempt" and kinds.get(step - 1) == "temporary", kinds
     resumed = train_cli(run, 2, **FIELDS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from checkpoint step-{step:08d}" in (run / "logs" / "rank0.log").read_text()
@@ -207,7 +216,7 @@ def test_second_sigint_during_the_save_aborts_and_keeps_earlier_checkpoints(tmp_
     fields = dict(
         FIELDS,
         checkpoint__interval_steps=2,
-        checkpoint__async_mode="async",
+        checkpoint__async_mode="thread",
         debug__preempt_delay_s=60,
     )
     proc = start_train(run, "--nproc", "2", **fields)
@@ -245,7 +254,7 @@ def test_a_save_longer_than_the_grace_period_is_cut_off(tmp_path):
     """One process, no launcher: the worker's own timer bounds the stop."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", "distrain.train"]
-    fields = dict(FIELDS, checkpoint__preempt_grace_s=2, checkpoint__async_mode="async")
+    fields = dict(FIELDS, checkpoint__preempt_grace_s=2, checkpoint__async_mode="thread")
     for key, value in overrides(run, **fields, debug__preempt_delay_s=60):
         args += [f"--{key}", value]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -345,7 +354,7 @@ def test_retention_keeps_the_newest_preempt_checkpoint(tmp_path):
         storage,
         run_id="test",
         layout="",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=logging.getLogger("t"),
     )
@@ -368,7 +377,7 @@ def test_a_preempt_save_at_a_permanent_step_is_kept_like_a_permanent_one(tmp_pat
         storage,
         run_id="test",
         layout="",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=logging.getLogger("t"),
     )

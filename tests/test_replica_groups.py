@@ -63,6 +63,9 @@ GROUP_FIELDS = {
     **FIELDS,
     "parallel__zero_stage": 3,
     "fault_tolerance__replica_groups": 2,
+    # Each group's final checkpoint is staged and written by a writer thread: the final
+    # weights compared below are what it wrote.
+    "checkpoint__async_mode": "thread",
     # Above the time a rejoining group takes to load the live state on a busy 2-core machine
     # (a shorter one makes both groups redo that step: a "retried" row, still exact).
     "fault_tolerance__timeout_s": 6,

@@ -1,5 +1,6 @@
-"""Checkpoints on an object store: a 2-rank run saves, lists, prunes and resumes through
-`s3://` URLs on a real S3-compatible server (tests/s3.py), and continues bit for bit; a save
+"""Checkpoints on an object store: a 2-rank run saves (in the background), lists, prunes and
+resumes through `s3://` URLs on a real S3-compatible server (tests/s3.py), and continues bit for
+bit; a save
 reads nothing back and never calls os.sync; the multipart uploads a killed save left are aborted
 when its folder is removed; a run survives a short outage of the store and stops cleanly, in one
 line naming the URL, on a long one."""
@@ -49,7 +50,14 @@ def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa
     # crash ends it, so it comes last.
     runs = {
         "local": Run(2, FIELDS),
-        "s3": Run(2, dict(FIELDS, checkpoint__dir=url, debug__fail_at_step=5)),
+        # Saved in the background (a writer thread), resumed and saved again by writer
+        # processes.
+        "s3": Run(
+            2,
+            dict(
+                FIELDS, checkpoint__dir=url, checkpoint__async_mode="thread", debug__fail_at_step=5
+            ),
+        ),
     }
     batches = Batches(runs, tmp_path)
     local = batches.result("local")
@@ -58,7 +66,11 @@ def test_save_prune_resume_through_s3(s3: S3Server, tmp_path, check_ok):  # noqa
     assert crashed.error is not None and "crashes at step 5" in crashed.error, crashed.error
     storage = Storage(url)
     assert [e.step for e in committed(storage)] == [4]  # step 2 pruned (keep_temporary = 1)
-    result = check_ok(train_cli(crashed.run_dir, 2, **FIELDS, checkpoint__dir=url))
+    result = check_ok(
+        train_cli(
+            crashed.run_dir, 2, **FIELDS, checkpoint__dir=url, checkpoint__async_mode="process"
+        )
+    )
     assert "resumed from checkpoint step-00000004" in result.stderr
     entries = committed(Storage(url))
     assert [(e.step, e.permanent) for e in entries] == [(4, False), (6, True)]
@@ -77,7 +89,7 @@ def test_s3_save_hashes_while_writing_and_reads_nothing_back(
     url = s3.url("nothing-read-back")
     storage = Storage(url)
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     opened: list[tuple[str, str]] = []
     real_open = s3fs.S3FileSystem._open
@@ -111,7 +123,7 @@ def test_s3_save_never_syncs_the_node(s3: S3Server, monkeypatch):  # noqa: F811
     monkeypatch.setattr(os, "sync", lambda: syncs.append(1))
     storage = Storage(s3.url("no-sync"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(1, {"w": torch.randn(200, 50), "step": torch.tensor(1)}, permanent=False)
     assert ckpt.newest_committed == 1
@@ -155,7 +167,7 @@ def test_next_save_of_a_step_aborts_a_killed_saves_uploads(s3: S3Server):  # noq
     # Nothing but an open upload: the step folder does not even list.
     _killed_upload(storage, storage.path("step-00000003", "__0_0.distcp"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(3, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 3
@@ -168,7 +180,7 @@ def test_pruning_a_torn_save_aborts_its_uploads(s3: S3Server):  # noqa: F811
     storage.fs.pipe_file(storage.path("step-00000001", "__1_0.distcp"), b"rank 1")
     _killed_upload(storage, storage.path("step-00000001", "__0_0.distcp"))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     ckpt.save(2, {"w": torch.randn(20, 5)}, permanent=False)
     assert ckpt.newest_committed == 2

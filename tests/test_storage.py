@@ -94,7 +94,7 @@ def test_permanent_errors_are_not_retried(tmp_path, error):
 def test_retention_failure_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
     storage = Storage(str(tmp_path))
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     state = {"w": torch.ones(4)}
     ckpt.save(1, state, permanent=False)
@@ -171,7 +171,7 @@ def test_local_save_fsyncs_each_file_and_never_syncs_the_node(tmp_path, monkeypa
         Storage(str(tmp_path)),
         run_id="test",
         layout="test",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=LOG,
     )
@@ -211,7 +211,7 @@ class StoreOpens:
 def _memory_checkpointer(name: str, retry_s: float) -> tuple[Storage, Checkpointer]:
     storage = Storage(f"memory://{name}-{os.getpid()}-{time.monotonic_ns()}/run", retry_s=retry_s)
     ckpt = Checkpointer(
-        storage, run_id="test", layout="test", async_mode=False, keep_temporary=1, logger=LOG
+        storage, run_id="test", layout="test", async_mode="off", keep_temporary=1, logger=LOG
     )
     return storage, ckpt
 

@@ -95,7 +95,7 @@ def test_resume_on_two_ranks_is_bit_exact(tmp_path, check_ok):
         BASE,
         training__micro_batch_size=4,
         checkpoint__interval_steps=3,
-        checkpoint__async_mode="async",
+        checkpoint__async_mode="thread",
     )
     # The uninterrupted run and the crashing one share a torchrun launch (tests/batch.py); the
     # crash ends it, so it comes last.

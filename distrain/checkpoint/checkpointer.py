@@ -2,8 +2,11 @@
 (the layout and the manifest: manifest.py).
 
 Protocol (the same for a local folder and an object store):
-1. every rank writes its DCP shards (synchronously, or in a background thread with `async`),
-   hashing each file's bytes as they go out (storage.HashingWriter: nothing is read back);
+1. every rank writes its DCP shards, hashing each file's bytes as they go out
+   (storage.HashingWriter: nothing is read back): from the training thread (checkpoint.async_mode
+   "off"), or from a writer thread that writes a staged copy (staging.py) while training goes on
+   ("thread"; every later step of the protocol runs in that thread too), or from that thread
+   with the files' bytes written by a process of this rank's own ("process", writer_process.py);
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
@@ -22,7 +25,6 @@ both sides are group.py's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -46,7 +48,9 @@ from distrain.checkpoint.ownership import claim, owner_problem
 from distrain.checkpoint.restore import Restorer
 from distrain.checkpoint.retention import Retention
 from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
+from distrain.checkpoint.staging import Stager
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
+from distrain.checkpoint.writer_process import OffloadedWriter, WriterProcess
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
@@ -83,26 +87,53 @@ def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) 
     return dataclasses.replace(cfg, run=run, checkpoint=checkpoint)
 
 
-@dataclass
-class _Pending:
-    """The async save in flight; `attempt` is set, then `recorded`, by the saving thread."""
+ASYNC_MODES = ("off", "thread", "process")
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """A settled save, as metrics report it: `stall_s`, what the training step waited for it
+    (the previous save still in flight and the staging copy; the whole save when synchronous);
+    `write_s`, from the start of its writing to its commit or failure; `bytes`, what every rank
+    set out to write; `error`, the one-line cause of a failed save."""
 
     step: int
-    path: str
     kind: str
-    free_bytes: int | None
-    future: Future
-    recorded: threading.Event
-    attempt: Attempt | None = None
+    stall_s: float
+    write_s: float
+    bytes: int
+    error: str | None = None
+
+
+@dataclass
+class _Save:
+    """One save from its request to its verdict."""
+
+    step: int
+    kind: str
+    permanent: bool
+    notes: dict[str, Any]
+    asked_at: float
+    stall_s: float = 0.0
 
 
 class Checkpointer:
-    """Saves (sync or async, at most one in flight) and commits checkpoints, applies retention
-    after each commit, claims the location, and restores the newest good one (restore.py).
+    """Saves and commits checkpoints, applies retention after each commit, claims the location,
+    and restores the newest good one (restore.py).
 
-        A save that fails on any rank is failed on every rank: its directory is removed, the cause
-        is logged as one line and passed to `on_failure`, and after `max_failed_saves` failures in a
-        row `CheckpointError` stops the run (the newest committed checkpoint stays intact).
+    `async_mode` "off": a save is written, verified and committed before `save` returns.
+    "thread": `save` returns once the state is staged (staging.py); a writer thread writes,
+    verifies and commits it while training goes on. "process": the same, with the files
+    serialized, hashed and written by a writer process (writer_process.py). At most one save
+    is in flight: the next one, the end of the run and a stop signal's save wait for it first
+    (a save skipped instead could leave a run that saves more often than it can write with no
+    checkpoint at all).
+
+    A save that fails on any rank is failed on every rank: its directory is removed, the cause
+    is logged as one line and passed to `on_failure`, and training goes on; after
+    `max_failed_saves` failures in a row `CheckpointError` stops the run (the newest committed
+    checkpoint stays intact). `on_saved` hears of every settled save (SaveRecord). Both are
+    called on the training thread, from `save`, `wait` and `report_settled`.
     """
 
     def __init__(
@@ -111,20 +142,26 @@ class Checkpointer:
         *,
         run_id: str,
         layout: str,
-        async_mode: bool,
+        async_mode: str,
         keep_temporary: int,
         logger: logging.Logger,
         resume_from: str = "",
         max_failed_saves: int = 3,
         collective_timeout_s: float = 7200.0,
+        pinned_staging: bool = False,
         on_failure: Callable[[int, str], None] | None = None,
+        on_saved: Callable[[SaveRecord], None] | None = None,
+        before_commit: Callable[[int, str], None] | None = None,
     ):
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {async_mode!r}")
         self.storage, self.layout, self.async_mode = storage, layout, async_mode
         self.run_id, self.log = run_id, logger
         self.retention = Retention(
             storage, run_id=run_id, keep_temporary=keep_temporary, logger=logger
         )
-        self.max_failed_saves, self.on_failure = max_failed_saves, on_failure
+        self.max_failed_saves = max_failed_saves
+        self.on_failure, self.on_saved, self.before_commit = on_failure, on_saved, before_commit
         self.comm = CheckpointGroup(collective_timeout_s)
         self.rank, self.world_size, self.group = (
             self.comm.rank,
@@ -139,9 +176,15 @@ class Checkpointer:
             resume_from=resume_from,
             logger=logger,
         )
-        self.pending: _Pending | None = None
-        # rank 0: step -> (path, kind, permanent)
-        self.uncommitted: dict[int, tuple[str, str, bool, dict[str, Any]]] = {}
+        self.stager = (
+            None
+            if async_mode == "off"
+            else Stager(pinned=pinned_staging, shared=async_mode == "process")
+        )
+        self.writer_process: WriterProcess | None = None
+        self.in_flight: Future | None = None
+        self._settled: list[SaveRecord] = []
+        self._settled_lock = threading.Lock()
         self.failed_in_a_row = 0
         self.newest_committed: int | None = None
 
@@ -156,15 +199,77 @@ class Checkpointer:
         preempt: bool = False,
         notes: dict[str, Any] | None = None,
     ) -> None:
-        """Collective. Returns once the state is captured (async) or written and committed
-        (sync). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
+        """Collective. Returns once the state is staged (async) or written and committed
+        (off). Raises CheckpointError once `max_failed_saves` saves in a row have failed.
         `preempt`: the save a stop signal asked for (kind "preempt", see retention.py); with
         `permanent` too it is also kept like a permanent one. `notes`: facts about the state
         (JSON values) that the manifest records under "notes", for checks made before loading
         (`SavedLayoutAware`, the launcher)."""
+        asked_at = time.perf_counter()
         self.wait()
         kind = "preempt" if preempt else "permanent" if permanent else "temporary"
-        path = self.storage.path(step_name(step))
+        job = _Save(step, kind, permanent, notes or {}, asked_at)
+        if self.stager is None:
+            try:
+                self._write(job, state)
+            finally:
+                self.report_settled()
+            return
+        staged = self.stager.stage(state)
+        job.stall_s = time.perf_counter() - asked_at
+        self.log.info("checkpoint step %d (%s) staged in %.2fs", step, kind, job.stall_s)
+        self.in_flight = _in_thread(lambda: self._write(job, staged), f"checkpoint-{step}")
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any, and report every settled save. Raises what the
+        save raised: CheckpointError after `max_failed_saves` failures in a row (or a broken
+        collective)."""
+        future, self.in_flight = self.in_flight, None
+        try:
+            if future is not None:
+                future.result()
+        finally:
+            self.report_settled()
+
+    def report_settled(self) -> None:
+        """Hand every save settled since the last call to `on_saved` / `on_failure`, on the
+        calling (training) thread. No collective; cheap enough for every logging step."""
+        with self._settled_lock:
+            settled, self._settled = self._settled, []
+        for record in settled:
+            if record.error is not None and self.on_failure is not None:
+                self.on_failure(record.step, record.error)
+            if self.on_saved is not None:
+                self.on_saved(record)
+
+    def close(self, timeout_s: float) -> None:
+        """At the end of the process: give a save still in flight (after an error: a finished
+        run has waited for it) up to `timeout_s` to settle, as the other ranks' writers finish
+        the protocol with this one while they live; then stop the writer process and free the
+        staging buffers. Never raises: the error that ended the run is the one to report."""
+        future, self.in_flight = self.in_flight, None
+        if future is not None:
+            try:
+                future.result(timeout=timeout_s)
+            except TimeoutError:
+                self.log.warning(
+                    "the checkpoint save in flight did not settle within %.0fs; leaving it "
+                    "uncommitted",
+                    timeout_s,
+                )
+            except BaseException as e:
+                self.log.warning("the checkpoint save in flight failed: %s", one_line(e))
+        if self.writer_process is not None:
+            self.writer_process.close()
+            self.writer_process = None
+        if self.stager is not None:
+            self.stager.close()
+
+    def _write(self, job: _Save, state: dict[str, Any]) -> None:
+        """Collective over the checkpoint group (in the writer thread for a background save):
+        prepare the folder, write this rank's part, settle the save on every rank."""
+        started = time.perf_counter()
+        path = self.storage.path(step_name(job.step))
         prepared: tuple[str | None, int | None] = (None, None)
         if self.rank == 0:
             try:
@@ -178,52 +283,46 @@ class Checkpointer:
         if prep_error is not None:
             # Nothing of this save was written: the folder, if any, is not this save's to remove
             # (another run's, when the location is not this run's).
-            self._failed(step, None, f"checkpoint {step_name(step)} not saved: {prep_error}")
+            message = f"checkpoint {step_name(job.step)} not saved: {prep_error}"
+            self._failed(job, None, message, started, planned_bytes=0)
             return
         writer = self.storage.dcp_writer(path)
-        start = time.perf_counter()
-        if self.async_mode:
-            try:
-                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            except (Exception, CheckpointException) as e:  # staging failed: nothing in flight
-                self._settle(step, path, kind, self._finish_part(path, writer, e), free_bytes)
-                return
-            pending = _Pending(step, path, kind, free_bytes, future, threading.Event())
-
-            def record(done: Future) -> None:
-                try:
-                    pending.attempt = self._finish_part(path, writer, done.exception())
-                finally:
-                    pending.recorded.set()
-
-            future.add_done_callback(record)
-            self.pending = pending
-            if self.rank == 0:
-                self.uncommitted[step] = (path, kind, permanent, notes or {})
-            self.log.info(
-                "checkpoint step %d (%s) captured in %.2fs", step, kind, time.perf_counter() - start
-            )
-            return
         error: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            target = writer if self.async_mode != "process" else self._offloaded(writer, path)
+            # One process: no collective at all (the default group may be NCCL's, which a
+            # writer thread must not share with training).
+            dcp.save(
+                state, storage_writer=target, process_group=self.group, no_dist=self.group is None
+            )
         except (Exception, CheckpointException) as e:
             error = e
         attempt = self._finish_part(path, writer, error)
         if attempt.error is None:
             self.log.info(
-                "checkpoint step %d (%s) written in %.2fs", step, kind, time.perf_counter() - start
+                "checkpoint step %d (%s) written in %.2fs",
+                job.step,
+                job.kind,
+                time.perf_counter() - started,
             )
-            if self.rank == 0:
-                self.uncommitted[step] = (path, kind, permanent, notes or {})
-        self._settle(step, path, kind, attempt, free_bytes)
+        if self.before_commit is not None:
+            self.before_commit(job.step, job.kind)
+        self._settle(job, path, attempt, free_bytes, started)
+
+    def _offloaded(self, writer: HashingWriter, path: str) -> OffloadedWriter:
+        """`writer` with its files written by the writer process (a new one if it died)."""
+        if self.writer_process is not None and not self.writer_process.alive():
+            self.writer_process.close()
+            self.writer_process = None
+        if self.writer_process is None:
+            self.writer_process = WriterProcess()
+        return OffloadedWriter(writer, self.writer_process, self.storage, path)
 
     def _finish_part(
         self, path: str, writer: HashingWriter, error: BaseException | None
     ) -> Attempt:
         """This rank's verdict on its part; on success its file record (size and SHA-256 of
-        each file, hashed while writing) goes beside the files. Runs in the saving thread for
-        async saves, so it never raises."""
+        each file, hashed while writing) goes beside the files."""
         if error is None:
             try:
                 self.storage.write_text_atomic(
@@ -247,25 +346,26 @@ class Checkpointer:
         )
 
     def _settle(
-        self, step: int, path: str, kind: str, attempt: Attempt, free_bytes: int | None
+        self, job: _Save, path: str, attempt: Attempt, free_bytes: int | None, started: float
     ) -> None:
         """Collective: combine every rank's attempt; commit the save if all succeeded, else
         remove it and count the failure."""
         attempts = self.comm.all_gather(attempt)
         failed = [a for a in attempts if a.error is not None]
+        needed = sum(a.planned_bytes for a in attempts)
         commit_error = None
         if not failed:
             if self.rank == 0:
                 try:
-                    self._commit(step)
+                    self._commit(job, path)
                 except Exception as e:
                     commit_error = str(e) if isinstance(e, StorageError) else one_line(e)
             commit_error = self.comm.broadcast(commit_error)
         if not failed and commit_error is None:
             self.failed_in_a_row = 0
-            self.newest_committed = step
+            self.newest_committed = job.step
+            self._record(job, started, needed)
             return
-        needed = sum(a.planned_bytes for a in attempts)
         if any(a.disk_full for a in attempts) or (free_bytes is not None and needed > free_bytes):
             # Both moments: space taken by something else during the save leaves the disk
             # full at the failure although it had room as the save began.
@@ -278,12 +378,24 @@ class Checkpointer:
             )
         else:
             cause = failed[0].error if failed else f"commit failed ({commit_error})"
-        self._failed(step, path, f"checkpoint {step_name(step)} not saved: {cause}")
+        message = f"checkpoint {step_name(job.step)} not saved: {cause}"
+        self._failed(job, path, message, started, planned_bytes=needed)
 
-    def _failed(self, step: int, path: str | None, message: str) -> None:
+    def _record(
+        self, job: _Save, started: float, planned_bytes: int, error: str | None = None
+    ) -> None:
+        """Note the verdict for `report_settled` (a synchronous save stalled for all of it)."""
+        now = time.perf_counter()
+        stall_s = job.stall_s if self.stager is not None else now - job.asked_at
+        record = SaveRecord(job.step, job.kind, stall_s, now - started, planned_bytes, error)
+        with self._settled_lock:
+            self._settled.append(record)
+
+    def _failed(
+        self, job: _Save, path: str | None, message: str, started: float, *, planned_bytes: int
+    ) -> None:
         """A failed save on every rank: remove its files (at `path`, if it wrote any), report
         it, stop after too many."""
-        self.uncommitted.pop(step, None)
         if self.rank == 0 and path is not None:
             try:
                 self.storage.remove(path)
@@ -291,8 +403,7 @@ class Checkpointer:
                 self.log.warning("could not remove the failed save %s: %s", path, one_line(e))
         self.failed_in_a_row += 1
         self.log.error("%s", message)
-        if self.on_failure is not None:
-            self.on_failure(step, message)
+        self._record(job, started, planned_bytes, message)
         if self.failed_in_a_row >= self.max_failed_saves:
             newest = "none" if self.newest_committed is None else step_name(self.newest_committed)
             raise CheckpointError(
@@ -301,47 +412,29 @@ class Checkpointer:
                 f"committed checkpoint: {newest}"
             )
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, job: _Save, path: str) -> None:
         """Rank 0: write the manifest of a save whose ranks have all recorded their part."""
-        if step not in self.uncommitted:
-            return  # committed already by commit_ready
-        path, kind, permanent, notes = self.uncommitted[step]
         self._check_owner()
         files: dict[str, Any] = {}
         for r in range(self.world_size):
             files.update(json.loads(self.storage.read_text(f"{path}/{rank_record(r)}")))
         manifest = {
-            "step": step,
+            "step": job.step,
             "run_id": self.run_id,
-            "kind": kind,
-            "permanent": permanent,
+            "kind": job.kind,
+            "permanent": job.permanent,
             "world_size": self.world_size,
             "layout": self.layout,
-            "notes": notes,
+            "notes": job.notes,
             "distrain_version": version("distrain"),
             "torch_version": torch.__version__,
             "time": time.time(),
             "files": files,
         }
         write_manifest(self.storage, path, manifest)
-        del self.uncommitted[step]
-        self.newest_committed = step
+        self.newest_committed = job.step
         self.log.info("checkpoint %s committed", self.storage.url_of(path))
-        self.retention.prune(self.newest_committed, in_flight=self.uncommitted)
-
-    def commit_ready(self) -> None:
-        """Rank 0, no collective: commit an async save whose ranks have all recorded their part,
-        then apply retention. Cheap enough to call at every logging step; a storage error here
-        is a warning (the collective `wait` settles the save for good)."""
-        if self.rank != 0:
-            return
-        for step, (path, *_) in sorted(self.uncommitted.items()):
-            try:
-                names = set(self.storage.listdir(path))
-                if all(rank_record(r) in names for r in range(self.world_size)):
-                    self._commit(step)
-            except Exception as e:
-                self.log.warning("checkpoint step %d not committed yet: %s", step, one_line(e))
+        self.retention.prune(self.newest_committed)
 
     def claim_location(self) -> None:
         """Collective, after resuming and before the first step (a start that fails before it
@@ -366,18 +459,6 @@ class Checkpointer:
         if problem is not None:
             raise CheckpointError(problem)
 
-    def wait(self) -> None:
-        """Collective: finish the async save in flight (if any) and settle it (commit, or count
-        it as failed)."""
-        if self.pending is None:
-            return
-        pending, self.pending = self.pending, None
-        with contextlib.suppress(Exception, CheckpointException):
-            pending.future.result()  # its exception, if any, is in pending.attempt
-        pending.recorded.wait()
-        attempt = pending.attempt or Attempt(error="the save thread ended without a verdict")
-        self._settle(pending.step, pending.path, pending.kind, attempt, pending.free_bytes)
-
     # --- restoring ---------------------------------------------------------------------------
 
     def restore_latest(self, state: dict[str, Any]) -> int | None:
@@ -390,3 +471,20 @@ class Checkpointer:
         if own:
             self.newest_committed = step
         return step
+
+
+def _in_thread(fn: Callable[[], None], name: str) -> Future:
+    """`fn()` in a daemon thread: a save stuck in a collective never keeps a crashed process
+    from exiting. The future holds what it raised."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

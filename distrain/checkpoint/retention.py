@@ -8,7 +8,6 @@ out, and another run's are never touched."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 
 from distrain.checkpoint.manifest import (
     Entry,
@@ -31,18 +30,18 @@ class Retention:
         self.damaged: set[int] = set()
         """Steps of this storage a resume found damaged: never counted."""
 
-    def prune(self, newest_committed: int | None, in_flight: Collection[int]) -> None:
-        """Rank 0, after a commit: apply retention, sparing `newest_committed` and the saves
-        `in_flight` (written, not yet committed). Never fatal: a storage error leaves the files
-        for the next prune and logs a warning."""
+    def prune(self, newest_committed: int | None) -> None:
+        """Rank 0, after a commit (no other save is in flight then): apply retention, sparing
+        `newest_committed`. Never fatal: a storage error leaves the files for the next prune
+        and logs a warning."""
         try:
-            self._prune(newest_committed, in_flight)
+            self._prune(newest_committed)
         except Exception as e:
             self.log.warning(
                 "retention skipped on %s: %s", self.storage.url, str(e).splitlines()[0][:400]
             )
 
-    def _prune(self, newest_committed: int | None, in_flight: Collection[int]) -> None:
+    def _prune(self, newest_committed: int | None) -> None:
         found = committed(self.storage)
         entries = [e for e in found if self._counts(e)]
         temporary = [
@@ -57,12 +56,7 @@ class Retention:
         committed_steps = {e.step for e in found}
         for name in self.storage.listdir():
             step = step_of(name)
-            if (
-                step is not None
-                and step < newest_step
-                and step not in committed_steps
-                and step not in in_flight
-            ):
+            if step is not None and step < newest_step and step not in committed_steps:
                 self.storage.remove(self.storage.path(name))
 
     def _counts(self, entry: Entry) -> bool:

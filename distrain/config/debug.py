@@ -54,8 +54,15 @@ class DebugConfig:
     preempt_delay_s: float = doc(
         0.0,
         "Fault injection: after a stop signal, wait this long between writing the preempt "
-        "checkpoint (with checkpoint.async_mode = 'async') and committing it, so a test can "
-        "send a second signal during the save.",
+        "checkpoint and committing it, so a test can send a second signal during the save.",
+        AT_LEAST_0,
+    )
+    hold_checkpoint_step: int = doc(
+        0,
+        "Fault injection: the checkpoint of this step is written but held uncommitted for an "
+        "hour (with checkpoint.async_mode = 'thread' training goes on meanwhile), in attempt "
+        "debug.fail_attempt only, so a test can kill a rank during a background save "
+        "(0 = never).",
         AT_LEAST_0,
     )
     check_replicas: bool = doc(

@@ -548,10 +548,15 @@ class CheckpointConfig:
         AT_LEAST_0,
     )
     at_end: bool = doc(True, "Save a (permanent) checkpoint after the last step.")
-    async_mode: Literal["none", "async"] = doc(
-        "none",
-        "async: write checkpoints in the background while training goes on (at most one in "
-        "flight; the next save and the end of training wait for it).",
+    async_mode: Literal["off", "thread", "process"] = doc(
+        "off",
+        "thread: a save stalls training only for a copy of the state into host memory (pinned "
+        "on CUDA, reused from save to save), then a writer thread writes, verifies and commits "
+        "it while training goes on; at most one save in flight (the next save, a stop signal's "
+        "and the end of training wait for it); a failed background save is logged and counted "
+        "and the next interval tries again. process: the same, with the files serialized, "
+        "hashed and written by a process of each rank's own (the copy in shared memory). "
+        "off: the step waits until the save is committed.",
     )
     max_failed_saves: int = doc(
         3,

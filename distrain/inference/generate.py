@@ -33,7 +33,7 @@ def load_model(
         storage,
         run_id=run_id(run_dir, create=False),
         layout="",
-        async_mode=False,
+        async_mode="off",
         keep_temporary=1,
         logger=logging.getLogger(LOGGER),
     )

@@ -5,7 +5,8 @@ rank hung where (hangs.jsonl, written by the watchdog, and the stuck rank's stac
 storage outages the retries rode out (or did not), the damaged checkpoints a resume skipped, the
 steps whose update was skipped for non-finite gradients (with the ranks at fault where the logs
 name them), how far training got, the changes of membership of replica groups
-(fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), and the
+(fault_tolerance.replica_groups: `replica_lines`, which `distrain status` shows too), the
+checkpoint saves and the causes of those that failed (`save_lines`, in `status` too), and the
 last committed checkpoint.
 
 Attempts are told apart in each rank's log by the line every worker writes when it starts
@@ -31,6 +32,8 @@ _UNREACHABLE = re.compile(r"^storage (\S+) unreachable: ")
 _NONFINITE = re.compile(r"^non-finite gradients at step (\d+) on rank\(s\) ([\d, ]+) ")
 _REACHABLE = re.compile(r"^storage (\S+) reachable again: .*; unreachable for ([\d.]+) s$")
 TRACEBACK_LINES = 8
+FAILED_SAVES_SHOWN = 5
+MIB = 1 << 20
 
 
 @dataclass
@@ -193,6 +196,24 @@ def replica_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def save_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The run's checkpoint saves from its metrics rows: how many settled and failed, what the
+    last one cost training (stall) and took to write, and each failed save's cause (the newest
+    FAILED_SAVES_SHOWN)."""
+    saves = [r for r in rows if "checkpoint_stall_s" in r]
+    if not saves:
+        return []
+    failed = [r for r in saves if r.get("checkpoint_failed")]
+    last = saves[-1]
+    lines = [
+        f"checkpoint saves: {len(saves)}, {len(failed)} failed; last (step {last['step']}): "
+        f"training stalled {last['checkpoint_stall_s']:.2f} s, written in "
+        f"{last['checkpoint_write_s']:.2f} s, {last['checkpoint_bytes'] / MIB:.1f} MiB"
+    ]
+    lines += [f"  failed save: {r['checkpoint_error']}" for r in failed[-FAILED_SAVES_SHOWN:]]
+    return lines
+
+
 def nonfinite_lines(trained: list[dict[str, Any]], ranks: dict[int, str]) -> list[str]:
     """The steps whose update was skipped for non-finite gradients (training.nonfinite = skip):
     where a row's running count (nonfinite_skipped) grew; with the ranks at fault where the logs
@@ -283,6 +304,7 @@ def diagnose(run_dir: Path) -> str:
             for step, ranks in a.nonfinite_ranks.items()
         }
         out += nonfinite_lines(trained, named)
+        out += save_lines(rows)
         out += replica_lines(rows)
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:

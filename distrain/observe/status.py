@@ -1,5 +1,6 @@
 """`distrain status RUN_DIR`: where a run stands — its last metrics, an ETA from the recent step
-time, its committed checkpoints (kind, step, whether their files match the manifest's sizes) and
+time, its committed checkpoints (kind, step, whether their files match the manifest's sizes), what
+its saves cost (stall, write time, size, failures) and
 its restarts and the membership changes of its replica groups — from the run dir alone."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 from distrain.config.io import run_config_file
-from distrain.observe.diagnose import checkpoint_folder, parse_rank_log, replica_lines
+from distrain.observe.diagnose import checkpoint_folder, parse_rank_log, replica_lines, save_lines
 
 
 def _checkpoint_lines(folder: Path) -> list[str]:
@@ -59,6 +60,7 @@ def status(run_dir: Path) -> str:
     lines = _checkpoint_lines(checkpoint_folder(run_dir))
     out.append(f"checkpoints ({len(lines)} committed):" if lines else "no committed checkpoint")
     out += lines
+    out += save_lines(rows)
     log = run_dir / "logs" / "rank0.log"
     attempts = parse_rank_log(log) if log.exists() else []
     out.append(f"restarts: {max(len(attempts) - 1, 0)}")

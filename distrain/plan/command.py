@@ -116,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="Rows shown (each of fit / no fit).")
     p.add_argument("--json", action="store_true", help="Print JSON rows instead of a table.")
     p.add_argument(
+        "--wide",
+        action="store_true",
+        help="Print every column of the table (memory per kind, parallel degrees apart; about "
+        "200 columns) instead of the compact one.",
+    )
+    p.add_argument(
         "--exhaustive",
         action="store_true",
         help="Build every layout's model at full depth and every pipeline rank on fake "
@@ -178,24 +184,6 @@ def base_config(ns: argparse.Namespace, absent: list[str] | None = None) -> Conf
     return cfg
 
 
-def question(cfg: Config, cluster: Cluster, *, precision_given: bool) -> str:
-    """The question the plan answers, restated in one line (what it assumed included)."""
-    from distrain.layout.rules import validate
-
-    layout, t = validate(cfg, None), cfg.training
-    params = layout.family_model.num_params()
-    precision = t.precision if precision_given else f"{t.precision} (the config's; --precision)"
-    units = ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
-    scale, suffix = next((s, n) for s, n in units if params >= s)
-    return (
-        f"plan: {layout.spec.name} {cfg.model.preset} ({params / scale:.3g}{suffix} parameters), "
-        f"global batch {t.global_batch_size} x {t.seq_len} tokens, {precision}, on "
-        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} device(s) of "
-        f"{cluster.memory_bytes / 2**30:.3g} GiB, {cluster.peak_flops / 1e12:.4g} TFLOP/s peak "
-        f"x {cluster.efficiency:.2f}"
-    )
-
-
 def _present(load: Callable[[str], object], spec: str) -> bool:
     try:
         load(spec)
@@ -245,9 +233,10 @@ def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
 
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
+    from distrain.plan.answer import text
     from distrain.plan.calibrate import calibrate
     from distrain.plan.parallel_calibration import available_cores
-    from distrain.plan.search import plan, recommendation, table, to_json, with_advice
+    from distrain.plan.search import plan, to_json, with_advice
 
     if ns.calibrate:
         found = calibrate()
@@ -278,16 +267,14 @@ def plan_command(argv: list[str]) -> None:
         workers=ns.workers or available_cores(),
         progress=progress_printer(sys.stderr),
     )
-    rows = with_advice(
-        rows,
-        cfg,
-        cluster,
-        bytes_per_value=bytes_per_value,
-        latency_s=ns.inter_node_latency_us * 1e-6,
-    )
+    latency_s = ns.inter_node_latency_us * 1e-6
+    rows = with_advice(rows, cfg, cluster, bytes_per_value=bytes_per_value, latency_s=latency_s)
     if ns.json:
         print(to_json(rows, ns.top))
         return
-    print(question(cfg, cluster, precision_given=ns.precision is not None))
-    print(recommendation(rows, cluster.memory_bytes))
-    print(table(rows, ns.top))
+    given = ns.precision is not None
+    print(
+        text(
+            rows, cfg, cluster, top=ns.top, precision_given=given, latency_s=latency_s, wide=ns.wide
+        )
+    )

@@ -51,9 +51,9 @@ GIB = 2**30
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "full")
 VERIFIED = 4
-ADVISED = 3
-"""Fitting rows, fastest first, given the communication advice."""
 """Layouts whose memory a fake build decides: the fastest that the model predicts to fit."""
+ADVISED = 3
+"""Fitting rows with a data-parallel group, fastest first, given the communication advice."""
 MODEL_MARGIN = 0.15
 """A layout the model puts at most this far above the device's memory is built too when met
 before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
@@ -407,12 +407,14 @@ def with_advice(
     latency_s: float = DEFAULT_LATENCY_S,
     count: int = ADVISED,
 ) -> list[PlanRow]:
-    """`rows` with the communication advice of the first `count` that fit (comm_advice.py;
-    DiLoCo's H at most training.steps, its sync in diloco.sync_dtype)."""
+    """`rows` with the communication advice of the first `count` that fit and have a
+    data-parallel group (comm_advice.py; DiLoCo's H at most training.steps, its sync in
+    diloco.sync_dtype). A layout without one (dp 1: tp x pp over every device) has no gradient
+    exchange to choose a method for."""
     model = validate(base, None).family_model
     advised, out = 0, []
     for row in rows:
-        if row.fits and advised < count:
+        if row.fits and row.candidate.dp > 1 and advised < count:
             advice = advise(
                 row.candidate,
                 model,
@@ -438,6 +440,8 @@ def one_line(error: Exception) -> str:
 
 
 def table(rows: list[PlanRow], top: int) -> str:
+    """Every column of the `top` fastest layouts that fit and the `top` that do not, with the
+    communication advice of the advised rows (`distrain plan --wide`)."""
     header = (
         f"{'#':>3} {'dp_rep':>6} {'dp_shd':>6} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>4} "
         f"{'mb':>3} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'peak':>7} "
@@ -465,26 +469,6 @@ def table(rows: list[PlanRow], top: int) -> str:
     for i, r in advised:
         lines.append(f"{i:>3} {r.communication.summary()}")
     return "\n".join(lines)
-
-
-def recommendation(rows: list[PlanRow], memory_bytes: float) -> str:
-    """One line: the layout to use and why (the fastest predicted step of those that fit a
-    device of `memory_bytes`), with its data-parallel communication; or why none fits."""
-    best = next((r for r in rows if r.fits), None)
-    if best is None:
-        reason = rows[0].reason if rows else "no layout is valid for this cluster"
-        return f"no layout fits: the fastest one's {reason}; add devices or memory, or shrink"
-    c, peak = best.candidate, best.memory.get("peak", 0)
-    line = (
-        f"use: dp_replicate {c.dp_replicate} x dp_shard {c.dp_shard} x tp {c.tp} x pp {c.pp}, "
-        f"ZeRO-{c.zero_stage}, activation checkpointing {c.activation_checkpointing}, "
-        f"micro-batch {c.micro_batch_size} (row 1), because it has the fastest predicted step "
-        f"({best.time.step_s:.3g} s) of the layouts that fit (peak {peak / GIB:.3g} of "
-        f"{memory_bytes / GIB:.3g} GiB)"
-    )
-    if best.communication is not None:
-        line += f"; communication: {best.communication.summary()}"
-    return line
 
 
 def to_json(rows: list[PlanRow], top: int) -> str:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage
+from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.checkpoint.storage import Storage
 from distrain.config.schema import Config
@@ -113,7 +114,8 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
 
     outer = _outer(cfg, dims, mesh, model) if dims.diloco else None
-    checkpointer = _checkpointer(cfg, run_dir, dims, metrics, logger)
+    faults = Faults(cfg.debug, rank=ctx.rank, logger=logger)
+    checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
     nonfinite = NonFiniteGuard(
         t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
     )
@@ -143,7 +145,6 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
     # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
     grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
-    faults = Faults(cfg.debug, rank=ctx.rank, logger=logger)
     if t.oom_recovery:
         backward = RecoveringBackward(
             model,
@@ -263,13 +264,28 @@ def _data(
 
 
 def _checkpointer(
-    cfg: Config, run_dir: Path, dims: ParallelDims, metrics: MetricsWriter, logger: logging.Logger
+    cfg: Config,
+    run_dir: Path,
+    dims: ParallelDims,
+    ctx: DistContext,
+    metrics: MetricsWriter,
+    faults: Faults,
+    logger: logging.Logger,
 ) -> Checkpointer:
-    """The checkpointer of this run's checkpoint settings and storage; a failed save is a
-    metrics row."""
+    """The checkpointer of this run's checkpoint settings and storage; each settled save is a
+    metrics row (checkpoint_stall_s, checkpoint_write_s, checkpoint_bytes; checkpoint_failed and
+    checkpoint_error for a failed one)."""
 
-    def checkpoint_failed(step: int, message: str) -> None:
-        metrics.log({"step": step, "checkpoint_failed": 1, "checkpoint_error": message})
+    def checkpoint_settled(record: SaveRecord) -> None:
+        row: dict[str, Any] = {
+            "step": record.step,
+            "checkpoint_stall_s": record.stall_s,
+            "checkpoint_write_s": record.write_s,
+            "checkpoint_bytes": record.bytes,
+        }
+        if record.error is not None:
+            row.update(checkpoint_failed=1, checkpoint_error=record.error)
+        metrics.log(row)
 
     c = cfg.checkpoint
     return Checkpointer(
@@ -277,12 +293,14 @@ def _checkpointer(
         run_id=run_id(run_dir),
         resume_from=c.resume_from,
         layout=dims.describe(),
-        async_mode=c.async_mode == "async",
+        async_mode=c.async_mode,
+        pinned_staging=ctx.device.type == "cuda",
         keep_temporary=c.keep_temporary,
         logger=logger,
         max_failed_saves=c.max_failed_saves,
         collective_timeout_s=c.collective_timeout_s,
-        on_failure=checkpoint_failed,
+        on_saved=checkpoint_settled,
+        before_commit=faults.before_commit,
     )
 
 

@@ -36,6 +36,9 @@ from distrain.observe.heartbeat import attempt_number
 Params = Callable[[], Iterable[nn.Parameter]]
 
 
+HOLD_S = 3600.0
+
+
 class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
 
@@ -124,10 +127,18 @@ class Faults:
         storage.fs.pipe_file(f"{path}/{shard}", bytes(data))
         self.log.warning("debug.corrupt_checkpoint_step: damaged %s", f"{path}/{shard}")
 
-    def before_preempt_commit(self) -> None:
-        """debug.preempt_delay_s: wait before the preempt checkpoint commits."""
-        if self.debug.preempt_delay_s:
+    def before_commit(self, step: int, kind: str) -> None:
+        """Between a save's writing and its commit (in the writer thread of a background save):
+        debug.preempt_delay_s waits there for a preempt save; debug.hold_checkpoint_step holds
+        the save of that step for an hour, in attempt debug.fail_attempt only."""
+        d = self.debug
+        if kind == "preempt" and d.preempt_delay_s:
             self.log.warning(
-                "debug.preempt_delay_s: waiting %.1fs before committing", self.debug.preempt_delay_s
+                "debug.preempt_delay_s: waiting %.1fs before committing", d.preempt_delay_s
             )
-            time.sleep(self.debug.preempt_delay_s)
+            time.sleep(d.preempt_delay_s)
+        if d.hold_checkpoint_step == step and attempt_number() == d.fail_attempt:
+            self.log.warning(
+                "debug.hold_checkpoint_step: holding checkpoint step %d uncommitted", step
+            )
+            time.sleep(HOLD_S)

@@ -317,9 +317,8 @@ class Trainer:
                 heartbeat.mark("checkpoint")
                 self.save_checkpoint(kind, preempt=stopping)
             if logged:
-                self.checkpointer.commit_ready()
+                self.checkpointer.report_settled()
             if stopping:
-                self.faults.before_preempt_commit()
                 self.checkpointer.wait()
                 self.stop.close()
                 raise Preempted(preempted_message(step, t.steps, self.stop.signal_name))
@@ -374,6 +373,8 @@ class Trainer:
             observer.logged(row, steps=steps)
 
     def close(self) -> None:
+        # After an error, a background save in flight gets the time a stop signal would.
+        self.checkpointer.close(timeout_s=self.cfg.checkpoint.preempt_grace_s)
         self.loader.close()
         for observer in reversed(self.observers):
             observer.close()

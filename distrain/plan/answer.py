@@ -1,0 +1,262 @@
+"""The text answer of `distrain plan`, within WIDTH columns: the question as the plan read it,
+the recommendation (layout, data-parallel communication, micro-batch: one reason and the config
+lines each), the communication methods predicted for the recommended layout, and the ranked
+layouts in a compact table. Every figure and column stays in `--json` (search.to_json);
+`--wide` prints the full table (search.table) instead of the compact one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from textwrap import wrap
+from typing import TYPE_CHECKING
+
+from distrain.plan import search
+from distrain.plan.comm_advice import TOLERANCE, CommAdvice, MethodPrediction
+from distrain.plan.search import GIB, SOURCE_LABEL, PlanRow
+from distrain.plan.timing import Candidate, Cluster
+
+if TYPE_CHECKING:
+    from distrain.config.schema import Config
+
+WIDTH = 100
+INDENT = " " * 17
+"""Where a recommendation's name and reason start (after its label)."""
+
+
+def layout_name(c: Candidate) -> str:
+    """The parallel degrees above 1, compactly: 'dp8·tp2', 'fsdp16', 'pp2'; '1 device' alone.
+    dp is the replicated data-parallel degree (DDP, ZeRO-1), fsdp the sharded one (ZeRO-2/3)."""
+    degrees = (("dp", c.dp_replicate), ("fsdp", c.dp_shard), ("tp", c.tp), ("pp", c.pp))
+    parts = [f"{name}{n}" for name, n in degrees if n > 1]
+    return "·".join(parts) or "1 device"
+
+
+def _count(n: float) -> str:
+    units = ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+    scale, suffix = next((s, u) for s, u in units if n >= s)
+    return f"{n / scale:.3g}{suffix}"
+
+
+def _rate(per_s: float, unit: str) -> str:
+    """'450 GB/s', '100 Mbit/s', '989 TFLOP/s': the value in its largest prefix of 1000."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if per_s >= scale:
+            return f"{per_s / scale:.3g} {prefix}{unit}/s"
+    return f"{per_s:.3g} {unit}/s"
+
+
+def _size(n_bytes: float) -> str:
+    return _rate(n_bytes, "B").removesuffix("/s") if n_bytes else "0 B"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def question(
+    cfg: Config, cluster: Cluster, *, precision_given: bool, latency_s: float
+) -> list[str]:
+    """The question the plan answers, as it read it: the model, the batch, the devices and their
+    memory, the links and the precision (said to be the config's when not given)."""
+    from distrain.layout.rules import validate
+
+    layout, t = validate(cfg, None), cfg.training
+    precision = t.precision if precision_given else f"{t.precision} (the config's; --precision)"
+    devices = f"{_plural(cluster.nodes, 'node')} x {_plural(cluster.gpus_per_node, 'device')}"
+    lines = [
+        "plan for:",
+        f"  model        {layout.spec.name} {cfg.model.preset}, "
+        f"{_count(layout.family_model.num_params())} parameters, {precision}",
+        f"  batch        {t.global_batch_size} sequences x {t.seq_len} tokens per step",
+        f"  devices      {devices} of {cluster.memory_bytes / GIB:.3g} GiB "
+        f"({cluster.memory_bytes / 1e9:.3g} GB), {_rate(cluster.peak_flops, 'FLOP')} peak "
+        f"x {cluster.efficiency:.2f}",
+        f"  links        {_rate(cluster.intra_bw, 'B')} per device inside a node",
+    ]
+    if cluster.nodes > 1:
+        node_bits = cluster.inter_bw * cluster.gpus_per_node * 8
+        lines.append(
+            f"{' ' * 15}{_rate(node_bits, 'bit')} per node between nodes "
+            f"({_rate(cluster.inter_bw, 'B')} per device), latency {latency_s * 1e6:.3g} us"
+        )
+    return lines
+
+
+def _item(label: str, name: str, why: str, *settings: str) -> list[str]:
+    """A recommendation: its label and name, then why and the config that selects it, wrapped
+    within WIDTH."""
+    lines = [f"  {label + ':':<{len(INDENT) - 2}}{name}"]
+    for text_line in (f"why: {why}", *(f"set: {words}" for words in settings)):
+        lines += wrap(text_line, WIDTH, initial_indent=INDENT, subsequent_indent=INDENT + " " * 5)
+    return lines
+
+
+def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[str]:
+    """The layout, communication and micro-batch to use, one reason each: the layout with the
+    fastest predicted step of those that fit (each priced with plain DDP/FSDP communication),
+    the communication comm_advice.py recommends for it, and the micro-batch of that row; or why
+    none fits."""
+    best = next((r for r in rows if r.fits), None)
+    if best is None:
+        reason = rows[0].reason if rows else "no layout is valid for this cluster"
+        return [f"no layout fits: the fastest one's {reason}; add devices or memory, or shrink"]
+    c, peak = best.candidate, best.memory.get("peak", 0)
+    checkpointing = "no" if c.activation_checkpointing == "none" else c.activation_checkpointing
+    layout = f"{layout_name(c)}, ZeRO-{c.zero_stage}, {checkpointing} activation checkpointing"
+    p = search.candidate_config(cfg, c).parallel
+    return [
+        "recommended:",
+        *_item(
+            "layout",
+            f"{layout} (row 1)",
+            f"fastest step that fits (plain communication): {best.time.step_s:.3g} s; "
+            f"peak {peak / GIB:.3g} of {cluster.memory_bytes / GIB:.3g} GiB",
+            f"[parallel] dp_replicate = {p.dp_replicate}, dp_shard = {p.dp_shard}, tp = {p.tp}, "
+            f"pp = {p.pp}, zero_stage = {p.zero_stage}",
+            f'[training] activation_checkpointing = "{c.activation_checkpointing}"',
+        ),
+        *_communication(best, cluster),
+        *_item(
+            "micro-batch",
+            str(c.micro_batch_size),
+            _micro_batch_reason(best, rows),
+            f"[training] micro_batch_size = {c.micro_batch_size}",
+        ),
+    ]
+
+
+def _communication(best: PlanRow, cluster: Cluster) -> list[str]:
+    advice = best.communication
+    if advice is None:
+        split = f"the layout splits the model over all {cluster.world_size} devices"
+        if cluster.world_size == 1:
+            split = "one device"
+        return _item("communication", "none to choose", f"no data-parallel group: {split}")
+    chosen = advice.recommended
+    settings = () if chosen.method == "plain" else (chosen.settings,)
+    return _item("communication", method_label(chosen), method_reason(advice), *settings)
+
+
+def method_label(m: MethodPrediction) -> str:
+    """'plain DDP', 'bf16 compression', 'PowerSGD', 'DiLoCo H=8', ... of one prediction."""
+    labels = {
+        "plain": "plain FSDP2" if m.settings.startswith("FSDP2") else "plain DDP",
+        "bf16": "bf16 compression",
+        "powersgd": "PowerSGD",
+        "onebit": "1-bit",
+        "onebit_adam": "1-bit Adam",
+        "diloco": f"DiLoCo H={m.inner_steps}",
+    }
+    return labels[m.method]
+
+
+def method_reason(advice: CommAdvice) -> str:
+    """Why comm_advice.recommend chose its method: the fastest, or within TOLERANCE of it, and
+    (not plain) what plain would take."""
+    chosen = advice.recommended
+    fastest = min(advice.methods, key=lambda m: m.step_s)
+    plain = next(m for m in advice.methods if m.method == "plain")
+    than_plain = "" if chosen is plain else f" (plain {plain.step_s:.3g} s)"
+    if chosen.step_s <= fastest.step_s:
+        return f"{chosen.step_s:.3g} s per step{than_plain}, the fastest method"
+    return (
+        f"{chosen.step_s:.3g} s per step{than_plain}, within {TOLERANCE:.0%} of the fastest, "
+        f"{method_label(fastest)} {fastest.step_s:.3g} s"
+    )
+
+
+def _micro_batch_reason(best: PlanRow, rows: list[PlanRow]) -> str:
+    c = best.candidate
+    if c.pp > 1:
+        bubble = best.time.bubble_s
+        return f"fastest of this layout's: pipeline bubble {bubble:.3g} s, longer with larger ones"
+    same = [
+        r.candidate.micro_batch_size
+        for r in rows
+        if r.fits and r.candidate == replace(c, micro_batch_size=r.candidate.micro_batch_size)
+    ]
+    if max(same) == c.micro_batch_size:
+        return "without pp the step model ignores it; no larger one fits"
+    return f'without pp the step model ignores it; up to {max(same)} fits, "auto" finds the largest'
+
+
+def table(rows: list[PlanRow], top: int) -> list[str]:
+    """The `top` fastest layouts that fit, then the `top` fastest that do not, a line each;
+    why a layout could not be evaluated below them."""
+    header = (
+        f"{'#':>3} {'layout':<14} {'zero':>4} {'ac':<4} {'mb':>3} {'peak GiB':>8} "
+        f"{'memory':>6} {'step s':>7} {'comm s':>6} {'bubble':>6} {'tok/s':>9} {'MFU':>5}  fits"
+    )
+    lines = [
+        "layouts (memory per rank from a fake build or the memory model; >: model states alone):",
+        header,
+        "-" * len(header),
+    ]
+    shown = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
+    errors = []
+    for i, r in enumerate(shown, 1):
+        c, m, t = r.candidate, r.memory, r.time
+        peak = f"{m['peak'] / GIB:.2f}" if "peak" in m else f">{sum(m.values()) / GIB:.2f}"
+        fits = "yes" if r.fits else "no" if m else "error"
+        if not m:
+            peak = "-"
+            errors.append(f"{i:>3} {r.reason}"[:WIDTH])
+        lines.append(
+            f"{i:>3} {layout_name(c):<14} {c.zero_stage:>4} {c.activation_checkpointing:<4} "
+            f"{c.micro_batch_size:>3} {peak:>8} {SOURCE_LABEL[r.memory_source]:>6} "
+            f"{t.step_s:7.3f} {t.exposed_comm_s:6.3f} {t.bubble_s:6.3f} {t.tokens_per_s:9.0f} "
+            f"{t.mfu:5.2f}  {fits}"
+        )
+    return lines + errors
+
+
+def methods_table(rows: list[PlanRow], cluster: Cluster) -> list[str]:
+    """Each data-parallel communication method predicted for the recommended layout (a line
+    each, the recommended one marked); when that layout has no data-parallel group, for the
+    fastest advised layout that has one. [] when no advised layout has one."""
+    best = next((r for r in rows if r.fits), None)
+    advised = next((r for r in rows if r.communication is not None), None)
+    if best is None or advised is None:
+        return []
+    c = advised.candidate
+    link = "between nodes" if c.tp * c.dp > cluster.gpus_per_node else "inside a node"
+    which = f"{layout_name(c)} ({link})"
+    if advised is not best:
+        rank = rows.index(advised) + 1
+        which = (
+            f"{layout_name(c)}, the fastest layout with data parallelism (ranked {rank}: "
+            f"{advised.time.step_s:.3g} s with plain; {link})"
+        )
+    lines = wrap(
+        f"communication methods for {which}, predicted per step with a latency per message "
+        "(the layouts' step times leave it out):",
+        WIDTH,
+    )
+    lines.append(f"  {'method':<18} {'step s':>7} {'sent/step':>10} {'exposed s':>9}")
+    for m in advised.communication.methods:
+        mark = "  <- recommended" if m is advised.communication.recommended else ""
+        lines.append(
+            f"  {method_label(m):<18} {m.step_s:7.3f} {_size(m.bytes_per_step):>10} "
+            f"{m.exposed_comm_s:9.3f}{mark}"
+        )
+    return lines
+
+
+def text(
+    rows: list[PlanRow],
+    cfg: Config,
+    cluster: Cluster,
+    *,
+    top: int,
+    precision_given: bool,
+    latency_s: float,
+    wide: bool = False,
+) -> str:
+    """The whole text answer (module docstring); `wide`: with search.table's every column."""
+    parts = [
+        question(cfg, cluster, precision_given=precision_given, latency_s=latency_s),
+        recommendation(rows, cfg, cluster),
+        methods_table(rows, cluster),
+        search.table(rows, top).splitlines() if wide else table(rows, top),
+    ]
+    return "\n\n".join("\n".join(p) for p in parts if p)
