@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port, losses, train_in_process
+from helpers import free_port, losses, train_in_process, val_losses
 from wandb_offline import read_run
 
 from distrain.observe.metrics import read_metrics
@@ -129,7 +129,8 @@ def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference,
     history = {h["step"]: h["loss"] for h in first["history"] + second["history"] if "loss" in h}
     assert history == losses(rows) == pytest.approx(reference)
     val = [h for h in second["history"] if "val_loss" in h]
-    assert [h["step"] for h in val] == [8] and val[0]["val_loss"] == rows[-1]["val_loss"]
+    # (The run's last row is its final checkpoint's cost, after the validation row.)
+    assert [h["step"] for h in val] == [8] and val[0]["val_loss"] == val_losses(rows)[8]
     assert {"config.toml", "summary.json", "plots/metrics.png"} <= set(second["files"])
     # Copies in W&B's run folder, saved from there: no symlink, nor W&B's warning about one.
     saved = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/files/summary.json"))[-1]
