@@ -96,7 +96,7 @@ def test_saves_cost_reaches_metrics_status_and_diagnose(tmp_path, check_ok, mode
     assert "checkpoint saves: 4, 0 failed" in diagnosis, diagnosis
 
 
-def _checkpointer(tmp_path: Path, mode: str) -> Checkpointer:
+def _checkpointer(tmp_path: Path, mode: str, *, pinned: bool = False) -> Checkpointer:
     return Checkpointer(
         Storage(str(tmp_path)),
         run_id="test",
@@ -104,6 +104,7 @@ def _checkpointer(tmp_path: Path, mode: str) -> Checkpointer:
         async_mode=mode,
         keep_temporary=2,
         logger=LOG,
+        pinned_staging=pinned,
     )
 
 
@@ -188,15 +189,7 @@ def test_pinned_staging_from_cuda_holds_the_weights_of_its_step(tmp_path):
     hold the values of its step when the weights change on the device right after save()."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    ckpt = Checkpointer(
-        Storage(str(tmp_path)),
-        run_id="test",
-        layout="test",
-        async_mode="thread",
-        keep_temporary=2,
-        logger=LOG,
-        pinned_staging=True,
-    )
+    ckpt = _checkpointer(tmp_path, "thread", pinned=True)
     weights = torch.randn(4096, 4096, device="cuda")
     expected = weights.cpu()
     ckpt.save(1, {"model": {"w": weights}}, permanent=False)
