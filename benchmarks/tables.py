@@ -331,22 +331,58 @@ def _runs_table(runs: list[dict[str, float]], median: dict[str, float], unit: st
 def recovery(d: dict[str, Any]) -> str:
     c, inproc = d["config"], d["inprocess"]
     parts = [
-        f"`{c['preset']}`, {c['ranks']} ranks ({c['backend']}), kill at step {c['kill_step']}, "
-        f"checkpoint at step {c['checkpoint_step']}."
+        f"`{c['preset']}`, {c['ranks']} ranks ({c['backend']}, ZeRO-3, one thread each); the "
+        f"restart path is killed at step {c['kill_step']}, after the checkpoint of step "
+        f"{c['checkpoint_step']}."
     ]
     if d["runs_s"]:
         parts.append(
             f"Restart path ({c['launch']}), seconds:\n\n"
             + _runs_table(d["runs_s"], d["median_s"], "s")
         )
-    if inproc["runs"]:
-        hb = inproc["lighthouse"]["heartbeat_timeout_ms"]
+    plain = inproc.get("plain_median", {}).get("steady step")
+    if plain is not None:
         parts.append(
-            f"In-process path ({inproc['launch']}, lighthouse heartbeat timeout {hb} ms, "
-            f"{inproc['steps_after_kill']} steps after the kill):\n\n"
-            + _runs_table(inproc["runs"], inproc["median"], "")
+            f"Plain run (the same 2 ranks, no replica groups, no fault): steady step "
+            f"**{plain:.3f} s** (median of steps 3 to {inproc['kill_step'] - 2})."
+        )
+    for name, runs in inproc["runs"].items():
+        median = inproc["median"][name]
+        hb = inproc["settings"][name]["heartbeat_timeout_ms"]
+        overhead = (
+            f"; steady step {median['steady step'] / plain:.2f}x the plain run's"
+            if plain is not None
+            else ""
+        )
+        parts.append(
+            f"In-process path ({inproc['launch']}; `distrain lighthouse "
+            f"--heartbeat-timeout-ms {hb}`; group 1 killed before step {inproc['kill_step']}, "
+            f"{inproc['steps_after_kill']} steps after; changes = membership rows of group 0, "
+            f"the kill's and the rejoin's{overhead}), seconds:\n\n"
+            + _runs_table(runs, median, "")
         )
     return "\n\n".join(parts)
+
+
+def replica_churn(d: dict[str, Any]) -> str:
+    c = d["config"]
+    head = ("lighthouse join timeout", "heartbeat timeout", "membership changes", "kinds", "step s")
+    rows = [
+        (
+            f"{r['join_timeout_s']:g} s",
+            f"{r['heartbeat_timeout_ms']} ms",
+            f"**{r['changes']}**",
+            ", ".join(f"{k} {v}" for k, v in sorted(r["by_kind"].items())) or "-",
+            f"{r['steady_step_s']:.3f}",
+        )
+        for r in d["runs"]
+    ]
+    return (
+        f"{c['groups']} groups of {c['ranks_per_group']} rank (`{c['preset']}`, ZeRO-3, "
+        f"{c['threads_per_group']} thread each), {c['steps']} steps, no fault, "
+        f"{c['busy_processes']} busy processes beside them on {c['cpus']} cores; every "
+        "membership row of every group counted:\n\n" + table(head, rows)
+    )
 
 
 def preempt(d: dict[str, Any]) -> str:
@@ -488,6 +524,7 @@ RENDERERS: dict[str, Renderer] = {
     "pipeline": pipeline,
     "preempt": preempt,
     "recovery": recovery,
+    "replica_churn": replica_churn,
     "checkpoint": checkpoint,
     "slow_link": slow_link,
     "vs_accelerate": vs_accelerate,
