@@ -12,6 +12,10 @@ both groups are bit-identical to those of an uninterrupted 2-rank ZeRO-3 run (on
 layout, no replica groups) and within 2e-5 of the 1-process run's (relative to each tensor's
 norm: AdamW amplifies the fp32 reorderings of that layout in rarely updated elements).
 
+Two more runs: 4 groups of 1 rank, two of them SIGKILLed in one step and a third while one of
+those is on its way back (no step lost, the 1-process curve); and 3 groups with no fault, started
+seconds apart beside busy processes, with no membership change at all.
+
 The in-process tests check the loader's re-planning (the survivors read exactly the global
 batch; without it they would read only their own shares) and the one-line refusals.
 """
@@ -474,3 +478,16 @@ def test_one_replica_group_is_refused_in_one_line(tmp_path):
     message = str(error.value)
     assert "fault_tolerance.replica_groups = 1 is out of range: it must be 0 or >= 2" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--heartbeat-timeout-ms", "0"), ("--join-timeout-s", "0"), ("--tick-ms", "-5")],
+)
+def test_lighthouse_refuses_a_timeout_it_cannot_use_in_one_line(option, value, capsys):
+    from distrain.cli import main
+
+    assert main(["lighthouse", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distrain: error: {option} must be") and err.count("\n") == 1, err
+

@@ -7,13 +7,13 @@ group is alive it decides from the heartbeats each group's manager server sends 
 group in a long step keeps heartbeating, a killed or stopped one stops.
 
 - **Gone** = no heartbeat for `--heartbeat-timeout-ms`. Such a group is left out of the next
-  quorum; this timeout is most of the time a survivor waits after a kill, so it is short.
+  quorum; this timeout is most of the time the survivors wait after a kill.
 - **Slow** = heartbeating but not yet at its step boundary. The lighthouse waits for it up to
-  `--join-timeout-s` (torchft's own default is 60 s; distrain passes the same value as
-  `fault_tolerance.timeout_s`, the time a collective waits for a slow group). torchft's
-  `torchft_lighthouse` is often started with a short join timeout for fast tests; with three
-  or more groups that evicts any group whose step ends later than that behind the others'
-  (each eviction a state transfer when it comes back).
+  `--join-timeout-s` (default: fault_tolerance.timeout_s's default, the time a collective
+  between groups waits for a slow one). torchft's own tests start the lighthouse with a join
+  timeout of 100 ms; with three or more groups that evicts every group whose step ends later
+  than that behind the others' (each eviction a transfer of the live state when it comes
+  back).
 
 The quorum is checked every `--tick-ms` (torchft's default, 100 ms, adds up to that to every
 recovery). torchft's own log lines stay out of the console unless RUST_LOG asks for them.
