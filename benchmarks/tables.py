@@ -319,8 +319,9 @@ def checkpoint(d: dict[str, Any]) -> str:
         where = (
             f", saves to S3 ({SERVERS[c['server']]}) behind a link shaped to "
             f"{c['link_mbit']:g} Mbit/s "
-            f"({c['link_sent_bytes'] / 1e6:.0f} MB sent on it during the rounds, checkpoints "
-            f"of {d['modes'][0]['checkpoint_bytes'] / 1e6:.0f} MB)"
+            f"({c['link_sent_bytes'] / 1e6:.0f} MB sent on it during the rounds: "
+            f"{len(d['modes']) * c['rounds']} saves of "
+            f"{d['modes'][0]['checkpoint_bytes'] / 1e6:.0f} MB)"
         )
     memory = f"; memory: slope over {len(rss)} saves from the 10th on" if rss else ""
     return (
