@@ -36,6 +36,7 @@ BLOCK = re.compile(
     r"(<!-- benchmark: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end benchmark -->)", re.S
 )
 MIB = 2**20
+SERVERS = {"seaweedfs": "SeaweedFS"}  # a record's S3 server, as the docs name it
 
 Renderer = Callable[[dict[str, Any]], str]
 
@@ -272,6 +273,9 @@ def slow_link(d: dict[str, Any]) -> str:
 
 def checkpoint(d: dict[str, Any]) -> str:
     c = d["config"]
+    # Older records have no write time; a run with --rss-saves 0 no memory check.
+    write = "write_s" in d["modes"][0]
+    rss = next(iter(d["rss_mib_after_each_save"].values()))
 
     def ms(seconds: float) -> str:
         return "-" if seconds != seconds else f"{seconds * 1e3:.0f}"  # NaN: none in flight
@@ -280,36 +284,52 @@ def checkpoint(d: dict[str, Any]) -> str:
         (
             r["mode"],
             ms(r["stall_s"]),
+            *([ms(r["write_s"])] if write else []),
             ms(r["lost_s"]),
             ms(r["baseline_step_s"]),
             ms(r["in_flight_step_s"]),
             f"{r['goodput']:.3f}",
-            "-"
-            if r["mode"] not in d["ratios"]
-            else f"{d['ratios'][r['mode']]['rss_slope_mib_per_save']:+.2f}",
+            *(
+                []
+                if not rss
+                else ["-"]
+                if r["mode"] not in d["ratios"]
+                else [f"{d['ratios'][r['mode']]['rss_slope_mib_per_save']:+.2f}"]
+            ),
         )
         for r in d["modes"]
     ]
     head = (
         "mode",
         "stall ms",
+        *(["write ms"] if write else []),
         "lost ms",
         "step ms",
         "in-flight step ms",
         "goodput",
-        "memory MiB/save",
+        *(["memory MiB/save"] if rss else []),
     )
     ratios = "; ".join(
         f"{mode}: stall / off {r['stall_over_off']:.2f}, in-flight step / step "
         f"{r['in_flight_step_over_step']:.2f}"
         for mode, r in d["ratios"].items()
     )
+    where = ""
+    if c.get("storage") == "s3":
+        where = (
+            f", saves to S3 ({SERVERS[c['server']]}) behind a link shaped to "
+            f"{c['link_mbit']:g} Mbit/s "
+            f"({c['link_sent_bytes'] / 1e6:.0f} MB sent on it during the rounds: "
+            f"{len(d['modes']) * c['rounds']} saves of "
+            f"{d['modes'][0]['checkpoint_bytes'] / 1e6:.0f} MB)"
+        )
+    memory = f"; memory: slope over {len(rss)} saves from the 10th on" if rss else ""
     return (
         f"`{c['preset']}`, {c['num_ranks']} ranks ({c['backend']}, {c['device']}), micro-batch "
-        f"{c['micro_batch_size']} x {c['seq_len']}, {c['rounds']} rounds of a save and "
-        f"{c['steps_per_block']} steps per mode, median over rounds, slowest rank; memory: "
-        f"slope over {len(next(iter(d['rss_mib_after_each_save'].values())))} saves from the "
-        f"10th on:\n\n" + table(head, rows) + f"\n\n{ratios}."
+        f"{c['micro_batch_size']} x {c['seq_len']}{where}, {c['rounds']} rounds of a save and "
+        f"{c['steps_per_block']} steps per mode, median over rounds, slowest rank{memory}:\n\n"
+        + table(head, rows)
+        + f"\n\n{ratios}."
     )
 
 
