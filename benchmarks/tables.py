@@ -261,8 +261,14 @@ def slow_link(d: dict[str, Any]) -> str:
         )
     head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
             "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss")  # fmt: skip
+    links = {r["link"] for r in d["rows"]}
+    where = (
+        f"{2 * c['procs']} processes on one machine's loopback"
+        if links == {"loopback"}
+        else f"2 hosts x {c['procs']} process"
+    )
     return (
-        f"2 hosts x {c['procs']} process (gloo, CPU, OMP_NUM_THREADS=1), global batch "
+        f"{where} (gloo, CPU, OMP_NUM_THREADS=1), global batch "
         f"{c['global_batch_size']} x seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, "
         f"{c['steps']} steps, validation every {c['eval_every']}, {c['reps']} interleaved "
         f"repetitions: median [min-max]; target: accelerate ddp's final validation loss on the "
