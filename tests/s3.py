@@ -8,6 +8,11 @@ storage options in code: `S3Server.env` holds the variables botocore reads (cred
 and `AWS_ENDPOINT_URL`), so a subprocess started with `S3Server.child_env()` reaches the server
 with a plain `fsspec.url_to_fs("s3://<bucket>/...")`.
 
+`seaweedfs_process()` is the server alone, on any address and started by any Popen-like
+function, without the wait: benchmarks/checkpoint.py runs it in a network lab host
+(tests/netlab.py), behind a shaped link, then waits and makes its bucket (`wait_until_answers`,
+`make_bucket`) from the other host.
+
 SeaweedFS quirk: a "directory" whose objects were all deleted stays listed (as a common prefix,
 and by `exists`) for a while; real S3 and moto drop it at once. Decide what exists by a marker
 object, not by a listed prefix, or pick moto (`DISTRAIN_TEST_S3=moto`) for such a test.
@@ -37,7 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -115,7 +120,7 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _weed_binary() -> str | None:
+def weed_binary() -> str | None:
     beside = Path(sys.executable).parent / "weed"  # the venv's scripts dir
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -133,7 +138,7 @@ def expected_kind() -> str:
     return "seaweedfs" if linux or sys.platform == "win32" else "moto"
 
 
-def _wait_until_answers(url: str, proc: subprocess.Popen | None, log: Path | None) -> None:
+def wait_until_answers(url: str, proc: subprocess.Popen | None, log: Path | None) -> None:
     """Poll `url` until any HTTP response; raise with the server log on exit or timeout."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     last: Exception | None = None
@@ -156,7 +161,7 @@ def _wait_until_answers(url: str, proc: subprocess.Popen | None, log: Path | Non
     )
 
 
-def _make_bucket(endpoint_url: str, bucket: str) -> None:
+def make_bucket(endpoint_url: str, bucket: str) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(
@@ -172,10 +177,20 @@ def _make_bucket(endpoint_url: str, bucket: str) -> None:
 
 
 @contextlib.contextmanager
-def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
-    """Run `weed mini` (master, volume, filer, S3 gateway in one process) on loopback."""
+def seaweedfs_process(
+    weed: str,
+    workdir: Path,
+    *,
+    ip: str = "127.0.0.1",
+    start: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """Start `weed mini` (master, volume, filer, S3 gateway in one process) serving on `ip`, with
+    its data under `workdir`; yield its S3 endpoint, the process and its log; kill it afterwards.
+    It does not wait for the gateway to answer: `start` (Popen's signature) may run it where this
+    process cannot reach, as a network lab host's `run` does (tests/netlab.py)."""
     names = ["s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc"]
     names += ["filer", "filer.grpc", "admin", "admin.grpc"]
+    # Free here; in a lab host's namespace of its own every port is.
     port = dict(zip(names, _free_ports(len(names)), strict=True))
     data = workdir / "data"
     data.mkdir()
@@ -183,8 +198,8 @@ def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
         weed,
         "mini",
         f"-dir={data}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        f"-ip={ip}",
+        f"-ip.bind={ip}",
         "-master.telemetry=false",
         "-webdav=false",
         "-admin.ui=false",
@@ -204,9 +219,8 @@ def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     log = workdir / "weed.log"
-    endpoint = f"http://127.0.0.1:{port['s3']}"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
+        proc = start(
             args,
             cwd=workdir,
             env=env,
@@ -215,8 +229,7 @@ def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
             stdin=subprocess.DEVNULL,
         )
     try:
-        _wait_until_answers(endpoint + "/", proc, log)
-        yield endpoint
+        yield f"http://{ip}:{port['s3']}", proc, log
     finally:
         # SIGKILL, not SIGTERM: on SIGTERM `weed mini` spends ~2.4 s shutting down gracefully,
         # for a data folder deleted right after.
@@ -226,6 +239,14 @@ def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
         for key in (name for name in names if name.endswith(".grpc")):
             name = key.replace(".", "-")
             Path(f"/tmp/seaweedfs-{name}-{port[key]}.sock").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _seaweedfs(weed: str, workdir: Path) -> Iterator[str]:
+    """`weed mini` on loopback, once its S3 gateway answers."""
+    with seaweedfs_process(weed, workdir) as (endpoint, proc, log):
+        wait_until_answers(endpoint + "/", proc, log)
+        yield endpoint
 
 
 @contextlib.contextmanager
@@ -244,7 +265,7 @@ def _moto() -> Iterator[str]:
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
-        _wait_until_answers(endpoint + "/", None, None)
+        wait_until_answers(endpoint + "/", None, None)
         yield endpoint
     finally:
         server.stop()
@@ -257,7 +278,7 @@ def s3_server(bucket: str = "distrain-test", kind: str | None = None) -> Iterato
     `kind`: "seaweedfs" or "moto"; default $DISTRAIN_TEST_S3, else seaweedfs where the `weed`
     binary is installed, else moto.
     """
-    weed = _weed_binary()
+    weed = weed_binary()
     kind = kind or os.environ.get("DISTRAIN_TEST_S3") or ("seaweedfs" if weed else "moto")
     if kind not in ("seaweedfs", "moto"):
         raise ValueError(f"unknown S3 server kind {kind!r} (seaweedfs or moto)")
@@ -266,7 +287,7 @@ def s3_server(bucket: str = "distrain-test", kind: str | None = None) -> Iterato
     with tempfile.TemporaryDirectory(prefix="distrain-s3-") as tmp:
         server = _seaweedfs(weed, Path(tmp)) if kind == "seaweedfs" else _moto()
         with server as endpoint:
-            _make_bucket(endpoint, bucket)
+            make_bucket(endpoint, bucket)
             yield S3Server(endpoint, bucket, kind, client_env(endpoint))
 
 

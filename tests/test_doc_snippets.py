@@ -59,10 +59,10 @@ COVERED = {
     "mkdocs build": "tests/test_docs.py::test_the_site_builds_strictly",
 }
 # Commands of other tools a page shows next to distrain's (nothing of distrain to check).
-OTHER_TOOLS = {"chmod", "export", "openssl", "torchft_lighthouse", "wandb"}
+OTHER_TOOLS = {"chmod", "export", "openssl", "wandb"}
 LAUNCHERS = {"torchrun", "srun"}
 COMMAND_START = re.compile(
-    r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl|torchft_lighthouse)\s"
+    r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl)\s"
 )
 
 

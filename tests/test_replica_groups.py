@@ -12,6 +12,10 @@ both groups are bit-identical to those of an uninterrupted 2-rank ZeRO-3 run (on
 layout, no replica groups) and within 2e-5 of the 1-process run's (relative to each tensor's
 norm: AdamW amplifies the fp32 reorderings of that layout in rarely updated elements).
 
+Two more runs: 4 groups of 1 rank, two of them SIGKILLed in one step and a third while one of
+those is on its way back (no step lost, the 1-process curve); and 3 groups with no fault, started
+seconds apart beside busy processes, with no membership change at all.
+
 The in-process tests check the loader's re-planning (the survivors read exactly the global
 batch; without it they would read only their own shares) and the one-line refusals.
 """
@@ -24,6 +28,8 @@ import importlib.util
 import os
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +259,185 @@ def test_status_and_diagnose_show_the_changes(faulted):
     assert "this group rejoined with a peer's live state" in status(faulted["runs"][1])
 
 
+# --- two failures at once, and a failure during a rejoin -------------------------------------
+
+FOUR_STEPS = 40
+FOUR_FIELDS = {
+    **GROUP_FIELDS,
+    "training__steps": FOUR_STEPS,
+    # A multiple of micro-batch x lcm(1..4): any number of live groups splits it.
+    "training__global_batch_size": 24,
+    "fault_tolerance__replica_groups": 4,
+    "checkpoint__async_mode": "off",
+    "debug__slow_ms": 300,
+}
+
+
+@pytest.fixture(scope="module")
+def four_reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference24")
+    train_in_process(
+        run, **{**FIELDS, "training__steps": FOUR_STEPS, "training__global_batch_size": 24}
+    )
+    return run
+
+
+@pytest.fixture(scope="module")
+def four_groups(tmp_path_factory, lighthouse) -> dict:
+    """4 groups of 1 rank. Once every group has logged step 3, groups 2 and 3 are SIGKILLed
+    back to back (the same step); once groups 0 and 1 have redone that step and group 2's
+    restarted worker is up (on its way to rejoin with a peer's live state), group 1 is
+    SIGKILLed too. Group 0 is never touched."""
+    root = tmp_path_factory.mktemp("four")
+    runs = [root / f"group{g}" for g in range(4)]
+    secret = secret_file(root)
+    procs = [
+        start_train(
+            runs[g],
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "2",
+            **FOUR_FIELDS,
+            fault_tolerance__group=g,
+            fault_tolerance__lighthouse=lighthouse,
+            fault_tolerance__secret_file=secret,
+        )
+        for g in range(4)
+    ]
+
+    def step_of(g: int) -> int:
+        return max((r["step"] for r in metrics_rows(runs[g]) if "loss" in r), default=0)
+
+    try:
+        _wait(lambda: all(step_of(g) >= 3 for g in range(4)), "step 3 in every group", procs)
+        survivor = worker_pid(procs[0].pid, 0, restart=0)
+        victims = [worker_pid(procs[g].pid, 0, restart=0) for g in (2, 3)]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        _wait(
+            lambda: (
+                any(r.get("replica_change") == "lost" for r in metrics_rows(runs[0]))
+                and worker_pid(procs[2].pid, 0, restart=1) is not None
+            ),
+            "the step redone without groups 2 and 3, and group 2's restarted worker",
+            procs[:2],
+        )
+        rejoined_before = any(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[2]))
+        os.kill(worker_pid(procs[1].pid, 0, restart=0), signal.SIGKILL)
+        survivor_late = worker_pid(procs[0].pid, 0, restart=0)
+        _, err0 = procs[0].communicate(timeout=400)
+        for proc in procs[1:]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[0].returncode == 0, err0[-4000:]
+    return {
+        "runs": runs,
+        "survivor": survivor,
+        "survivor_late": survivor_late,
+        "rejoined_before": rejoined_before,
+    }
+
+
+def test_two_failures_at_once_and_one_during_a_rejoin_lose_no_step(four_groups, four_reference):
+    runs = four_groups["runs"]
+    assert four_groups["survivor"] is not None
+    assert four_groups["survivor_late"] == four_groups["survivor"]
+    rows0 = read_metrics(runs[0] / "metrics.jsonl", all_attempts=True)
+    assert not any("attempt" in r or "resumed_from" in r for r in rows0)
+    trained = [r["step"] for r in rows0 if "loss" in r]
+    # Every step once: none lost, none logged twice.
+    assert trained == list(range(1, FOUR_STEPS + 1))
+    want = losses(read_metrics(four_reference / "metrics.jsonl"))
+    for g, run in enumerate(runs):
+        got = losses(read_metrics(run / "metrics.jsonl", all_attempts=True))
+        for step, loss in got.items():
+            assert abs(loss - want[step]) <= REL * abs(want[step]), (g, step, loss, want[step])
+    changes = [r for r in rows0 if "replica_change" in r]
+    assert all(r.get("steps_lost", 0) == 0 for r in changes), changes
+    lost = {
+        g
+        for r in changes
+        if r["replica_change"] == "lost"
+        for g in map(int, r["replica_groups_lost"].split(","))
+    }
+    # Group 1 died while group 2 was on its way back.
+    assert not four_groups["rejoined_before"]
+    # Groups 2 and 3 left in one quorum (the step they died in, redone by groups 0 and 1),
+    # group 1 later, while group 2 was coming back.
+    first = next(r for r in changes if r["replica_change"] == "lost")
+    assert first["replica_groups_lost"] == "2,3" and first["cause"] == "collective error", first
+    assert lost == {1, 2, 3}, changes
+    assert any(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[2]))
+
+
+# --- no fault: no membership change -----------------------------------------------------------
+
+CALM_FIELDS = {
+    **FIELDS,
+    # A multiple of micro-batch x lcm(1..3): any number of live groups splits it.
+    "training__global_batch_size": 12,
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 3,
+}
+
+
+@contextlib.contextmanager
+def _busy_cores(count: int):
+    """`count` processes spinning beside the run, as other jobs on a shared host."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_three_groups_without_a_fault_never_change_membership(tmp_path, lighthouse):
+    """3 groups of 1 rank, 60 steps, started seconds apart, on a machine loaded with 2 busy
+    processes beside them (load over the 2 cores): the groups gather before their first step
+    (no group trains alone and none joins later with a transfer), and no slow step evicts a
+    live group. Every group logs every step, the same loss, and no membership change."""
+    runs = [tmp_path / f"group{g}" for g in range(3)]
+    secret = secret_file(tmp_path)
+    procs = []
+    with _busy_cores(2):
+        try:
+            for g in range(3):
+                procs.append(
+                    start_train(
+                        runs[g],
+                        "--nproc",
+                        "1",
+                        **CALM_FIELDS,
+                        fault_tolerance__group=g,
+                        fault_tolerance__lighthouse=lighthouse,
+                        fault_tolerance__secret_file=secret,
+                    )
+                )
+                time.sleep(3)
+            outputs = [proc.communicate(timeout=600) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    rows = [read_metrics(run / "metrics.jsonl", all_attempts=True) for run in runs]
+    changes = [r for group in rows for r in group if "replica_change" in r]
+    assert changes == []
+    curves = [losses(group) for group in rows]
+    assert sorted(curves[0]) == list(range(1, STEPS + 1))
+    assert curves[1] == curves[0] and curves[2] == curves[0]
+
+
 # --- in process --------------------------------------------------------------------------------
 
 
@@ -293,3 +478,16 @@ def test_one_replica_group_is_refused_in_one_line(tmp_path):
     message = str(error.value)
     assert "fault_tolerance.replica_groups = 1 is out of range: it must be 0 or >= 2" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--heartbeat-timeout-ms", "0"), ("--join-timeout-s", "0"), ("--tick-ms", "-5")],
+)
+def test_lighthouse_refuses_a_timeout_it_cannot_use_in_one_line(option, value, capsys):
+    from distrain.cli import main
+
+    assert main(["lighthouse", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distrain: error: {option} must be") and err.count("\n") == 1, err
+

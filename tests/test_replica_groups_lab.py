@@ -96,9 +96,7 @@ def lab_run(tmp_path_factory) -> dict:
     with net_lab(2, rate="1gbit") as lab:
         server = lab.run(
             0,
-            [sys.executable, "-c", LIGHTHOUSE],
-            env={"RUST_LOG": "warn"},
-            stdin=subprocess.PIPE,
+            LIGHTHOUSE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

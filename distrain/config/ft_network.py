@@ -21,7 +21,7 @@ def lighthouse_host(lighthouse: str) -> tuple[str, int]:
     if not parts.hostname or parts.port is None:
         raise ConfigError(
             f"fault_tolerance.lighthouse = {lighthouse!r} is not http://host:port; give the "
-            "address torchft_lighthouse listens on"
+            "address `distrain lighthouse` listens on"
         )
     return parts.hostname, parts.port
 

@@ -46,6 +46,7 @@ from distrain.config.ft_network import read_secret
 from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import DistrainError
+from distrain.launch.lighthouse import HEARTBEAT_INTERVAL_MS
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext, replica_process_group
 from distrain.train.replica_trust import (
@@ -59,6 +60,7 @@ from distrain.train.replica_trust import (
 )
 
 _STORE_ADDRESS_BYTES = 256
+_GATHER_POLL_S = 0.05
 REFUSALS_BEFORE_STOP = 3
 """Refused attempts in a row (a peer's state or slot not believed) after which a group stops."""
 
@@ -234,6 +236,7 @@ class ReplicaGroups:
                 replica_id=f"group{cfg.group}",
                 # Every group seeds its model alike: nothing to copy before the first step.
                 init_sync=False,
+                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
             )
         self.members: tuple[int, ...] = ()
         """The replica groups of the current quorum."""
@@ -268,6 +271,33 @@ class ReplicaGroups:
         self.manager.register_state_dict_fn("distrain", timed_load, state)
 
     # --- before each step --------------------------------------------------------------------
+
+    def first_quorum(self, *, step: int, loader: DistributedBatchLoader) -> None:
+        """The quorum before this group's first step. Groups that start together (none ahead
+        of this one's `step`, no restart) gather first: until every one of the
+        fault_tolerance.replica_groups groups is in the quorum, or for
+        fault_tolerance.quorum_timeout_s, this group joins one quorum after another without
+        training. Without it the first group up trains alone and every later one joins with
+        a transfer of the live state: a membership change per group at each start. A group
+        behind the others (restarted, or started late) takes their live state at once."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        # Counted in quorums, not read from a clock: every rank of the group decides alike.
+        tries = max(1, round(self.cfg.quorum_timeout_s / _GATHER_POLL_S))
+        for _ in range(tries):
+            self.members = ()
+            self.quorum(step=step, loader=loader)
+            gathering = not restarted and self.manager.current_step() == step
+            if not gathering or self.participants >= self.cfg.replica_groups:
+                return
+            time.sleep(_GATHER_POLL_S)
+        missing = sorted(set(range(self.cfg.replica_groups)) - set(self.members))
+        self.log.warning(
+            "replica groups %s did not reach the lighthouse in fault_tolerance.quorum_timeout_s "
+            "= %gs: starting with groups %s (they join when they come)",
+            missing,
+            self.cfg.quorum_timeout_s,
+            list(self.members),
+        )
 
     def quorum(self, *, step: int, loader: DistributedBatchLoader) -> None:
         """Join the quorum for the step after `step` (which loads a peer's live state when this

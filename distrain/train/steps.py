@@ -82,7 +82,7 @@ class ReplicatedSteps(PlainSteps):
             lambda received: _load_live_state(trainer, received),
             step=trainer.step,
         )
-        self.replicas.quorum(step=trainer.step, loader=trainer.loader)
+        self.replicas.first_quorum(step=trainer.step, loader=trainer.loader)
         self.replicas.check_restart_has_a_source(step=trainer.step)
 
     def run(self, trainer: TrainerView, *, report_loss: bool) -> Result:
