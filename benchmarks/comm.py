@@ -125,6 +125,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="skip the single-rank runs that estimate overlap (loss and bytes only)",
     )
+    parser.add_argument(
+        "--run-timeout-s",
+        type=float,
+        default=RUN_TIMEOUT_S,
+        help="limit on each training run (raise it for long runs on a busy machine)",
+    )
     parser.add_argument("--out", default="benchmarks/results/comm.json", help="JSON output")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods) - set(METHODS))
@@ -195,7 +201,7 @@ def run_loopback(args: argparse.Namespace, method: str, work: Path) -> dict[str,
             stderr=subprocess.STDOUT,
             env=run_env(),
         )
-        wait_all([proc], log, timeout_s=RUN_TIMEOUT_S)
+        wait_all([proc], log, timeout_s=args.run_timeout_s)
     return summarize(run_dir, args.freeze_step)
 
 
@@ -216,7 +222,7 @@ def run_solo_pair(args: argparse.Namespace, work: Path) -> float:
                     env=run_env(),
                 )
             )
-        wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
+        wait_all(procs, log, timeout_s=args.run_timeout_s)
     return statistics.mean(summarize(d, args.freeze_step)["step_time_s"] for d in dirs)
 
 
@@ -240,7 +246,7 @@ def run_lab(
             )
             for node in range(NUM_RANKS)
         ]
-        wait_all(procs, log, timeout_s=RUN_TIMEOUT_S)
+        wait_all(procs, log, timeout_s=args.run_timeout_s)
     return summarize(run_dir, args.freeze_step)
 
 

@@ -161,9 +161,14 @@ def run_record() -> dict[str, Any]:
     record["machine"] = _machine()
     record["torch"] = torch.__version__
     record["commit"] = _git("rev-parse", "--short", "HEAD")
+    # ":/" roots each pathspec at the repository's top: _git runs in benchmarks/, where a plain
+    # "distrain" or "benchmarks/*.py" names nothing and the flag stayed False whatever changed.
     record["uncommitted_changes"] = bool(
-        _git("status", "--porcelain", "--untracked-files=no", "--", "distrain", "benchmarks/*.py")
-    )
+        _git(
+            "status", "--porcelain", "--untracked-files=no", "--", ":/distrain",
+            ":/benchmarks/*.py",
+        )
+    )  # fmt: skip
     return record
 
 

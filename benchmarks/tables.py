@@ -262,8 +262,14 @@ def slow_link(d: dict[str, Any]) -> str:
         )
     head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
             "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss")  # fmt: skip
+    links = {r["link"] for r in d["rows"]}
+    where = (
+        f"{2 * c['procs']} processes on one machine's loopback"
+        if links == {"loopback"}
+        else f"2 hosts x {c['procs']} process"
+    )
     return (
-        f"2 hosts x {c['procs']} process (gloo, CPU, OMP_NUM_THREADS=1), global batch "
+        f"{where} (gloo, CPU, OMP_NUM_THREADS=1), global batch "
         f"{c['global_batch_size']} x seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, "
         f"{c['steps']} steps, validation every {c['eval_every']}, {c['reps']} interleaved "
         f"repetitions: median [min-max]; target: accelerate ddp's final validation loss on the "
@@ -536,6 +542,68 @@ def data(d: dict[str, Any]) -> str:
     )
 
 
+def comm(d: dict[str, Any]) -> str:
+    c, res = d["config"], d["results"]
+    links = c["links"]
+    base = res.get("none")
+
+    def step(method: str, link: str) -> str:
+        ms = res[method][link]["step_time_s"] * 1e3
+        return f"{ms:.0f} ({ms / (base[link]['step_time_s'] * 1e3):.2f})" if base else f"{ms:.0f}"
+
+    rows = []
+    for method, by_link in res.items():
+        first = by_link[links[0]]
+        progress = first.get("progress")
+        rows.append(
+            (
+                method,
+                f"{first['comm_bytes'] / 1e6:.3f}",
+                f"{first['comm_compression_ratio']:.1f}",
+                *(step(method, link) for link in links),
+                f"{first['final_loss']:.4f}",
+                "-" if progress is None else f"{progress:.3f}",
+            )
+        )
+    step_head = [f"{link} ms" + (" (x none)" if base else "") for link in links]
+    head = ("method", "MB sent per step", "x fewer than fp32", *step_head, "final loss",
+            "progress vs none")  # fmt: skip
+    text = (
+        f"`{c['preset']}`, {c['num_ranks']} ranks x 1 process ({c['backend']}, CPU, "
+        f"OMP_NUM_THREADS=1), micro-batch {c['micro_batch_size']} x {c['seq_len']}, "
+        f"{c['steps']} steps, 1-bit Adam's freeze step and PowerSGD's start "
+        f"{c['freeze_step']}; bytes and step time: medians over the steps after "
+        f"{max(c['skip_steps'], c['freeze_step'])}; loss and progress on {links[0]}:\n\n"
+        + table(head, rows)
+    )
+    if d.get("hidden_fraction"):
+        text += (
+            f"\n\nOverlap (`none` against two side-by-side 1-rank runs, "
+            f"{d['solo_step_s'] * 1e3:.0f} ms/step): "
+            + ", ".join(f"{link} {frac:.0%}" for link, frac in d["hidden_fraction"].items())
+            + " of its communication hidden (an upper estimate on the shaped links)."
+        )
+    return text
+
+
+def export(d: dict[str, Any]) -> str:
+    rows = [
+        (
+            r["dtype"],
+            f"{r['seconds']:.1f}",
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['after_imports_mb']:.0f}",
+            f"{r['peak_rss_mb'] - r['after_imports_mb']:.0f}",
+        )
+        for r in d["rows"]
+    ]
+    head = ("to dtype", "seconds", "peak RSS MiB", "after imports MiB", "peak - imports MiB")
+    return (
+        f"`distrain export --format hf` of a 1-step `{d['preset']}` checkpoint, each export in a "
+        f"fresh process; {d['weights_fp32_mb']:.0f} MiB of fp32 weights:\n\n" + table(head, rows)
+    )
+
+
 RENDERERS: dict[str, Renderer] = {
     "data": data,
     "faults": faults,
@@ -554,6 +622,8 @@ RENDERERS: dict[str, Renderer] = {
     "moe_ep": moe_ep,
     "checkpointing": checkpointing,
     "memory": memory,
+    "comm": comm,
+    "export": export,
 }
 
 
