@@ -159,14 +159,21 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
     return cfg, family.tp * dp
 
 
+def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
+    """(config, world size) of the family's two fake builds: its smallest layout at each of
+    CALIBRATION_DEPTHS blocks."""
+    cfg, world = calibration_layout(base, family)
+    return [(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS]
+
+
 def calibrate_family(
     base: Config, family: Family, measure: Callable[[Config, int], MemoryEstimate]
 ) -> Coefficients:
-    """Two fake builds (1 and 2 blocks) of the family's smallest layout: `measure(cfg, world)`
-    is memory.py's estimate (through the search's cache)."""
+    """The family's coefficients from its `calibration_builds`: `measure(cfg, world)` is
+    memory.py's estimate (through the search's caches)."""
     cfg, world = calibration_layout(base, family)
     low, high = CALIBRATION_DEPTHS
-    one, two = (measure(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS)
+    one, two = (measure(*b) for b in calibration_builds(base, family))
     states_one = model_states(with_depth(cfg, low), world)
     states_two = model_states(with_depth(cfg, high), world)
 
