@@ -2,8 +2,8 @@
 same model) reads them instead of building again.
 
 One JSON file per build under the planner's cache directory (calibrate.cache_dir()/builds),
-named by a digest of everything the build's result depends on: which build it is (memory.py's
-`estimate_memory` or pipeline_memory.py's `estimate_pipeline_memory`), the whole config, the
+named by a digest of everything the build's result depends on: which build it is (the type of
+its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config, the
 world size and rank, torch's version, and the source of the distrain package (a changed model,
 layout or planner makes every older file a miss; nothing is ever read back for other code).
 A build that raises is not stored: the next plan tries it again. A file that cannot be read is
@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -29,8 +29,6 @@ import distrain
 from distrain.config.schema import Config
 
 Result = TypeVar("Result")
-Estimate = Callable[..., Any]
-"""A fake build: (config, world size, *, rank) -> a dataclass of ints."""
 
 
 @functools.cache
@@ -50,9 +48,9 @@ class BuildStore:
 
     directory: Path
 
-    def path(self, estimate: Estimate, cfg: Config, world_size: int, rank: int = 0) -> Path:
+    def path(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> Path:
         what = {
-            "build": f"{estimate.__module__}.{estimate.__qualname__}",
+            "build": f"{result_type.__module__}.{result_type.__qualname__}",
             "config": dataclasses.asdict(cfg),
             "world_size": world_size,
             "rank": rank,
@@ -61,8 +59,8 @@ class BuildStore:
         text = json.dumps(what, sort_keys=True, default=str)
         return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
-    def has(self, estimate: Estimate, cfg: Config, world_size: int, rank: int = 0) -> bool:
-        return self.path(estimate, cfg, world_size, rank).is_file()
+    def has(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> bool:
+        return self.path(result_type, cfg, world_size, rank).is_file()
 
     def build(
         self,
@@ -73,9 +71,9 @@ class BuildStore:
         *,
         rank: int = 0,
     ) -> Result:
-        """`estimate(cfg, world_size, rank=rank)`, read from its file when stored, else run and
-        stored."""
-        path = self.path(estimate, cfg, world_size, rank)
+        """`estimate(cfg, world_size, rank=rank)` (a fake build: a dataclass of ints), read from
+        its file when stored, else run and stored."""
+        path = self.path(result_type, cfg, world_size, rank)
         try:
             return result_type(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):

@@ -363,8 +363,9 @@ def plan(
         needed = modelled_families([cfg for _, cfg, _ in layouts], cluster.world_size, capacity)
         if store is not None:
             needed = [f for f in needed if not _stored(store, base, f)]
-        measure = functools.partial(memory_of, store=store)
-        coefficients.update(calibrate_families(base, needed, measure, workers=workers))
+        if needed:
+            measure = functools.partial(memory_of, store=store)
+            coefficients.update(calibrate_families(base, needed, measure, workers=workers))
     for done, (c, cfg, time) in enumerate(layouts, 1):
         source = "fake build"
         try:
@@ -410,7 +411,7 @@ def modelled_families(configs: list[Config], world_size: int, capacity: float) -
 
 
 def _stored(store: BuildStore, base: Config, family: Family) -> bool:
-    return all(store.has(estimate_memory, *b) for b in calibration_builds(base, family))
+    return all(store.has(MemoryEstimate, *b) for b in calibration_builds(base, family))
 
 
 def built_row(
@@ -425,9 +426,7 @@ def built_row(
     low, high = (per_stage * d for d in VERIFY_DEPTHS)
     if n_layers <= high:
         return memory_row(cfg, world_size, cache, store=store)
-    one, two = (
-        memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high)
-    )
+    one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
     scale = (n_layers - low) / (high - low)
     return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
 
