@@ -1,6 +1,6 @@
 """How far the planner's memory model is from the full fake build, and how long a plan takes.
 
-- memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, tp 2 and 4, tp 2 x FSDP, pp 2 x
+- memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2 and 4, tp 2 x FSDP, pp 2 x
   FSDP and pp 4, with and without full checkpointing, micro-batch 1-4) of each family's tiny
   preset (6 blocks, seq 64, global batch 16), the peak per rank that `distrain plan` prices
   with distrain/plan/memory_model.py (calibrated by its shallow fake builds) against the full
@@ -44,6 +44,7 @@ LAYOUTS = (
     (4, 1, 1, 1, "none", 4),
     (4, 1, 1, 2, "full", 4),
     (4, 1, 1, 3, "none", 1),
+    (4, 1, 1, 3, "full", 2),
     (2, 2, 1, 0, "none", 2),
     (2, 2, 1, 3, "none", 2),
     (1, 4, 1, 0, "none", 1),
