@@ -13,7 +13,8 @@ flight) at 2 and 3 blocks per stage and extrapolated in depth (`built_row`), and
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
 in it), and of a pipeline's ranks only the first of those holding alike stages is built (the
-others keep no more microbatches in flight)."""
+others keep no more microbatches in flight); with a BuildStore, every build is kept on disk and
+read back by later plans (build_store.py)."""
 
 from __future__ import annotations
 
