@@ -1,12 +1,13 @@
 """How far the planner's memory model is from the full fake build, and how long a plan takes.
 
-- memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2 and 4, tp 2 x FSDP, pp 2 x
-  FSDP and pp 4, with and without full checkpointing, micro-batch 1-4) of each family's tiny
-  preset (6 blocks, seq 64, global batch 16), the peak per rank that `distrain plan` prices
-  with distrain/plan/memory_model.py (calibrated by its shallow fake builds) against the full
-  fake build of the same layout (what `--exhaustive` builds: memory.py, pipeline_memory.py for
-  pp); the error is modelled / built - 1. A layout the model's rules reject (tp 4 over 2
-  key-value heads) is left out; one the planner cannot price is a row with the error;
+- memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2
+  and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with and without full checkpointing, micro-batch
+  1-4) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak per rank
+  that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
+  fake builds) against the full fake build of the same layout (what `--exhaustive` builds:
+  memory.py, pipeline_memory.py for pp); the error is modelled / built - 1. A layout the
+  model's rules reject (tp 4 over 2 key-value heads) is left out; one the planner cannot
+  price is a row with the error;
 - time: `distrain plan` for the 7B-class presets on 8 nodes x 8 GPUs (benchmarks/plan.py's
   --speed question), cold (a fresh cache directory: every fake build made) and warm (the same
   command again: every build read back from the cache, build_store.py), wall and CPU seconds
