@@ -604,7 +604,66 @@ def export(d: dict[str, Any]) -> str:
     )
 
 
+def plan_error(d: dict[str, Any]) -> str:
+    c, s = d["config"], d["summary"]
+
+    def layout(r: dict[str, Any]) -> str:
+        x = r["layout"]
+        return (
+            f"dp {x['dp_shard']} tp {x['tp']} pp {x['pp']}, ZeRO-{x['zero_stage']}, "
+            f"ac {x['activation_checkpointing']}, mb {x['micro_batch_size']}"
+        )
+
+    def mib(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]['peak'] / MIB:.2f}" if key in r else "-"
+
+    def error(r: dict[str, Any]) -> str:
+        return f"{r['peak_error']:+.1%}" if "peak_error" in r else f"not priced: {r['error']}"
+
+    rows = [
+        (r["preset"], layout(r), mib(r, "modelled"), mib(r, "built"), error(r)) for r in d["memory"]
+    ]
+    head = ("preset", "layout", "modelled peak MiB", "built peak MiB", "error")
+    text = (
+        f"Peak per rank on {c['world_size']} ranks, {c['n_layers']} blocks, seq {c['seq_len']}, "
+        f"global batch {c['global_batch']}: the memory model against the full fake build. "
+        f"{s['priced']} of {s['rows']} sampled layouts priced, {s['within_goal']} of them within "
+        f"{d['goal']:.0%}; |error| median {s['median_abs_error']:.1%}, largest "
+        f"{s['max_abs_error']:.1%}.\n\n" + table(head, rows)
+    )
+    if "plan_time" not in d:
+        return text
+    times = [
+        (
+            f"`{r['command']}`",
+            f"{r['cold']['wall_s']:.1f}",
+            f"{r['cold']['cpu_s']:.1f}",
+            f"{r['warm']['wall_s']:.1f}",
+            f"{r['warm']['cpu_s']:.1f}",
+            f"{r['cold']['load_before']:.1f} / {r['warm']['load_after']:.1f}",
+            "yes" if r["same_answer"] else "no",
+        )
+        for r in d["plan_time"]
+    ]
+    head = (
+        "command",
+        "cold wall s",
+        "cold CPU s",
+        "warm wall s",
+        "warm CPU s",
+        "load",
+        "same JSON",
+    )
+    return (
+        text
+        + "\n\nTime of the plan, cold (a fresh cache directory) then warm (asked again), CPU of "
+        "the command and every process it starts, load average before the cold run and after "
+        "the warm one:\n\n" + table(head, times)
+    )
+
+
 RENDERERS: dict[str, Renderer] = {
+    "plan_error": plan_error,
     "data": data,
     "faults": faults,
     "context": context,

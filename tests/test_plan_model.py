@@ -77,6 +77,32 @@ def test_peak_within_ten_percent_of_the_fake_builds(modelled_and_built):
         assert modelled["peak"] == pytest.approx(built["peak"], rel=0.10), c
 
 
+# (dp_shard, tp, pp, zero stage, checkpointing, micro-batch) of another family on 4 ranks.
+QWEN3_LAYOUTS = [(4, 1, 1, 2, "full", 4), (2, 2, 1, 0, "none", 2), (2, 1, 2, 3, "none", 2)]
+
+
+def test_another_family_within_five_percent_of_the_fake_builds():
+    """qwen3's tiny preset (grouped-query attention, q/k norms, SwiGLU), 6 blocks: ZeRO-2 with
+    checkpointing, tp 2 and pp 2 x FSDP priced by the memory model within 5% of the full fake
+    builds (benchmarks/plan_error.py measured 0.0%, 0.0% and -1.5% on these layouts; ZeRO-3
+    with checkpointing is the known miss, 18% over here)."""
+    base, cache, coefficients = base_config(), {}, {}
+    base.model.family, base.model.preset = "qwen3", "qwen3-tiny"
+
+    def coefficients_of(family):
+        if family not in coefficients:
+            coefficients[family] = calibrate_family(
+                base, family, lambda cfg, world: memory_of(cfg, world, cache)
+            )
+        return coefficients[family]
+
+    for shard, tp, pp, stage, ac, mb in QWEN3_LAYOUTS:
+        cfg = candidate_config(base, Candidate(1, shard, tp, pp, stage, ac, mb))
+        modelled = modelled_row(cfg, WORLD, coefficients_of)
+        built = memory_row(cfg, WORLD, cache, exhaustive=True)
+        assert modelled["peak"] == pytest.approx(built["peak"], rel=0.05), (tp, pp, stage)
+
+
 def test_an_uncalibrated_model_would_miss():
     """The bound can fail: without the per-sample cost of the blocks (a model that counts
     only the model states and the constant) the peak of a large micro-batch is far off."""

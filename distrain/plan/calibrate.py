@@ -16,9 +16,14 @@ import torch
 from distrain.plan.collectives import LinkCost, measure_collectives
 
 
-def calibration_path() -> Path:
+def cache_dir() -> Path:
+    """Where the planner keeps what it measured: $XDG_CACHE_HOME/distrain (default ~/.cache)."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "distrain" / "calibration.json"
+    return Path(root) / "distrain"
+
+
+def calibration_path() -> Path:
+    return cache_dir() / "calibration.json"
 
 
 def matmul_flops(size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:

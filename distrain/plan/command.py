@@ -234,7 +234,8 @@ def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.answer import text
-    from distrain.plan.calibrate import calibrate
+    from distrain.plan.build_store import BuildStore
+    from distrain.plan.calibrate import cache_dir, calibrate
     from distrain.plan.parallel_calibration import available_cores
     from distrain.plan.search import plan, to_json, with_advice
 
@@ -266,6 +267,7 @@ def plan_command(argv: list[str]) -> None:
         verify=ns.verify,
         workers=ns.workers or available_cores(),
         progress=progress_printer(sys.stderr),
+        store=BuildStore(cache_dir() / "builds"),
     )
     latency_s = ns.inter_node_latency_us * 1e-6
     rows = with_advice(rows, cfg, cluster, bytes_per_value=bytes_per_value, latency_s=latency_s)

@@ -159,14 +159,21 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
     return cfg, family.tp * dp
 
 
+def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
+    """(config, world size) of the family's two fake builds: its smallest layout at each of
+    CALIBRATION_DEPTHS blocks."""
+    cfg, world = calibration_layout(base, family)
+    return [(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS]
+
+
 def calibrate_family(
     base: Config, family: Family, measure: Callable[[Config, int], MemoryEstimate]
 ) -> Coefficients:
-    """Two fake builds (1 and 2 blocks) of the family's smallest layout: `measure(cfg, world)`
-    is memory.py's estimate (through the search's cache)."""
+    """The family's coefficients from its `calibration_builds`: `measure(cfg, world)` is
+    memory.py's estimate (through the search's caches)."""
     cfg, world = calibration_layout(base, family)
     low, high = CALIBRATION_DEPTHS
-    one, two = (measure(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS)
+    one, two = (measure(*b) for b in calibration_builds(base, family))
     states_one = model_states(with_depth(cfg, low), world)
     states_two = model_states(with_depth(cfg, high), world)
 
@@ -251,18 +258,40 @@ def _stage_parts(shape: ModelShape, cfg: Config, pp_rank: int) -> tuple[list[int
     return blocks, 0 in ids, stages - 1 in ids
 
 
+_STATES: dict[tuple, ModelStates] = {}
+_MODELS: dict[str, FamilyModel] = {}
+
+
+def _model(cfg: Config) -> FamilyModel:
+    """The family model of `cfg.model`, resolved once per model config (the layout rules are
+    the caller's to check)."""
+    key = repr(cfg.model)
+    if key not in _MODELS:
+        _MODELS[key] = validate(cfg, None).family_model
+    return _MODELS[key]
+
+
 def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStates:
     """Parameter and gradient bytes of the first rank of pipeline rank `pp_rank` (module
-    docstring)."""
+    docstring); counted once per model and layout (a plan asks for each thousands of times)."""
     p = cfg.parallel
-    layout = validate(cfg, None)
-    spec = layout.spec
-    blocks, first, last = _stage_parts(layout.shape, cfg, pp_rank)
+    key = (repr(cfg.model), p.tp, p.pp, p.pp_stages_per_rank, p.pp_schedule, p.zero_stage)
+    key += (world_size, pp_rank)
+    if key not in _STATES:
+        _STATES[key] = _model_states(cfg, world_size, pp_rank)
+    return _STATES[key]
+
+
+def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
+    p = cfg.parallel
+    model = _model(cfg)
+    spec = model.spec
+    blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
     shard = world_size // (p.tp * p.pp) if p.zero_stage >= 2 else 1
     params = 0
     seen: set[int] = set()
-    for name, shape, identity, tp_dim in _parameter_shapes(layout.family_model):
+    for name, shape, identity, tp_dim in _parameter_shapes(model):
         top = name.split(".", 1)[0]
         if top == spec.blocks and name.split(".")[1] not in held:
             continue
@@ -287,7 +316,7 @@ def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coeffi
     p = cfg.parallel
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
-        return held_state_bytes(validate(cfg, None).family_model.num_params(), world_size)
+        return held_state_bytes(_model(cfg).num_params(), world_size)
     whole = states.params * c.optimizer_per_param_byte
     if p.zero_stage == 1 and world_size > 1:
         if p.tp == p.pp == 1:
@@ -301,13 +330,26 @@ def zero1_largest_share(cfg: Config, world_size: int) -> float:
     (its state follows them): torch's rule, group by group, each parameter, largest first, to
     the rank holding the fewest values so far (the first such rank). Whole tensors: 4 ranks of
     the `tiny` preset hold up to 1.075x an even share."""
-    layout = validate(cfg, None)
-    model = _meta_model(layout.family_model)
     held = [0] * world_size
-    for group in param_groups(model, cfg.optim.weight_decay, roles_of(model, layout.spec)):
-        for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            held[held.index(min(held))] += param.numel()
+    for group in _group_sizes(cfg):
+        for numel in group:
+            held[held.index(min(held))] += numel
     return max(held) / sum(held)
+
+
+_GROUPS: dict[tuple, list[list[int]]] = {}
+
+
+def _group_sizes(cfg: Config) -> list[list[int]]:
+    """Values of each parameter of each of the optimizer's groups, largest first; read from a
+    meta build once per model and weight decay."""
+    key = (repr(cfg.model), cfg.optim.weight_decay)
+    if key not in _GROUPS:
+        family = _model(cfg)
+        model = _meta_model(family)
+        groups = param_groups(model, cfg.optim.weight_decay, roles_of(model, family.spec))
+        _GROUPS[key] = [sorted((t.numel() for t in g["params"]), reverse=True) for g in groups]
+    return _GROUPS[key]
 
 
 def modelled_row(
@@ -359,7 +401,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     schedule keeps, the head's cost per sample on the last stage only, and the receive buffers
     of pipeline_memory.py."""
     p, t = cfg.parallel, cfg.training
-    dim = validate(cfg, None).shape.dim
+    dim = _model(cfg).shape.dim
     states = model_states(cfg, world_size, pp_rank=pp_rank)
     optimizer = optimizer_bytes(cfg, world_size, states, c)
     dp = world_size // (p.tp * p.pp * p.cp)

@@ -13,11 +13,13 @@ flight) at 2 and 3 blocks per stage and extrapolated in depth (`built_row`), and
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
 in it), and of a pipeline's ranks only the first of those holding alike stages is built (the
-others keep no more microbatches in flight)."""
+others keep no more microbatches in flight); with a BuildStore, every build is kept on disk and
+read back by later plans (build_store.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.plan.build_store import BuildStore, build
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.memory_model import (
@@ -38,13 +41,14 @@ from distrain.plan.memory_model import (
     Family,
     calibrate_family,
     calibrated_family,
+    calibration_builds,
     modelled_row,
     states_floor,
     with_depth,
     zero1_largest_share,
 )
 from distrain.plan.parallel_calibration import calibrate_families
-from distrain.plan.pipeline_memory import estimate_pipeline_memory
+from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
@@ -122,7 +126,12 @@ def _cached(cache: dict, key: tuple, compute: Callable[[], Any]) -> Any:
 
 
 def memory_of(
-    cfg: Config, world_size: int, cache: dict, *, exhaustive: bool = False
+    cfg: Config,
+    world_size: int,
+    cache: dict,
+    *,
+    exhaustive: bool = False,
+    store: BuildStore | None = None,
 ) -> MemoryEstimate:
     """estimate_memory, shared between candidates that differ only in the micro-batch.
 
@@ -132,14 +141,17 @@ def memory_of(
     it is planned as one rank; ZeroRedundancyOptimizer (ZeRO-1) is ZeRO-0 with the optimizer
     state of its fullest rank (`zero1_largest_share`). 1-bit Adam under ZeRO-1/2 (no tp, pp: a
     layout rule) holds a rank's local gradients as one rank does until they are exchanged, and
-    the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking."""
+    the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking. `store`:
+    fake builds read from and kept on disk (build_store.py)."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     key += (cfg.model.n_layers,)  # the memory model's calibration builds are shallower
-    return _cached(cache, key, lambda: _memory_of(cfg, world_size, cache, exhaustive))
+    return _cached(cache, key, lambda: _memory_of(cfg, world_size, cache, exhaustive, store))
 
 
-def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> MemoryEstimate:
+def _memory_of(
+    cfg: Config, world_size: int, cache: dict, exhaustive: bool, store: BuildStore | None
+) -> MemoryEstimate:
     p, t = cfg.parallel, cfg.training
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     own_sharding = capability.shards_state  # 1-bit Adam under ZeRO-1/2
@@ -149,7 +161,7 @@ def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> M
             parallel=dataclasses.replace(p, zero_stage=0),
             training=dataclasses.replace(t, global_batch_size=t.micro_batch_size),
         )
-        base = memory_of(single, 1, cache, exhaustive=exhaustive)
+        base = memory_of(single, 1, cache, exhaustive=exhaustive, store=store)
         optimizer = base.optimizer
         if own_sharding:
             params = validate(cfg, None).family_model.num_params()
@@ -159,21 +171,26 @@ def _memory_of(cfg: Config, world_size: int, cache: dict, exhaustive: bool) -> M
         return dataclasses.replace(base, optimizer=optimizer)
     if p.zero_stage == 1:
         zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
-        base = memory_of(zero0, world_size, cache, exhaustive=exhaustive)
+        base = memory_of(zero0, world_size, cache, exhaustive=exhaustive, store=store)
         dp = world_size // (p.tp * p.pp)
         return dataclasses.replace(base, optimizer=-(-base.optimizer // dp))
-    return estimate_memory(cfg, world_size)
+    return build(store, estimate_memory, MemoryEstimate, cfg, world_size)
 
 
 def memory_row(
-    cfg: Config, world_size: int, cache: dict, *, exhaustive: bool = False
+    cfg: Config,
+    world_size: int,
+    cache: dict,
+    *,
+    exhaustive: bool = False,
+    store: BuildStore | None = None,
 ) -> dict[str, int]:
     """Bytes per rank of one candidate: params, grads, optimizer, activations, peak. A pipeline
     is planned per micro-batch (it sets the number of microbatches in flight) for the rank
     whose peak is largest."""
     p, mb = cfg.parallel, cfg.training.micro_batch_size
     if p.pp == 1:
-        mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive)
+        mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive, store=store)
         return {
             "params": mem.params,
             "grads": mem.grads,
@@ -183,18 +200,22 @@ def memory_row(
         }
     key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
     key += (cfg.training.activation_checkpointing, cfg.model.n_layers)
-    return _cached(cache, key, lambda: _pipeline_row(cfg, world_size, exhaustive))
+    return _cached(cache, key, lambda: _pipeline_row(cfg, world_size, exhaustive, store))
 
 
-def _pipeline_row(cfg: Config, world_size: int, exhaustive: bool) -> dict[str, int]:
+def _pipeline_row(
+    cfg: Config, world_size: int, exhaustive: bool, store: BuildStore | None
+) -> dict[str, int]:
     p = cfg.parallel
     # Ranks of one pp coordinate hold the same stages: plan the first rank of each stage.
     ranks = [world_size // p.pp * s for s in range(p.pp)]
     if not exhaustive:
         ranks = [world_size // p.pp * s for s in distinct_stage_ranks(cfg)]
-    worst = max(
-        (estimate_pipeline_memory(cfg, world_size, rank=r) for r in ranks), key=lambda m: m.peak
+    built = (
+        build(store, estimate_pipeline_memory, PipelineMemory, cfg, world_size, rank=r)
+        for r in ranks
     )
+    worst = max(built, key=lambda m: m.peak)
     return {
         "params": worst.params,
         "grads": worst.grads,
@@ -287,6 +308,7 @@ def plan(
     verify: int = VERIFIED,
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    store: BuildStore | None = None,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
     candidate whose memory cannot be evaluated is a row that does not fit, with the error as
@@ -296,7 +318,9 @@ def plan(
     (and those it cannot tell, within MODEL_MARGIN of the device's memory, met on the way) from
     fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build.
     `workers` > 1: the memory model's families calibrate first, that many at once, in worker
-    processes (parallel_calibration.py); 1: each in this process when a layout first needs it."""
+    processes (parallel_calibration.py); 1: each in this process when a layout first needs it.
+    `store`: every fake build read from disk when kept there, and kept there when made
+    (build_store.py); a family whose builds are all kept needs no worker."""
     model = validate(base, None).family_model
     layouts = []
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
@@ -322,14 +346,14 @@ def plan(
 
     def coefficients_of(family: Family) -> Coefficients:
         def measure(cfg: Config, world_size: int) -> MemoryEstimate:
-            return memory_of(cfg, world_size, cache)
+            return memory_of(cfg, world_size, cache, store=store)
 
         return _cached(coefficients, family, lambda: calibrate_family(base, family, measure))
 
     def built(cfg: Config) -> dict[str, int]:
         if exhaustive:
-            return memory_row(cfg, cluster.world_size, cache, exhaustive=True)
-        return built_row(cfg, cluster.world_size, cache)
+            return memory_row(cfg, cluster.world_size, cache, exhaustive=True, store=store)
+        return built_row(cfg, cluster.world_size, cache, store=store)
 
     rows = []
     verified = 0
@@ -338,7 +362,11 @@ def plan(
         if progress is not None:
             progress(0, len(layouts))
         needed = modelled_families([cfg for _, cfg, _ in layouts], cluster.world_size, capacity)
-        coefficients.update(calibrate_families(base, needed, memory_of, workers=workers))
+        if store is not None:
+            needed = [f for f in needed if not _stored(store, base, f)]
+        if needed:
+            measure = functools.partial(memory_of, store=store)
+            coefficients.update(calibrate_families(base, needed, measure, workers=workers))
     for done, (c, cfg, time) in enumerate(layouts, 1):
         source = "fake build"
         try:
@@ -383,7 +411,13 @@ def modelled_families(configs: list[Config], world_size: int, capacity: float) -
     return list(dict.fromkeys(found))
 
 
-def built_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
+def _stored(store: BuildStore, base: Config, family: Family) -> bool:
+    return all(store.has(MemoryEstimate, *b) for b in calibration_builds(base, family))
+
+
+def built_row(
+    cfg: Config, world_size: int, cache: dict, *, store: BuildStore | None = None
+) -> dict[str, int]:
     """memory_row from fake builds of VERIFY_DEPTHS blocks per pipeline stage, extrapolated
     linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
     lies on one line to the byte); the full build when the model is no deeper."""
@@ -392,8 +426,8 @@ def built_row(cfg: Config, world_size: int, cache: dict) -> dict[str, int]:
     n_layers = validate(cfg, None).shape.n_layers
     low, high = (per_stage * d for d in VERIFY_DEPTHS)
     if n_layers <= high:
-        return memory_row(cfg, world_size, cache)
-    one, two = (memory_row(with_depth(cfg, n), world_size, cache) for n in (low, high))
+        return memory_row(cfg, world_size, cache, store=store)
+    one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
     scale = (n_layers - low) / (high - low)
     return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
 

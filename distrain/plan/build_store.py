@@ -1,0 +1,104 @@
+"""The planner's fake builds kept on disk, so that a plan asked again (or another plan of the
+same model) reads them instead of building again.
+
+One JSON file per build under the planner's cache directory (calibrate.cache_dir()/builds),
+named by a digest of everything the build's result depends on: which build it is (the type of
+its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config, the
+world size and rank, torch's version, and the source of the distrain package (a changed model,
+layout or planner makes every older file a miss; nothing is ever read back for other code).
+A build that raises is not stored: the next plan tries it again. A file that cannot be read is
+a miss and is written again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+import distrain
+from distrain.config.schema import Config
+
+Result = TypeVar("Result")
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 of torch's version and every source file of the distrain package."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    package = Path(distrain.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class BuildStore:
+    """The builds stored in `directory` (made when the first is written)."""
+
+    directory: Path
+
+    def path(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> Path:
+        what = {
+            "build": f"{result_type.__module__}.{result_type.__qualname__}",
+            "config": dataclasses.asdict(cfg),
+            "world_size": world_size,
+            "rank": rank,
+            "code": code_digest(),
+        }
+        text = json.dumps(what, sort_keys=True, default=str)
+        return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+
+    def has(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> bool:
+        return self.path(result_type, cfg, world_size, rank).is_file()
+
+    def build(
+        self,
+        estimate: Callable[..., Result],
+        result_type: type[Result],
+        cfg: Config,
+        world_size: int,
+        *,
+        rank: int = 0,
+    ) -> Result:
+        """`estimate(cfg, world_size, rank=rank)` (a fake build: a dataclass of ints), read from
+        its file when stored, else run and stored."""
+        path = self.path(result_type, cfg, world_size, rank)
+        try:
+            return result_type(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+        found = estimate(cfg, world_size, rank=rank)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Written whole under another name, then renamed: a plan running beside this one reads
+        # the old file, the new one or none, never half of one.
+        fd, partial = tempfile.mkstemp(dir=self.directory, suffix=".partial")
+        with os.fdopen(fd, "w") as out:
+            json.dump(dataclasses.asdict(found), out)
+        os.replace(partial, path)
+        return found
+
+
+def build(
+    store: BuildStore | None,
+    estimate: Callable[..., Result],
+    result_type: type[Result],
+    cfg: Config,
+    world_size: int,
+    *,
+    rank: int = 0,
+) -> Result:
+    """`estimate(cfg, world_size, rank=rank)` through `store`, or run when there is none."""
+    if store is None:
+        return estimate(cfg, world_size, rank=rank)
+    return store.build(estimate, result_type, cfg, world_size, rank=rank)
