@@ -68,6 +68,44 @@ def test_an_unreadable_file_is_built_again_and_a_failed_build_is_not_stored(tmp_
     assert not list(tmp_path.glob("*.partial"))
 
 
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "symlink",
+        '{"params": 1, "grads": 2, "optimizer": 3, "fixed": 4, "per_sample": 5}',
+        '{"params": 1, "grads": 2, "optimizer": 3, "fixed": 4, "per_sample": 5, '
+        '"opt_step_peak": 6, "extra": 7}',
+        '{"params": "1", "grads": 2, "optimizer": 3, "fixed": 4, "per_sample": 5, '
+        '"opt_step_peak": 6}',
+        '{"params": 1.5, "grads": 2, "optimizer": 3, "fixed": 4, "per_sample": 5, '
+        '"opt_step_peak": 6}',
+        '{"params": 1, "grads": 2, "optimizer": 3, "fixed": 4, "per_sample": 5, '
+        '"opt_step_peak": 6, "pad": "' + "x" * 5000 + '"}',
+    ],
+)
+def test_a_planted_cache_file_is_a_miss_never_a_result(tmp_path, planted):
+    """The cache is data someone else may have written: a symlink (to a file holding a valid
+    build), a missing or extra field, a value that is not an integer, or an oversized file is
+    built again, and the planted file replaced by the real build."""
+    store, estimate, cfg = BuildStore(tmp_path / "builds"), Counted(), small_config()
+    store.directory.mkdir()
+    path = store.path(MemoryEstimate, cfg, 2)
+    if planted == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text(
+            '{"params": 9, "grads": 9, "optimizer": 9, "fixed": 9, "per_sample": 9, '
+            '"opt_step_peak": 9}'
+        )
+        path.symlink_to(elsewhere)
+    else:
+        path.write_text(planted)
+    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    assert estimate.runs == 2
+    assert not path.is_symlink()
+    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    assert estimate.runs == 3  # the real build, read back
+
+
 CLUSTER = Cluster(
     nodes=1,
     gpus_per_node=4,

@@ -6,8 +6,10 @@ named by a digest of everything the build's result depends on: which build it is
 its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config, the
 world size and rank, torch's version, and the source of the distrain package (a changed model,
 layout or planner makes every older file a miss; nothing is ever read back for other code).
-A build that raises is not stored: the next plan tries it again. A file that cannot be read is
-a miss and is written again.
+A build that raises is not stored: the next plan tries it again. The cache is data another
+process could have written: a stored build is read only from a regular file (a symlink is not
+followed), of at most MAX_FILE_BYTES, holding exactly the result's fields, each an integer;
+anything else is a miss and is written again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ import distrain
 from distrain.config.schema import Config
 
 Result = TypeVar("Result")
+MAX_FILE_BYTES = 4096
+"""A stored build is a handful of integers: a bigger file is not one."""
+
+
+def _read(path: Path, result_type: type[Result]) -> Result:
+    """The stored build at `path`; OSError or ValueError when it is not one (module docstring)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(MAX_FILE_BYTES + 1)
+    if len(text) > MAX_FILE_BYTES:
+        raise ValueError(f"{path} is over {MAX_FILE_BYTES} bytes")
+    fields = json.loads(text)
+    names = {f.name for f in dataclasses.fields(result_type)}  # type: ignore[arg-type]
+    if not isinstance(fields, dict) or set(fields) != names:
+        raise ValueError(f"{path} does not hold the fields of {result_type.__name__}")
+    if not all(type(v) is int for v in fields.values()):
+        raise ValueError(f"{path} holds a value that is not an integer")
+    return result_type(**fields)
 
 
 @functools.cache
@@ -75,8 +95,8 @@ class BuildStore:
         its file when stored, else run and stored."""
         path = self.path(result_type, cfg, world_size, rank)
         try:
-            return result_type(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            return _read(path, result_type)
+        except (OSError, ValueError):
             pass
         found = estimate(cfg, world_size, rank=rank)
         self.directory.mkdir(parents=True, exist_ok=True)
