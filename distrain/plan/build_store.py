@@ -27,7 +27,6 @@ from typing import TypeVar
 
 import torch
 
-import distrain
 from distrain.config.schema import Config
 
 Result = TypeVar("Result")
@@ -53,9 +52,10 @@ def _read(path: Path, result_type: type[Result]) -> Result:
 
 @functools.cache
 def code_digest() -> str:
-    """sha256 of torch's version and every source file of the distrain package."""
+    """sha256 of torch's version and every source file of the distrain package (this file's
+    grandparent folder)."""
     digest = hashlib.sha256(torch.__version__.encode())
-    package = Path(distrain.__file__).parent
+    package = Path(__file__).resolve().parents[1]  # the distrain package
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
