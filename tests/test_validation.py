@@ -676,7 +676,8 @@ def test_unknown_command(capsys):
     assert rc == 2
     assert lines == [
         "distrain: error: unknown command 'trian'; did you mean 'train'? commands: train, "
-        "generate, eval, presets, slurm, diagnose, status, plot, prepare, export, plan, init-config"
+        "generate, eval, presets, slurm, diagnose, status, plot, prepare, export, plan, "
+        "lighthouse, init-config"
     ]
 
 
