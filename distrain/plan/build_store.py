@@ -80,7 +80,12 @@ class BuildStore:
         return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
     def has(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> bool:
-        return self.path(result_type, cfg, world_size, rank).is_file()
+        """Whether `build` would read the build back (the same checks as its read)."""
+        try:
+            _read(self.path(result_type, cfg, world_size, rank), result_type)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def build(
         self,
