@@ -36,6 +36,7 @@ BLOCK = re.compile(
     r"(<!-- benchmark: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end benchmark -->)", re.S
 )
 MIB = 2**20
+GIB = 2**30
 SERVERS = {"seaweedfs": "SeaweedFS"}  # a record's S3 server, as the docs name it
 
 Renderer = Callable[[dict[str, Any]], str]
@@ -604,6 +605,55 @@ def export(d: dict[str, Any]) -> str:
     )
 
 
+def plan_gpu(d: dict[str, Any]) -> str:
+    c, s = d["config"], d["summary"]
+
+    def peak(r: dict[str, Any], key: str) -> str:
+        return f"{r[key] / GIB:.2f}" if key in r else "-"
+
+    def error(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:+.1%}" if key in r else "out of memory"
+
+    rows = [
+        (
+            r["preset"],
+            r["checkpointing"],
+            r["micro_batch_size"],
+            peak(r, "allocated_peak"),
+            peak(r, "reserved_peak"),
+            peak(r, "modelled_peak"),
+            error(r, "modelled_error"),
+            peak(r, "built_peak"),
+            error(r, "built_error"),
+        )
+        for r in d["rows"]
+    ]
+    head = (
+        "preset",
+        "ac",
+        "mb",
+        "GPU allocated GiB",
+        "GPU reserved GiB",
+        "modelled GiB",
+        "error",
+        "fake build GiB",
+        "error",
+    )
+    measured = d["measured_record"]
+    return (
+        f"One {c['device']} (torch {c['torch']}), {c['precision']}, ZeRO-{c['zero_stage']}, seq "
+        f"{c['seq_len']}, {c['steps']} steps, one micro-batch a step: the peak of "
+        "`torch.cuda.max_memory_allocated` against the memory model and the full fake build. "
+        f"|error| of the model: median {s['median_abs_error']:.1%}, largest "
+        f"{s['max_abs_error']:.1%}; {s['within_5_percent']} of {s['rows']} rows within 5%. The "
+        f"GPU half ran {measured['started'][:16].replace('T', ' ')} UTC, commit "
+        f"{measured['commit']}"
+        + (" with uncommitted changes" if measured.get("uncommitted_changes") else "")
+        + ".\n\n"
+        + table(head, rows)
+    )
+
+
 def plan_error(d: dict[str, Any]) -> str:
     c, s = d["config"], d["summary"]
 
@@ -683,6 +733,7 @@ RENDERERS: dict[str, Renderer] = {
     "memory": memory,
     "comm": comm,
     "export": export,
+    "plan_gpu": plan_gpu,
 }
 
 

@@ -34,7 +34,23 @@ if TYPE_CHECKING:
 
     from distrain.config.schema import Config
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version or, run from a source tree never installed (a
+    checkout on PYTHONPATH), the version its pyproject.toml declares."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distrain")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+
+
+__version__ = _version()
 
 __all__ = [
     "Config",

@@ -13,10 +13,10 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import distrain
 from distrain.config.args import (
     LAUNCH_OPTIONS,
     CommandParser,
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         print(top_help())
         return 0
     if argv[0] == "--version":
-        print(f"distrain {version('distrain')}")
+        print(f"distrain {distrain.__version__}")
         return 0
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)

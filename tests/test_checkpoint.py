@@ -66,6 +66,33 @@ def test_round_trip_and_manifest(tmp_path):
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"].values())
 
 
+def test_a_source_tree_never_installed_still_commits_with_its_version(tmp_path, monkeypatch):
+    """Run from a checkout on PYTHONPATH, with no distribution metadata (as on a machine where
+    distrain was copied, not installed), a save commits and records pyproject.toml's version."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    real = importlib.metadata.Distribution.from_name
+
+    def uninstalled(name):
+        if name == "distrain":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata.Distribution, "from_name", uninstalled)
+    ckpt = _checkpointer(tmp_path)
+    ckpt.save(3, _state(1.5), permanent=False)
+    assert _restored(ckpt) == (3, 1.5)
+    manifest = json.loads((tmp_path / "step-00000003" / "MANIFEST.json").read_text())
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert manifest["distrain_version"] == declared
+    import distrain
+
+    assert distrain._version() == declared  # what the package root computes on its import
+
+
 def test_save_torn_before_manifest_is_ignored(tmp_path, monkeypatch):
     ckpt = _checkpointer(tmp_path)
     ckpt.save(1, _state(1.0), permanent=False)

@@ -194,6 +194,8 @@ def test_comm_clock_on_cpu_measures_issue_to_stop():
 def test_comm_clock_on_cuda_measures_the_stream_not_the_launch():
     """On CUDA the host returns at once from queued work; the mark must time the work itself."""
     device = torch.device("cuda")
+    comm_clock.start(device).stop()  # the events' and the kernel's first use load their code:
+    torch.cuda._sleep(1)  # host time the clock is not about (17 ms on an H200)
     torch.cuda.synchronize()
     mark = comm_clock.start(device)
     host_start = time.perf_counter()

@@ -61,7 +61,8 @@ TREES: dict[str, ast.Module] = {name: ast.parse(p.read_text()) for name, p in MO
 def _imported(name: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     """The distrain modules `node` (in module `name`) imports."""
     if isinstance(node, ast.Import):
-        return {a.name for a in node.names if a.name in MODULES}
+        # `import distrain` (the root, for `__version__`) ties nothing: see the docstring.
+        return {a.name for a in node.names if a.name in MODULES and a.name != "distrain"}
     base = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
     for _ in range(node.level - 1):
         base = base.rpartition(".")[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import losses, train_in_process
 
-from distrain.parallel.device import cpu_has_native_bf16, resolve_precision
+from distrain.parallel.device import cpu_has_native_bf16, pick_device, resolve_precision
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma avx512f\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -44,10 +44,11 @@ def test_auto_run_trains_as_the_resolved_precision_and_logs_it(tmp_path):
         "training__micro_batch_size": 4,
         "training__seq_len": 32,
     }
-    chosen = resolve_precision("auto", torch.device("cpu"))
+    device, _ = pick_device("auto", 0)  # the run's device: CUDA where there is one
+    chosen = resolve_precision("auto", device)
     auto = train_in_process(tmp_path / "auto", training__precision="auto", **fields)
     same = train_in_process(tmp_path / "same", training__precision=chosen, **fields)
     assert losses(auto) == losses(same)
     assert len(losses(auto)) == 3
     logs = "".join(p.read_text() for p in (tmp_path / "auto").rglob("*.log"))
-    assert f"training.precision auto: {chosen} on cpu" in logs
+    assert f"training.precision auto: {chosen} on {device}" in logs

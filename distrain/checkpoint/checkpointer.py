@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import distrain
 from distrain.checkpoint.group import CheckpointGroup
 from distrain.checkpoint.load import root_cause
 from distrain.checkpoint.manifest import rank_record, step_name, write_manifest
@@ -426,7 +426,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "layout": self.layout,
             "notes": job.notes,
-            "distrain_version": version("distrain"),
+            "distrain_version": distrain.__version__,
             "torch_version": torch.__version__,
             "time": time.time(),
             "files": files,
