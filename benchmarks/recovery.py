@@ -25,9 +25,9 @@ next completed step, the steps recomputed (training rows group 0 logged twice: n
 its transfer took (its `rejoined` row). The phases come from torchft's own logs (RUST_LOG=info,
 ms timestamps), without changes to the trainer:
 - kill->error: to group 0's vote not to commit (its average between groups failed);
-- error->quorum: to group 0's new quorum without group 1 (the lighthouse forms it only once
-  group 1's heartbeats have stopped for the lighthouse's heartbeat timeout;
-  kill->heartbeat lost is when the lighthouse counted one group heartbeating);
+- error->quorum: to group 0's new quorum without group 1 (the lighthouse forms it once it
+  finds group 1 gone: kill->found gone is its log line saying so, when group 1's manager
+  server refused its connection);
 - quorum->redone vote: the process group reconfigured and the step redone by group 0 alone;
 - vote->step row: the optimizer step and the metrics row.
 A steady step before the kill is split the same way: the quorum, the step up to the vote
@@ -90,6 +90,8 @@ PLAIN_FIELDS = {
     "metrics.tensorboard": "false",
 }
 TORCHFT_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%f"
+LIGHTHOUSE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
+"""`distrain lighthouse`'s log lines (Python logging's asctime, ms)."""
 # (phase, milestone that ends it); each phase starts where the previous one ended, at "kill" first.
 PHASES = [
     ("detect death", "detected"),
@@ -321,15 +323,18 @@ def recovery_timeline(root: Path, *, kill: float, first_step: float) -> dict[str
     vote = first_after(
         [t for t, _ in torchft_times(log0, "should_commit=true")], quorum, "committed vote"
     )
-    dropped = first_after(
-        [t for t, _ in torchft_times(root / "lighthouse.log", "[1 heartbeating]")], kill, "eviction"
-    )
+    gone = [
+        datetime.strptime(line[:23], LIGHTHOUSE_TIME_FORMAT).timestamp()
+        for line in (root / "lighthouse.log").read_text().splitlines()
+        if "refuses connections: gone" in line
+    ]
+    dropped = first_after(gone, kill, "group 1 found gone")
     return {
         "kill->error": error - kill,
         "error->quorum": quorum - error,
         "quorum->redone vote": vote - quorum,
         "vote->step row": first_step - vote,
-        "kill->heartbeat lost": dropped - kill,
+        "kill->found gone": dropped - kill,
     }
 
 
@@ -377,8 +382,8 @@ def plain_run(root: Path, *, steps: int, timeout_s: float) -> dict[str, float]:
 
 
 def _start_lighthouse(log: Path, heartbeat_ms: int | None) -> subprocess.Popen:
-    """`distrain lighthouse` in a process of its own, as a real run has it, logging (Rust INFO,
-    ms timestamps) to `log`; its first stdout line is its address."""
+    """`distrain lighthouse` in a process of its own, as a real run has it, logging (ms
+    timestamps) to `log`; its first stdout line is its address."""
     args = [sys.executable, "-m", "distrain", "lighthouse", "--bind", "[::]:0"]
     if heartbeat_ms is not None:
         args += ["--heartbeat-timeout-ms", str(heartbeat_ms)]
@@ -388,7 +393,6 @@ def _start_lighthouse(log: Path, heartbeat_ms: int | None) -> subprocess.Popen:
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=dict(os.environ, RUST_LOG="info"),
         )
 
 

@@ -530,7 +530,7 @@ COMMANDS: dict[str, Command] = {
     "export": Command("Export a checkpoint (Hugging Face, .pt2).", export_parser, cmd_export),
     "plan": Command("Rank the layouts of a model on a cluster.", _plan_parser, cmd_plan),
     "lighthouse": Command(
-        "Run the quorum server of replica groups (torchft's lighthouse).",
+        "Run the quorum server of replica groups (torchft's lighthouse protocol).",
         _lighthouse_parser,
         cmd_lighthouse,
     ),

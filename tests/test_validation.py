@@ -219,7 +219,7 @@ CASES = [
      ["does not compose with parallel.tp = 2 (not supported yet)",
       "set fault_tolerance.replica_groups = 0"]),
     ("fault_tolerance_needs_lighthouse", {**FT, "fault_tolerance.lighthouse": ""}, 2,
-     ["needs a torchft lighthouse", "or TORCHFT_LIGHTHOUSE"]),
+     ["needs a lighthouse (distrain lighthouse)", "or TORCHFT_LIGHTHOUSE"]),
     ("fault_tolerance_needs_secret",
      {**FT, "fault_tolerance.lighthouse": "http://lh.example:29510"}, 2,
      ["fault_tolerance.lighthouse = 'http://lh.example:29510' is not on a loopback address",

@@ -692,7 +692,7 @@ class FaultToleranceConfig:
     )
     lighthouse: str = doc(
         "",
-        "Address of the torchft lighthouse that forms each step's quorum of groups "
+        "Address of the lighthouse (distrain lighthouse) that forms each step's quorum of groups "
         "(http://host:port; empty = the TORCHFT_LIGHTHOUSE environment variable).",
     )
     timeout_s: float = doc(

@@ -1,29 +1,29 @@
-"""`distrain lighthouse`: torchft's lighthouse server with settings that tell a slow replica group
-from a gone one.
+"""`distrain lighthouse`: the server that forms each step's quorum of replica groups
+(train/replica_groups.py), speaking torchft's lighthouse protocol to torchft's managers
+(lighthouse_server.py, quorum.py), and telling a slow group from a gone one.
 
-The lighthouse forms each step's quorum of replica groups (train/replica_groups.py). Whether a
-group is alive it decides from the heartbeats each group's manager server sends every
-`HEARTBEAT_INTERVAL_MS` from a thread of its own, which goes on while the group computes: a
-group in a long step keeps heartbeating, a killed or stopped one stops.
-
-- **Gone** = no heartbeat for `--heartbeat-timeout-ms`. Such a group is left out of the next
-  quorum; this timeout is most of the time the survivors wait after a kill.
-- **Slow** = heartbeating but not yet at its step boundary. The lighthouse waits for it up to
+- **Gone, at once**: a group whose manager server refuses a connection. The lighthouse checks
+  the groups a quorum waits for; a killed or crashed process leaves its port closed, so the
+  survivors, whose collective with it failed, get their next quorum without waiting.
+- **Gone, after `--heartbeat-timeout-ms`**: no heartbeat for that long (each group's manager
+  sends one every `HEARTBEAT_INTERVAL_MS` from a thread of its own, which goes on while the
+  group computes). This is for what a connection cannot tell: a stopped process, a host that
+  vanished. It can be long, since a dead process no longer waits for it.
+- **Slow**: heartbeating but not yet at its step boundary. The quorum waits for it up to
   `--join-timeout-s` (default: fault_tolerance.timeout_s's default, the time a collective
-  between groups waits for a slow one). torchft's own tests start the lighthouse with a join
-  timeout of 100 ms; with three or more groups that evicts every group whose step ends later
-  than that behind the others' (each eviction a transfer of the live state when it comes
-  back).
+  between groups waits for a slow one).
 
-The quorum is checked every `--tick-ms` (torchft's default, 100 ms, adds up to that to every
-recovery). torchft's own log lines stay out of the console unless RUST_LOG asks for them.
+The quorum is checked every `--tick-ms`. torchft's own lighthouse (`torchft_lighthouse`) speaks
+the same protocol and works too, without the first rule: its heartbeat timeout is then both the
+wait after every kill and the CPU starvation that evicts a live group.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import signal
+import socket
 import sys
 import threading
 
@@ -32,7 +32,7 @@ from distrain.errors import DistrainError
 
 HEARTBEAT_INTERVAL_MS = 50
 """How often each group's manager server heartbeats (train/replica_groups.py passes it)."""
-DEFAULT_HEARTBEAT_TIMEOUT_MS = 1000
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
 DEFAULT_JOIN_TIMEOUT_S = 30.0
 DEFAULT_TICK_MS = 10
 
@@ -40,7 +40,7 @@ DEFAULT_TICK_MS = 10
 def lighthouse_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="distrain lighthouse",
-        description="Run the torchft lighthouse that forms the replica groups' quorum "
+        description="Run the lighthouse that forms the replica groups' quorum "
         "(fault_tolerance.replica_groups); prints its address, runs until SIGINT or SIGTERM.",
     )
     parser.add_argument(
@@ -53,9 +53,9 @@ def lighthouse_parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout-ms",
         type=int,
         default=DEFAULT_HEARTBEAT_TIMEOUT_MS,
-        help="A group with no heartbeat for this long is gone: left out of the next quorum. "
-        f"Groups heartbeat every {HEARTBEAT_INTERVAL_MS} ms from a thread of their own; raise it "
-        "where hosts are so overloaded that a process gets no CPU for this long.",
+        help="A group with no heartbeat for this long is gone (a stopped process, a host that "
+        "vanished; a process that died is found at once by its refused connection). Groups "
+        f"heartbeat every {HEARTBEAT_INTERVAL_MS} ms from a thread of their own.",
     )
     parser.add_argument(
         "--join-timeout-s",
@@ -83,25 +83,28 @@ def lighthouse_command(argv: list[str]) -> None:
             lighthouse_parser().error(f"--{name.replace('_', '-')} must be at least 1")
     if ns.join_timeout_s <= 0:
         lighthouse_parser().error("--join-timeout-s must be positive")
-    os.environ.setdefault("RUST_LOG", "warn")
-    try:
-        from torchft.coordination import LighthouseServer
-    except ImportError:
-        raise DistrainError(
-            'the lighthouse is torchft\'s: install the ft extra (pip install -e ".[ft]")'
-        ) from None
+    from distrain.launch.lighthouse_server import Lighthouse, serve
 
-    server = LighthouseServer(
-        bind=ns.bind,
-        min_replicas=ns.min_groups,
-        join_timeout_ms=round(ns.join_timeout_s * 1000),
-        quorum_tick_ms=ns.tick_ms,
-        heartbeat_timeout_ms=ns.heartbeat_timeout_ms,
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s lighthouse %(levelname)s %(message)s"
     )
-    print(server.address(), flush=True)
+    lighthouse = Lighthouse(
+        min_replicas=ns.min_groups,
+        join_timeout_s=ns.join_timeout_s,
+        heartbeat_timeout_s=ns.heartbeat_timeout_ms / 1000,
+        tick_s=ns.tick_ms / 1000,
+    )
+    try:
+        server, port = serve(lighthouse, ns.bind)
+    except (OSError, RuntimeError) as error:
+        raise DistrainError(
+            f"distrain lighthouse: cannot listen on --bind {ns.bind}: {error}"
+        ) from None
+    print(f"http://{socket.gethostname()}:{port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.shutdown()
+    lighthouse.stop()
+    server.stop(grace=None)
     sys.stdout.flush()

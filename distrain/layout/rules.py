@@ -174,7 +174,7 @@ RULES: tuple[Rule, ...] = (
         "fault_tolerance_needs_lighthouse",
         "config",
         lambda f: f.lighthouse_missing,
-        "fault_tolerance.replica_groups = {f.groups} needs a torchft lighthouse: set "
+        "fault_tolerance.replica_groups = {f.groups} needs a lighthouse (distrain lighthouse): set "
         "fault_tolerance.lighthouse = 'http://host:port' or TORCHFT_LIGHTHOUSE",
     ),
     Rule(
