@@ -443,7 +443,7 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.survivor_counts_not_splitting_batch != "",
         "training.global_batch_size ({f.t.global_batch_size}) cannot be split by "
         "{f.survivor_counts_not_splitting_batch} live replica group(s) of {f.dims.dp_size} "
-        "rank(s) in micro-batches of {f.t.micro_batch_size}; make it a multiple of "
+        "data-parallel rank(s) in micro-batches of {f.survivor_split_unit}; make it a multiple of "
         "{f.survivors_batch_unit}",
     ),
     Rule(
