@@ -10,7 +10,8 @@ workers) and group 1's restarted workers rejoin with group 0's live state (tp-sh
 and optimizer state, or one pipeline stage's). Asserted on that one run: group 0 keeps its
 processes and trains every step exactly once; every step's loss of both groups (group 1's
 after it rejoined included) is the uninterrupted 1-process run's at the same global batch
-(fp32, same seed) within REL; the kill is a membership row with no step lost.
+(fp32, same seed) within the layout's tolerance (below); the kill is a membership row with no
+step lost, and the restarted group's rejoin row shows the live state it fetched.
 
 Under pp, the survivors' local batch doubles while group 1 is out: the schedule keeps its
 microbatch size and runs twice as many (`ParallelModel.fit_pipeline_batch`).
@@ -42,10 +43,15 @@ if importlib.util.find_spec("torchft") is None:
 
 _wait = functools.partial(wait_until, limit_s=240)
 
-STEPS = 30
-REL = 1e-6
+STEPS = 24
 FIELDS = {"training__steps": STEPS, **SMALL_RUN, "checkpoint__interval_steps": 0}
 LAYOUTS = {"tp2": {"parallel__tp": 2}, "pp2": {"parallel__pp": 2}}
+REL = {"tp2": 2e-6, "pp2": 1e-6}
+"""Relative to the 1-process loss. pp's stages add the same terms in the same order as one
+process: measured worst 3.7e-7 over 30 steps. tp's split matmuls and loss reorder the fp32
+sums: worst 7.4e-7 over 30 steps (step 22, alike in both groups: the layout's own floor, not
+the kill's), too close to 1e-6 for a test that must not flake; 2e-6 is still 5x under the
+parity suite's 1e-5 for tp (tests/test_parity.py)."""
 GROUP_FIELDS = {
     **FIELDS,
     "checkpoint__at_end": False,
@@ -57,7 +63,7 @@ GROUP_FIELDS = {
     "checkpoint__preempt_grace_s": 1,
     # Paces the steps so that group 0 still trains when group 1's workers are back.
     "debug__slow_rank": 0,
-    "debug__slow_ms": 700,
+    "debug__slow_ms": 600,
 }
 
 
@@ -117,7 +123,12 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
                 proc.kill()
                 proc.communicate()
     assert procs[0].returncode == 0, err0[-4000:]
-    return {"runs": runs, "survivors": survivors, "survivors_late": survivors_late}
+    return {
+        "layout": request.param,
+        "runs": runs,
+        "survivors": survivors,
+        "survivors_late": survivors_late,
+    }
 
 
 def test_every_step_matches_the_1_process_run(killed, reference):
@@ -126,10 +137,11 @@ def test_every_step_matches_the_1_process_run(killed, reference):
     assert sorted(got0) == list(range(min(got0), STEPS + 1))
     # Group 1 trained after its rejoin, on group 0's live state.
     assert max(got1) > 3
+    rel = REL[killed["layout"]]
     for got in (got0, got1):
         for step, loss in got.items():
             want = reference[step]
-            assert abs(loss - want) <= REL * abs(want), (step, loss, want)
+            assert abs(loss - want) <= rel * abs(want), (step, loss, want)
 
 
 def test_a_killed_group_costs_the_survivors_no_step(killed):

@@ -228,6 +228,10 @@ CASES = [
      ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 "
       "data-parallel rank(s) in micro-batches of 2",
       "make it a multiple of 8"]),
+    ("pipeline_suits_survivors",
+     {**FT, "parallel.pp": "2", "training.micro_batch_size": "4"}, 2,
+     ["parallel.pp_schedule = '1f1b' cannot run the pipeline of 2 live group(s): 1 "
+      "microbatch(es) of 4 per data-parallel rank (2 stages)"]),
 ]  # fmt: skip
 
 

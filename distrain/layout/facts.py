@@ -245,6 +245,34 @@ class Facts:
         return unit
 
     @property
+    def survivor_pipeline_refused(self) -> str:
+        """Under pp with replica groups, the first number of live groups whose pipeline
+        microbatch count the schedule refuses, as "N group(s): M microbatches" ("" when every
+        count from 1 to fault_tolerance.replica_groups suits it). The survivors' schedule keeps
+        its microbatch size and runs more of them (`ParallelModel.fit_pipeline_batch`); torch's
+        own constraints: 1F1B at least one microbatch per stage, the interleaved schedules a
+        multiple of their rounds."""
+        assert self.dims is not None
+        if not self.groups or self.p.pp == 1 or self.auto_micro_batch:
+            return ""
+        local = self.local_batch
+        first = self.p.pp_microbatches if self.p.pp_microbatches > 0 else self.batch.accumulation
+        rows = max(1, local // first)
+        for n in range(1, self.groups + 1):
+            if self.t.global_batch_size % (rows * self.dims.dp_size * n):
+                continue  # batch_splits_over_survivors refuses it
+            count = self.t.global_batch_size // (rows * self.dims.dp_size * n)
+            if self.p.pp_schedule == "gpipe":
+                refused = False
+            elif self.p.pp_schedule == "1f1b":
+                refused = count < self.num_stages
+            else:
+                refused = count % max(1, count // self.p.pp) != 0
+            if refused:
+                return f"{n} live group(s): {count} microbatch(es) of {rows}"
+        return ""
+
+    @property
     def survivors_batch_unit(self) -> int:
         """The smallest global batch every live-group count can split: `survivor_split_unit` x
         the group's data-parallel size x lcm(1 .. replica_groups)."""

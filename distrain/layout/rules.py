@@ -447,6 +447,14 @@ RULES: tuple[Rule, ...] = (
         "{f.survivors_batch_unit}",
     ),
     Rule(
+        "pipeline_suits_survivors",
+        "dims",
+        lambda f: f.survivor_pipeline_refused != "",
+        "parallel.pp_schedule = {f.p.pp_schedule!r} cannot run the pipeline of "
+        "{f.survivor_pipeline_refused} per data-parallel rank ({f.num_stages} stages); "
+        "make training.global_batch_size larger or the pipeline microbatches smaller",
+    ),
+    Rule(
         "diloco_needs_sites",
         "dims",
         lambda f: f.inner_steps > 0 and f.dims.dp_replicate < 2,

@@ -1,9 +1,11 @@
 """Replica groups that survive each other (fault_tolerance.replica_groups = R >= 2), on torchft.
 
-Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3) and reduce the
-gradients among themselves; the groups then average the gradient shards over torchft's
-reconfigurable process group (rank s of every group holds the same shard). Before each step the
-groups form a quorum through torchft's lighthouse; after backward each group votes to commit.
+Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3), tp and pp
+(every group the same layout) and reduce the gradients among themselves; the groups then
+average the gradient shards over torchft's reconfigurable process group (rank s of every group
+holds the same shard: the same FSDP2 shard of the same tp shard of the same pipeline stage).
+Before each step the groups form a quorum through torchft's lighthouse; after backward each
+group votes to commit.
 
 - **A group fails** (a rank dies: the collective between groups errs; a rank hangs: it outlasts
   fault_tolerance.timeout_s): no group commits the step. The survivors form a new quorum without
