@@ -11,7 +11,8 @@ and optimizer state, or one pipeline stage's). Asserted on that one run: group 0
 processes and trains every step exactly once; every step's loss of both groups (group 1's
 after it rejoined included) is the uninterrupted 1-process run's at the same global batch
 (fp32, same seed) within the layout's tolerance (below); the kill is a membership row with no
-step lost, and the restarted group's rejoin row shows the live state it fetched.
+step lost; the restarted group's rejoin row shows the live state it fetched, and both groups'
+final weights are bit for bit the same.
 
 Under pp, the survivors' local batch doubles while group 1 is out: the schedule keeps its
 microbatch size and runs twice as many (`ParallelModel.fit_pipeline_batch`).
@@ -27,6 +28,7 @@ import signal
 import subprocess
 
 import pytest
+import torch
 from helpers import SMALL_RUN, losses, start_train, train_in_process, worker_pid
 from replica import (
     check_killed_group_row,
@@ -35,6 +37,7 @@ from replica import (
     secret_file,
     wait_until,
 )
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distrain.observe.metrics import read_metrics
 
@@ -54,7 +57,9 @@ the kill's), too close to 1e-6 for a test that must not flake; 2e-6 is still 5x 
 parity suite's 1e-5 for tp (tests/test_parity.py)."""
 GROUP_FIELDS = {
     **FIELDS,
-    "checkpoint__at_end": False,
+    # Each group's final checkpoint (written inline): the groups' final weights are compared.
+    "checkpoint__at_end": True,
+    "checkpoint__async_mode": "off",
     "parallel__zero_stage": 3,
     "fault_tolerance__replica_groups": 2,
     # As in test_replica_groups.py: above a rejoin's load time on a busy 2-core machine.
@@ -117,6 +122,7 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
         _, err0 = procs[0].communicate(timeout=300)
         with contextlib.suppress(subprocess.TimeoutExpired):
             procs[1].communicate(timeout=60)
+        rejoined_rc = procs[1].returncode
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -128,6 +134,7 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
         "runs": runs,
         "survivors": survivors,
         "survivors_late": survivors_late,
+        "rejoined_rc": rejoined_rc,
     }
 
 
@@ -156,3 +163,16 @@ def test_a_killed_group_costs_the_survivors_no_step(killed):
         r for r in metrics_rows(killed["runs"][1]) if r.get("replica_change") == "rejoined"
     ]
     assert rejoined["state_mb"] > 0 and rejoined["transfer_s"] > 0
+
+
+def test_the_rejoined_group_ends_with_the_survivors_weights(killed):
+    assert killed["rejoined_rc"] == 0
+    weights = []
+    for run in killed["runs"]:
+        out = run / "final.pt"
+        dcp_to_torch_save(run / "checkpoints" / f"step-{STEPS:08d}", out)
+        weights.append(torch.load(out, weights_only=False)["model"])
+    survivor, rejoined = weights
+    assert survivor.keys() == rejoined.keys() and survivor
+    for name, tensor in survivor.items():
+        assert torch.equal(tensor, rejoined[name]), name
