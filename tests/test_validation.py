@@ -228,6 +228,10 @@ CASES = [
      ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 "
       "data-parallel rank(s) in micro-batches of 2",
       "make it a multiple of 8"]),
+    # Under pp the pipeline microbatch (8 sequences alone here) keeps its size for survivors.
+    ("batch_splits_over_survivors", {**FT, "parallel.pp": "2", "parallel.pp_microbatches": "1"}, 2,
+     ["cannot be split by 2 live replica group(s) of 1 data-parallel rank(s) in micro-batches "
+      "of 8", "make it a multiple of 16"]),
     ("pipeline_suits_survivors",
      {**FT, "parallel.pp": "2", "training.micro_batch_size": "4"}, 2,
      ["parallel.pp_schedule = '1f1b' cannot run the pipeline of 2 live group(s): 1 "
