@@ -215,9 +215,9 @@ CASES = [
     ("fault_tolerance_needs_fsdp", {**FT, "parallel.zero_stage": "0"}, 2,
      ["fault_tolerance.replica_groups = 2 needs parallel.zero_stage 2 or 3",
       "set parallel.zero_stage = 3"]),
-    ("fault_tolerance_composes", {**FT, "parallel.tp": "2"}, 2,
-     ["does not compose with parallel.tp = 2 (not supported yet)",
-      "set fault_tolerance.replica_groups = 0"]),
+    ("fault_tolerance_composes", {**FT, "parallel.cp": "2"}, 2,
+     ["does not compose with parallel.cp = 2 (not supported yet: no test runs context "
+      "parallelism inside a replica group)", "set fault_tolerance.replica_groups = 0"]),
     ("fault_tolerance_needs_lighthouse", {**FT, "fault_tolerance.lighthouse": ""}, 2,
      ["needs a lighthouse (distrain lighthouse)", "or TORCHFT_LIGHTHOUSE"]),
     ("fault_tolerance_needs_secret",
@@ -225,8 +225,17 @@ CASES = [
      ["fault_tolerance.lighthouse = 'http://lh.example:29510' is not on a loopback address",
       "set fault_tolerance.secret_file"]),
     ("batch_splits_over_survivors", {**FT, "training.global_batch_size": "4"}, 2,
-     ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 rank(s)",
+     ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 "
+      "data-parallel rank(s) in micro-batches of 2",
       "make it a multiple of 8"]),
+    # Under pp the pipeline microbatch (8 sequences alone here) keeps its size for survivors.
+    ("batch_splits_over_survivors", {**FT, "parallel.pp": "2", "parallel.pp_microbatches": "1"}, 2,
+     ["cannot be split by 2 live replica group(s) of 1 data-parallel rank(s) in micro-batches "
+      "of 8", "make it a multiple of 16"]),
+    ("pipeline_suits_survivors",
+     {**FT, "parallel.pp": "2", "training.micro_batch_size": "4"}, 2,
+     ["parallel.pp_schedule = '1f1b' cannot run the pipeline of 2 live group(s): 1 "
+      "microbatch(es) of 4 per data-parallel rank (2 stages)"]),
 ]  # fmt: skip
 
 

@@ -167,11 +167,15 @@ class Facts:
         conflicts = {
             f"parallel.dp_replicate = {self.p.dp_replicate} (the replica groups are the "
             "replicated dimension: each is its own torchrun)": self.p.dp_replicate > 1,
-            f"parallel.tp = {self.p.tp} (not supported yet)": self.p.tp > 1,
-            f"parallel.pp = {self.p.pp} (not supported yet)": self.p.pp > 1,
-            f"parallel.cp = {self.p.cp} (not supported yet)": self.p.cp > 1,
-            f"parallel.ep = {self.p.ep} (not supported yet)": self.p.ep > 1,
-            "diloco.inner_steps (not supported yet)": self.inner_steps > 0,
+            f"parallel.cp = {self.p.cp} (not supported yet: no test runs context parallelism "
+            "inside a replica group)": self.p.cp > 1,
+            f"parallel.ep = {self.p.ep} (not supported yet: the MoE load statistics and expert "
+            "biases are reduced inside a group only)": self.p.ep > 1,
+            f"an MoE model (model.moe.num_experts = {self.num_experts}; its load statistics "
+            "and expert-bias update are reduced inside a group only, so the groups' routers "
+            "would drift apart; not supported yet)": self.num_experts > 0,
+            "diloco.inner_steps (DiLoCo's sites are torchrun's dp_replicate groups, which "
+            "replica groups replace; not supported yet)": self.inner_steps > 0,
             "training.precision = 'fp16' (its loss scale is agreed inside a group only)": (
                 self.t.precision == "fp16"
             ),
@@ -224,16 +228,57 @@ class Facts:
         assert self.dims is not None
         if not self.groups or self.auto_micro_batch:
             return ""
-        per_group = self.t.micro_batch_size * self.dims.dp_size
+        per_group = self.survivor_split_unit * self.dims.dp_size
         bad = [n for n in range(1, self.groups + 1) if self.t.global_batch_size % (per_group * n)]
         return ", ".join(str(n) for n in bad)
 
     @property
-    def survivors_batch_unit(self) -> int:
-        """The smallest global batch every live-group count can split: micro-batch x group
-        size x lcm(1 .. replica_groups)."""
+    def survivor_split_unit(self) -> int:
+        """The sequences a data-parallel rank's share of the global batch must be a multiple
+        of, whatever the number of live replica groups: the micro-batch, and under pp also the
+        pipeline microbatch, whose size stays when the survivors' share grows
+        (`ParallelModel.fit_pipeline_batch`)."""
         assert self.dims is not None
-        return self.t.micro_batch_size * self.dims.dp_size * math.lcm(*range(1, self.groups + 1))
+        unit = self.t.micro_batch_size
+        if self.p.pp > 1 and self.p.pp_microbatches > 0:
+            unit = math.lcm(unit, max(1, self.local_batch // self.p.pp_microbatches))
+        return unit
+
+    @property
+    def survivor_pipeline_refused(self) -> str:
+        """Under pp with replica groups, the first number of live groups whose pipeline
+        microbatch count the schedule refuses, as "N group(s): M microbatches" ("" when every
+        count from 1 to fault_tolerance.replica_groups suits it). The survivors' schedule keeps
+        its microbatch size and runs more of them (`ParallelModel.fit_pipeline_batch`); torch's
+        own constraints: 1F1B at least one microbatch per stage, the interleaved schedules a
+        multiple of their rounds."""
+        assert self.dims is not None
+        if not self.groups or self.p.pp == 1 or self.auto_micro_batch:
+            return ""
+        local = self.local_batch
+        first = self.p.pp_microbatches if self.p.pp_microbatches > 0 else self.batch.accumulation
+        rows = max(1, local // first)
+        for n in range(1, self.groups + 1):
+            if self.t.global_batch_size % (rows * self.dims.dp_size * n):
+                continue  # batch_splits_over_survivors refuses it
+            count = self.t.global_batch_size // (rows * self.dims.dp_size * n)
+            if self.p.pp_schedule == "gpipe":
+                refused = False
+            elif self.p.pp_schedule == "1f1b":
+                refused = count < self.num_stages
+            else:
+                refused = count % max(1, count // self.p.pp) != 0
+            if refused:
+                return f"{n} live group(s): {count} microbatch(es) of {rows}"
+        return ""
+
+    @property
+    def survivors_batch_unit(self) -> int:
+        """The smallest global batch every live-group count can split: `survivor_split_unit` x
+        the group's data-parallel size x lcm(1 .. replica_groups)."""
+        assert self.dims is not None
+        unit = self.survivor_split_unit * self.dims.dp_size
+        return unit * math.lcm(*range(1, self.groups + 1))
 
     @property
     def dp_divisors(self) -> str:

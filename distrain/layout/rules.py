@@ -443,8 +443,16 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.survivor_counts_not_splitting_batch != "",
         "training.global_batch_size ({f.t.global_batch_size}) cannot be split by "
         "{f.survivor_counts_not_splitting_batch} live replica group(s) of {f.dims.dp_size} "
-        "rank(s) in micro-batches of {f.t.micro_batch_size}; make it a multiple of "
+        "data-parallel rank(s) in micro-batches of {f.survivor_split_unit}; make it a multiple of "
         "{f.survivors_batch_unit}",
+    ),
+    Rule(
+        "pipeline_suits_survivors",
+        "dims",
+        lambda f: f.survivor_pipeline_refused != "",
+        "parallel.pp_schedule = {f.p.pp_schedule!r} cannot run the pipeline of "
+        "{f.survivor_pipeline_refused} per data-parallel rank ({f.num_stages} stages); "
+        "make training.global_batch_size larger or the pipeline microbatches smaller",
     ),
     Rule(
         "diloco_needs_sites",

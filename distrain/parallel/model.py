@@ -150,6 +150,26 @@ class ParallelModel:
         self._build_runner(doubled)
         return doubled
 
+    def fit_pipeline_batch(self, rows: int) -> None:
+        """Run a local batch of `rows` sequences from now on, in microbatches of the size the
+        schedule runs now: replica groups (train/replica_groups.py) re-split the global batch
+        when a group leaves or joins, so the survivors' local batch grows or shrinks. A new
+        schedule when the count changes, since one runs a single batch shape; every pp rank
+        of the group calls it at the same step (their loaders are re-planned alike). The
+        step's math is unchanged: each microbatch's loss is divided by the step's target
+        share whatever their count (pipeline.py)."""
+        assert self.runner is not None
+        if rows == self.train_batch_rows:
+            return
+        microbatch = self.train_batch_rows // self.runner.n_microbatches
+        if rows % microbatch:
+            raise ValueError(
+                f"a local batch of {rows} sequences does not split into pipeline microbatches "
+                f"of {microbatch}"
+            )
+        self.train_batch_rows = rows
+        self._build_runner(rows // microbatch)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         return tp_loss_context(self.dims.tp > 1)
 
@@ -225,6 +245,7 @@ class ParallelModel:
             if before_micro_batch is not None:
                 before_micro_batch(0)
             inputs, targets, documents = self._pipeline_batch(batches)
+            self.fit_pipeline_batch(len(inputs))
             heartbeat.mark("forward_backward")
             with self.loss_context(), self.autocast:
                 loss = self.runner.train_step(

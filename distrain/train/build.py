@@ -160,7 +160,16 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     else:
         backward = PlainBackward(model, scaler, gradient_plan)
     steps = (
-        ReplicatedSteps(ReplicaGroups(cfg.fault_tolerance, ctx=ctx, metrics=metrics, logger=logger))
+        ReplicatedSteps(
+            ReplicaGroups(
+                cfg.fault_tolerance,
+                ctx=ctx,
+                dp_rank=dp_rank,
+                dp_size=dims.dp_size,
+                metrics=metrics,
+                logger=logger,
+            )
+        )
         if cfg.fault_tolerance.replica_groups
         else PlainSteps()
     )

@@ -1,9 +1,11 @@
 """Replica groups that survive each other (fault_tolerance.replica_groups = R >= 2), on torchft.
 
-Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3) and reduce the
-gradients among themselves; the groups then average the gradient shards over torchft's
-reconfigurable process group (rank s of every group holds the same shard). Before each step the
-groups form a quorum through torchft's lighthouse; after backward each group votes to commit.
+Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3), tp and pp
+(every group the same layout) and reduce the gradients among themselves; the groups then
+average the gradient shards over torchft's reconfigurable process group (rank s of every group
+holds the same shard: the same FSDP2 shard of the same tp shard of the same pipeline stage).
+Before each step the groups form a quorum through torchft's lighthouse; after backward each
+group votes to commit.
 
 - **A group fails** (a rank dies: the collective between groups errs; a rank hangs: it outlasts
   fault_tolerance.timeout_s): no group commits the step. The survivors form a new quorum without
@@ -187,9 +189,14 @@ class ReplicaGroups:
         cfg: FaultToleranceConfig,
         *,
         ctx: DistContext,
+        dp_rank: int,
+        dp_size: int,
         metrics: MetricsWriter,
         logger: logging.Logger,
     ):
+        """`dp_rank`, `dp_size`: this rank's data-parallel rank and the data-parallel size
+        inside its group (the mesh's: ctx.rank and world size only without tp or pp, whose
+        ranks of one data-parallel rank read the same batch)."""
         from torchft.manager import Manager
 
         from distrain.train.replica_transport import StateTransport
@@ -201,6 +208,7 @@ class ReplicaGroups:
         self.cfg, self.ctx, self.metrics, self.log = cfg, ctx, metrics, logger
         self.group = cfg.group
         self.group_size = ctx.world_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         lighthouse = cfg.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
         # Without a secret (the rule table allows it with a loopback lighthouse only) the MACs
         # are keyed with b"": they prove nothing, the schema and the sanity rules still hold.
@@ -346,9 +354,12 @@ class ReplicaGroups:
                 }
             )
             self.log.info("replica group(s) %s joined before step %d", sorted(joined), step + 1)
+        # The groups' data-parallel ranks, group by group: rank s of every group holds the
+        # same shards (tp, pp and FSDP2 coordinates alike), and the tp and pp ranks of one
+        # data-parallel rank read the same slice.
         loader.replan(
-            dp_rank=replica_rank * self.group_size + self.ctx.rank,
-            dp_size=participants * self.group_size,
+            dp_rank=replica_rank * self.dp_size + self.dp_rank,
+            dp_size=participants * self.dp_size,
         )
 
     def check_restart_has_a_source(self, *, step: int) -> None:
