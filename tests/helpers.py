@@ -150,8 +150,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_train(run_dir: Path, *launch_args: str, **fields: object) -> subprocess.Popen:
-    """`distrain train launch_args --section.field value ...` in the background."""
+def start_train(
+    run_dir: Path, *launch_args: str, env: dict[str, str] | None = None, **fields: object
+) -> subprocess.Popen:
+    """`distrain train launch_args --section.field value ...` in the background (`env`: more
+    environment variables)."""
     args = [sys.executable, "-m", "distrain", "train", *launch_args]
     for key, value in overrides(run_dir, **fields):
         args += [f"--{key}", value]
@@ -160,7 +163,7 @@ def start_train(run_dir: Path, *launch_args: str, **fields: object) -> subproces
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
 
 

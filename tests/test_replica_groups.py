@@ -12,8 +12,9 @@ both groups are bit-identical to those of an uninterrupted 2-rank ZeRO-3 run (on
 layout, no replica groups) and within 2e-5 of the 1-process run's (relative to each tensor's
 norm: AdamW amplifies the fp32 reorderings of that layout in rarely updated elements).
 
-One more run: 4 groups of 1 rank, two of them SIGKILLed in one step and a third while one of
-those is on its way back (no step lost, the 1-process curve).
+Two more runs: 4 groups of 1 rank, two of them SIGKILLed in one step and a third while one of
+those is on its way back (no step lost, the 1-process curve); and 3 groups with no fault, started
+seconds apart beside busy processes, with no membership change at all.
 
 The in-process tests check the loader's re-planning (the survivors read exactly the global
 batch; without it they would read only their own shares) and the one-line refusals.
@@ -27,6 +28,8 @@ import importlib.util
 import os
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -371,6 +374,70 @@ def test_two_failures_at_once_and_one_during_a_rejoin_lose_no_step(four_groups, 
     assert first["replica_groups_lost"] == "2,3" and first["cause"] == "collective error", first
     assert lost == {1, 2, 3}, changes
     assert any(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[2]))
+
+
+# --- no fault: no membership change -----------------------------------------------------------
+
+CALM_FIELDS = {
+    **FIELDS,
+    # A multiple of micro-batch x lcm(1..3): any number of live groups splits it.
+    "training__global_batch_size": 12,
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 3,
+}
+
+
+@contextlib.contextmanager
+def _busy_cores(count: int):
+    """`count` processes spinning beside the run, as other jobs on a shared host."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_three_groups_without_a_fault_never_change_membership(tmp_path, lighthouse):
+    """3 groups of 1 rank, 60 steps, started seconds apart, on a machine loaded with 2 busy
+    processes beside them (load over the 2 cores): the groups gather before their first step
+    (no group trains alone and none joins later with a transfer), and no slow step evicts a
+    live group. Every group logs every step, the same loss, and no membership change."""
+    runs = [tmp_path / f"group{g}" for g in range(3)]
+    secret = secret_file(tmp_path)
+    procs = []
+    with _busy_cores(2):
+        try:
+            for g in range(3):
+                procs.append(
+                    start_train(
+                        runs[g],
+                        "--nproc",
+                        "1",
+                        # Three groups on one host, a core's share each, as a user runs them.
+                        env={"OMP_NUM_THREADS": "1"},
+                        **CALM_FIELDS,
+                        fault_tolerance__group=g,
+                        fault_tolerance__lighthouse=lighthouse,
+                        fault_tolerance__secret_file=secret,
+                    )
+                )
+                time.sleep(3)
+            outputs = [proc.communicate(timeout=600) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    rows = [read_metrics(run / "metrics.jsonl", all_attempts=True) for run in runs]
+    changes = [r for group in rows for r in group if "replica_change" in r]
+    assert changes == []
+    curves = [losses(group) for group in rows]
+    assert sorted(curves[0]) == list(range(1, STEPS + 1))
+    assert curves[1] == curves[0] and curves[2] == curves[0]
 
 
 # --- in process --------------------------------------------------------------------------------
