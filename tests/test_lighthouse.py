@@ -98,7 +98,7 @@ def test_no_quorum_without_a_majority_of_the_heartbeating_groups():
     assert _ids(s.compute(0.0)[0]) == ["a", "b"]
 
 
-def test_a_group_gone_is_left_out_at_once_and_is_probed_only_while_awaited():
+def test_a_group_gone_is_left_out_at_once_and_groups_are_probed_only_while_a_quorum_waits():
     s = _state()
     for rid, port in (("a", 1), ("b", 2), ("c", 3)):
         s.request(_member(rid, address=f"http://h:{port}"), 0.0)
@@ -106,7 +106,8 @@ def test_a_group_gone_is_left_out_at_once_and_is_probed_only_while_awaited():
     assert s.to_probe(0.1) == {}  # nobody waits
     s.request(_member("a"), 0.1)
     s.request(_member("b"), 0.1)
-    assert s.to_probe(0.1) == {"c": "http://h:3"}
+    # Pending: the straggler and the participants (one may have died after asking).
+    assert s.to_probe(0.1) == {"a": "http://h:1", "b": "http://h:2", "c": "http://h:3"}
     assert s.compute(0.1)[0] is None
     s.mark_gone("c")
     assert _ids(s.compute(0.1)[0]) == ["a", "b"]
@@ -224,3 +225,42 @@ def test_refuses_connection_only_for_a_closed_port():
         assert not refuses_connection(f"http://127.0.0.1:{s.getsockname()[1]}")
     assert refuses_connection(f"http://127.0.0.1:{_closed_port()}")
     assert not refuses_connection("")  # no address: nothing to say
+
+
+def test_groups_that_die_together_leave_in_one_quorum_even_after_asking():
+    """c asks for the next quorum and then dies, d dies without asking (both still heartbeating
+    as far as the timeout knows): a and b get one quorum without both, not one with c first."""
+    from torchft.coordination import LighthouseClient
+
+    sockets = {r: socket.socket() for r in "abcd"}
+    for s in sockets.values():
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+    addresses = {r: f"http://127.0.0.1:{s.getsockname()[1]}" for r, s in sockets.items()}
+    with _lighthouse() as address:
+        client = LighthouseClient(address, timedelta(seconds=5))
+        for r in "abcd":
+            client.heartbeat(r)
+        results: dict = {}
+        for t in [_quorum_in_thread(client, results, r, addresses[r], 0) for r in "abcd"]:
+            t.join(timeout=30)
+        assert _ids_of(results["a"]) == list("abcd")
+        def ask_then_die() -> None:
+            with contextlib.suppress(TimeoutError):  # never answered: c is gone
+                client.quorum(
+                    replica_id="c", timeout=timedelta(seconds=3), address=addresses["c"], step=1
+                )
+
+        asked = threading.Thread(target=ask_then_die)
+        asked.start()
+        time.sleep(0.3)  # c is a participant of the pending quorum
+        for r in "cd":
+            sockets[r].close()
+            client.heartbeat(r)
+        threads = [_quorum_in_thread(client, results, r, addresses[r], 1) for r in "ab"]
+        for t in threads:
+            t.join(timeout=30)
+        asked.join(timeout=10)
+        assert _ids_of(results["a"]) == ["a", "b"] and _ids_of(results["b"]) == ["a", "b"]
+    for s in sockets.values():
+        s.close()

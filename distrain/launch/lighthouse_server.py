@@ -5,7 +5,7 @@ with a prober that tells a dead group from a slow one.
   (a quorum issued without it, it asks again for the next, as torchft's lighthouse does);
 - `Heartbeat`: the caller is alive now;
 - a ticker checks the rules every tick and issues the quorum when they allow;
-- a prober connects to the manager server of each straggler a quorum waits for (at most every
+- a prober connects to the manager server of each group of a pending quorum (at most every
   `PROBE_INTERVAL_S` each): a refused connection is a process that is gone. A connection that is
   accepted, or that times out (a host that does not answer), says nothing: the heartbeat
   timeout decides.
@@ -147,16 +147,20 @@ class Lighthouse:
                     if now - self._probed.get(rid, 0.0) >= PROBE_INTERVAL_S
                 }
                 self._probed.update(dict.fromkeys(due, now))
-            for rid, address in due.items():
-                if refuses_connection(address):
-                    with self._lock:
-                        log.warning(
-                            "replica group %s: its manager server %s refuses connections: gone",
-                            rid,
-                            address,
-                        )
-                        self.state.mark_gone(rid)
-                        self._tick()
+            # Every due group checked before the quorum is reconsidered: groups that died
+            # together leave in one quorum.
+            gone = {rid: address for rid, address in due.items() if refuses_connection(address)}
+            if not gone:
+                continue
+            with self._lock:
+                for rid, address in gone.items():
+                    log.warning(
+                        "replica group %s: its manager server %s refuses connections: gone",
+                        rid,
+                        address,
+                    )
+                    self.state.mark_gone(rid)
+                self._tick()
 
     def stop(self) -> None:
         self._stop.set()

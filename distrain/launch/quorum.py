@@ -6,9 +6,9 @@ torchft decides that a group is gone only when its heartbeats stop for the heart
 That one number must then be short (the survivors wait that long after a kill) and long (a
 group starved of CPU for that long is evicted, and comes back with a transfer of the live state).
 Here a group is also gone once its manager server refuses a connection (`gone`): a process that
-died leaves its port closed and its host answers at once, so the lighthouse checks the
-stragglers a quorum waits for (`to_probe`) and the heartbeat timeout can stay long, for hosts
-that vanish without an answer.
+died leaves its port closed and its host answers at once, so the lighthouse checks the groups
+of every pending quorum (`to_probe`) and the heartbeat timeout can stay long, for hosts that
+vanish without an answer.
 
 The rules, in torchft's order, over the healthy groups (a heartbeat within the timeout, not
 gone) and the healthy participants (healthy groups that asked for the next quorum):
@@ -53,7 +53,8 @@ class QuorumState:
     def request(self, member: Any, now: float) -> None:
         """`member` asks to join the next quorum (a request is a heartbeat too)."""
         self.heartbeat(member.replica_id, now)
-        self.addresses[member.replica_id] = member.address
+        if member.address:
+            self.addresses[member.replica_id] = member.address
         self.participants[member.replica_id] = Participant(member, now)
 
     def mark_gone(self, replica_id: str) -> None:
@@ -71,11 +72,12 @@ class QuorumState:
         }
 
     def to_probe(self, now: float) -> dict[str, str]:
-        """The healthy groups a quorum would wait for (not participants), by address."""
+        """While a quorum is pending (someone asked for it), every healthy group by address:
+        the stragglers it would wait for, and the participants it would take in (a group that
+        asked and then died before the quorum was issued)."""
         if not self.participants:
             return {}
-        waiting = self.healthy(now) - set(self.participants)
-        return {rid: self.addresses[rid] for rid in waiting if rid in self.addresses}
+        return {rid: self.addresses[rid] for rid in self.healthy(now) if rid in self.addresses}
 
     def compute(self, now: float) -> tuple[list[Any] | None, str]:
         """The members of the quorum to issue now (None: wait), and why."""

@@ -4,8 +4,8 @@ Each group is its own torchrun: its ranks shard the model with FSDP2 (ZeRO-2/3),
 (every group the same layout) and reduce the gradients among themselves; the groups then
 average the gradient shards over torchft's reconfigurable process group (rank s of every group
 holds the same shard: the same FSDP2 shard of the same tp shard of the same pipeline stage).
-Before each step the groups form a quorum through torchft's lighthouse; after backward each
-group votes to commit.
+Before each step the groups form a quorum through the lighthouse (`distrain lighthouse`, on
+torchft's protocol); after backward each group votes to commit.
 
 - **A group fails** (a rank dies: the collective between groups errs; a rank hangs: it outlasts
   fault_tolerance.timeout_s): no group commits the step. The survivors form a new quorum without
@@ -22,8 +22,8 @@ group votes to commit.
   gradient norm (replica_trust.py); a member that fails it is named and the step is committed
   by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
   with one line (`ReplicaPeerRefused`) rather than train with a peer it cannot believe:
-  torchft's lighthouse has no way to evict a member, so an intruder could stall, never steer,
-  the run.
+  the lighthouse protocol carries no credential, so the lighthouse cannot keep an intruder
+  out of a quorum: it could stall, never steer, the run.
 
 Every membership change is a metrics row (see `ReplicaGroups`); the loop calls `quorum` before
 each step and `average` after backward (train/loop.py).

@@ -1,7 +1,7 @@
 """What a replica group believes of its peers: the run secret, the address it listens on, and the
 proof each group gives with every step's exchange.
 
-torchft's lighthouse, its manager servers and its process groups authenticate nobody: any host
+The lighthouse, torchft's manager servers and its process groups authenticate nobody: any host
 that reaches them can join a quorum. distrain therefore checks, itself, everything it takes from
 a peer:
 
