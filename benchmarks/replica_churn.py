@@ -8,8 +8,7 @@ live state).
 
 Each lighthouse setting (`--settings`, JOIN_S:HEARTBEAT_MS pairs) gets the same run, the settings
 alternating run by run so that they see the same load. `0.1:3000` is the short join timeout
-torchft's own tests use (and distrain's tests used before `distrain lighthouse`); the defaults
-of `distrain lighthouse` are 30 s and 400 ms.
+torchft's own tests use; the defaults of `distrain lighthouse` are 30 s and 5000 ms.
 
 Run from the repository root:
 
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 from harness import write_json
 
-DEFAULT_SETTINGS = "0.1:3000,30:400"
+DEFAULT_SETTINGS = "0.1:3000,30:5000"
 
 
 @contextlib.contextmanager

@@ -160,6 +160,7 @@ class Lighthouse:
                         address,
                     )
                     self.state.mark_gone(rid)
+                    self._probed.pop(rid, None)
                 self._tick()
 
     def stop(self) -> None:
