@@ -49,6 +49,7 @@ from distrain.layout.rules import validate
 from distrain.optim.builder import param_groups, roles_of
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.memory import MemoryEstimate
 from distrain.plan.pipeline_memory import in_flight
 
@@ -246,8 +247,6 @@ def _tp_local_shape(shape: torch.Size, dim: int | None, tp: int) -> list[int]:
 
 def _stage_parts(shape: ModelShape, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(block indices, holds the embedding, holds the head) of pp rank `pp_rank`."""
-    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
-
     p = cfg.parallel
     if p.pp == 1:
         return list(range(shape.n_layers)), True, True

@@ -33,6 +33,7 @@ from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.build_store import BuildStore, build
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, estimate_memory
@@ -229,8 +230,6 @@ def distinct_stage_ranks(cfg: Config) -> list[int]:
     """The pp ranks whose stages differ from every lower rank's (the first stage holds the
     embedding, the last the head, and a stage its share of the blocks): each other rank holds
     what a lower one does and, under every schedule, no more microbatches in flight."""
-    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
-
     p, shape = cfg.parallel, validate(cfg, None).shape
     num_stages = p.pp * p.pp_stages_per_rank
     layers = stage_layer_ranges(shape.n_layers, num_stages)
