@@ -8,7 +8,8 @@ layouts per family) for every layout; walking the layouts fastest first, the fir
 it predicts to fit, and any it puts within MODEL_MARGIN above the device's memory on the way,
 are then built on fake tensors (memory.py; pipeline_memory.py for pp, whose schedule does not
 build on fake tensors, from the stage modules and the microbatches the schedule keeps in
-flight) at 2 and 3 blocks per stage and extrapolated in depth (`built_row`), and that decides.
+flight) at 2 and 3 blocks per stage (3 and 4 under ZeRO-3 with full checkpointing:
+memory_model.calibration_depths) and extrapolated in depth (`built_row`), and that decides.
 `exhaustive` builds every layout at full depth and every pipeline rank instead.
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
@@ -43,6 +44,8 @@ from distrain.plan.memory_model import (
     calibrate_family,
     calibrated_family,
     calibration_builds,
+    calibration_depths,
+    family_of,
     modelled_row,
     states_floor,
     with_depth,
@@ -62,8 +65,6 @@ ADVISED = 3
 MODEL_MARGIN = 0.15
 """A layout the model puts at most this far above the device's memory is built too when met
 before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
-VERIFY_DEPTHS = (2, 3)
-"""Blocks per pipeline stage of the two fake builds a deeper layout is verified with."""
 SOURCE_LABEL = {"fake build": "built", "model": "model"}
 
 
@@ -417,13 +418,14 @@ def _stored(store: BuildStore, base: Config, family: Family) -> bool:
 def built_row(
     cfg: Config, world_size: int, cache: dict, *, store: BuildStore | None = None
 ) -> dict[str, int]:
-    """memory_row from fake builds of VERIFY_DEPTHS blocks per pipeline stage, extrapolated
+    """memory_row from fake builds of its family's calibration depths (memory_model.
+    calibration_depths) in blocks per pipeline stage, extrapolated
     linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
     lies on one line to the byte); the full build when the model is no deeper."""
     p = cfg.parallel
     per_stage = p.pp * p.pp_stages_per_rank
     n_layers = validate(cfg, None).shape.n_layers
-    low, high = (per_stage * d for d in VERIFY_DEPTHS)
+    low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
     if n_layers <= high:
         return memory_row(cfg, world_size, cache, store=store)
     one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
