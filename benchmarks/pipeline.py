@@ -80,7 +80,8 @@ from torch.utils.hooks import RemovableHandle
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.parallel.device import init_distributed
-from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model, stage_ids_for_rank
+from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model
+from distrain.parallel.stages import stage_ids_for_rank
 
 SEED = 1234
 SINGLE_STAGE = ("gpipe", "1f1b")

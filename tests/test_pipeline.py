@@ -17,13 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from distrain.errors import ConfigError
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
-from distrain.parallel.pipeline import (
-    SCHEDULES,
-    PipelineRunner,
-    split_model,
-    stage_ids_for_rank,
-    stage_layer_ranges,
-)
+from distrain.parallel.pipeline import SCHEDULES, PipelineRunner, split_model
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
 SEED = 7

@@ -353,13 +353,16 @@ class ParallelModel:
         for p in self.parameters():
             p.grad = None
 
-    # A compiled model's training graph does not serve no_grad calls: rather than compile a
-    # second, inference graph (as long as the first when cold) for a few batches, run eagerly.
-    @torch.compiler.set_stance("eager_on_recompile")
-    @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         """(summed loss, targets) [2] over this rank's share of `batches` (its columns under
         context parallelism), fp32 on the device: their sums over the ranks give the mean."""
+        # A compiled model's training graph does not serve no_grad calls: rather than compile a
+        # second, inference graph (as long as the first when cold) for a few batches, run
+        # eagerly. The stance is set per call, so importing this module imports no dynamo.
+        with torch.compiler.set_stance("eager_on_recompile"), torch.no_grad():
+            return self._eval_loss(batches)
+
+    def _eval_loss(self, batches: list[Batch]) -> torch.Tensor:
         if self.runner is not None:
             return self._pipeline_eval_loss(batches)
         total = torch.zeros(2, device=self.device)
@@ -499,7 +502,8 @@ def cut_stages(
     dims = plan.dims
     if dims.pp == 1:
         return [model], [0], 1, 1
-    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+    from distrain.parallel.pipeline import split_model
+    from distrain.parallel.stages import stage_ids_for_rank
 
     p = plan.config.parallel
     num_stages = dims.pp * p.pp_stages_per_rank

@@ -1,7 +1,7 @@
 """Pipeline parallelism: cutting a model into stages and running them with a torch schedule.
 
-This module owns three decisions and nothing else: which layers each stage holds
-(`stage_layer_ranges`), which stages each pp rank holds (`stage_ids_for_rank`), and how a stage
+Which layers each stage holds and which stages each pp rank holds are stages.py's (arithmetic
+that the planner reads without importing torch's pipelining); this module owns how a stage
 module is cut from the meta-device model (`split_model`, by what the family's spec names as its
 blocks and its first- and last-stage submodules). `PipelineRunner` then drives the stages of one
 rank with `torch.distributed.pipelining`. Materializing, seeded init and data-parallel
@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
 
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelSpec
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -43,34 +44,6 @@ _MULTI_STAGE_SCHEDULES = {
 }
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges, one per stage.
-
-    Every stage gets n_layers // num_stages layers. The remainder goes one layer each to the
-    middle stages (1, 2, ...) first, because the first stage also runs the embedding and the last
-    the output projection and loss; only if more remain than there are middle stages does the
-    first stage take one (its embedding lookup is cheaper than the last stage's vocab matmul).
-    The last stage never gets an extra layer when num_stages > 1.
-    """
-    if num_stages < 1 or num_stages > n_layers:
-        # layout/rules.py refuses such configs; this guards direct callers.
-        raise ValueError(f"{n_layers} layers cannot fill {num_stages} stages")
-    counts = [n_layers // num_stages] * num_stages
-    extra_order = list(range(1, num_stages - 1)) + [0]
-    for stage in extra_order[: n_layers % num_stages]:
-        counts[stage] += 1
-    starts = [sum(counts[:i]) for i in range(num_stages)]
-    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
-
-
-def stage_ids_for_rank(
-    pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str
-) -> list[int]:
-    """The stages pp rank `pp_rank` holds, in increasing order (loop placement, see module doc).
-    Which schedules take how many stages per rank is one of layout/rules.py's rules."""
-    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 
 def split_model(model: nn.Module, stage_id: int, num_stages: int, *, spec: ModelSpec) -> nn.Module:

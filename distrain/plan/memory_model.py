@@ -21,12 +21,14 @@ fastest few are built (search.py):
   the model states a fixed cost per block and a constant (FSDP2's gathered parameters,
   transient buffers), measured for a *family* of layouts (tp degree, data-parallel wrapper:
   none/DDP, FSDP2 without or with resharding after forward, activation checkpointing) by two
-  fake builds of the planned model at its real width and 1 and 2 blocks (world: tp, x2 under
-  FSDP2), which hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the
-  byte); every layout of the family then costs arithmetic: its stage depth, micro-batch and,
-  for a pipeline, the microbatches its schedule keeps in flight (pipeline_memory.in_flight) and
-  its receive buffers. A pipeline stage's FSDP2 never reshards after forward, so ZeRO-3 under
-  pp is priced with the ZeRO-2 family.
+  fake builds of the planned model at its real width and 2 and 3 blocks (3 and 4 under FSDP2
+  resharding with full checkpointing: `calibration_depths`; world: tp, x2 under FSDP2), which
+  hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
+  full checkpointing, 3, 4 and 5 blocks do, 2 does not); every layout of the family then
+  costs arithmetic: its stage depth, micro-batch and, for a pipeline, the microbatches its
+  schedule keeps in flight (pipeline_memory.in_flight) and its receive buffers. A pipeline
+  stage's FSDP2 never reshards after forward, so ZeRO-3 under pp is priced with the ZeRO-2
+  family.
 
 Checked against full fake builds in tests/test_plan_model.py (within 10% on small layouts).
 """
@@ -49,11 +51,17 @@ from distrain.layout.rules import validate
 from distrain.optim.builder import param_groups, roles_of
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.memory import MemoryEstimate
 from distrain.plan.pipeline_memory import in_flight
 
 FP32 = 4
 CALIBRATION_DEPTHS = (2, 3)
+RESHARD_CHECKPOINTED_DEPTHS = (3, 4)
+"""The calibration depths of FSDP2 resharding after forward with full checkpointing, whose peak
+moves between 2 and 3 blocks (the `tiny` step above its model states: 2.24 MiB at 2 blocks,
+1.96 MiB at 3 and every depth after; per sample 0.21, then 0.72 + 0.03 a block): a line
+through 2 and 3 blocks over-priced 6 blocks by 17-25%."""
 CALIBRATED_TP = 2
 """The largest tp degree calibrated on its own under sequence parallelism (`coefficients_for`)."""
 
@@ -159,11 +167,19 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
     return cfg, family.tp * dp
 
 
+def calibration_depths(family: Family) -> tuple[int, int]:
+    """The two depths `family` is calibrated at (RESHARD_CHECKPOINTED_DEPTHS or
+    CALIBRATION_DEPTHS); search.built_row verifies a layout at the same blocks per stage."""
+    if family.wrapper == "fsdp_reshard" and family.activation_checkpointing == "full":
+        return RESHARD_CHECKPOINTED_DEPTHS
+    return CALIBRATION_DEPTHS
+
+
 def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
     """(config, world size) of the family's two fake builds: its smallest layout at each of
-    CALIBRATION_DEPTHS blocks."""
+    its `calibration_depths`."""
     cfg, world = calibration_layout(base, family)
-    return [(with_depth(cfg, n), world) for n in CALIBRATION_DEPTHS]
+    return [(with_depth(cfg, n), world) for n in calibration_depths(family)]
 
 
 def calibrate_family(
@@ -172,7 +188,7 @@ def calibrate_family(
     """The family's coefficients from its `calibration_builds`: `measure(cfg, world)` is
     memory.py's estimate (through the search's caches)."""
     cfg, world = calibration_layout(base, family)
-    low, high = CALIBRATION_DEPTHS
+    low, high = calibration_depths(family)
     one, two = (measure(*b) for b in calibration_builds(base, family))
     states_one = model_states(with_depth(cfg, low), world)
     states_two = model_states(with_depth(cfg, high), world)
@@ -246,8 +262,6 @@ def _tp_local_shape(shape: torch.Size, dim: int | None, tp: int) -> list[int]:
 
 def _stage_parts(shape: ModelShape, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(block indices, holds the embedding, holds the head) of pp rank `pp_rank`."""
-    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
-
     p = cfg.parallel
     if p.pp == 1:
         return list(range(shape.n_layers)), True, True

@@ -227,7 +227,8 @@ def _flush_denormals() -> Iterator[None]:
 
 def _probe_pipeline(plan: RunPlan, repeats: int) -> Probe:
     """Each stage's forward + backward of one microbatch and its optimizer step, timed alone."""
-    from distrain.parallel.pipeline import split_model, stage_ids_for_rank
+    from distrain.parallel.pipeline import split_model
+    from distrain.parallel.stages import stage_ids_for_rank
 
     cfg, dims, spec = plan.config, plan.dims, plan.spec
     p, t = cfg.parallel, cfg.training

@@ -8,7 +8,8 @@ layouts per family) for every layout; walking the layouts fastest first, the fir
 it predicts to fit, and any it puts within MODEL_MARGIN above the device's memory on the way,
 are then built on fake tensors (memory.py; pipeline_memory.py for pp, whose schedule does not
 build on fake tensors, from the stage modules and the microbatches the schedule keeps in
-flight) at 2 and 3 blocks per stage and extrapolated in depth (`built_row`), and that decides.
+flight) at 2 and 3 blocks per stage (3 and 4 under ZeRO-3 with full checkpointing:
+memory_model.calibration_depths) and extrapolated in depth (`built_row`), and that decides.
 `exhaustive` builds every layout at full depth and every pipeline rank instead.
 
 The builds are shared: layouts that differ only in the micro-batch share one (memory is linear
@@ -33,7 +34,8 @@ from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
-from distrain.plan.build_store import BuildStore, build
+from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
+from distrain.plan.build_store import BuildStore, NotStored, StoredOnly, build
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.memory_model import (
@@ -42,12 +44,14 @@ from distrain.plan.memory_model import (
     calibrate_family,
     calibrated_family,
     calibration_builds,
+    calibration_depths,
+    family_of,
     modelled_row,
     states_floor,
     with_depth,
     zero1_largest_share,
 )
-from distrain.plan.parallel_calibration import calibrate_families
+from distrain.plan.parallel_calibration import build_ahead, calibrate_families
 from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
@@ -61,8 +65,6 @@ ADVISED = 3
 MODEL_MARGIN = 0.15
 """A layout the model puts at most this far above the device's memory is built too when met
 before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
-VERIFY_DEPTHS = (2, 3)
-"""Blocks per pipeline stage of the two fake builds a deeper layout is verified with."""
 SOURCE_LABEL = {"fake build": "built", "model": "model"}
 
 
@@ -229,8 +231,6 @@ def distinct_stage_ranks(cfg: Config) -> list[int]:
     """The pp ranks whose stages differ from every lower rank's (the first stage holds the
     embedding, the last the head, and a stage its share of the blocks): each other rank holds
     what a lower one does and, under every schedule, no more microbatches in flight."""
-    from distrain.parallel.pipeline import stage_ids_for_rank, stage_layer_ranges
-
     p, shape = cfg.parallel, validate(cfg, None).shape
     num_stages = p.pp * p.pp_stages_per_rank
     layers = stage_layer_ranges(shape.n_layers, num_stages)
@@ -367,6 +367,14 @@ def plan(
         if needed:
             measure = functools.partial(memory_of, store=store)
             coefficients.update(calibrate_families(base, needed, measure, workers=workers))
+    if not exhaustive and workers > 1 and store is not None:
+        configs = [cfg for _, cfg, _ in layouts]
+        ahead = likely_verified(configs, cluster.world_size, capacity, coefficients_of, verify)
+        builds = [b for cfg in ahead for b in verification_builds(cfg)]
+        builds = [b for b in builds if not _built(store, b, cluster.world_size)]
+        if builds:
+            build = functools.partial(build_into, store)
+            build_ahead(build, builds, cluster.world_size, workers=workers)
     for done, (c, cfg, time) in enumerate(layouts, 1):
         source = "fake build"
         try:
@@ -411,6 +419,18 @@ def modelled_families(configs: list[Config], world_size: int, capacity: float) -
     return list(dict.fromkeys(found))
 
 
+def _built(store: BuildStore, cfg: Config, world_size: int) -> bool:
+    """Whether every fake build memory_row makes for `cfg` is kept in `store` (one that raises
+    counts as kept: it is never stored, and the plan meets it again and reports it)."""
+    try:
+        memory_row(cfg, world_size, {}, store=StoredOnly(store.directory))
+    except NotStored:
+        return False
+    except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
+        return True
+    return True
+
+
 def _stored(store: BuildStore, base: Config, family: Family) -> bool:
     return all(store.has(MemoryEstimate, *b) for b in calibration_builds(base, family))
 
@@ -418,18 +438,70 @@ def _stored(store: BuildStore, base: Config, family: Family) -> bool:
 def built_row(
     cfg: Config, world_size: int, cache: dict, *, store: BuildStore | None = None
 ) -> dict[str, int]:
-    """memory_row from fake builds of VERIFY_DEPTHS blocks per pipeline stage, extrapolated
-    linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
-    lies on one line to the byte); the full build when the model is no deeper."""
+    """memory_row from fake builds of its family's calibration depths (memory_model.
+    calibration_depths) in blocks per pipeline stage, extrapolated linearly to the model's
+    depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the
+    byte); the full build when the model is no deeper (`verification_builds`)."""
+    builds = verification_builds(cfg)
+    rows = [memory_row(b, world_size, cache, store=store) for b in builds]
+    if len(rows) == 1:
+        return rows[0]
+    (one, two), (low, high) = rows, (b.model.n_layers for b in builds)
+    scale = (validate(cfg, None).shape.n_layers - low) / (high - low)
+    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+
+
+def verification_builds(cfg: Config) -> list[Config]:
+    """The configs `built_row` builds for `cfg`: at its family's two calibration depths per
+    pipeline stage, or `cfg` itself when its model is no deeper."""
     p = cfg.parallel
     per_stage = p.pp * p.pp_stages_per_rank
-    n_layers = validate(cfg, None).shape.n_layers
-    low, high = (per_stage * d for d in VERIFY_DEPTHS)
-    if n_layers <= high:
-        return memory_row(cfg, world_size, cache, store=store)
-    one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
-    scale = (n_layers - low) / (high - low)
-    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+    low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
+    if validate(cfg, None).shape.n_layers <= high:
+        return [cfg]
+    return [with_depth(cfg, low), with_depth(cfg, high)]
+
+
+def likely_verified(
+    configs: list[Config],
+    world_size: int,
+    capacity: float,
+    coefficients: Callable[[Family], Coefficients],
+    verify: int,
+) -> list[Config]:
+    """The layouts of `configs` (fastest first) that plan's walk builds if the memory model's
+    fit or no fit holds for each: those within MODEL_MARGIN above `capacity` until `verify`
+    fit; one per set of builds (layouts that differ only in the micro-batch outside a pipeline
+    share them)."""
+    found, seen, fits = [], set(), 0
+    for cfg in configs:
+        if fits >= verify:
+            break
+        try:
+            if sum(states_floor(cfg, world_size).values()) > capacity:
+                continue
+            peak = modelled_row(cfg, world_size, coefficients)["peak"]
+        except Exception:  # noqa: BLE001, S112 - the layout's own row reports it (plan)
+            continue
+        if peak > capacity * (1 + MODEL_MARGIN):
+            continue
+        fits += peak <= capacity
+        p, t = cfg.parallel, cfg.training
+        key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
+        key += (t.micro_batch_size if p.pp > 1 else 0,)
+        if key not in seen:
+            seen.add(key)
+            found.append(cfg)
+    return found
+
+
+def build_into(store: BuildStore, cfg: Config, world_size: int) -> None:
+    """memory_row's fake builds of `cfg`, kept in `store` (a worker's job: `build_ahead`); one
+    that raises is left for the plan to meet and report."""
+    try:
+        memory_row(cfg, world_size, {}, store=store)
+    except Exception:  # noqa: BLE001, S110 - plan builds it again and reports the error
+        pass
 
 
 def with_advice(

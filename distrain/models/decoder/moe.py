@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(kw_only=True)
@@ -107,12 +108,22 @@ class GroupedExperts(nn.Module):
     def _looped(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # One matmul per expert. The split sizes must be host integers: on CPU reading them is
         # free; on an accelerator this path runs only where grouped_mm is missing (a sync).
-        rows = torch.split(x, num_tokens_per_expert.tolist())
+        rows = torch.split(x, _split_sizes(x.shape[0], num_tokens_per_expert))
         outs = []
         for e, chunk in enumerate(rows):
             gate = chunk @ self.w_gate[e] if self.w_gate is not None else None
             outs.append(self._hidden(chunk @ self.w_up[e], gate) @ self.w_down[e])
         return torch.cat(outs)
+
+
+def _split_sizes(num_rows: int, num_tokens_per_expert: torch.Tensor) -> list[int]:
+    """The rows of each expert as host integers. A fake tensor (the planner's fake build,
+    plan/memory.py) has no values to read: its rows are split evenly over the experts, which
+    hold the same rows in all and price a balanced router."""
+    if not is_fake(num_tokens_per_expert):
+        return num_tokens_per_expert.tolist()
+    experts = num_tokens_per_expert.shape[0]
+    return [num_rows // experts + (e < num_rows % experts) for e in range(experts)]
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -175,7 +186,9 @@ class MoE(nn.Module):
 
         # Copy j of the k*N is choice j // N of token j % N: all first choices come first.
         expert_of_copy = chosen.t().reshape(-1)
-        counts = torch.bincount(expert_of_copy, minlength=num_experts)
+        # bincount's length depends on the values (fake tensors have none); this one is E.
+        ones = torch.ones_like(expert_of_copy)
+        counts = expert_of_copy.new_zeros(num_experts).scatter_add_(0, expert_of_copy, ones)
         order = torch.sort(expert_of_copy, stable=True).indices
         kept_counts = counts
         if self.args.capacity_factor > 0:
