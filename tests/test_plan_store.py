@@ -9,7 +9,6 @@ from distrain.config.schema import Config
 from distrain.plan import build_store, search
 from distrain.plan.build_store import BuildStore
 from distrain.plan.memory import MemoryEstimate
-from distrain.plan.parallel_calibration import build_ahead
 from distrain.plan.search import plan
 from distrain.plan.timing import Cluster
 
@@ -129,21 +128,12 @@ def test_a_plan_asked_again_reads_every_build_and_answers_the_same(
 ):
     """The fast search (memory model, fastest layouts built) and --exhaustive (every layout
     and pp rank built at full depth): with the store, the same rows as without; asked again, the
-    same rows with no fake build run, the calibration and verification workers included (none
-    is started). The fast search's first plan verifies its likely rows in workers, ahead."""
+    same rows with no fake build run, the calibration workers included (none is started)."""
     store = BuildStore(tmp_path)
     options = dict(exhaustive=exhaustive, verify=2, workers=2, **FAST_SEARCH)
     without = [r.as_dict() for r in plan(small_config(), CLUSTER, **options)]
-    ahead = []
-
-    def recorded(build, configs, world_size, *, workers):
-        ahead.extend(configs)
-        build_ahead(build, configs, world_size, workers=workers)
-
-    monkeypatch.setattr(search, "build_ahead", recorded)
     first = [r.as_dict() for r in plan(small_config(), CLUSTER, store=store, **options)]
     assert first == without
-    assert bool(ahead) != exhaustive
     assert {r["memory_source"] for r in first} == (
         {"fake build"} if exhaustive else {"fake build", "model"}
     )
@@ -152,6 +142,5 @@ def test_a_plan_asked_again_reads_every_build_and_answers_the_same(
     monkeypatch.setattr(search, "estimate_memory", no_build)
     monkeypatch.setattr(search, "estimate_pipeline_memory", no_build)
     monkeypatch.setattr(search, "calibrate_families", no_build)
-    monkeypatch.setattr(search, "build_ahead", no_build)
     again = [r.as_dict() for r in plan(small_config(), CLUSTER, store=store, **options)]
     assert again == first

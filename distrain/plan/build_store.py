@@ -114,29 +114,6 @@ class BuildStore:
         return found
 
 
-class NotStored(LookupError):
-    """A build that a StoredOnly store does not hold."""
-
-
-@dataclass(frozen=True)
-class StoredOnly(BuildStore):
-    """The builds stored in `directory`, read and never made: one not stored raises NotStored
-    (a plan asks whether the builds of a layout are all kept before it starts workers)."""
-
-    def build(
-        self,
-        estimate: Callable[..., Result],
-        result_type: type[Result],
-        cfg: Config,
-        world_size: int,
-        *,
-        rank: int = 0,
-    ) -> Result:
-        if not self.has(result_type, cfg, world_size, rank):
-            raise NotStored(f"{result_type.__name__} of {world_size} ranks, rank {rank}")
-        return super().build(estimate, result_type, cfg, world_size, rank=rank)
-
-
 def build(
     store: BuildStore | None,
     estimate: Callable[..., Result],

@@ -1,5 +1,4 @@
-"""Fake builds several at once, in worker processes: the memory model's calibration builds of
-several families, and the builds that verify the layouts a plan is likely to show.
+"""The memory model's calibration builds of several families at once, in worker processes.
 
 A fake build is single-threaded Python (fake tensors have no data to compute on), so on a
 machine of n cores n families calibrate in the time of one. The workers are forked from a
@@ -42,21 +41,6 @@ def calibrate_families(
     with context.Pool(workers) as pool:
         found = pool.starmap(_calibrate, jobs, chunksize=1)
     return dict(zip(unique, found, strict=True))
-
-
-def build_ahead(
-    build: Callable[[Config, int], None], configs: list[Config], world_size: int, *, workers: int
-) -> None:
-    """`build(cfg, world_size)` for each of `configs`, up to `workers` at once, for what it keeps
-    on disk (a BuildStore: the caller reads the builds back); nothing when fewer than two
-    configs or workers (the caller builds them as it meets them)."""
-    workers = min(workers, len(configs))
-    if workers <= 1:
-        return
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    with context.Pool(workers) as pool:
-        pool.starmap(build, [(cfg, world_size) for cfg in configs], chunksize=1)
 
 
 def _calibrate(base: Config, family: Family, measure: Measure) -> Coefficients | Exception:

@@ -35,7 +35,7 @@ from distrain.layout.rules import validate
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.build_store import BuildStore, NotStored, StoredOnly, build
+from distrain.plan.build_store import BuildStore, build
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, estimate_memory
 from distrain.plan.memory_model import (
@@ -51,7 +51,7 @@ from distrain.plan.memory_model import (
     with_depth,
     zero1_largest_share,
 )
-from distrain.plan.parallel_calibration import build_ahead, calibrate_families
+from distrain.plan.parallel_calibration import calibrate_families
 from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
@@ -367,14 +367,6 @@ def plan(
         if needed:
             measure = functools.partial(memory_of, store=store)
             coefficients.update(calibrate_families(base, needed, measure, workers=workers))
-    if not exhaustive and workers > 1 and store is not None:
-        configs = [cfg for _, cfg, _ in layouts]
-        ahead = likely_verified(configs, cluster.world_size, capacity, coefficients_of, verify)
-        builds = [b for cfg in ahead for b in verification_builds(cfg)]
-        builds = [b for b in builds if not _built(store, b, cluster.world_size)]
-        if builds:
-            build = functools.partial(build_into, store)
-            build_ahead(build, builds, cluster.world_size, workers=workers)
     for done, (c, cfg, time) in enumerate(layouts, 1):
         source = "fake build"
         try:
@@ -419,18 +411,6 @@ def modelled_families(configs: list[Config], world_size: int, capacity: float) -
     return list(dict.fromkeys(found))
 
 
-def _built(store: BuildStore, cfg: Config, world_size: int) -> bool:
-    """Whether every fake build memory_row makes for `cfg` is kept in `store` (one that raises
-    counts as kept: it is never stored, and the plan meets it again and reports it)."""
-    try:
-        memory_row(cfg, world_size, {}, store=StoredOnly(store.directory))
-    except NotStored:
-        return False
-    except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
-        return True
-    return True
-
-
 def _stored(store: BuildStore, base: Config, family: Family) -> bool:
     return all(store.has(MemoryEstimate, *b) for b in calibration_builds(base, family))
 
@@ -439,69 +419,18 @@ def built_row(
     cfg: Config, world_size: int, cache: dict, *, store: BuildStore | None = None
 ) -> dict[str, int]:
     """memory_row from fake builds of its family's calibration depths (memory_model.
-    calibration_depths) in blocks per pipeline stage, extrapolated linearly to the model's
-    depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the
-    byte); the full build when the model is no deeper (`verification_builds`)."""
-    builds = verification_builds(cfg)
-    rows = [memory_row(b, world_size, cache, store=store) for b in builds]
-    if len(rows) == 1:
-        return rows[0]
-    (one, two), (low, high) = rows, (b.model.n_layers for b in builds)
-    scale = (validate(cfg, None).shape.n_layers - low) / (high - low)
-    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
-
-
-def verification_builds(cfg: Config) -> list[Config]:
-    """The configs `built_row` builds for `cfg`: at its family's two calibration depths per
-    pipeline stage, or `cfg` itself when its model is no deeper."""
+    calibration_depths) in blocks per pipeline stage, extrapolated
+    linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
+    lies on one line to the byte); the full build when the model is no deeper."""
     p = cfg.parallel
     per_stage = p.pp * p.pp_stages_per_rank
+    n_layers = validate(cfg, None).shape.n_layers
     low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
-    if validate(cfg, None).shape.n_layers <= high:
-        return [cfg]
-    return [with_depth(cfg, low), with_depth(cfg, high)]
-
-
-def likely_verified(
-    configs: list[Config],
-    world_size: int,
-    capacity: float,
-    coefficients: Callable[[Family], Coefficients],
-    verify: int,
-) -> list[Config]:
-    """The layouts of `configs` (fastest first) that plan's walk builds if the memory model's
-    fit or no fit holds for each: those within MODEL_MARGIN above `capacity` until `verify`
-    fit; one per set of builds (layouts that differ only in the micro-batch outside a pipeline
-    share them)."""
-    found, seen, fits = [], set(), 0
-    for cfg in configs:
-        if fits >= verify:
-            break
-        try:
-            if sum(states_floor(cfg, world_size).values()) > capacity:
-                continue
-            peak = modelled_row(cfg, world_size, coefficients)["peak"]
-        except Exception:  # noqa: BLE001, S112 - the layout's own row reports it (plan)
-            continue
-        if peak > capacity * (1 + MODEL_MARGIN):
-            continue
-        fits += peak <= capacity
-        p, t = cfg.parallel, cfg.training
-        key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
-        key += (t.micro_batch_size if p.pp > 1 else 0,)
-        if key not in seen:
-            seen.add(key)
-            found.append(cfg)
-    return found
-
-
-def build_into(store: BuildStore, cfg: Config, world_size: int) -> None:
-    """memory_row's fake builds of `cfg`, kept in `store` (a worker's job: `build_ahead`); one
-    that raises is left for the plan to meet and report."""
-    try:
-        memory_row(cfg, world_size, {}, store=store)
-    except Exception:  # noqa: BLE001, S110 - plan builds it again and reports the error
-        pass
+    if n_layers <= high:
+        return memory_row(cfg, world_size, cache, store=store)
+    one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
+    scale = (n_layers - low) / (high - low)
+    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
 
 
 def with_advice(
