@@ -152,3 +152,11 @@ def forget_dtensor_meshes() -> None:
 
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a fake tensor: shapes without values, as in the planner's fake builds
+    (`torch._subclasses.fake_tensor.is_fake`)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(tensor)

@@ -141,6 +141,14 @@ def test_is_zero_redundancy_optimizer(one_rank):
     assert torch_compat.is_zero_redundancy_optimizer(zero)
 
 
+def test_is_fake_tells_a_fake_tensor_from_a_real_one():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not torch_compat.is_fake(torch.ones(2))
+    with FakeTensorMode():
+        assert torch_compat.is_fake(torch.ones(2))
+
+
 def test_nothing_imports_the_zero_module_or_dcp_fsspec_early():
     """The adapter keeps its slow imports for first use (a fresh interpreter)."""
     code = (

@@ -24,7 +24,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+
+from distrain.torch_compat import is_fake
 
 
 @dataclass(kw_only=True)
