@@ -45,6 +45,7 @@ def _pipeline_model(runner: _Runner) -> ParallelModel:
     model.dims, model.autocast = SimpleNamespace(tp=1, cp=1), contextlib.nullcontext()
     model.tied = None  # no tied embedding across stages
     model.sequence_split = None  # no context parallelism
+    model.train_batch_rows = 2  # the local batch the schedule runs (the test's batch)
     return model
 
 
