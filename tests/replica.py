@@ -53,6 +53,11 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def trained_step(run_dir: Path) -> int:
+    """The last step the run has logged a loss for so far (0 before any)."""
+    return max((r["step"] for r in metrics_rows(run_dir) if "loss" in r), default=0)
+
+
 def check_killed_group_row(rows: list[dict], ranks_lost: str) -> dict:
     """The survivors' row for a group whose process was killed (the first failure row with the
     cause "collective error"), checked; returned. The step in flight fails with a collective

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 from helpers import SMALL_RUN, losses, start_train, train_in_process
-from replica import metrics_rows, running_lighthouse, secret_file, wait_until
+from replica import running_lighthouse, secret_file, trained_step, wait_until
 
 from distrain.config.io import load_config
 from distrain.layout.rules import validate
@@ -130,8 +130,7 @@ def _attacked(tmp_path, lighthouse: str, mode: str) -> tuple[int, str, list[dict
     group = start_train(run, "--nproc", "1", "--max-restarts", "0", **fields)
     attacker = None
     try:
-        step_of = lambda: max((r["step"] for r in metrics_rows(run) if "loss" in r), default=0)  # noqa: E731
-        wait_until(lambda: step_of() >= 3, "step 3 of group 0", [group], limit_s=180)
+        wait_until(lambda: trained_step(run) >= 3, "step 3 of group 0", [group], limit_s=180)
         attacker = subprocess.Popen(
             [sys.executable, "-c", ATTACKER, mode, lighthouse, str(marker), str(size)]
             + [str(2 * SLOT_SIZE)],

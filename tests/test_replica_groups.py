@@ -41,6 +41,7 @@ from replica import (
     metrics_rows,
     running_lighthouse,
     secret_file,
+    trained_step,
     wait_until,
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -136,18 +137,24 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     stopped = None
     try:
 
-        def step_of(g: int) -> int:
-            return max((r["step"] for r in metrics_rows(runs[g]) if "loss" in r), default=0)
 
         def rejoins() -> int:
             return sum(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[1]))
 
-        _wait(lambda: step_of(0) >= 3 and step_of(1) >= 3, "step 3 in both groups", procs)
+        _wait(
+            lambda: trained_step(runs[0]) >= 3 and trained_step(runs[1]) >= 3,
+            "step 3 in both groups",
+            procs,
+        )
         survivors = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
         os.kill(worker_pid(procs[1].pid, 1, restart=0), signal.SIGKILL)
         _wait(lambda: rejoins() >= 1, "group 1's first rejoin", procs)
-        rejoined_at = step_of(0)
-        _wait(lambda: step_of(1) >= rejoined_at + 2, "2 steps of the rejoined group", procs)
+        rejoined_at = trained_step(runs[0])
+        _wait(
+            lambda: trained_step(runs[1]) >= rejoined_at + 2,
+            "2 steps of the rejoined group",
+            procs,
+        )
         stopped = worker_pid(procs[1].pid, 1, restart=1)
         rows_before_stop = len(metrics_rows(runs[0]))
         os.kill(stopped, signal.SIGSTOP)
@@ -306,11 +313,13 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         for g in range(4)
     ]
 
-    def step_of(g: int) -> int:
-        return max((r["step"] for r in metrics_rows(runs[g]) if "loss" in r), default=0)
 
     try:
-        _wait(lambda: all(step_of(g) >= 3 for g in range(4)), "step 3 in every group", procs)
+        _wait(
+            lambda: all(trained_step(runs[g]) >= 3 for g in range(4)),
+            "step 3 in every group",
+            procs,
+        )
         survivor = worker_pid(procs[0].pid, 0, restart=0)
         victims = [worker_pid(procs[g].pid, 0, restart=0) for g in (2, 3)]
         for pid in victims:

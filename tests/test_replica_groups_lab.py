@@ -27,7 +27,14 @@ from pathlib import Path
 import pytest
 from helpers import SMALL_RUN, losses, overrides, train_in_process, worker_pid
 from netlab import IFNAME, lab_available, net_lab
-from replica import LIGHTHOUSE, check_killed_group_row, metrics_rows, secret_file, wait_until
+from replica import (
+    LIGHTHOUSE,
+    check_killed_group_row,
+    metrics_rows,
+    secret_file,
+    trained_step,
+    wait_until,
+)
 
 from distrain.observe.metrics import read_metrics
 
@@ -54,10 +61,6 @@ GROUP_FIELDS = {
     "debug__slow_rank": 0,
     "debug__slow_ms": 400,
 }
-
-
-def _step_of(run_dir: Path) -> int:
-    return max((r["step"] for r in metrics_rows(run_dir) if "loss" in r), default=0)
 
 
 def _changes(run_dir: Path, change: str) -> list[dict]:
@@ -119,7 +122,7 @@ def lab_run(tmp_path_factory) -> dict:
 
         first, second = group("group0", 0), group("group1", 1)
         _wait(
-            lambda: _step_of(runs["group0"]) >= 3 and _step_of(runs["group1"]) >= 3,
+            lambda: trained_step(runs["group0"]) >= 3 and trained_step(runs["group1"]) >= 3,
             "step 3 in both groups",
             [first, second],
         )
@@ -137,7 +140,7 @@ def lab_run(tmp_path_factory) -> dict:
         # The cut: host 1's link down with its group alive, until group 0 has evicted it.
         rejoined_at = _changes(runs["again"], "rejoined")[0]["step"]
         _wait(
-            lambda: _step_of(runs["again"]) >= rejoined_at + 2,
+            lambda: trained_step(runs["again"]) >= rejoined_at + 2,
             "steps after the rejoin",
             [first, again],
         )

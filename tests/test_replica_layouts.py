@@ -35,6 +35,7 @@ from replica import (
     metrics_rows,
     running_lighthouse,
     secret_file,
+    trained_step,
     wait_until,
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -106,11 +107,13 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
         for g in range(2)
     ]
 
-    def step_of(g: int) -> int:
-        return max((r["step"] for r in metrics_rows(runs[g]) if "loss" in r), default=0)
 
     try:
-        _wait(lambda: step_of(0) >= 3 and step_of(1) >= 3, "step 3 in both groups", procs)
+        _wait(
+            lambda: trained_step(runs[0]) >= 3 and trained_step(runs[1]) >= 3,
+            "step 3 in both groups",
+            procs,
+        )
         survivors = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
         os.kill(worker_pid(procs[1].pid, 1, restart=0), signal.SIGKILL)
         _wait(
