@@ -125,8 +125,9 @@ def test_zero3_checkpointed_and_mixtral_within_five_percent_of_the_fake_builds()
 
 
 def test_an_uncalibrated_model_would_miss():
-    """The bound can fail: without the per-sample cost of the blocks (a model that counts
-    only the model states and the constant) the peak of a large micro-batch is far off."""
+    """The bound can fail: without the cost of the blocks (both calibration depths read as the
+    shallower: a model that counts only the model states and the constant) the peak of a large
+    micro-batch is far off."""
     base, cache = base_config(), {}
     c = Candidate(1, 4, 1, 1, 0, "none", 4)
     cfg = candidate_config(base, c)
@@ -135,7 +136,8 @@ def test_an_uncalibrated_model_would_miss():
         import dataclasses
 
         got = calibrate_family(base, family, lambda cfg, world: memory_of(cfg, world, cache))
-        return dataclasses.replace(got, sample_per_block=0.0)
+        shallow, _ = got.builds
+        return dataclasses.replace(got, builds=(shallow, shallow), states=(got.states[0],) * 2)
 
     built = memory_row(cfg, WORLD, cache)
     assert modelled_row(cfg, WORLD, no_blocks)["peak"] < 0.9 * built["peak"]

@@ -16,8 +16,16 @@ Breakdown per rank:
   (FSDP2's all-gathered parameters, the loss, temporaries);
 - peak: the largest live total over forward, backward (optimizer state held) and the optimizer
   step.
-Activations grow linearly with the micro-batch, so two fake steps (micro-batch 1 and 2) give the
-peak for any micro-batch size.
+A step's first micro-batch starts without gradients (the trainer zeroes them to None), and its
+peak can fall anywhere from the end of forward to the end of backward, where the gradients are
+all made; a step that accumulates holds every gradient through each later micro-batch. Both are
+read from one fwd/bwd: `LiveBytes` records the live total after every op and when each storage
+was made, and the moment-by-moment total with the gradients held is the same total with each
+gradient counted from the start instead of from the op that made it (a pass with them really
+held gives the same peak to the byte on the planner's presets; tests/test_plan.py). Every
+moment's total grows linearly with the micro-batch, so two passes (micro-batch 1 and 2, the same
+ops) give each moment's line, and the peak at any micro-batch is the highest of them: kept as
+two lines, the moment highest at micro-batch 1 and the one growing fastest (`peak_lines`).
 """
 
 from __future__ import annotations
@@ -48,29 +56,141 @@ from distrain.torch_compat import (
     forget_dtensor_meshes,
 )
 
+MOMENTS = ("", "second_", "steep_")
+"""The three moments of a fwd/bwd whose lines make its peak (`peak_lines`), by field prefix."""
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank. The fwd/bwd peak at micro-batch size b is fixed + b x per_sample (params
-    and gradients included, optimizer state not)."""
+    """Bytes per rank. The fwd/bwd peak at micro-batch size b (params and the gradients
+    included, optimizer state not) is the largest of three lines, fixed + b x per_sample: with
+    the gradients held (`fixed`, `per_sample`: the moment highest at micro-batch 1; `second_*`:
+    at 2; `steep_*`: the moment growing fastest), and for a step's first micro-batch, which
+    starts without them (`first_*`, the same moments of that pass)."""
 
     params: int
     grads: int
     optimizer: int
     fixed: int
     per_sample: int
+    second_fixed: int
+    second_per_sample: int
+    steep_fixed: int
+    steep_per_sample: int
+    first_fixed: int
+    first_per_sample: int
+    first_second_fixed: int
+    first_second_per_sample: int
+    first_steep_fixed: int
+    first_steep_per_sample: int
     opt_step_peak: int
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
-    def activations(self, micro_batch_size: int) -> int:
-        return max(0, self.fixed + micro_batch_size * self.per_sample - self.params - self.grads)
+    def _line_peak(self, prefix: str, micro_batch_size: int) -> int:
+        return max(
+            getattr(self, f"{prefix}{m}fixed")
+            + micro_batch_size * getattr(self, f"{prefix}{m}per_sample")
+            for m in MOMENTS
+        )
 
-    def peak(self, micro_batch_size: int) -> int:
-        fwd_bwd = self.fixed + micro_batch_size * self.per_sample + self.optimizer
+    def fwd_bwd(self, micro_batch_size: int, *, accumulating: bool) -> int:
+        """The fwd/bwd peak of a step of one micro-batch, or of several (`accumulating`: the
+        later ones hold the first one's gradients)."""
+        first = self._line_peak("first_", micro_batch_size)
+        if not accumulating:
+            return first
+        return max(first, self._line_peak("", micro_batch_size))
+
+    def activations(self, micro_batch_size: int, *, accumulating: bool) -> int:
+        peak = self.fwd_bwd(micro_batch_size, accumulating=accumulating)
+        return max(0, peak - self.params - self.grads)
+
+    def peak(self, micro_batch_size: int, *, accumulating: bool) -> int:
+        fwd_bwd = self.fwd_bwd(micro_batch_size, accumulating=accumulating) + self.optimizer
         return max(fwd_bwd, self.opt_step_peak, self.model_states)
+
+
+def accumulates(cfg: Config, world_size: int) -> bool:
+    """Whether a rank of `cfg` on `world_size` ranks runs more than one micro-batch a step (its
+    share of the global batch over the micro-batch), so that its later micro-batches hold the
+    gradients of the first."""
+    p, t = cfg.parallel, cfg.training
+    data_parallel = world_size // (p.tp * p.pp * p.cp)
+    return t.global_batch_size // data_parallel > t.micro_batch_size
+
+
+Line = tuple[int, int]
+
+
+def peak_lines(one: list[int], two: list[int]) -> tuple[Line, Line, Line]:
+    """(fixed, per sample) of three moments of a pass run at micro-batch 1 (`one`: the live
+    total at each moment) and 2 (`two`, the same moments: `moments`): the moment highest at
+    micro-batch 1, the one highest at 2, and the one growing fastest (ties: the higher), whose
+    lines bound the peak at any micro-batch from below and meet it at 1, at 2 and at large
+    micro-batches. Passes that could not be matched moment by moment fall back to the line
+    through their peaks."""
+    if len(one) != len(two) or not one:
+        slope = max(two, default=0) - max(one, default=0)
+        line = (max(one, default=0) - slope, slope)
+        return line, line, line
+    picked = (
+        max(range(len(one)), key=lambda i: (one[i], two[i])),
+        max(range(len(one)), key=lambda i: (two[i], two[i] - one[i])),
+        max(range(len(one)), key=lambda i: (two[i] - one[i], one[i])),
+    )
+    return tuple((one[i] - (two[i] - one[i]), two[i] - one[i]) for i in picked)
+
+
+RESYNC_WINDOW = 32
+"""How many ops past a difference either pass may run before the two must agree again."""
+RESYNC_OPS = 4
+"""Ops in a row the passes must agree on to be back in step."""
+
+
+def moments(one_ops: list[Any], two_ops: list[Any]) -> list[tuple[slice, slice]] | None:
+    """The two passes' ops paired into moments: a moment is one op both ran, or a stretch where
+    they differ (a batch of one takes a view where a batch of two splits and concatenates), as
+    one moment of each side's stretch; None where they part for longer than RESYNC_WINDOW."""
+    found, i, j = [], 0, 0
+    while i < len(one_ops) and j < len(two_ops):
+        if one_ops[i] == two_ops[j]:
+            found.append((slice(i, i + 1), slice(j, j + 1)))
+            i, j = i + 1, j + 1
+            continue
+        step = _back_in_step(one_ops, two_ops, i, j)
+        if step is None:
+            return None
+        found.append((slice(i, i + step[0]), slice(j, j + step[1])))
+        i, j = i + step[0], j + step[1]
+    if i < len(one_ops) or j < len(two_ops):
+        found.append((slice(i, len(one_ops)), slice(j, len(two_ops))))
+    return found
+
+
+def _back_in_step(one: list[Any], two: list[Any], i: int, j: int) -> tuple[int, int] | None:
+    """The fewest ops (di, dj) after which the passes agree on RESYNC_OPS ops (or both end)."""
+    for total in range(1, 2 * RESYNC_WINDOW + 1):
+        for di in range(max(0, total - RESYNC_WINDOW), min(total, RESYNC_WINDOW) + 1):
+            dj = total - di
+            if one[i + di : i + di + RESYNC_OPS] == two[j + dj : j + dj + RESYNC_OPS]:
+                return di, dj
+    return None
+
+
+def at_moments(totals: list[int], spans: list[slice]) -> list[int]:
+    """The live total at each moment: the highest over its ops (one that ran no op: the total
+    before it)."""
+    return [
+        max(totals[span]) if span.stop > span.start else totals[max(0, span.start - 1)]
+        for span in spans
+    ]
+
+
+BUFFERS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
+"""Ops that make a buffer for the caller to fill rather than compute a result."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -78,20 +198,21 @@ class LiveBytes(TorchDispatchMode):
     (each storage once, until the storage is freed) on top of `baseline`. Works on fake tensors.
     The release is tied to the storage's Python object, which torch keeps as long as the storage
     lives: a gradient that autograd holds in `.grad` after the tensor that brought it is gone
-    stays counted."""
+    stays counted. With `record`: `ops` and `totals`, each op and the live total after it, and
+    `made`, the op index at which each storage now alive was made (by its key, `storage_key`)."""
 
-    def __init__(self, baseline: int = 0):
+    def __init__(self, baseline: int = 0, *, record: bool = False):
         super().__init__()
         self.live = self.peak = baseline
+        self.record = record
+        self.ops: list[Any] = []
+        self.totals: list[int] = []
+        self.made: dict[int, int] = {}
         self._seen: set[int] = set()
 
     def _release(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.live -= nbytes
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -100,9 +221,7 @@ class LiveBytes(TorchDispatchMode):
         # op below this mode, unseen: its output's local tensor is what it made (tp and sp
         # activations are DTensors).
         inputs = {
-            self._key(dtensor_storage(t))
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
+            storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
@@ -116,7 +235,35 @@ class LiveBytes(TorchDispatchMode):
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._release, key, nbytes)
+            if self.record:
+                self.made[key] = len(self.totals)
+        if self.record:
+            self.ops.append(func)
+            self.totals.append(self.live)
         return out
+
+    def with_held(self, storages: dict[int, int]) -> list[int]:
+        """`totals` as if `storages` (key -> bytes: the gradients, made during the recorded
+        pass) had been alive from its start: each is counted before the op that made it too.
+        When accumulating, a gradient that autograd computed (and, the first time, kept as
+        `.grad`) lives beside the held one until the engine adds it, so the one computed last
+        is counted twice until the next is made; one that a wrapper filled into a buffer of its
+        own (FSDP2's reduce-scatter output, made by `empty`) is added at once."""
+        made = sorted((self.made[key], nbytes) for key, nbytes in storages.items())
+        totals, not_yet, newest, k = [], sum(storages.values()), 0, 0
+        for index, live in enumerate(self.totals):
+            while k < len(made) and made[k][0] <= index:
+                not_yet -= made[k][1]
+                computed = self.ops[made[k][0]]._schema.name not in BUFFERS
+                newest = made[k][1] if computed else 0
+                k += 1
+            totals.append(live + not_yet + newest)
+        return totals
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of the storage `t` (a DTensor: its local tensor) lives in."""
+    return dtensor_storage(t).untyped_storage()._cdata
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -226,30 +373,45 @@ def measure_step(
     seq_len: int,
     device: torch.device,
 ) -> MemoryEstimate:
-    """Live-byte peaks of fwd/bwd at micro-batch 1 and 2, then of the optimizer step; on fake
-    tensors (the planner) or real ones (the tests' measurement), counted the same way. A first
-    pass makes the gradients, which stay held in the baseline of each measured pass, as under
-    accumulation: counted from their creation instead, a small micro-batch's peak would fall
-    at the end of backward (the gradients, not the activations) and the slope would not be the
-    activations'."""
+    """Live-byte lines of fwd/bwd at micro-batch 1 and 2, each pass started without gradients
+    as a step's first micro-batch is (and read again with them held: `LiveBytes.with_held`),
+    then the peak of the optimizer step; on fake tensors (the planner) or real ones (the tests'
+    measurement), counted the same way."""
     params = sum(local_bytes(p) for p in model.parameters())
-    model.forward_backward([_tokens(1, seq_len, device)], lambda loss: loss)
-    grads = grad_bytes(model.parameters())
-    peaks = []
+    # Outside the count: what the first forward makes once for good (FSDP2's unsharded
+    # parameters, resized to nothing between uses but counted at their full size when made).
+    model.eval_loss([_tokens(1, seq_len, device)])
+    passes = []
     for rows in (1, 2):
-        with LiveBytes(params + grads) as live:
+        for p in model.parameters():
+            p.grad = None
+        with LiveBytes(params, record=True) as live:
             model.forward_backward([_tokens(rows, seq_len, device)], lambda loss: loss)
-        peaks.append(live.peak)
+        storages = {
+            storage_key(p.grad): dtensor_storage(p.grad).untyped_storage().nbytes()
+            for p in model.parameters()
+            if p.grad is not None
+        }
+        passes.append((live.ops, live.totals, live.with_held(storages)))
+    (one_ops, *one), (two_ops, *two) = passes
+    paired = moments(one_ops, two_ops)
+    if paired is not None:
+        one = [at_moments(totals, [a for a, _ in paired]) for totals in one]
+        two = [at_moments(totals, [b for _, b in paired]) for totals in two]
+    lines = {}
+    for prefix, at_one, at_two in (("first_", one[0], two[0]), ("", one[1], two[1])):
+        for moment, (fixed, per_sample) in zip(MOMENTS, peak_lines(at_one, at_two), strict=True):
+            lines[f"{prefix}{moment}fixed"] = fixed
+            lines[f"{prefix}{moment}per_sample"] = per_sample
+    grads = grad_bytes(model.parameters())
     with LiveBytes(params + grads) as live:
         for optimizer in optimizers:
             optimizer.step()
     optimizer_bytes = held_optimizer_state_bytes(optimizers)
-    per_sample = peaks[1] - peaks[0]
     return MemoryEstimate(
         params=params,
         grads=grads,
         optimizer=optimizer_bytes,
-        fixed=peaks[0] - per_sample,
-        per_sample=per_sample,
         opt_step_peak=max(live.peak, params + grads + optimizer_bytes),
+        **lines,
     )

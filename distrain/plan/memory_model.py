@@ -52,7 +52,7 @@ from distrain.optim.builder import param_groups, roles_of
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.memory import MemoryEstimate
+from distrain.plan.memory import MemoryEstimate, accumulates
 from distrain.plan.pipeline_memory import in_flight
 
 FP32 = 4
@@ -76,17 +76,86 @@ class Family:
 
 
 @dataclass(frozen=True)
-class Coefficients:
-    """Bytes of one family, measured: per sample (per block, constant), above the model states
-    (per block, constant), and the optimizer state per parameter byte and its step's extra
-    peak per parameter byte."""
+class LineCosts:
+    """Bytes of one peak line by depth: per sample (per block, constant) and above the model
+    states (per block, constant)."""
 
     sample_per_block: float
     sample_const: float
     fixed_per_block: float
     fixed_const: float
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """One family, measured: its two calibration builds (`builds`, at `depths` blocks) with the
+    parameter and gradient bytes of each (`states`), the optimizer state per parameter byte and
+    its step's extra peak per parameter byte; `scale` x the per-block and fixed terms (sequence
+    parallelism above CALIBRATED_TP)."""
+
+    depths: tuple[int, int]
+    builds: tuple[MemoryEstimate, MemoryEstimate]
+    states: tuple[int, int]
     optimizer_per_param_byte: float
     step_extra_per_param_byte: float
+    scale: float = 1.0
+
+    def _above(self, micro_batch_size: int, accumulating: bool) -> tuple[float, float]:
+        """(per block, constant) of the fwd/bwd peak above the model states at this
+        micro-batch: each build's peak there (memory.MemoryEstimate.fwd_bwd: the highest of its
+        moments), on a line through the two depths."""
+        low, high = self.depths
+        above = [
+            m.fwd_bwd(micro_batch_size, accumulating=accumulating) - s
+            for m, s in zip(self.builds, self.states, strict=True)
+        ]
+        per_block = (above[1] - above[0]) / (high - low)
+        return per_block, above[0] - low * per_block
+
+    def above_states(self, blocks: int, micro_batch_size: int, *, accumulating: bool) -> float:
+        """Bytes of the fwd/bwd peak above the model states of a stage of `blocks` blocks. Under
+        `scale`, the constant's share that grows with the micro-batch (the embedding, head and
+        loss) is kept, read from the next micro-batch's. A step's first micro-batch deeper than
+        the deeper build is priced at least as that build (and at most as with the gradients
+        held): its peak moves, as the model deepens, from the end of forward towards the end of
+        backward, where it stops growing (`tiny` under ZeRO-2 and full checkpointing at
+        micro-batch 4: 4.07, 3.81, then 3.70 MB above the model states from 4 blocks on), so
+        the line through two shallow depths can fall below it."""
+        value = self._scaled(blocks, micro_batch_size, accumulating)
+        deeper = self.depths[1]
+        if accumulating or blocks <= deeper:
+            return value
+        floor = self._scaled(deeper, micro_batch_size, accumulating)
+        return min(max(value, floor), self._scaled(blocks, micro_batch_size, True))
+
+    def _scaled(self, blocks: int, micro_batch_size: int, accumulating: bool) -> float:
+        per_block, const = self._above(micro_batch_size, accumulating)
+        if self.scale == 1.0:
+            return const + blocks * per_block
+        _, const_next = self._above(micro_batch_size + 1, accumulating)
+        sample_const = const_next - const
+        fixed_const = const - micro_batch_size * sample_const
+        return (fixed_const + blocks * per_block) * self.scale + micro_batch_size * sample_const
+
+    def held_line(self) -> LineCosts:
+        """The line a pipeline stage is priced by: gradients held, through micro-batch 1 and 2."""
+        (block_one, const_one), (block_two, const_two) = (
+            self._above(b, accumulating=True) for b in (1, 2)
+        )
+        line = LineCosts(
+            sample_per_block=block_two - block_one,
+            sample_const=const_two - const_one,
+            fixed_per_block=2 * block_one - block_two,
+            fixed_const=2 * const_one - const_two,
+        )
+        if self.scale == 1.0:
+            return line
+        return dataclasses.replace(
+            line,
+            sample_per_block=line.sample_per_block * self.scale,
+            fixed_per_block=line.fixed_per_block * self.scale,
+            fixed_const=line.fixed_const * self.scale,
+        )
 
 
 def family_of(cfg: Config) -> Family:
@@ -116,13 +185,7 @@ def coefficients_for(cfg: Config, coefficients: Callable[[Family], Coefficients]
     c = coefficients(calibrated_family(cfg))
     if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
         return c
-    scale = CALIBRATED_TP / family.tp
-    return dataclasses.replace(
-        c,
-        sample_per_block=c.sample_per_block * scale,
-        fixed_per_block=c.fixed_per_block * scale,
-        fixed_const=c.fixed_const * scale,
-    )
+    return dataclasses.replace(c, scale=CALIBRATED_TP / family.tp)
 
 
 def states_floor(cfg: Config, world_size: int) -> dict[str, int]:
@@ -190,20 +253,12 @@ def calibrate_family(
     cfg, world = calibration_layout(base, family)
     low, high = calibration_depths(family)
     one, two = (measure(*b) for b in calibration_builds(base, family))
-    states_one = model_states(with_depth(cfg, low), world)
-    states_two = model_states(with_depth(cfg, high), world)
-
-    def above(m: MemoryEstimate, s: ModelStates) -> int:
-        return m.fixed - s.params - s.grads
-
-    sample_block = (two.per_sample - one.per_sample) / (high - low)
-    fixed_block = (above(two, states_two) - above(one, states_one)) / (high - low)
+    states = [model_states(with_depth(cfg, n), world) for n in (low, high)]
     step_extra = max(0, one.opt_step_peak - one.model_states)
     return Coefficients(
-        sample_per_block=sample_block,
-        sample_const=one.per_sample - low * sample_block,
-        fixed_per_block=fixed_block,
-        fixed_const=above(one, states_one) - low * fixed_block,
+        depths=(low, high),
+        builds=(one, two),
+        states=tuple(s.params + s.grads for s in states),
         optimizer_per_param_byte=one.optimizer / max(1, one.params),
         step_extra_per_param_byte=step_extra / max(1, one.params),
     )
@@ -376,38 +431,27 @@ def modelled_row(
     c = coefficients_for(cfg, coefficients)
     if p.pp == 1:
         states = model_states(cfg, world_size)
-        mem = estimate_of(states, optimizer_bytes(cfg, world_size, states, c), c)
+        optimizer = optimizer_bytes(cfg, world_size, states, c)
+        # ZeRO-1 without tp is planned from the ZeRO-0 build (search.memory_of): its step's
+        # peak holds all the state.
+        step_optimizer = optimizer
         if p.zero_stage == 1 and p.tp == 1:
-            # Planned from the ZeRO-0 build (search.memory_of): its step's peak holds all state.
-            whole = math.ceil(states.params * c.optimizer_per_param_byte)
-            step = estimate_of(states, whole, c).opt_step_peak
-            mem = dataclasses.replace(mem, opt_step_peak=step)
-        mb = t.micro_batch_size
+            step_optimizer = math.ceil(states.params * c.optimizer_per_param_byte)
+        mb, accumulating = t.micro_batch_size, accumulates(cfg, world_size)
+        above = c.above_states(states.blocks, mb, accumulating=accumulating)
+        fwd_bwd = states.params + states.grads + above
+        held = states.params + states.grads + optimizer
+        step_peak = states.params + states.grads + step_optimizer
+        step_peak += states.params * c.step_extra_per_param_byte
         return {
-            "params": mem.params,
-            "grads": mem.grads,
-            "optimizer": mem.optimizer,
-            "activations": mem.activations(mb),
-            "peak": mem.peak(mb),
+            "params": states.params,
+            "grads": states.grads,
+            "optimizer": optimizer,
+            "activations": max(0, round(above)),
+            "peak": round(max(fwd_bwd + optimizer, step_peak, held)),
         }
     rows = [_pipeline_rank(cfg, world_size, r, c) for r in range(p.pp)]
     return max(rows, key=lambda r: r["peak"])
-
-
-def estimate_of(states: ModelStates, optimizer: int, c: Coefficients) -> MemoryEstimate:
-    """A MemoryEstimate of `states` with the family's activation costs at their depth."""
-    above = c.fixed_const + states.blocks * c.fixed_per_block
-    sample = c.sample_const + states.blocks * c.sample_per_block
-    return MemoryEstimate(
-        params=states.params,
-        grads=states.grads,
-        optimizer=optimizer,
-        fixed=round(states.params + states.grads + above),
-        per_sample=round(sample),
-        opt_step_peak=round(
-            states.params + states.grads + optimizer + states.params * c.step_extra_per_param_byte
-        ),
-    )
 
 
 def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) -> dict[str, Any]:
@@ -423,8 +467,10 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
     rows = local_batch // microbatches
     kept = in_flight(p.pp_schedule, p.pp, pp_rank, p.pp_stages_per_rank, microbatches)
-    per_sample = states.blocks * c.sample_per_block + (c.sample_const if states.has_head else 0)
-    activations = max(0, round(c.fixed_const + states.blocks * c.fixed_per_block))
+    held = c.held_line()
+    per_sample = states.blocks * held.sample_per_block
+    per_sample += held.sample_const if states.has_head else 0
+    activations = max(0, round(held.fixed_const + states.blocks * held.fixed_per_block))
     activations += round(kept * rows * per_sample)
     stages = p.pp * p.pp_stages_per_rank
     ids = [pp_rank + i * p.pp for i in range(p.pp_stages_per_rank)]

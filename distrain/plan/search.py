@@ -37,7 +37,7 @@ from distrain.optim.onebit_zero import held_state_bytes
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.build_store import BuildStore, build
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
-from distrain.plan.memory import MemoryEstimate, estimate_memory
+from distrain.plan.memory import MemoryEstimate, accumulates, estimate_memory
 from distrain.plan.memory_model import (
     Coefficients,
     Family,
@@ -193,12 +193,13 @@ def memory_row(
     p, mb = cfg.parallel, cfg.training.micro_batch_size
     if p.pp == 1:
         mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive, store=store)
+        accumulating = accumulates(cfg, world_size)
         return {
             "params": mem.params,
             "grads": mem.grads,
             "optimizer": mem.optimizer,
-            "activations": mem.activations(mb),
-            "peak": mem.peak(mb),
+            "activations": mem.activations(mb, accumulating=accumulating),
+            "peak": mem.peak(mb, accumulating=accumulating),
         }
     key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
     key += (cfg.training.activation_checkpointing, cfg.model.n_layers)
@@ -430,7 +431,14 @@ def built_row(
         return memory_row(cfg, world_size, cache, store=store)
     one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
     scale = (n_layers - low) / (high - low)
-    return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+    row = {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+    if p.pp == 1 and not accumulates(cfg, world_size):
+        # A step's first micro-batch: at least the deeper build's activations (memory_model.
+        # Coefficients.above_states says why).
+        row["activations"] = max(row["activations"], two["activations"])
+        fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
+        row["peak"] = max(row["peak"], fwd_bwd)
+    return row
 
 
 def with_advice(
