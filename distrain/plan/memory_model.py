@@ -17,18 +17,19 @@ fastest few are built (search.py):
   and a step scalar per tensor), divided over the data-parallel ranks under ZeRO-1 (the fullest
   rank of torch's ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under
   ZeRO-1/2;
-- activations: per sample, a cost per block and a constant (embedding, head, loss), and above
-  the model states a fixed cost per block and a constant (FSDP2's gathered parameters,
-  transient buffers), measured for a *family* of layouts (tp degree, data-parallel wrapper:
+- activations: the fwd/bwd peak above the model states at the layout's micro-batch (with the
+  gradients held, or for a step of one micro-batch without: memory.MemoryEstimate), a cost per
+  block and a constant, measured for a *family* of layouts (tp degree, data-parallel wrapper:
   none/DDP, FSDP2 without or with resharding after forward, activation checkpointing) by two
   fake builds of the planned model at its real width and 2 and 3 blocks (3 and 4 under FSDP2
   resharding with full checkpointing: `calibration_depths`; world: tp, x2 under FSDP2), which
   hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
-  full checkpointing, 3, 4 and 5 blocks do, 2 does not); every layout of the family then
-  costs arithmetic: its stage depth, micro-batch and, for a pipeline, the microbatches its
-  schedule keeps in flight (pipeline_memory.in_flight) and its receive buffers. A pipeline
-  stage's FSDP2 never reshards after forward, so ZeRO-3 under pp is priced with the ZeRO-2
-  family.
+  full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch deeper than
+  the deeper build is priced at least as that build: `Coefficients.above_states`); every
+  layout of the family then costs arithmetic: its stage depth, micro-batch and, for a
+  pipeline, the microbatches its schedule keeps in flight (pipeline_memory.in_flight) and its
+  receive buffers. A pipeline stage's FSDP2 never reshards after forward, so ZeRO-3 under pp
+  is priced with the ZeRO-2 family.
 
 Checked against full fake builds in tests/test_plan_model.py (within 10% on small layouts).
 """
