@@ -260,6 +260,27 @@ def test_moments_pair_passes_whose_ops_differ_for_a_batch_of_one():
     assert memory.moments(["a"] * 3 + ["b"] * 80, ["a"] * 3 + ["c"] * 80) is None
 
 
+def test_diloco_outer_state_and_step_are_planned():
+    """DiLoCo (2 sites x FSDP 2): the fake build makes the real outer optimizer over the rank's
+    shards and runs an outer step: it holds the fp32 global weights and momentum, two copies of
+    the rank's parameters (to 8 bytes: the outer step's own square), as optimizer state at
+    every moment of the step, and its outer step peaks above the inner step's (the
+    pseudo-gradients, their average and the flat bucket). With overlap_steps, a fragment's
+    pseudo-gradients and their fp32 bucket stay in flight through the next inner steps (2 x
+    half the parameters with 2 fragments): held too."""
+    cfg = tiny_config(stage=2, world_size=4)
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard = 2, 2
+    alone = estimate_memory(cfg, 4)
+    cfg.diloco.inner_steps = 4
+    outer = estimate_memory(cfg, 4)
+    assert outer.optimizer - alone.optimizer == pytest.approx(2 * alone.params, abs=8)
+    assert outer.opt_step_peak > alone.opt_step_peak + 2 * alone.params
+    assert outer.peak(1, accumulating=False) > alone.peak(1, accumulating=False)
+    cfg.diloco.overlap_steps, cfg.diloco.fragments = 1, 2
+    in_flight = estimate_memory(cfg, 4)
+    assert in_flight.optimizer - outer.optimizer == pytest.approx(alone.params, rel=0.05)
+
+
 def zero_theory(psi: int, stage: int, n: int) -> dict[str, float]:
     """The ZeRO paper's bytes per rank for fp32 Adam (Rajbhandari et al. 2019)."""
     return {

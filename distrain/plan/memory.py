@@ -39,12 +39,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
+from distrain.optim.diloco import DiLoCo
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
@@ -359,7 +361,42 @@ def _fake_step(plan, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa:
         )
         for part in model.parts
     ]
-    return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
+    found = measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
+    if cfg.diloco.inner_steps == 0:
+        return found
+    return with_outer_step(found, plan, mesh, model)
+
+
+def with_outer_step(
+    found: MemoryEstimate, plan: RunPlan, mesh: DeviceMesh, model: ParallelModel
+) -> MemoryEstimate:
+    """`found` with DiLoCo's outer optimizer (optim/diloco.py) made over this rank's shards and
+    its first outer step run, as the trainer runs it after an inner step (the gradients
+    zeroed): what it still holds afterwards (the fp32 global weights and momentum, and with
+    diloco.overlap_steps the fragment in flight) counts as optimizer state, at every moment of
+    the step, and the outer step's peak as an optimizer step's."""
+    cfg, dims = plan.config, plan.dims
+    for p in model.parameters():
+        p.grad = None
+    at_rest = found.params + found.optimizer
+    with LiveBytes(at_rest) as live:
+        outer = DiLoCo(
+            model.parts,
+            cfg.diloco,
+            sites=mesh["dp_replicate"].get_group(),
+            site=mesh["dp_replicate"].get_local_rank(),
+            total_steps=cfg.diloco.inner_steps + 1,
+            holders=dims.world_size // dims.pp,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+            counted_elsewhere=model.counted_elsewhere,
+        )
+        outer.after_step(cfg.diloco.inner_steps)
+    held = live.live - at_rest
+    return dataclasses.replace(
+        found,
+        optimizer=found.optimizer + held,
+        opt_step_peak=max(found.opt_step_peak + held, live.peak),
+    )
 
 
 def grad_bytes(parameters: Iterable[torch.Tensor]) -> int:
