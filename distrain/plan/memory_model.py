@@ -24,8 +24,8 @@ fastest few are built (search.py):
   fake builds of the planned model at its real width and 2 and 3 blocks (3 and 4 under FSDP2
   resharding with full checkpointing: `calibration_depths`; world: tp, x2 under FSDP2), which
   hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
-  full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch deeper than
-  the deeper build is priced at least as that build: `Coefficients.above_states`); every
+  full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch is kept
+  within the gradients' bytes of the held peak: `Coefficients.above_states`); every
   layout of the family then costs arithmetic: its stage depth, micro-batch and, for a
   pipeline, the microbatches its schedule keeps in flight (pipeline_memory.in_flight) and its
   receive buffers. A pipeline stage's FSDP2 never reshards after forward, so ZeRO-3 under pp
@@ -74,6 +74,8 @@ class Family:
     tp: int
     wrapper: str  # "plain" (no wrapper or DDP, ZeRO-0/1), "fsdp" (ZeRO-2), "fsdp_reshard"
     activation_checkpointing: str
+    checkpoint_every: int = 1
+    """training.ac_every_layers under selective checkpointing (the period of its blocks)."""
 
 
 @dataclass(frozen=True)
@@ -113,21 +115,24 @@ class Coefficients:
         per_block = (above[1] - above[0]) / (high - low)
         return per_block, above[0] - low * per_block
 
-    def above_states(self, blocks: int, micro_batch_size: int, *, accumulating: bool) -> float:
+    def above_states(
+        self, blocks: int, micro_batch_size: int, *, accumulating: bool, grads: int
+    ) -> float:
         """Bytes of the fwd/bwd peak above the model states of a stage of `blocks` blocks. Under
         `scale`, the constant's share that grows with the micro-batch (the embedding, head and
-        loss) is kept, read from the next micro-batch's. A step's first micro-batch deeper than
-        the deeper build is priced at least as that build (and at most as with the gradients
-        held): its peak moves, as the model deepens, from the end of forward towards the end of
-        backward, where it stops growing (`tiny` under ZeRO-2 and full checkpointing at
-        micro-batch 4: 4.07, 3.81, then 3.70 MB above the model states from 4 blocks on), so
-        the line through two shallow depths can fall below it."""
+        loss) is kept, read from the next micro-batch's. A step's first micro-batch (not
+        `accumulating`) lies between the peak with the gradients held and that peak less the
+        stage's gradients (`grads`; at the held peak's moment the first micro-batch lacks at
+        most those): its line through two shallow depths can leave that range, as its peak
+        moves from the end of forward towards the end of backward while the model deepens
+        (`tiny` under ZeRO-2 and full checkpointing at micro-batch 4: 4.07, 3.81, then 3.70 MB
+        above the model states from 4 blocks on; the line through 2 and 3 blocks was 18% below
+        at 6), and calibrated on 2 ranks it lacks the gradients of that many, not of the row's."""
         value = self._scaled(blocks, micro_batch_size, accumulating)
-        deeper = self.depths[1]
-        if accumulating or blocks <= deeper:
+        if accumulating:
             return value
-        floor = self._scaled(deeper, micro_batch_size, accumulating)
-        return min(max(value, floor), self._scaled(blocks, micro_batch_size, True))
+        held = self._scaled(blocks, micro_batch_size, True)
+        return min(max(value, held - grads), held)
 
     def _scaled(self, blocks: int, micro_batch_size: int, accumulating: bool) -> float:
         per_block, const = self._above(micro_batch_size, accumulating)
@@ -165,7 +170,9 @@ def family_of(cfg: Config) -> Family:
         wrapper = "plain"
     else:
         wrapper = "fsdp_reshard" if p.zero_stage == 3 and p.pp == 1 else "fsdp"
-    return Family(p.tp, wrapper, cfg.training.activation_checkpointing)
+    t = cfg.training
+    every = t.ac_every_layers if t.activation_checkpointing == "selective" else 1
+    return Family(p.tp, wrapper, t.activation_checkpointing, every)
 
 
 def calibrated_family(cfg: Config) -> Family:
@@ -232,11 +239,20 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
 
 
 def calibration_depths(family: Family) -> tuple[int, int]:
-    """The two depths `family` is calibrated at (RESHARD_CHECKPOINTED_DEPTHS or
-    CALIBRATION_DEPTHS); search.built_row verifies a layout at the same blocks per stage."""
-    if family.wrapper == "fsdp_reshard" and family.activation_checkpointing == "full":
-        return RESHARD_CHECKPOINTED_DEPTHS
-    return CALIBRATION_DEPTHS
+    """The two depths `family` is calibrated at: CALIBRATION_DEPTHS, or RESHARD_CHECKPOINTED_
+    DEPTHS under FSDP2 resharding with checkpointing; under selective checkpointing, the
+    first multiples of its period from there, one period apart (a line through 2 and 3 blocks,
+    one checkpointed of 2 and two of 3, over-priced `tiny`'s 6 blocks by 5-12%).
+    search.built_row verifies a layout at the same blocks per stage."""
+    checkpointed = family.activation_checkpointing != "none"
+    low, high = CALIBRATION_DEPTHS
+    if family.wrapper == "fsdp_reshard" and checkpointed:
+        low, high = RESHARD_CHECKPOINTED_DEPTHS
+    if family.activation_checkpointing == "selective":
+        every = family.checkpoint_every
+        low = every * -(-low // every)
+        return low, low + every
+    return low, high
 
 
 def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
@@ -439,7 +455,7 @@ def modelled_row(
         if p.zero_stage == 1 and p.tp == 1:
             step_optimizer = math.ceil(states.params * c.optimizer_per_param_byte)
         mb, accumulating = t.micro_batch_size, accumulates(cfg, world_size)
-        above = c.above_states(states.blocks, mb, accumulating=accumulating)
+        above = c.above_states(states.blocks, mb, accumulating=accumulating, grads=states.grads)
         fwd_bwd = states.params + states.grads + above
         held = states.params + states.grads + optimizer
         step_peak = states.params + states.grads + step_optimizer

@@ -186,14 +186,17 @@ def memory_row(
     *,
     exhaustive: bool = False,
     store: BuildStore | None = None,
+    accumulating: bool | None = None,
 ) -> dict[str, int]:
     """Bytes per rank of one candidate: params, grads, optimizer, activations, peak. A pipeline
     is planned per micro-batch (it sets the number of microbatches in flight) for the rank
-    whose peak is largest."""
+    whose peak is largest. `accumulating`: price the step's later micro-batches (True) or its
+    first (False) whatever the config's (None: as it runs)."""
     p, mb = cfg.parallel, cfg.training.micro_batch_size
     if p.pp == 1:
         mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive, store=store)
-        accumulating = accumulates(cfg, world_size)
+        if accumulating is None:
+            accumulating = accumulates(cfg, world_size)
         return {
             "params": mem.params,
             "grads": mem.grads,
@@ -433,9 +436,17 @@ def built_row(
     scale = (n_layers - low) / (high - low)
     row = {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
     if p.pp == 1 and not accumulates(cfg, world_size):
-        # A step's first micro-batch: at least the deeper build's activations (memory_model.
+        # A step's first micro-batch: within the gradients of the held peak (memory_model.
         # Coefficients.above_states says why).
-        row["activations"] = max(row["activations"], two["activations"])
+        held = [
+            memory_row(with_depth(cfg, n), world_size, cache, store=store, accumulating=True)
+            for n in (low, high)
+        ]
+        held_activations = (
+            held[0]["activations"] + (held[1]["activations"] - held[0]["activations"]) * scale
+        )
+        floor = held_activations - row["grads"]
+        row["activations"] = round(min(max(row["activations"], floor), held_activations))
         fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
         row["peak"] = max(row["peak"], fwd_bwd)
     return row
