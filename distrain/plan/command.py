@@ -129,6 +129,13 @@ def parser() -> argparse.ArgumentParser:
         "the fastest few).",
     )
     p.add_argument(
+        "--all",
+        action="store_true",
+        help="Price every layout's memory (the default prices the layouts the answer shows and "
+        "the slower ones whose memory model family it calibrated for them; the rest are listed "
+        "as not priced).",
+    )
+    p.add_argument(
         "--verify",
         type=int,
         default=VERIFIED,
@@ -266,6 +273,7 @@ def plan_command(argv: list[str]) -> None:
         exhaustive=ns.exhaustive,
         verify=ns.verify,
         workers=ns.workers or available_cores(),
+        shown=None if ns.all or ns.exhaustive else ns.top,
         progress=progress_printer(sys.stderr),
         store=BuildStore(cache_dir() / "builds"),
     )
