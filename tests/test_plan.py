@@ -35,6 +35,7 @@ from distrain.plan.command import (
     progress_printer,
 )
 from distrain.plan.memory import estimate_memory, fake_world, measure_step
+from distrain.plan.parallel_calibration import Pool
 from distrain.plan.search import memory_of, plan, zero1_largest_share
 from distrain.plan.timing import Cluster
 
@@ -401,9 +402,16 @@ def lazy_plans():
             patch.setattr(search, "calibrate_family", calibrated)
             for kind in ("estimate_memory", "estimate_pipeline_memory"):
                 patch.setattr(search, kind, recording(getattr(search, kind), builds))
-            rows = plan(
-                eight_blocks(), small_cluster(4, 9e5), shown=shown, workers=workers, **LAZY_SEARCH
-            )
+            with Pool(workers - 1, preload=search.PRELOAD) as pool:
+                if workers > 1:
+                    pool.start()  # ready: plan() sends it builds from the first
+                rows = plan(
+                    eight_blocks(),
+                    small_cluster(4, 9e5),
+                    shown=shown,
+                    pool=pool if workers > 1 else None,
+                    **LAZY_SEARCH,
+                )
         found[name] = rows, set(families), builds
     return found
 

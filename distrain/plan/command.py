@@ -144,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="Processes calibrating the memory model at once (default: the cores this process "
-        "may use; 1: in the planning process).",
+        help="Processes making the fake builds at once: the planning process and workers - 1 "
+        "build workers (default: the cores this process may use; 1: all in the planning process).",
     )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p

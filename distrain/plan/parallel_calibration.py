@@ -47,6 +47,10 @@ class Pool:
             self._starting = threading.Thread(target=self._start, daemon=True)
             self._starting.start()
 
+    def ready(self) -> bool:
+        """Whether the processes are started and take jobs at once."""
+        return self._pool is not None
+
     def start(self) -> Any:
         """The processes (started now when they are not yet): a multiprocessing pool."""
         if self._starting is not None:

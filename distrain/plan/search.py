@@ -4,7 +4,9 @@ micro-batch), its step time (timing.py) and its memory; layouts that fit come fi
 first, then the ones that do not fit with the reason, a layout whose build fails among them.
 
 Memory is priced by memory_model.py (arithmetic, calibrated by fake builds of two shallow
-layouts per family) for every layout; walking the layouts fastest first, the first VERIFIED that
+layouts per family) for every layout, or, for an answer that shows the fastest few (plan's
+`shown`), for those and the slower ones it needs no further family for (the others are rows
+NOT_PRICED); walking the layouts fastest first, the first VERIFIED that
 it predicts to fit, and any it puts within MODEL_MARGIN above the device's memory on the way,
 are then built on fake tensors (memory.py; pipeline_memory.py for pp, whose schedule does not
 build on fake tensors, from the stage modules and the microbatches the schedule keeps in
@@ -19,6 +21,7 @@ read back by later plans (build_store.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -317,6 +320,7 @@ def plan(
     shown: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     store: BuildStore | None = None,
+    pool: Pool | None = None,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
     candidate whose memory cannot be evaluated is a row that does not fit, with the error as
@@ -340,8 +344,13 @@ def plan(
     (parallel_calibration.Pool, started first: they import torch and the planner while this
     process lists the layouts), which keep them in `store` (a temporary one without it) for
     this process to read back. `store`: every fake build read from disk when kept there, and
-    kept there when made (build_store.py)."""
-    pool = Pool(max(1, workers - 1), preload=PRELOAD)
+    kept there when made (build_store.py). `pool`: build workers to use instead (the caller's
+    to close; `workers` then counts them and this process)."""
+    own = pool is None
+    if pool is None:
+        pool = Pool(max(1, workers - 1), preload=PRELOAD)
+    else:
+        workers = pool.workers + 1
     try:
         layouts = timed_layouts(
             base,
@@ -352,7 +361,8 @@ def plan(
             checkpointing=checkpointing,
         )
     except BaseException:
-        pool.close()
+        if own:
+            pool.close()
         raise
     cache: dict = {}
     coefficients: dict = {}
@@ -380,6 +390,9 @@ def plan(
             return
         todo = [c for c in calls if key(*c[:2]) not in cache and not _kept(*c, store)]
         if len(todo) < 2:
+            return
+        if not pool.ready():
+            pool.start_soon()  # for the next builds: this process makes these, as it would alone
             return
         pending = [pool.submit(_make, (f.__name__, cfg, n, store)) for f, cfg, n in todo[1:]]
         function, cfg, n = todo[0]
@@ -410,7 +423,7 @@ def plan(
     verified = fitting = failing = 0
     grouped = False  # a fitting row with a data-parallel group met
     needed: set[Family] = set()  # the families the layouts met before the shown rows were held
-    with pool:
+    with pool if own else contextlib.nullcontext(pool):
         for done, (c, cfg, time) in enumerate(layouts, 1):
             held = (
                 shown is not None
