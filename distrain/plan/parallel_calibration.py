@@ -1,12 +1,14 @@
-"""The memory model's calibration builds of several families at once, in worker processes.
+"""Fake builds in worker processes: `Pool`, the build workers of search.plan (a family's
+calibration or a verified layout's two depths at once), and `calibrate_families`, several
+families' calibrations at once.
 
 A fake build is single-threaded Python (fake tensors have no data to compute on), so on a
-machine of n cores n families calibrate in the time of one. The workers are forked from a
-forkserver that imports this module, and with it torch and the planner, once: each starts in
-milliseconds, and none inherits the threads of the calling process (a test process's gloo or
-OpenMP threads, which a plain fork would copy in whatever state they were in). A plan that
-calibrates in batches keeps one `Pool` for all of them, so each worker pays its first build's
-one-time costs once.
+machine of n cores n builds take the time of one. The workers are forked from a forkserver
+that imports this module, and with it torch and the planner, once (and what else `Pool` is
+given to preload): each starts in milliseconds, and none inherits the threads of the calling
+process (a test process's gloo or OpenMP threads, which a plain fork would copy in whatever
+state they were in). A plan keeps one `Pool` for all its builds, so each worker pays its first
+build's one-time costs once.
 """
 
 from __future__ import annotations
