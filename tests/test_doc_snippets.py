@@ -61,7 +61,9 @@ COVERED = {
 # Commands of other tools a page shows next to distrain's (nothing of distrain to check).
 OTHER_TOOLS = {"chmod", "export", "openssl", "wandb"}
 LAUNCHERS = {"torchrun", "srun"}
-COMMAND_START = re.compile(r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl)\s")
+COMMAND_START = re.compile(
+    r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl)\s"
+)
 
 
 @dataclass(frozen=True)

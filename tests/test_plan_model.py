@@ -201,12 +201,10 @@ def test_inter_node_bandwidth_is_read_in_bits_per_node():
 
 
 def test_the_command_restates_the_planner_defaults():
-    from distrain.plan import comm_advice, command, parallel_calibration, search
+    from distrain.plan import comm_advice, command, search
 
     assert command.VERIFIED == search.VERIFIED
     assert command.DEFAULT_LATENCY_S == comm_advice.DEFAULT_LATENCY_S
-    preload = parallel_calibration.Pool(1, preload=search.PRELOAD).preload
-    assert list(command.BUILD_WORKER_PRELOAD) == preload
 
 
 def test_plan_notes_the_files_it_does_not_read_and_plans_without_them(tmp_path):

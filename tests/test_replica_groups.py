@@ -137,6 +137,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     stopped = None
     try:
 
+
         def rejoins() -> int:
             return sum(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[1]))
 
@@ -311,6 +312,7 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         )
         for g in range(4)
     ]
+
 
     try:
         _wait(
@@ -499,3 +501,4 @@ def test_lighthouse_refuses_a_timeout_it_cannot_use_in_one_line(option, value, c
     assert main(["lighthouse", option, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"distrain: error: {option} must be") and err.count("\n") == 1, err
+

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -25,13 +24,6 @@ DEFAULT_PEAK_FLOPS = 989e12
 # The planner's defaults, restated so that --help imports no torch (test_plan_model.py checks).
 VERIFIED = 4
 DEFAULT_LATENCY_S = 1e-4
-BUILD_WORKER_PRELOAD = (
-    "distrain.plan.parallel_calibration",
-    "distrain.plan.search",
-    "torch._dynamo",
-)
-"""What the build workers' forkserver imports (parallel_calibration.Pool's preload with
-search.PRELOAD), restated for `start_build_workers`."""
 
 
 def quantity(text: str, what: str) -> float:
@@ -246,22 +238,8 @@ def progress_printer(stream: TextIO) -> Callable[[int, int], None] | None:
     return show
 
 
-def start_build_workers() -> None:
-    """Start the build workers' forkserver now: it imports torch and the planner while this
-    process does (seconds), and search.plan's workers fork from it (a plan whose builds are all
-    on disk leaves it unused)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(BUILD_WORKER_PRELOAD))
-    forkserver.ensure_running()
-
-
 def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
-    workers = ns.workers or len(os.sched_getaffinity(0))
-    if not ns.calibrate and not ns.exhaustive and workers > 1:
-        start_build_workers()
     from distrain.plan.answer import text
     from distrain.plan.build_store import BuildStore
     from distrain.plan.calibrate import cache_dir, calibrate
