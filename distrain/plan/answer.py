@@ -198,7 +198,7 @@ def table(rows: list[PlanRow], top: int) -> list[str]:
         c, m, t = r.candidate, r.memory, r.time
         peak = f"{m['peak'] / GIB:.2f}" if "peak" in m else f">{sum(m.values()) / GIB:.2f}"
         fits = "yes" if r.fits else "no" if m else "error"
-        if r.memory_source == search.NOT_PRICED:
+        if r.memory_source == NOT_PRICED:
             peak = fits = "-"
         elif not m:
             peak = "-"
