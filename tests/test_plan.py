@@ -26,6 +26,8 @@ from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import build_parallel_model
 from distrain.plan import memory, search
+from distrain.plan.answer import text
+from distrain.plan.build_workers import Pool
 from distrain.plan.calibrate import calibrate
 from distrain.plan.command import (
     DEFAULT_PEAK_FLOPS,
@@ -478,19 +480,95 @@ def test_fast_search_ranks_and_plans_as_the_exhaustive_one(fast_plan):
     assert not [r.reason for r in fast if r.reason.startswith("not evaluated")]
 
 
-def test_calibration_workers_plan_as_the_planning_process(fast_plan, monkeypatch):
-    """With 2 worker processes calibrating the memory model's families up front, the plan (every
-    row's memory, its source, fit, reason and rank) equals the one whose families calibrate in
-    this process as layouts need them, and no family is left for this process to calibrate."""
-    alone, calibrated = fast_plan
+LAZY_SEARCH = dict(stages=(0, 3), checkpointing=("none",), max_micro_batch=2, verify=2)
+SHOWN = 3
 
-    def not_here(base, family, measure):
-        raise AssertionError(f"{family} calibrated in the planning process")
 
-    monkeypatch.setattr(search, "calibrate_family", not_here)
-    pooled = plan(eight_blocks(), small_cluster(4, 9e5), verify=2, workers=2, **FAST_SEARCH)
-    assert len(set(calibrated)) == 2  # tp 1 and tp 2 (tp 4 is priced from tp 2's)
+def recording(real, found: list, which: int = 0):
+    """`real`, recording its argument `which` in `found` at each call."""
+
+    def recorded(*args, **kwargs):
+        found.append(args[which])
+        return real(*args, **kwargs)
+
+    return recorded
+
+
+@pytest.fixture(scope="module")
+def lazy_plans():
+    """eight_blocks() on 4 ranks, ZeRO-0 and 3, micro-batch 1 and 2: every row priced
+    (shown=None), and priced for an answer of SHOWN rows each (fit / no fit), in this process
+    alone and with a calibration worker; each with the memory model's families it calibrated
+    and the fake builds this process made."""
+    found = {}
+    for name, shown, workers in (("full", None, 1), ("lazy", SHOWN, 1), ("pooled", SHOWN, 2)):
+        families, builds = [], []
+        with pytest.MonkeyPatch.context() as patch:
+            calibrated = recording(search.calibrate_family, families, 1)
+            patch.setattr(search, "calibrate_family", calibrated)
+            for kind in ("estimate_memory", "estimate_pipeline_memory"):
+                patch.setattr(search, kind, recording(getattr(search, kind), builds))
+            with Pool(workers - 1, preload=search.PRELOAD) as pool:
+                if workers > 1:
+                    pool.start()  # ready: plan() sends it builds from the first
+                rows = plan(
+                    eight_blocks(),
+                    small_cluster(4, 9e5),
+                    shown=shown,
+                    pool=pool if workers > 1 else None,
+                    **LAZY_SEARCH,
+                )
+        found[name] = rows, set(families), builds
+    return found
+
+
+def shown_rows(rows: list, top: int) -> list:
+    return [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
+
+
+def test_the_lazy_search_shows_the_rows_of_the_full_one(lazy_plans):
+    """Priced for an answer of SHOWN rows each, the plan calibrates fewer of the memory model's
+    families than the one that prices every row, and the rows an answer shows (the SHOWN
+    fastest that fit and that do not: every figure, source, fit and reason), its text answer
+    (recommendation, micro-batch, communication methods) and its JSON are those of the full
+    search; the layouts left unpriced rank after every priced row, do not fit, and the text
+    answer counts them."""
+    full, every, _ = lazy_plans["full"]
+    lazy, calibrated, _ = lazy_plans["lazy"]
+    assert calibrated < every and (len(calibrated), len(every)) == (3, 5)
+    assert [r.as_dict() for r in shown_rows(lazy, SHOWN)] == [
+        r.as_dict() for r in shown_rows(full, SHOWN)
+    ]
+    assert sum(r.fits for r in full) > SHOWN and sum(not r.fits for r in full) > SHOWN
+    unpriced = [r for r in lazy if r.memory_source == search.NOT_PRICED]
+    assert unpriced and lazy[-len(unpriced) :] == unpriced
+    assert all(not r.fits and not r.memory and r.reason == search.UNPRICED_REASON for r in unpriced)
+    priced = [r for r in lazy if r.memory_source != search.NOT_PRICED]
+    # Past the rows shown too, each priced row is the full search's (no more built by then).
+    every_row = [r.as_dict() for r in full]
+    assert all(r.as_dict() in every_row for r in priced)
+    cfg, cluster = eight_blocks(), small_cluster(4, 9e5)
+    said = {}
+    for name, rows in (("full", full), ("lazy", lazy)):
+        advised = search.with_advice(rows, cfg, cluster, bytes_per_value=4)
+        said[name] = text(advised, cfg, cluster, top=SHOWN, precision_given=True, latency_s=1e-4)
+        assert search.to_json(advised, SHOWN) == search.to_json(
+            search.with_advice(full, cfg, cluster, bytes_per_value=4), SHOWN
+        )
+    note = f"{len(unpriced)} slower layouts not priced: the rows shown did not need their"
+    assert note in said["lazy"] and "not priced" not in said["full"]
+    assert said["lazy"].rsplit("\n\n", 1)[0] == said["full"]
+
+
+def test_calibration_workers_plan_as_the_planning_process(lazy_plans):
+    """With a worker process making half of the fake builds (calibration and verification, two
+    depths at once), every row (priced or not: memory, source, fit, reason, rank) equals the one
+    whose builds are all made in this process, which made fewer of them itself."""
+    alone, calibrated, builds = lazy_plans["lazy"]
+    pooled, pooled_calibrated, pooled_builds = lazy_plans["pooled"]
     assert [r.as_dict() for r in pooled] == [r.as_dict() for r in alone]
+    assert pooled_calibrated == calibrated
+    assert 0 < len(pooled_builds) < len(builds)
     assert not [r.reason for r in pooled if r.reason.startswith("not evaluated")]
 
 

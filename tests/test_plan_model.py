@@ -81,8 +81,11 @@ def test_peak_within_ten_percent_of_the_fake_builds(modelled_and_built):
 QWEN3_LAYOUTS = [(4, 1, 1, 2, "full", 4), (2, 2, 1, 0, "none", 2), (2, 1, 2, 3, "none", 2)]
 
 
-def modelled_and_built_peaks(base: Config, layouts) -> list[tuple[tuple, int, int]]:
-    """(layout, modelled peak, full fake build's peak) of each of `layouts` on WORLD ranks."""
+def modelled_and_built_peaks(
+    base: Config, layouts, *, candidates=(), rows: bool = False
+) -> list[tuple[tuple, int, int]]:
+    """(layout, modelled peak, full fake build's peak) of each of `layouts` (without data
+    parallel replicas) and `candidates` on WORLD ranks; `rows`: the whole rows, not peaks."""
     cache, coefficients = {}, {}
 
     def coefficients_of(family):
@@ -93,11 +96,13 @@ def modelled_and_built_peaks(base: Config, layouts) -> list[tuple[tuple, int, in
         return coefficients[family]
 
     found = []
-    for layout in layouts:
-        cfg = candidate_config(base, Candidate(1, *layout))
+    for layout in [Candidate(1, *layout) for layout in layouts] + list(candidates):
+        cfg = candidate_config(base, layout)
         modelled = modelled_row(cfg, WORLD, coefficients_of)
         built = memory_row(cfg, WORLD, cache, exhaustive=True)
-        found.append((layout, modelled["peak"], built["peak"]))
+        found.append(
+            (layout, modelled, built) if rows else (layout, modelled["peak"], built["peak"])
+        )
     return found
 
 
@@ -122,6 +127,26 @@ def test_zero3_checkpointed_and_mixtral_within_five_percent_of_the_fake_builds()
     base.model.family, base.model.preset = "mixtral", "mixtral-tiny"
     for layout, modelled, built in modelled_and_built_peaks(base, [zero3_full]):
         assert modelled == pytest.approx(built, rel=0.05), ("mixtral", layout)
+
+
+def test_diloco_sites_are_planned_with_their_outer_state():
+    """DiLoCo over 2 sites of FSDP 2 (the search's HSDP layouts under diloco.inner_steps):
+    calibrated on sites of its own, the memory model prices the outer optimizer (fp32 global
+    weights and momentum: two more copies of the rank's parameters than the same layout
+    without DiLoCo) and the peak within 5% of the full fake build, ZeRO-2 and ZeRO-3 with
+    checkpointing, first and later micro-batches."""
+    base = base_config()
+    base.parallel.zero_stage = 2
+    without = modelled_and_built_peaks(
+        base, [], candidates=[Candidate(2, 2, 1, 1, 2, "none", 2)], rows=True
+    )
+    base.diloco.inner_steps = 4
+    layouts = [Candidate(2, 2, 1, 1, 2, "none", 2), Candidate(2, 2, 1, 1, 3, "full", 4)]
+    rows = modelled_and_built_peaks(base, [], candidates=layouts, rows=True)
+    for layout, modelled, built in rows:
+        assert modelled["peak"] == pytest.approx(built["peak"], rel=0.05), layout
+    (_, plain, _), (_, outer, _) = without[0], rows[0]
+    assert outer["optimizer"] - plain["optimizer"] == pytest.approx(2 * plain["params"], rel=0.01)
 
 
 def test_an_uncalibrated_model_would_miss():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from distrain.plan import search
 from distrain.plan.comm_advice import TOLERANCE, CommAdvice, MethodPrediction
-from distrain.plan.search import GIB, SOURCE_LABEL, PlanRow
+from distrain.plan.search import GIB, NOT_PRICED, SOURCE_LABEL, PlanRow
 from distrain.plan.timing import Candidate, Cluster
 
 if TYPE_CHECKING:
@@ -198,7 +198,9 @@ def table(rows: list[PlanRow], top: int) -> list[str]:
         c, m, t = r.candidate, r.memory, r.time
         peak = f"{m['peak'] / GIB:.2f}" if "peak" in m else f">{sum(m.values()) / GIB:.2f}"
         fits = "yes" if r.fits else "no" if m else "error"
-        if not m:
+        if r.memory_source == NOT_PRICED:
+            peak = fits = "-"
+        elif not m:
             peak = "-"
             errors.append(f"{i:>3} {r.reason}"[:WIDTH])
         lines.append(
@@ -208,6 +210,19 @@ def table(rows: list[PlanRow], top: int) -> list[str]:
             f"{t.mfu:5.2f}  {fits}"
         )
     return lines + errors
+
+
+def unpriced(rows: list[PlanRow]) -> list[str]:
+    """How many layouts the plan left unpriced (search.plan's `shown`), and how to price them;
+    [] when none."""
+    count = sum(r.memory_source == NOT_PRICED for r in rows)
+    if not count:
+        return []
+    return wrap(
+        f"{_plural(count, 'slower layout')} not priced: the rows shown did not need their "
+        "memory model families (--all prices every layout).",
+        WIDTH,
+    )
 
 
 def methods_table(rows: list[PlanRow], cluster: Cluster) -> list[str]:
@@ -258,5 +273,6 @@ def text(
         recommendation(rows, cfg, cluster),
         methods_table(rows, cluster),
         search.table(rows, top).splitlines() if wide else table(rows, top),
+        unpriced(rows),
     ]
     return "\n\n".join("\n".join(p) for p in parts if p)

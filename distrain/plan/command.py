@@ -129,6 +129,13 @@ def parser() -> argparse.ArgumentParser:
         "the fastest few).",
     )
     p.add_argument(
+        "--all",
+        action="store_true",
+        help="Price every layout's memory (the default prices the layouts the answer shows and "
+        "the slower ones whose memory model family it calibrated for them; the rest are listed "
+        "as not priced).",
+    )
+    p.add_argument(
         "--verify",
         type=int,
         default=VERIFIED,
@@ -137,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="Processes calibrating the memory model at once (default: the cores this process "
-        "may use; 1: in the planning process).",
+        help="Processes making the fake builds at once: the planning process and workers - 1 "
+        "build workers (default: the cores this process may use; 1: all in the planning process).",
     )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p
@@ -235,8 +242,8 @@ def plan_command(argv: list[str]) -> None:
     ns = parse(argv)
     from distrain.plan.answer import text
     from distrain.plan.build_store import BuildStore
+    from distrain.plan.build_workers import available_cores
     from distrain.plan.calibrate import cache_dir, calibrate
-    from distrain.plan.parallel_calibration import available_cores
     from distrain.plan.search import plan, to_json, with_advice
 
     if ns.calibrate:
@@ -266,6 +273,7 @@ def plan_command(argv: list[str]) -> None:
         exhaustive=ns.exhaustive,
         verify=ns.verify,
         workers=ns.workers or available_cores(),
+        shown=None if ns.all or ns.exhaustive else ns.top,
         progress=progress_printer(sys.stderr),
         store=BuildStore(cache_dir() / "builds"),
     )

@@ -214,9 +214,12 @@ def with_depth(cfg: Config, n_layers: int) -> Config:
 
 
 def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
-    """The smallest layout of `family` (tp ranks, x2 data-parallel shards under FSDP2, no pp),
-    one sample per rank, and its world size."""
-    dp = 1 if family.wrapper == "plain" else 2
+    """The smallest layout of `family` (tp ranks, x2 data-parallel shards under FSDP2, no pp;
+    under DiLoCo, x2 sites of those, whose outer state is then in the build), one sample per
+    rank, and its world size."""
+    shard = 1 if family.wrapper == "plain" else 2
+    sites = 2 if base.diloco.inner_steps > 0 else 1
+    dp = shard * sites
     stage = {"plain": 0, "fsdp": 2, "fsdp_reshard": 3}[family.wrapper]
     cfg = dataclasses.replace(
         base,
@@ -225,8 +228,8 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
             tp=family.tp,
             pp=1,
             zero_stage=stage,
-            dp_replicate=1,
-            dp_shard=dp if stage >= 2 else -1,
+            dp_replicate=sites,
+            dp_shard=shard if stage >= 2 else -1,
         ),
         training=dataclasses.replace(
             base.training,
@@ -361,7 +364,15 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
     """Parameter and gradient bytes of the first rank of pipeline rank `pp_rank` (module
     docstring); counted once per model and layout (a plan asks for each thousands of times)."""
     p = cfg.parallel
-    key = (repr(cfg.model), p.tp, p.pp, p.pp_stages_per_rank, p.pp_schedule, p.zero_stage)
+    key = (
+        repr(cfg.model),
+        p.tp,
+        p.pp,
+        p.pp_stages_per_rank,
+        p.pp_schedule,
+        p.zero_stage,
+        p.dp_replicate,
+    )
     key += (world_size, pp_rank)
     if key not in _STATES:
         _STATES[key] = _model_states(cfg, world_size, pp_rank)
@@ -374,7 +385,8 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     spec = model.spec
     blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
-    shard = world_size // (p.tp * p.pp) if p.zero_stage >= 2 else 1
+    replicas = max(1, p.dp_replicate)  # DiLoCo's sites (the search's only HSDP)
+    shard = world_size // (p.tp * p.pp * replicas) if p.zero_stage >= 2 else 1
     params = 0
     seen: set[int] = set()
     for name, shape, identity, tp_dim in _parameter_shapes(model):

@@ -4,7 +4,9 @@ micro-batch), its step time (timing.py) and its memory; layouts that fit come fi
 first, then the ones that do not fit with the reason, a layout whose build fails among them.
 
 Memory is priced by memory_model.py (arithmetic, calibrated by fake builds of two shallow
-layouts per family) for every layout; walking the layouts fastest first, the first VERIFIED that
+layouts per family) for every layout, or, for an answer that shows the fastest few (plan's
+`shown`), for those and the slower ones it needs no further family for (the others are rows
+NOT_PRICED); walking the layouts fastest first, the first VERIFIED that
 it predicts to fit, and any it puts within MODEL_MARGIN above the device's memory on the way,
 are then built on fake tensors (memory.py; pipeline_memory.py for pp, whose schedule does not
 build on fake tensors, from the stage modules and the microbatches the schedule keeps in
@@ -19,12 +21,14 @@ read back by later plans (build_store.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import json
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from distrain.config.schema import Config
@@ -36,6 +40,7 @@ from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.build_store import BuildStore, build
+from distrain.plan.build_workers import Pool
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory import MemoryEstimate, accumulates, estimate_memory
 from distrain.plan.memory_model import (
@@ -51,7 +56,6 @@ from distrain.plan.memory_model import (
     with_depth,
     zero1_largest_share,
 )
-from distrain.plan.parallel_calibration import calibrate_families
 from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
@@ -65,7 +69,14 @@ ADVISED = 3
 MODEL_MARGIN = 0.15
 """A layout the model puts at most this far above the device's memory is built too when met
 before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
-SOURCE_LABEL = {"fake build": "built", "model": "model"}
+NOT_PRICED = "not priced"
+"""The memory source of a row plan() left unpriced: slower than every row shown, of a family
+not calibrated (plan's `shown`)."""
+UNPRICED_REASON = "not priced: slower than the rows shown, its memory model family not calibrated"
+PRELOAD = ("distrain.plan.search", "torch._dynamo")
+"""What the build workers' forkserver imports once: the planner, and what a first fake build
+would import (dynamo, through torch's Python reference of `normal_`: 0.5 s)."""
+SOURCE_LABEL = {"fake build": "built", "model": "model", NOT_PRICED: "-"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,7 @@ class PlanRow:
     fits: bool
     reason: str
     memory_source: str = "fake build"
-    """"fake build" (memory.py, pipeline_memory.py) or "model" (memory_model.py)."""
+    """"fake build" (memory.py, pipeline_memory.py), "model" (memory_model.py) or NOT_PRICED."""
     communication: CommAdvice | None = None
     """The data-parallel communication advice (comm_advice.py), for the best rows."""
 
@@ -145,10 +156,9 @@ def memory_of(
     layout rule) holds a rank's local gradients as one rank does until they are exchanged, and
     the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking. `store`:
     fake builds read from and kept on disk (build_store.py)."""
-    p, t = cfg.parallel, cfg.training
-    key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
-    key += (cfg.model.n_layers,)  # the memory model's calibration builds are shallower
-    return _cached(cache, key, lambda: _memory_of(cfg, world_size, cache, exhaustive, store))
+    return _cached(
+        cache, _memory_key(cfg), lambda: _memory_of(cfg, world_size, cache, exhaustive, store)
+    )
 
 
 def _memory_of(
@@ -204,9 +214,9 @@ def memory_row(
             "activations": mem.activations(mb, accumulating=accumulating),
             "peak": mem.peak(mb, accumulating=accumulating),
         }
-    key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, mb)
-    key += (cfg.training.activation_checkpointing, cfg.model.n_layers)
-    return _cached(cache, key, lambda: _pipeline_row(cfg, world_size, exhaustive, store))
+    return _cached(
+        cache, _pipeline_key(cfg), lambda: _pipeline_row(cfg, world_size, exhaustive, store)
+    )
 
 
 def _pipeline_row(
@@ -311,8 +321,10 @@ def plan(
     exhaustive: bool = False,
     verify: int = VERIFIED,
     workers: int = 1,
+    shown: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     store: BuildStore | None = None,
+    pool: Pool | None = None,
 ) -> list[PlanRow]:
     """Every valid candidate with its memory and time, ranked (fitting and fastest first). A
     candidate whose memory cannot be evaluated is a row that does not fit, with the error as
@@ -321,15 +333,173 @@ def plan(
     Memory comes from memory_model.py, and for the `verify` fastest layouts it predicts to fit
     (and those it cannot tell, within MODEL_MARGIN of the device's memory, met on the way) from
     fake builds (`built_row`), which then decide; `exhaustive`: every layout's full fake build.
-    `workers` > 1: the memory model's families calibrate first, that many at once, in worker
-    processes (parallel_calibration.py); 1: each in this process when a layout first needs it.
-    `store`: every fake build read from disk when kept there, and kept there when made
-    (build_store.py); a family whose builds are all kept needs no worker."""
+
+    `shown`: the rows an answer shows, the `shown` fastest that fit and the `shown` fastest that
+    do not (None: every row, priced). The layouts are walked fastest first, and a memory model
+    family is calibrated when a layout met needs it; once the walk holds the rows shown (and the
+    fastest fitting row with a data-parallel group, whose communication the answer advises, and
+    the `verify` rows built), a later layout is still priced when its model states alone exceed
+    the device or its family was needed before that point, and is otherwise a row NOT_PRICED,
+    ranked after every priced row. The rows (every one) are the same for any `workers` and
+    `store`, and the shown ones those of `shown=None`.
+
+    `workers` > 1: the fake builds a family's calibration or a layout's verification needs
+    (two depths) are made at once, one here and the others by `workers - 1` worker processes
+    (build_workers.Pool, started first: they import torch and the planner while this
+    process lists the layouts), which keep them in `store` (a temporary one without it) for
+    this process to read back. `store`: every fake build read from disk when kept there, and
+    kept there when made (build_store.py). `pool`: build workers to use instead (the caller's
+    to close; `workers` then counts them and this process)."""
+    own = pool is None
+    if pool is None:
+        pool = Pool(max(1, workers - 1), preload=PRELOAD)
+    else:
+        workers = pool.workers + 1
+    try:
+        layouts = timed_layouts(
+            base,
+            cluster,
+            bytes_per_value=bytes_per_value,
+            max_micro_batch=max_micro_batch,
+            stages=stages,
+            checkpointing=checkpointing,
+        )
+    except BaseException:
+        if own:
+            pool.close()
+        raise
+    cache: dict = {}
+    coefficients: dict = {}
+    capacity = cluster.memory_bytes
+    world = cluster.world_size
+    families = [] if exhaustive else [_family_needed(cfg, world, capacity) for _, cfg, _ in layouts]
+    first = next((f for f in families if f is not None), None)
+    if workers > 1 and first is not None and not (store and _stored(store, base, first)):
+        pool.start_soon()  # a cold plan: its workers import torch and the planner meanwhile
+    if workers > 1 and store is None:
+        scratch = tempfile.TemporaryDirectory(prefix="distrain-plan-")
+        store = BuildStore(Path(scratch.name))  # where the workers' builds reach this process
+
+    def at_once(pool: Pool, calls: list[tuple[Callable, Config, int]]) -> None:
+        """Make the builds of `calls` (memory_of or memory_row of a config and world size) not
+        made yet: the first here, each other by a worker into the store, all at once; the
+        caller then makes each call as before, reading them back. A build that fails is left
+        for the caller's own call to report."""
+
+        def key(function: Callable, cfg: Config) -> tuple:
+            pipeline = function is memory_row and cfg.parallel.pp > 1
+            return _pipeline_key(cfg) if pipeline else _memory_key(cfg)
+
+        if workers <= 1:
+            return
+        todo = [c for c in calls if key(*c[:2]) not in cache and not _kept(*c, store)]
+        if len(todo) < 2:
+            return
+        if not pool.ready():
+            pool.start_soon()  # for the next builds: this process makes these, as it would alone
+            return
+        pending = [pool.submit(_make, (f.__name__, cfg, n, store)) for f, cfg, n in todo[1:]]
+        function, cfg, n = todo[0]
+        try:
+            function(cfg, n, cache, store=store)
+        except Exception:  # noqa: BLE001, S110 - the caller's own call reports it
+            pass
+        for job in pending:
+            job.wait()
+
+    def coefficients_of(family: Family) -> Coefficients:
+        def measure(cfg: Config, world_size: int) -> MemoryEstimate:
+            return memory_of(cfg, world_size, cache, store=store)
+
+        def calibrated() -> Coefficients:
+            at_once(pool, [(memory_of, *b) for b in calibration_builds(base, family)])
+            return calibrate_family(base, family, measure)
+
+        return _cached(coefficients, family, calibrated)
+
+    def built(cfg: Config) -> dict[str, int]:
+        if exhaustive:
+            return memory_row(cfg, world, cache, exhaustive=True, store=store)
+        at_once(pool, [(memory_row, with_depth(cfg, n), world) for n in built_depths(cfg)])
+        return built_row(cfg, world, cache, store=store)
+
+    rows = []
+    verified = fitting = failing = 0
+    grouped = False  # a fitting row with a data-parallel group met
+    needed: set[Family] = set()  # the families the layouts met before the shown rows were held
+    with pool if own else contextlib.nullcontext(pool):
+        for done, (c, cfg, time) in enumerate(layouts, 1):
+            held = (
+                shown is not None
+                and not exhaustive
+                and min(fitting, failing) >= shown
+                and grouped
+                and verified >= verify
+            )
+            family = None if exhaustive else families[done - 1]
+            if held and family is not None and family not in needed:
+                rows.append(PlanRow(c, {}, time, False, UNPRICED_REASON, NOT_PRICED))
+                if progress is not None:
+                    progress(done, len(layouts))
+                continue
+            source = "fake build"
+            try:
+                if exhaustive:
+                    memory = built(cfg)
+                elif sum((floor := states_floor(cfg, world)).values()) > capacity:
+                    memory, source = floor, "model"
+                else:
+                    needed.add(calibrated_family(cfg))
+                    memory, source = modelled_row(cfg, world, coefficients_of), "model"
+                    peak = memory["peak"]
+                    if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
+                        memory, source = built(cfg), "fake build"
+            except Exception as error:  # noqa: BLE001 - a layout that cannot be built is a row
+                reason = f"not evaluated: {one_line(error)}"
+                rows.append(PlanRow(c, {}, time, False, reason, source))
+                failing += 1
+            else:
+                if "peak" in memory:
+                    what, peak = "peak", memory["peak"]
+                else:
+                    what, peak = "model states alone", sum(memory.values())
+                fits = peak <= capacity
+                verified += fits and source == "fake build"
+                fitting += fits
+                failing += not fits
+                grouped = grouped or (fits and c.dp > 1)
+                reason = (
+                    ""
+                    if fits
+                    else f"{what} {peak / GIB:.1f} GiB > {capacity / GIB:.1f} GiB per device"
+                )
+                rows.append(PlanRow(c, memory, time, fits, reason, source))
+            if progress is not None:
+                progress(done, len(layouts))
+    rows.sort(key=lambda r: (not r.fits, r.memory_source == NOT_PRICED, r.time.step_s))
+    return rows
+
+
+def timed_layouts(
+    base: Config,
+    cluster: Cluster,
+    *,
+    bytes_per_value: int,
+    max_micro_batch: int,
+    stages: tuple[int, ...],
+    checkpointing: tuple[str, ...],
+) -> list[tuple[Candidate, Config, StepTime]]:
+    """The valid candidates plan() searches, each with its config and step time, fastest
+    first."""
     model = validate(base, None).family_model
     layouts = []
+    # HSDP is searched through its pure forms, but DiLoCo's sites are its replicas.
+    hsdp = base.diloco.inner_steps > 0
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
-        if c.micro_batch_size > max_micro_batch or (c.dp_replicate > 1 and c.dp_shard > 1):
-            continue  # HSDP is searched through its pure forms; micro-batches past the cap
+        if c.micro_batch_size > max_micro_batch:
+            continue
+        if c.dp_replicate > 1 and c.dp_shard > 1 and not hsdp:
+            continue
         cfg = candidate_config(base, c)
         try:
             validate(cfg, cluster.world_size)
@@ -345,74 +515,25 @@ def plan(
         )
         layouts.append((c, cfg, time))
     layouts.sort(key=lambda layout: layout[2].step_s)
-    cache: dict = {}
-    coefficients: dict = {}
+    return layouts
 
-    def coefficients_of(family: Family) -> Coefficients:
-        def measure(cfg: Config, world_size: int) -> MemoryEstimate:
-            return memory_of(cfg, world_size, cache, store=store)
 
-        return _cached(coefficients, family, lambda: calibrate_family(base, family, measure))
-
-    def built(cfg: Config) -> dict[str, int]:
-        if exhaustive:
-            return memory_row(cfg, cluster.world_size, cache, exhaustive=True, store=store)
-        return built_row(cfg, cluster.world_size, cache, store=store)
-
-    rows = []
-    verified = 0
-    capacity = cluster.memory_bytes
-    if not exhaustive and workers > 1:
-        if progress is not None:
-            progress(0, len(layouts))
-        needed = modelled_families([cfg for _, cfg, _ in layouts], cluster.world_size, capacity)
-        if store is not None:
-            needed = [f for f in needed if not _stored(store, base, f)]
-        if needed:
-            measure = functools.partial(memory_of, store=store)
-            coefficients.update(calibrate_families(base, needed, measure, workers=workers))
-    for done, (c, cfg, time) in enumerate(layouts, 1):
-        source = "fake build"
-        try:
-            if exhaustive:
-                memory = built(cfg)
-            elif sum((floor := states_floor(cfg, cluster.world_size)).values()) > capacity:
-                memory, source = floor, "model"
-            else:
-                memory, source = modelled_row(cfg, cluster.world_size, coefficients_of), "model"
-                peak = memory["peak"]
-                if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
-                    memory, source = built(cfg), "fake build"
-        except Exception as error:  # noqa: BLE001 - a layout that cannot be built is a row
-            rows.append(PlanRow(c, {}, time, False, f"not evaluated: {one_line(error)}", source))
-        else:
-            if "peak" in memory:
-                what, peak = "peak", memory["peak"]
-            else:
-                what, peak = "model states alone", sum(memory.values())
-            fits = peak <= capacity
-            verified += fits and source == "fake build"
-            reason = (
-                "" if fits else f"{what} {peak / GIB:.1f} GiB > {capacity / GIB:.1f} GiB per device"
-            )
-            rows.append(PlanRow(c, memory, time, fits, reason, source))
-        if progress is not None:
-            progress(done, len(layouts))
-    rows.sort(key=lambda r: (not r.fits, r.time.step_s))
-    return rows
+def _family_needed(cfg: Config, world_size: int, capacity: float) -> Family | None:
+    """The family the memory model prices `cfg` with; None when its model states alone exceed
+    `capacity` (no family needed) or cannot be counted (its row reports why)."""
+    try:
+        if sum(states_floor(cfg, world_size).values()) <= capacity:
+            return calibrated_family(cfg)
+    except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
+        return None
+    return None
 
 
 def modelled_families(configs: list[Config], world_size: int, capacity: float) -> list[Family]:
     """The calibration families the memory model prices `configs` with: of every layout whose
     model states alone do not already exceed `capacity` (plan's rule), in order, once each."""
-    found = []
-    for cfg in configs:
-        try:
-            if sum(states_floor(cfg, world_size).values()) <= capacity:
-                found.append(calibrated_family(cfg))
-        except Exception:  # noqa: BLE001, S112 - the layout's own row reports it (plan)
-            continue
-    return list(dict.fromkeys(found))
+    found = (_family_needed(cfg, world_size, capacity) for cfg in configs)
+    return list(dict.fromkeys(f for f in found if f is not None))
 
 
 def _stored(store: BuildStore, base: Config, family: Family) -> bool:
@@ -426,16 +547,14 @@ def built_row(
     calibration_depths) in blocks per pipeline stage, extrapolated
     linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
     lies on one line to the byte); the full build when the model is no deeper."""
-    p = cfg.parallel
-    per_stage = p.pp * p.pp_stages_per_rank
     n_layers = validate(cfg, None).shape.n_layers
-    low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
-    if n_layers <= high:
+    if not (depths := built_depths(cfg)):
         return memory_row(cfg, world_size, cache, store=store)
+    low, high = depths
     one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
     scale = (n_layers - low) / (high - low)
     row = {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
-    if p.pp == 1 and not accumulates(cfg, world_size):
+    if cfg.parallel.pp == 1 and not accumulates(cfg, world_size):
         # A step's first micro-batch: within the gradients of the held peak (memory_model.
         # Coefficients.above_states says why).
         held = [
@@ -450,6 +569,68 @@ def built_row(
         fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
         row["peak"] = max(row["peak"], fwd_bwd)
     return row
+
+
+def built_depths(cfg: Config) -> tuple[int, ...]:
+    """The depths built_row builds `cfg` at: its family's calibration depths in blocks per
+    pipeline stage; () when the model is no deeper (then built whole)."""
+    p = cfg.parallel
+    per_stage = p.pp * p.pp_stages_per_rank
+    low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
+    return () if validate(cfg, None).shape.n_layers <= high else (low, high)
+
+
+def _memory_key(cfg: Config) -> tuple:
+    """The key of memory_of's builds in plan's cache (the memory model's calibration builds are
+    shallower than the model: its depth is in it)."""
+    p, t = cfg.parallel, cfg.training
+    key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
+    return (*key, cfg.model.n_layers)
+
+
+def _pipeline_key(cfg: Config) -> tuple:
+    """The key of a pipeline's memory_row in plan's cache."""
+    p, t = cfg.parallel, cfg.training
+    key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard)
+    return (*key, t.micro_batch_size, t.activation_checkpointing, cfg.model.n_layers)
+
+
+class _Missing(Exception):
+    """A build that a store does not hold (`_kept`)."""
+
+
+@dataclass(frozen=True)
+class _ReadOnly:
+    """A BuildStore that only reads: a build it does not hold raises _Missing."""
+
+    store: BuildStore
+
+    def build(self, estimate: Callable, result_type: type, cfg: Config, world: int, *, rank=0):
+        if not self.store.has(result_type, cfg, world, rank):
+            raise _Missing
+        return self.store.build(estimate, result_type, cfg, world, rank=rank)
+
+
+def _kept(function: Callable, cfg: Config, world_size: int, store: BuildStore) -> bool:
+    """Whether every fake build of `function(cfg, world_size)` is kept in `store`."""
+    try:
+        function(cfg, world_size, {}, store=_ReadOnly(store))
+    except _Missing:
+        return False
+    except Exception:  # noqa: BLE001 - a failed build is not kept; the caller reports it
+        return False
+    return True
+
+
+def _make(function: str, cfg: Config, world_size: int, store: BuildStore) -> None:
+    """A worker's share of plan's builds: `function` (memory_of or memory_row) of `cfg`, its
+    fake builds kept in `store`; one that fails is not kept (plan's own call reports it)."""
+    try:
+        {"memory_of": memory_of, "memory_row": memory_row}[function](
+            cfg, world_size, {}, store=store
+        )
+    except Exception:  # noqa: BLE001, S110 - not kept: the planning process builds it again
+        pass
 
 
 def with_advice(

@@ -1,0 +1,83 @@
+"""Fake builds in worker processes: `Pool`, the build workers of search.plan (a family's
+calibration or a verified layout's two depths at once).
+
+A fake build is single-threaded Python (fake tensors have no data to compute on), so on a
+machine of n cores n builds take the time of one. The workers are forked from a forkserver
+that imports this module, and with it torch and the planner, once (and what else `Pool` is
+given to preload): each starts in milliseconds, and none inherits the threads of the calling
+process (a test process's gloo or OpenMP threads, which a plain fork would copy in whatever
+state they were in). A plan keeps one `Pool` for all its builds, so each worker pays its first
+build's one-time costs once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+class Pool:
+    """Up to `workers` calibration processes, started when first used and kept until `close`
+    (or the end of a `with` block)."""
+
+    def __init__(self, workers: int, *, preload: Iterable[str] = ()) -> None:
+        self.workers = workers
+        self.preload = [__name__, *preload]
+        self._pool: Any = None
+        self._starting: threading.Thread | None = None
+
+    def start_soon(self) -> None:
+        """Start the processes in the background: making a pool waits for the forkserver to
+        import its preload (seconds), which this process need not wait for."""
+        if self._pool is None and self._starting is None:
+            self._starting = threading.Thread(target=self._start, daemon=True)
+            self._starting.start()
+
+    def ready(self) -> bool:
+        """Whether the processes are started and take jobs at once."""
+        return self._pool is not None
+
+    def start(self) -> Any:
+        """The processes (started now when they are not yet): a multiprocessing pool."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._pool is None:
+            self._start()
+        return self._pool
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(self.preload)
+        self._pool = context.Pool(self.workers)
+
+    def submit(self, function: Callable, args: tuple) -> Any:
+        """`function(*args)` in a worker, at once: its AsyncResult."""
+        return self.start().apply_async(function, args)
+
+    def close(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if exc[0] is not None and self._pool is not None:
+            self._pool.terminate()
+        self.close()
