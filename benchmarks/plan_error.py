@@ -1,8 +1,9 @@
 """How far the planner's memory model is from the full fake build, and how long a plan takes.
 
 - memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2
-  and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with and without full checkpointing, micro-batch
-  1-4) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak per rank
+  and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with full, selective and selective_op
+  checkpointing or none, micro-batch 1-4, a step of one micro-batch or several; DiLoCo over 2
+  sites of FSDP 2) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak per rank
   that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
   fake builds) against the full fake build of the same layout (what `--exhaustive` builds:
   memory.py, pipeline_memory.py for pp); the error is modelled / built - 1. A layout the
@@ -51,7 +52,15 @@ LAYOUTS = (
     (1, 4, 1, 0, "none", 1),
     (2, 1, 2, 3, "none", 2),
     (1, 1, 4, 0, "none", 1),
+    (4, 1, 1, 0, "selective", 4),
+    (4, 1, 1, 3, "selective", 2),
+    (4, 1, 1, 3, "selective_op", 4),
 )
+DILOCO_LAYOUTS = (
+    (2, 2, 1, 1, 2, "none", 2),
+    (2, 2, 1, 1, 3, "full", 4),
+)
+"""(sites, dp_shard, tp, pp, zero stage, checkpointing, micro-batch) with diloco.inner_steps 4."""
 GOAL = 0.05
 """The issue's goal: the modelled peak within 5% of the full fake build on every row."""
 
@@ -68,7 +77,20 @@ def base_config(preset: str) -> Config:
 
 
 def memory_rows(preset: str) -> list[dict[str, Any]]:
-    base, cache, coefficients = base_config(preset), {}, {}
+    """The sampled layouts of `preset`, then its DiLoCo layouts (a base with DiLoCo on)."""
+    found = []
+    base = base_config(preset)
+    found += _memory_rows(base, [Candidate(1, *layout) for layout in LAYOUTS])
+    base.parallel.zero_stage, base.diloco.inner_steps = 2, 4
+    found += _memory_rows(base, [Candidate(*layout) for layout in DILOCO_LAYOUTS])
+    return found
+
+
+def _memory_rows(base: Config, layouts: list[Candidate]) -> list[dict[str, Any]]:
+    """Each layout's modelled and fully built peak (a layout the model cannot have, e.g. tp 4
+    over 2 key-value heads, is left out), the memory model calibrated from `base`."""
+    cache: dict = {}
+    coefficients: dict = {}
 
     def coefficients_of(family):  # noqa: ANN001, ANN202
         if family not in coefficients:
@@ -77,14 +99,14 @@ def memory_rows(preset: str) -> list[dict[str, Any]]:
         return coefficients[family]
 
     found = []
-    for shard, tp, pp, stage, ac, mb in LAYOUTS:
-        c = Candidate(1, shard, tp, pp, stage, ac, mb)
+    for c in layouts:
         cfg = candidate_config(base, c)
         try:
             validate(cfg, WORLD)
         except ConfigError:
-            continue  # not a layout of this model (tp 4 over 2 key-value heads)
-        row: dict[str, Any] = {"preset": preset, "layout": dataclasses.asdict(c)}
+            continue
+        row: dict[str, Any] = {"preset": base.model.preset, "layout": dataclasses.asdict(c)}
+        row["diloco"] = base.diloco.inner_steps
         try:
             modelled = modelled_row(cfg, WORLD, coefficients_of)
             built = memory_row(cfg, WORLD, cache, exhaustive=True)

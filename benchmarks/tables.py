@@ -385,8 +385,7 @@ def recovery(d: dict[str, Any]) -> str:
             f"In-process path ({inproc['launch']}; `distrain lighthouse "
             f"--heartbeat-timeout-ms {hb}`; group 1 killed before step {inproc['kill_step']}, "
             f"{inproc['steps_after_kill']} steps after; changes = membership rows of group 0, "
-            f"the kill's and the rejoin's{overhead}), seconds:\n\n"
-            + _runs_table(runs, median, "")
+            f"the kill's and the rejoin's{overhead}), seconds:\n\n" + _runs_table(runs, median, "")
         )
     return "\n\n".join(parts)
 
@@ -659,8 +658,9 @@ def plan_error(d: dict[str, Any]) -> str:
 
     def layout(r: dict[str, Any]) -> str:
         x = r["layout"]
+        sites = f"DiLoCo {x['dp_replicate']} sites x " if r.get("diloco") else ""
         return (
-            f"dp {x['dp_shard']} tp {x['tp']} pp {x['pp']}, ZeRO-{x['zero_stage']}, "
+            f"{sites}dp {x['dp_shard']} tp {x['tp']} pp {x['pp']}, ZeRO-{x['zero_stage']}, "
             f"ac {x['activation_checkpointing']}, mb {x['micro_batch_size']}"
         )
 
