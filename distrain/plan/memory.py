@@ -247,19 +247,24 @@ class LiveBytes(TorchDispatchMode):
     def with_held(self, storages: dict[int, int]) -> list[int]:
         """`totals` as if `storages` (key -> bytes: the gradients, made during the recorded
         pass) had been alive from its start: each is counted before the op that made it too.
-        When accumulating, a gradient that autograd computed (and, the first time, kept as
-        `.grad`) lives beside the held one until the engine adds it, so the one computed last
-        is counted twice until the next is made; one that a wrapper filled into a buffer of its
-        own (FSDP2's reduce-scatter output, made by `empty`) is added at once."""
+        When accumulating, a new gradient lives beside the held one until it is added: one that
+        autograd computed (and, the first time, kept as `.grad`) until the engine adds it, so
+        the one computed last is counted twice until the next is made; one that a wrapper
+        fills into a buffer of its own (FSDP2's reduce-scatter output, made by `empty`) is
+        counted twice at that op, where the buffer, the held gradients and what is being
+        reduced are all alive, and is added before anything else is made."""
         made = sorted((self.made[key], nbytes) for key, nbytes in storages.items())
         totals, not_yet, newest, k = [], sum(storages.values()), 0, 0
         for index, live in enumerate(self.totals):
+            buffer = False
             while k < len(made) and made[k][0] <= index:
                 not_yet -= made[k][1]
-                computed = self.ops[made[k][0]]._schema.name not in BUFFERS
-                newest = made[k][1] if computed else 0
+                newest = made[k][1]
+                buffer = self.ops[index]._schema.name in BUFFERS
                 k += 1
             totals.append(live + not_yet + newest)
+            if buffer:
+                newest = 0
         return totals
 
 
@@ -415,9 +420,11 @@ def measure_step(
     then the peak of the optimizer step; on fake tensors (the planner) or real ones (the tests'
     measurement), counted the same way."""
     params = sum(local_bytes(p) for p in model.parameters())
-    # Outside the count: what the first forward makes once for good (FSDP2's unsharded
-    # parameters, resized to nothing between uses but counted at their full size when made).
-    model.eval_loss([_tokens(1, seq_len, device)])
+    # Outside the count, a first step: what it makes once for good (FSDP2's unsharded
+    # parameters, resized to nothing between uses but counted at their full size when made),
+    # and the order FSDP2 records for its prefetching, which every later step follows (a first
+    # backward without it peaked one block's parameters lower on `gpt2-tiny`).
+    model.forward_backward([_tokens(1, seq_len, device)], lambda loss: loss)
     passes = []
     for rows in (1, 2):
         for p in model.parameters():
