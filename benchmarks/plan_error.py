@@ -3,8 +3,8 @@
 - memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2
   and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with full, selective and selective_op
   checkpointing or none, micro-batch 1-4, a step of one micro-batch or several; DiLoCo over 2
-  sites of FSDP 2) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak per rank
-  that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
+  sites of FSDP 2) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak
+  per rank that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
   fake builds) against the full fake build of the same layout (what `--exhaustive` builds:
   memory.py, pipeline_memory.py for pp); the error is modelled / built - 1. A layout the
   model's rules reject (tp 4 over 2 key-value heads) is left out; one the planner cannot

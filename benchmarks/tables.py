@@ -242,6 +242,15 @@ def slow_link(d: dict[str, Any]) -> str:
     def ratio(x: float | None) -> str:
         return f"{x:.2f}" if x else "-"
 
+    def predicted(r: dict[str, Any]) -> float | None:
+        return (r.get("planner_prediction") or {}).get("step_s")
+
+    def error(r: dict[str, Any]) -> float:
+        return predicted(r) / statistics.median(r["step_s"]) - 1
+
+    def planned(r: dict[str, Any]) -> str:
+        return f"{predicted(r):.2f} ({error(r):+.0%})" if predicted(r) else "-"
+
     rows = []
     for r in d["rows"]:
         name = f"**{r['variant']} (recipe)**" if r["recipe"] else r["variant"]
@@ -259,22 +268,33 @@ def slow_link(d: dict[str, Any]) -> str:
                 span(r["wire_bytes_per_step"], ".2f", 1e-6),
                 span(r["counted_bytes_per_step"], ".2f", 1e-6),
                 span(r["final_val_loss"], ".4f"),
+                planned(r),
             )
         )
     head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
-            "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss")  # fmt: skip
+            "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss",
+            "planned s/step")  # fmt: skip
     links = {r["link"] for r in d["rows"]}
     where = (
         f"{2 * c['procs']} processes on one machine's loopback"
         if links == {"loopback"}
         else f"2 hosts x {c['procs']} process"
     )
+    errors = [abs(error(r)) for r in d["rows"] if predicted(r)]
+    planner = (
+        f" The planner's step (planned s/step: distrain ddp's step on loopback as the compute, "
+        f"plus the communication distrain.plan.comm_advice predicts on the link) is within 20% "
+        f"of the measured median on {sum(e <= 0.2 for e in errors)} of {len(errors)} rows "
+        f"(largest |error| {max(errors):.0%})."
+        if errors
+        else ""
+    )
     return (
         f"{where} (gloo, CPU, OMP_NUM_THREADS=1), global batch "
         f"{c['global_batch_size']} x seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, "
         f"{c['steps']} steps, validation every {c['eval_every']}, {c['reps']} interleaved "
         f"repetitions: median [min-max]; target: accelerate ddp's final validation loss on the "
-        f"link:\n\n" + table(head, rows)
+        f"link.{planner}\n\n" + table(head, rows)
     )
 
 
