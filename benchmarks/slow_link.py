@@ -450,6 +450,8 @@ def summarize(
     return rows
 
 
+WARMED_UP = ("distrain powersgd", "distrain onebit_adam")
+"""Variants whose first FREEZE_STEP steps run plain fp32 DDP."""
 PLANNER_METHODS = {
     "distrain ddp": "plain",
     "distrain bf16": "bf16",
@@ -463,8 +465,9 @@ def planner_prediction(
     args: argparse.Namespace, link: str, preset: str, variant: str, compute_s: float
 ) -> dict[str, Any] | None:
     """What the planner's communication model (distrain.plan.comm_advice) predicts on this link
-    for this variant: its step seconds and bytes per step, and the method it recommends, with
-    distrain ddp's step on loopback as the compute time (2 ranks, one per host, fp32)."""
+    for this variant: its step seconds and bytes per step over the run (the steady step, and
+    plain DDP's for a variant's warm-up steps), and the method it recommends, with distrain
+    ddp's step on loopback as the compute time (2 ranks, one per host, fp32)."""
     cfg = make_config(argparse.Namespace(**{**vars(args), "preset": preset}), Path("-"), PEER)
     found = predict_methods(
         FamilyModel(model_family(cfg.model.family), model_args(cfg.model)),
@@ -479,8 +482,14 @@ def planner_prediction(
     recommended = recommend(found).recommended
     predicted = None
     if variant in PLANNER_METHODS and PLANNER_METHODS[variant] in by_method:
-        m = by_method[PLANNER_METHODS[variant]]
-        predicted = {"step_s": m.step_s, "bytes_per_step": m.bytes_per_step}
+        m, plain = by_method[PLANNER_METHODS[variant]], by_method["plain"]
+        # The planner predicts the steady step; the run's first FREEZE_STEP steps of PowerSGD
+        # and 1-bit Adam are plain fp32 DDP.
+        warm = FREEZE_STEP if variant in WARMED_UP else 0
+        predicted = {
+            key: (warm * getattr(plain, key) + (args.steps - warm) * getattr(m, key)) / args.steps
+            for key in ("step_s", "bytes_per_step")
+        }
     elif variant.startswith("distrain diloco h") and "diloco" in by_method:
         m = by_method["diloco"]  # its outer all-reduce, spread over this variant's H instead
         h = int(variant.split()[2][1:])
