@@ -24,8 +24,9 @@ was made, and the moment-by-moment total with the gradients held is the same tot
 gradient counted from the start instead of from the op that made it (a pass with them really
 held gives the same peak to the byte on the planner's presets; tests/test_plan.py). Every
 moment's total grows linearly with the micro-batch, so two passes (micro-batch 1 and 2, the same
-ops) give each moment's line, and the peak at any micro-batch is the highest of them: kept as
-two lines, the moment highest at micro-batch 1 and the one growing fastest (`peak_lines`).
+ops, paired by `moments`) give each moment's line, and the peak at any micro-batch is the
+highest of them: kept as three lines, the moments highest at micro-batch 1 and at 2 and the one
+growing fastest (`peak_lines`). The passes follow an uncounted first step.
 """
 
 from __future__ import annotations
