@@ -449,7 +449,7 @@ def plan(
                 elif sum((floor := states_floor(cfg, world)).values()) > capacity:
                     memory, source = floor, "model"
                 else:
-                    needed.add(calibrated_family(cfg))
+                    needed.add(family)  # not None: the floor fits
                     memory, source = modelled_row(cfg, world, coefficients_of), "model"
                     peak = memory["peak"]
                     if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
@@ -527,13 +527,6 @@ def _family_needed(cfg: Config, world_size: int, capacity: float) -> Family | No
     except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
         return None
     return None
-
-
-def modelled_families(configs: list[Config], world_size: int, capacity: float) -> list[Family]:
-    """The calibration families the memory model prices `configs` with: of every layout whose
-    model states alone do not already exceed `capacity` (plan's rule), in order, once each."""
-    found = (_family_needed(cfg, world_size, capacity) for cfg in configs)
-    return list(dict.fromkeys(f for f in found if f is not None))
 
 
 def _stored(store: BuildStore, base: Config, family: Family) -> bool:
@@ -615,9 +608,7 @@ def _kept(function: Callable, cfg: Config, world_size: int, store: BuildStore) -
     """Whether every fake build of `function(cfg, world_size)` is kept in `store`."""
     try:
         function(cfg, world_size, {}, store=_ReadOnly(store))
-    except _Missing:
-        return False
-    except Exception:  # noqa: BLE001 - a failed build is not kept; the caller reports it
+    except Exception:  # noqa: BLE001 - _Missing, or a failed build (not kept; the caller reports it)
         return False
     return True
 
