@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,13 @@ from distrain.optim.diloco_resume import SITES_SYNCED
 from distrain.parallel.compress import wire_bytes
 from distrain.parallel.grad_norm import local_square_sum
 from distrain.parallel.local import copy_from_flat, local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from distrain.config.schema import Config
+    from distrain.parallel.mesh import ParallelDims
+    from distrain.parallel.model import ParallelModel
 
 _SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -327,3 +335,21 @@ class DiLoCo:
                 loaded = local_tensor(state[name])
                 if loaded.data_ptr() != t.data_ptr():
                     t.copy_(loaded)
+
+
+def outer_optimizer(
+    cfg: Config, dims: ParallelDims, mesh: DeviceMesh, model: ParallelModel
+) -> DiLoCo:
+    """DiLoCo's outer optimizer over this rank's shards of `model`, its sites the dp_replicate
+    axis of `mesh`, for training.steps inner steps."""
+    sites = mesh["dp_replicate"]
+    return DiLoCo(
+        model.parts,
+        cfg.diloco,
+        sites=sites.get_group(),
+        site=sites.get_local_rank(),
+        total_steps=cfg.training.steps,
+        holders=dims.world_size // dims.pp,
+        bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        counted_elsewhere=model.counted_elsewhere,
+    )

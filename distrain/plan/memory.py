@@ -47,10 +47,11 @@ from torch.utils._pytree import tree_leaves
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
-from distrain.optim.diloco import DiLoCo
+from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
+from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.run_plan import RunPlan
 from distrain.torch_compat import (
@@ -120,9 +121,8 @@ def accumulates(cfg: Config, world_size: int) -> bool:
     """Whether a rank of `cfg` on `world_size` ranks runs more than one micro-batch a step (its
     share of the global batch over the micro-batch), so that its later micro-batches hold the
     gradients of the first."""
-    p, t = cfg.parallel, cfg.training
-    data_parallel = world_size // (p.tp * p.pp * p.cp)
-    return t.global_batch_size // data_parallel > t.micro_batch_size
+    t = cfg.training
+    return t.global_batch_size // data_parallel_size(cfg.parallel, world_size) > t.micro_batch_size
 
 
 Line = tuple[int, int]
@@ -381,21 +381,15 @@ def with_outer_step(
     zeroed): what it still holds afterwards (the fp32 global weights and momentum, and with
     diloco.overlap_steps the fragment in flight) counts as optimizer state, at every moment of
     the step, and the outer step's peak as an optimizer step's."""
-    cfg, dims = plan.config, plan.dims
+    cfg = plan.config
     for p in model.parameters():
         p.grad = None
     at_rest = found.params + found.optimizer
+    # Its first outer step is not the run's last (which would take every fragment at once).
+    steps = cfg.diloco.inner_steps + 1
+    first_steps = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps))
     with LiveBytes(at_rest) as live:
-        outer = DiLoCo(
-            model.parts,
-            cfg.diloco,
-            sites=mesh["dp_replicate"].get_group(),
-            site=mesh["dp_replicate"].get_local_rank(),
-            total_steps=cfg.diloco.inner_steps + 1,
-            holders=dims.world_size // dims.pp,
-            bucket_cap_mb=cfg.comm.bucket_cap_mb,
-            counted_elsewhere=model.counted_elsewhere,
-        )
+        outer = outer_optimizer(first_steps, plan.dims, mesh, model)
         outer.after_step(cfg.diloco.inner_steps)
     held = live.live - at_rest
     return dataclasses.replace(

@@ -52,6 +52,7 @@ from distrain.layout.rules import validate
 from distrain.optim.builder import param_groups, roles_of
 from distrain.optim.capability import optimizer_capability
 from distrain.optim.onebit_zero import held_state_bytes
+from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.memory import MemoryEstimate, accumulates
 from distrain.plan.pipeline_memory import in_flight
@@ -469,7 +470,7 @@ def modelled_row(
         mb, accumulating = t.micro_batch_size, accumulates(cfg, world_size)
         above = c.above_states(states.blocks, mb, accumulating=accumulating, grads=states.grads)
         fwd_bwd = states.params + states.grads + above
-        held = states.params + states.grads + optimizer
+        at_rest = states.params + states.grads + optimizer
         step_peak = states.params + states.grads + step_optimizer
         step_peak += states.params * c.step_extra_per_param_byte
         return {
@@ -477,7 +478,7 @@ def modelled_row(
             "grads": states.grads,
             "optimizer": optimizer,
             "activations": max(0, round(above)),
-            "peak": round(max(fwd_bwd + optimizer, step_peak, held)),
+            "peak": round(max(fwd_bwd + optimizer, step_peak, at_rest)),
         }
     rows = [_pipeline_rank(cfg, world_size, r, c) for r in range(p.pp)]
     return max(rows, key=lambda r: r["peak"])
@@ -491,8 +492,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     dim = _model(cfg).shape.dim
     states = model_states(cfg, world_size, pp_rank=pp_rank)
     optimizer = optimizer_bytes(cfg, world_size, states, c)
-    dp = world_size // (p.tp * p.pp * p.cp)
-    local_batch = t.global_batch_size // dp
+    local_batch = t.global_batch_size // data_parallel_size(p, world_size)
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
     rows = local_batch // microbatches
     kept = in_flight(p.pp_schedule, p.pp, pp_rank, p.pp_stages_per_rank, microbatches)

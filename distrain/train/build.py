@@ -36,7 +36,7 @@ from distrain.observe.progress import Progress
 from distrain.observe.stragglers import Stragglers
 from distrain.observe.trackers import Trackers
 from distrain.optim.builder import build_optimizers
-from distrain.optim.diloco import DiLoCo
+from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, host_group
 from distrain.parallel.mesh import ParallelDims, site_group
@@ -113,7 +113,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         plan.batch.micro,
     )
 
-    outer = _outer(cfg, dims, mesh, model) if dims.diloco else None
+    outer = outer_optimizer(cfg, dims, mesh, model) if dims.diloco else None
     faults = Faults(cfg.debug, rank=ctx.rank, logger=logger)
     checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
     nonfinite = NonFiniteGuard(
@@ -199,21 +199,6 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         observers=observers,
         phase_ranges=phase_ranges,
         outer=outer,
-    )
-
-
-def _outer(cfg: Config, dims: ParallelDims, mesh: DeviceMesh, model: ParallelModel) -> DiLoCo:
-    """DiLoCo's outer optimizer over this rank's shards, its sites the dp_replicate axis."""
-    sites = mesh["dp_replicate"]
-    return DiLoCo(
-        model.parts,
-        cfg.diloco,
-        sites=sites.get_group(),
-        site=sites.get_local_rank(),
-        total_steps=cfg.training.steps,
-        holders=dims.world_size // dims.pp,
-        bucket_cap_mb=cfg.comm.bucket_cap_mb,
-        counted_elsewhere=model.counted_elsewhere,
     )
 
 
