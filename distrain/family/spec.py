@@ -69,6 +69,13 @@ class ModelShape:
     num_experts: int = 0
     moe_layers: tuple[int, ...] = ()
     """The indices of the blocks whose MLP is a mixture of experts."""
+    top_k: int = 0
+    """The routed experts each token goes to (what expert parallelism sends per token)."""
+    expert_params: int = 0
+    """Parameters of every MoE layer's routed experts (what expert parallelism splits)."""
+    kv_width: int = 0
+    """The width of one token's keys (its values alike) in one block: what context parallelism
+    passes between its ranks (0: no attention to split)."""
 
 
 @dataclass(frozen=True, kw_only=True)

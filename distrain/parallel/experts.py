@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call
 
 from distrain.parallel.compress import CommStats
+from distrain.torch_compat import is_fake
 
 
 class _AllToAll(torch.autograd.Function):
@@ -121,14 +122,10 @@ class ExpertParallel(nn.Module):
         per_rank = self.num_experts // self.ep
         received = torch.empty_like(num_tokens_per_expert)
         dist.all_to_all_single(received, num_tokens_per_expert, group=group)
-        # One host read of both count tables (see the module docstring).
-        counts = torch.cat([num_tokens_per_expert, received]).cpu()
-        send = counts[: self.num_experts].view(self.ep, per_rank)
-        recv = counts[self.num_experts :].view(self.ep, per_rank)
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        send_splits, recv_splits, order = self._routes(x, num_tokens_per_expert, received)
         self._count_bytes(x, send_splits, recv_splits)
         rows = _AllToAll.apply(x, recv_splits, send_splits, group)
-        order = _by_local_expert(recv).to(x.device)
+        order = order.to(x.device)
         local_counts = received.view(self.ep, per_rank).sum(0)
         weights = {
             name: _ScaleGrad.apply(getattr(self, name).to_local(), 1.0 / self.ep)
@@ -138,6 +135,25 @@ class ExpertParallel(nn.Module):
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
         return _AllToAll.apply(out[back], send_splits, recv_splits, group)
+
+    def _routes(
+        self, x: torch.Tensor, sent: torch.Tensor, received: torch.Tensor
+    ) -> tuple[list[int], list[int], torch.Tensor]:
+        """(rows sent to each ep rank, rows received from each, the order of the received rows
+        by local expert) from this rank's counts per expert (`sent`) and its peers' for its
+        experts (`received`), in one host read of both (see the module docstring). A fake
+        tensor (the planner's fake build) has no counts to read: every rank sends each an even
+        share of its rows, a balanced router, as moe.py's fake routing prices it."""
+        if is_fake(received):
+            rows = x.shape[0]
+            shares = [rows // self.ep + (r < rows % self.ep) for r in range(self.ep)]
+            mine = [shares[self.ep_mesh.get_local_rank()]] * self.ep
+            return shares, mine, torch.arange(sum(mine))
+        per_rank = self.num_experts // self.ep
+        counts = torch.cat([sent, received]).cpu()
+        send = counts[: self.num_experts].view(self.ep, per_rank)
+        recv = counts[self.num_experts :].view(self.ep, per_rank)
+        return send.sum(1).tolist(), recv.sum(1).tolist(), _by_local_expert(recv)
 
     def _count_bytes(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> None:
         """Rows this rank sends to other ranks, dispatch now and combine later (their results

@@ -418,12 +418,15 @@ def build_parallel_model(
     comm_stats: CommStats,
     *,
     meta_model: nn.Module | None = None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
     """The model parts for this rank: the model of `plan` (its family's, from its arguments)
     laid out per its parallel degrees; gradient communication (DDP's hook, or the model itself
     for DDP's plain all-reduce) counts its bytes into `comm_stats`. `meta_model`: the model
     already built on the meta device (the planner builds it before it enters its fake-tensor
-    mode, in which module parameters could not be swapped by to_empty)."""
+    mode, in which module parameters could not be swapped by to_empty); `ep_mesh`: the
+    expert-parallel mesh already built (the planner's, made before that mode too: a DeviceMesh
+    reads its rank map, which that mode leaves without values), else built here under ep."""
     device, spec, dims, cfg = ctx.device, plan.spec, plan.dims, plan.config
     t = cfg.training
     if meta_model is None:
@@ -431,11 +434,8 @@ def build_parallel_model(
             meta_model = spec.build(plan.model)
     moe_settings = spec.moe_settings(plan.model)
     parts, stage_ids, num_stages, microbatches = cut_stages(meta_model, plan, mesh)
-    ep_mesh = (
-        dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
-        if dims.ep > 1
-        else None
-    )
+    if ep_mesh is None and dims.ep > 1:
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
     # Whole-model compile only where nothing inside the model would be traced across blocks.
     plain = dims.world_size == dims.dp_size and dims.ep == 1
     compile_whole = (

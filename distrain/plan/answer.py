@@ -24,9 +24,17 @@ INDENT = " " * 17
 
 
 def layout_name(c: Candidate) -> str:
-    """The parallel degrees above 1, compactly: 'dp8·tp2', 'fsdp16', 'pp2'; '1 device' alone.
-    dp is the replicated data-parallel degree (DDP, ZeRO-1), fsdp the sharded one (ZeRO-2/3)."""
-    degrees = (("dp", c.dp_replicate), ("fsdp", c.dp_shard), ("tp", c.tp), ("pp", c.pp))
+    """The parallel degrees above 1, compactly: 'dp8·tp2', 'fsdp16', 'pp2', 'fsdp4·cp2',
+    'fsdp8·ep4'; '1 device' alone. dp is the replicated data-parallel degree (DDP, ZeRO-1),
+    fsdp the sharded one (ZeRO-2/3); ep splits the experts over data-parallel ranks."""
+    degrees = (
+        ("dp", c.dp_replicate),
+        ("fsdp", c.dp_shard),
+        ("tp", c.tp),
+        ("cp", c.cp),
+        ("pp", c.pp),
+        ("ep", c.ep),
+    )
     parts = [f"{name}{n}" for name, n in degrees if n > 1]
     return "·".join(parts) or "1 device"
 
@@ -112,7 +120,8 @@ def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[s
             f"fastest step that fits (plain communication): {best.time.step_s:.3g} s; "
             f"peak {peak / GIB:.3g} of {cluster.memory_bytes / GIB:.3g} GiB",
             f"[parallel] dp_replicate = {p.dp_replicate}, dp_shard = {p.dp_shard}, tp = {p.tp}, "
-            f"pp = {p.pp}, zero_stage = {p.zero_stage}",
+            f"pp = {p.pp}, zero_stage = {p.zero_stage}"
+            + "".join(f", {name} = {n}" for name, n in (("cp", p.cp), ("ep", p.ep)) if n > 1),
             f'[training] activation_checkpointing = "{c.activation_checkpointing}"',
         ),
         *_communication(best, cluster),
@@ -234,7 +243,7 @@ def methods_table(rows: list[PlanRow], cluster: Cluster) -> list[str]:
     if best is None or advised is None:
         return []
     c = advised.candidate
-    link = "between nodes" if c.tp * c.dp > cluster.gpus_per_node else "inside a node"
+    link = "between nodes" if c.tp * c.cp * c.dp > cluster.gpus_per_node else "inside a node"
     which = f"{layout_name(c)} ({link})"
     if advised is not best:
         rank = rows.index(advised) + 1

@@ -285,13 +285,14 @@ def advise(
         seq_len=seq_len,
         bytes_per_value=bytes_per_value,
     )
-    spans_nodes = c.tp * c.dp > cluster.gpus_per_node
+    # The gradients are averaged over dp x cp (parallel/mesh.py).
+    spans_nodes = c.tp * c.cp * c.dp > cluster.gpus_per_node
     bandwidth = cluster.inter_bw if spans_nodes else cluster.intra_bw
-    nodes_in_group = max(1, c.tp * c.dp // cluster.gpus_per_node)
+    nodes_in_group = max(1, c.tp * c.cp * c.dp // cluster.gpus_per_node)
     methods = predict_methods(
         model,
         compute_s=t.compute_s,
-        replicas=c.dp,
+        replicas=c.dp * c.cp,
         bandwidth=bandwidth,
         latency_s=latency_s,
         model_split=c.tp * c.pp,

@@ -345,18 +345,21 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
             backend="fake",
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
+        ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         with torch.device("meta"):
             meta_model = plan.spec.build(plan.model)
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            return _fake_step(plan, mesh, dp_mesh, ctx, meta_model)
+            return _fake_step(plan, mesh, dp_mesh, ctx, meta_model, ep_mesh)
 
 
-def _fake_step(plan, mesh, dp_mesh, ctx, meta_model) -> MemoryEstimate:  # noqa: ANN001
+def _fake_step(plan, mesh, dp_mesh, ctx, meta_model, ep_mesh) -> MemoryEstimate:  # noqa: ANN001
     """Build (for micro-batch 1), then one fwd/bwd at micro-batch 1 and 2 (the activation
     slope) and the optimizer step; every pipeline micro-batch of the schedule is in flight
     together (the worst stage)."""
     cfg, dims = plan.config, plan.dims
-    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model)
+    model = build_parallel_model(
+        plan, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model, ep_mesh=ep_mesh
+    )
     optimizers = [
         build_optimizer(
             part,

@@ -77,6 +77,10 @@ class Family:
     activation_checkpointing: str
     checkpoint_every: int = 1
     """training.ac_every_layers under selective checkpointing (the period of its blocks)."""
+    cp: int = 1
+    """Context parallelism: each rank holds 1/cp of every sequence, and its ring buffers."""
+    ep: int = 1
+    """Expert parallelism: each rank runs the experts' rows sent to it (priced balanced)."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def family_of(cfg: Config) -> Family:
         wrapper = "fsdp_reshard" if p.zero_stage == 3 and p.pp == 1 else "fsdp"
     t = cfg.training
     every = t.ac_every_layers if t.activation_checkpointing == "selective" else 1
-    return Family(p.tp, wrapper, t.activation_checkpointing, every)
+    return Family(p.tp, wrapper, t.activation_checkpointing, every, cp=p.cp, ep=p.ep)
 
 
 def calibrated_family(cfg: Config) -> Family:
@@ -215,21 +219,26 @@ def with_depth(cfg: Config, n_layers: int) -> Config:
 
 
 def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
-    """The smallest layout of `family` (tp ranks, x2 data-parallel shards under FSDP2, no pp;
-    under DiLoCo, x2 sites of those, whose outer state is then in the build), one sample per
-    rank, and its world size."""
-    shard = 1 if family.wrapper == "plain" else 2
+    """The smallest layout of `family` (tp x cp ranks, x2 data-parallel shards under FSDP2, no
+    pp; under DiLoCo, x2 sites of those, whose outer state is then in the build; under ep, 2 x
+    ep data-parallel ranks, so that FSDP2 gathers the experts over 2 as it does over more), one
+    sample per data-parallel rank, and its world size."""
+    plain = family.wrapper == "plain"
     sites = 2 if base.diloco.inner_steps > 0 else 1
-    dp = shard * sites
+    replicate = 2 * family.ep if plain and family.ep > 1 else sites
+    shard = 1 if plain else 2 * family.ep
+    dp = replicate * shard
     stage = {"plain": 0, "fsdp": 2, "fsdp_reshard": 3}[family.wrapper]
     cfg = dataclasses.replace(
         base,
         parallel=dataclasses.replace(
             base.parallel,
             tp=family.tp,
+            cp=family.cp,
+            ep=family.ep,
             pp=1,
             zero_stage=stage,
-            dp_replicate=sites,
+            dp_replicate=replicate,
             dp_shard=shard if stage >= 2 else -1,
         ),
         training=dataclasses.replace(
@@ -239,7 +248,7 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
             activation_checkpointing=family.activation_checkpointing,
         ),
     )
-    return cfg, family.tp * dp
+    return cfg, family.tp * family.cp * dp
 
 
 def calibration_depths(family: Family) -> tuple[int, int]:
@@ -298,19 +307,33 @@ def _meta_model(model: FamilyModel) -> nn.Module:
         return model.build()
 
 
-_SHAPES: dict[str, list[tuple[str, torch.Size, int, int | None]]] = {}
+@dataclass(frozen=True)
+class ParameterShape:
+    name: str
+    shape: torch.Size
+    identity: int
+    """The same for a tied parameter's names."""
+    tp_dim: int | None
+    """The dim tensor parallelism splits (None: replicated over tp)."""
+    expert: bool
+    """A routed expert's weight (split over ep, its FSDP2 shards over the rest)."""
 
 
-def _parameter_shapes(model: FamilyModel) -> list[tuple[str, torch.Size, int, int | None]]:
-    """(name, shape, identity, the dim tp splits or None) of each parameter of the model, a tied
-    one under both names; made once per model (a 7B meta build is a noticeable share of pricing
-    a layout)."""
+_SHAPES: dict[str, list[ParameterShape]] = {}
+
+
+def _parameter_shapes(model: FamilyModel) -> list[ParameterShape]:
+    """Each parameter of the model, a tied one under both names; made once per model (a 7B
+    meta build is a noticeable share of pricing a layout)."""
     key = f"{model.spec.name}:{model.args!r}"
     if key not in _SHAPES:
         built = _meta_model(model)
         plan = model.spec.tensor_plan(built, False) if model.spec.tensor_plan else {}
+        # What expert parallelism splits: each MoE layer's `experts` (parallel/experts.py).
+        layers = model.spec.moe_layers(built)
+        experts = {id(p) for layer in layers for p in layer.experts.parameters()}
         _SHAPES[key] = [
-            (name, p.shape, id(p), _tp_dim(built, plan, name))
+            ParameterShape(name, p.shape, id(p), _tp_dim(built, plan, name), id(p) in experts)
             for name, p in built.named_parameters(remove_duplicate=False)
         ]
     return _SHAPES[key]
@@ -373,6 +396,7 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
         p.pp_schedule,
         p.zero_stage,
         p.dp_replicate,
+        p.ep,
     )
     key += (world_size, pp_rank)
     if key not in _STATES:
@@ -387,23 +411,30 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
     replicas = max(1, p.dp_replicate)  # DiLoCo's sites (the search's only HSDP)
+    # FSDP2's shard axis: dp_shard (x cp: world // (tp x pp x replicas) counts both).
     shard = world_size // (p.tp * p.pp * replicas) if p.zero_stage >= 2 else 1
+    # A routed expert's weight: split over ep, then FSDP2-sharded over the data-parallel ranks
+    # ep does not use, whatever the ZeRO stage (parallel/data_parallel.py's apply_fsdp).
+    expert_shard = data_parallel_size(p, world_size) // p.ep
     params = 0
     seen: set[int] = set()
-    for name, shape, identity, tp_dim in _parameter_shapes(model):
-        top = name.split(".", 1)[0]
-        if top == spec.blocks and name.split(".")[1] not in held:
+    for parameter in _parameter_shapes(model):
+        top, _, rest = parameter.name.partition(".")
+        if top == spec.blocks and rest.split(".")[0] not in held:
             continue
         if top in spec.first_stage and not first:
             continue
         if top in spec.last_stage and not last:
             continue
         # A tied head is the embedding's weight: once when a rank holds both.
-        if identity in seen:
+        if parameter.identity in seen:
             continue
-        seen.add(identity)
-        dims = _tp_local_shape(shape, tp_dim, p.tp)
-        if shard > 1:
+        seen.add(parameter.identity)
+        dims = _tp_local_shape(parameter.shape, parameter.tp_dim, p.tp)
+        if parameter.expert and p.ep > 1:
+            dims[0] = -(-dims[0] // p.ep)
+            dims[0] = -(-dims[0] // expert_shard)
+        elif shard > 1:
             dims[0] = -(-dims[0] // shard)
         params += FP32 * math.prod(dims)
     return ModelStates(params=params, grads=params, blocks=len(blocks), has_head=last)

@@ -114,6 +114,8 @@ def candidate_config(base: Config, c: Candidate) -> Config:
             pp=c.pp,
             pp_schedule=c.pp_schedule,
             zero_stage=c.zero_stage,
+            cp=c.cp,
+            ep=c.ep,
         ),
         training=dataclasses.replace(
             base.training,
@@ -167,7 +169,8 @@ def _memory_of(
     p, t = cfg.parallel, cfg.training
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     own_sharding = capability.shards_state  # 1-bit Adam under ZeRO-1/2
-    if (p.zero_stage <= 1 or own_sharding) and p.tp == p.pp == 1 and world_size > 1:
+    whole = p.tp == p.pp == p.cp == p.ep == 1  # a data-parallel rank holds a whole model
+    if (p.zero_stage <= 1 or own_sharding) and whole and world_size > 1:
         single = dataclasses.replace(
             cfg,
             parallel=dataclasses.replace(p, zero_stage=0),
@@ -276,17 +279,51 @@ def candidates(
     stages: tuple[int, ...] = STAGES,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[Candidate]:
+    """Every layout of the cluster: tp (powers of 2) inside a node, cp (powers of 2, for a
+    family with attention to split and without experts) beside it inside the node, pp (powers
+    of 2 up to the blocks) and the data-parallel rest, with ep (the expert counts dividing it)
+    for an MoE model. cp and ep are searched without pp (the planner's pipeline build has
+    neither), cp under FSDP2 (ZeRO-2/3: the shard axis is dp_shard x cp, as torchtitan lays it
+    out) and ep without ZeRO-1."""
     world, t = cluster.world_size, base.training
-    n_layers = validate(base, None).shape.n_layers
+    shape = validate(base, None).shape
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
-        pp = 1
-        while pp <= n_layers and world % (tp * pp) == 0:
-            found += _data_parallel(world // (tp * pp), tp, pp, t, stages, checkpointing)
-            pp *= 2
+        for cp in _context_degrees(shape, cluster.gpus_per_node // tp, world // tp):
+            pp = 1
+            while pp <= shape.n_layers and world % (tp * cp * pp) == 0 and (pp == 1 or cp == 1):
+                dp = world // (tp * cp * pp)
+                for ep in _expert_degrees(shape, dp) if pp == 1 else (1,):
+                    # Without data parallelism (or cp) every ZeRO stage is stage 0.
+                    kept = (0,) if dp * cp == 1 else (*filter(_stage_searched(cp, ep), stages),)
+                    found += [
+                        dataclasses.replace(c, cp=cp, ep=ep)
+                        for c in _data_parallel(dp, tp, pp, t, kept, checkpointing)
+                    ]
+                pp *= 2
         tp *= 2
     return found
+
+
+def _context_degrees(shape: ModelShape, room: int, ranks: int) -> list[int]:
+    """cp degrees searched: 1, and for a family with attention and no experts the powers of 2
+    that fit `room` devices of a node and divide `ranks`."""
+    degrees, cp = [1], 2
+    while shape.kv_width and not shape.num_experts and cp <= room and ranks % cp == 0:
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
+def _expert_degrees(shape: ModelShape, dp: int) -> list[int]:
+    """ep degrees searched: the divisors of the expert count that divide the data-parallel
+    size (1 alone for a dense model)."""
+    return [e for e in divisors(shape.num_experts) if dp % e == 0] if shape.num_experts else [1]
+
+
+def _stage_searched(cp: int, ep: int) -> Callable[[int], bool]:
+    return lambda stage: (cp == 1 or stage >= 2) and (ep == 1 or stage != 1)
 
 
 def _data_parallel(
@@ -298,8 +335,7 @@ def _data_parallel(
     checkpointing: tuple[str, ...],
 ) -> list[Candidate]:
     found = []
-    # Without data parallelism every ZeRO stage is stage 0.
-    for stage in stages if dp > 1 else (0,):
+    for stage in stages:
         splits = [(dp, 1)] if stage <= 1 else [(r, dp // r) for r in divisors(dp)]
         for replicate, shard in splits:
             if stage >= 2 and shard == 1 and dp > 1:
@@ -467,7 +503,7 @@ def plan(
                 verified += fits and source == "fake build"
                 fitting += fits
                 failing += not fits
-                grouped = grouped or (fits and c.dp > 1)
+                grouped = grouped or (fits and advisable(c))
                 reason = (
                     ""
                     if fits
@@ -578,7 +614,7 @@ def _memory_key(cfg: Config) -> tuple:
     shallower than the model: its depth is in it)."""
     p, t = cfg.parallel, cfg.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
-    return (*key, cfg.model.n_layers)
+    return (*key, p.cp, p.cp_method, p.ep, cfg.model.n_layers)
 
 
 def _pipeline_key(cfg: Config) -> tuple:
@@ -636,11 +672,11 @@ def with_advice(
     """`rows` with the communication advice of the first `count` that fit and have a
     data-parallel group (comm_advice.py; DiLoCo's H at most training.steps, its sync in
     diloco.sync_dtype). A layout without one (dp 1: tp x pp over every device) has no gradient
-    exchange to choose a method for."""
+    exchange to choose a method for (`advisable`)."""
     model = validate(base, None).family_model
     advised, out = 0, []
     for row in rows:
-        if row.fits and row.candidate.dp > 1 and advised < count:
+        if row.fits and advisable(row.candidate) and advised < count:
             advice = advise(
                 row.candidate,
                 model,
@@ -658,6 +694,13 @@ def with_advice(
     return out
 
 
+def advisable(c: Candidate) -> bool:
+    """Whether layout `c` has a data-parallel gradient exchange to choose a method for: a
+    data-parallel group, and no expert parallelism (it runs on FSDP2, which has no place for
+    the methods' DDP communication hooks: layout/facts.py's ep_conflict)."""
+    return c.dp > 1 and c.ep == 1
+
+
 def one_line(error: Exception) -> str:
     """`Type: first line of the message`, at most 200 characters."""
     lines = str(error).strip().splitlines()
@@ -669,7 +712,8 @@ def table(rows: list[PlanRow], top: int) -> str:
     """Every column of the `top` fastest layouts that fit and the `top` that do not, with the
     communication advice of the advised rows (`distrain plan --wide`)."""
     header = (
-        f"{'#':>3} {'dp_rep':>6} {'dp_shd':>6} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>4} "
+        f"{'#':>3} {'dp_rep':>6} {'dp_shd':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'ep':>3} "
+        f"{'zero':>4} {'ac':>4} "
         f"{'mb':>3} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'peak':>7} "
         f"{'step s':>8} {'comm s':>7} {'bubble':>6} {'tok/s':>9} {'MFU':>5} {'memory':>6}  fits"
     )
@@ -683,7 +727,8 @@ def table(rows: list[PlanRow], top: int) -> str:
         kinds = ("params", "grads", "optimizer", "activations", "peak")
         gib = [f"{m[k] / GIB:7.2f}" if k in m else f"{'-':>7}" for k in kinds]
         lines.append(
-            f"{i:>3} {c.dp_replicate:>6} {c.dp_shard:>6} {c.tp:>3} {c.pp:>3} {c.zero_stage:>4} "
+            f"{i:>3} {c.dp_replicate:>6} {c.dp_shard:>6} {c.tp:>3} {c.cp:>3} {c.pp:>3} {c.ep:>3} "
+            f"{c.zero_stage:>4} "
             f"{c.activation_checkpointing:>4} {c.micro_batch_size:>3} {' '.join(gib)} "
             f"{t.step_s:8.3f} {t.exposed_comm_s:7.3f} {t.bubble_s:6.3f} {t.tokens_per_s:9.0f} "
             f"{t.mfu:5.2f} {SOURCE_LABEL[r.memory_source]:>6}  "

@@ -6,9 +6,12 @@
 - communication: the bytes each collective moves per rank (ring: all-reduce 2 (n-1)/n x size,
   all-gather and reduce-scatter (n-1)/n) / the bandwidth of the link it crosses: tensor parallel
   stays inside a node; data parallel crosses nodes as soon as its group spans more than one;
-  pipeline sends one activation per micro-batch per stage boundary;
+  pipeline sends one activation per micro-batch per stage boundary; context parallelism passes
+  each block's keys and values round its ranks; expert parallelism sends each token's top_k
+  copies to their experts and back (all-to-all), priced for a balanced router;
 - overlap: data-parallel gradient communication hides behind backward (2/3 of compute) and FSDP's
-  forward all-gather behind forward; tensor-parallel collectives sit on the critical path;
+  forward all-gather behind forward; tensor-, context- and expert-parallel exchanges sit on the
+  critical path;
 - bubble: (pp - 1) / (micro-batches + pp - 1) of the pipelined time (1F1B/GPipe; interleaved
   divides it by the stages per rank).
 """
@@ -49,6 +52,8 @@ class Candidate:
     activation_checkpointing: str
     micro_batch_size: int
     pp_schedule: str = "1f1b"
+    cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -61,6 +66,8 @@ class StepTime:
     tp_comm_s: float
     dp_comm_s: float
     pp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
     exposed_comm_s: float
     bubble_s: float
     step_s: float
@@ -91,34 +98,55 @@ def step_time(
     recompute = 4 / 3 if c.activation_checkpointing == "full" else 1.0
     rank_flops = flops_tok * tokens * recompute / cluster.world_size
     compute = rank_flops / (cluster.peak_flops * cluster.efficiency)
-    intra_node = c.tp * c.dp <= cluster.gpus_per_node or c.dp == 1
+    intra_node = c.tp * c.cp * c.dp <= cluster.gpus_per_node or c.dp == 1
     # tp: 2 all-reduces per block forward (attention out, MLP out), 2 in backward, of the
     # activations [b, s, d] of every micro-batch (reduce-scatter + all-gather under SP: the same
-    # bytes).
-    local_tokens = tokens // c.dp
-    tp_bytes = 4 * shape.n_layers // c.pp * local_tokens * shape.dim * bytes_per_value
+    # bytes); a cp rank holds 1/cp of each sequence.
+    local_tokens = tokens // (c.dp * c.cp)
+    blocks = shape.n_layers // c.pp
+    tp_bytes = 4 * blocks * local_tokens * shape.dim * bytes_per_value
     tp_comm = 2 * _ring(c.tp) * tp_bytes / cluster.intra_bw
-    # dp: gradients of this rank's share of the model, once per step (fp32 reduce).
-    shard = model.num_params() / (c.tp * c.pp)
-    dp_bw = cluster.intra_bw if c.tp * c.dp <= cluster.gpus_per_node else cluster.inter_bw
+    # cp: each block's keys and values of the rank's chunk go round the cp ranks in forward
+    # (ring: cp - 1 hops; allgather: the same bytes), and back with their gradients in backward
+    # (twice the bytes); checkpointing repeats the forward's. Next to tp in the mesh: inside a
+    # node while tp x cp fits one.
+    kv_bytes = 2 * blocks * local_tokens * shape.kv_width * bytes_per_value
+    passes = 3 + (c.activation_checkpointing == "full")
+    cp_bw = cluster.intra_bw if c.tp * c.cp <= cluster.gpus_per_node else cluster.inter_bw
+    cp_comm = passes * (c.cp - 1) * kv_bytes / cp_bw
+    # ep: every MoE layer sends each token's top_k copies to their experts' ranks and back, in
+    # forward and again in backward; (ep - 1) / ep of them leave the rank. An ep group is ep
+    # consecutive data-parallel ranks: inside a node while tp x ep fits one.
+    moe_layers = len(shape.moe_layers) // c.pp
+    a2a_bytes = 4 * moe_layers * local_tokens * shape.top_k * shape.dim * bytes_per_value
+    ep_bw = cluster.intra_bw if c.tp * c.ep <= cluster.gpus_per_node else cluster.inter_bw
+    ep_comm = _ring(c.ep) * a2a_bytes / ep_bw
+    # dp: gradients of this rank's share of the model, once per step (fp32 reduce), averaged
+    # over dp x cp; the routed experts (split over ep, not over tp) over the dp / ep ranks
+    # holding the same experts.
+    experts = shape.expert_params / (c.pp * c.ep)
+    dense = (model.num_params() - shape.expert_params) / (c.tp * c.pp)
+    dp_bw = cluster.intra_bw if c.tp * c.cp * c.dp <= cluster.gpus_per_node else cluster.inter_bw
     if c.zero_stage >= 2:
         # reduce-scatter of fp32 grads + all-gather of params (twice under ZeRO-3).
         gathers = 2 if c.zero_stage == 3 else 1
-        dp_bytes = _ring(c.dp) * shard * (4 + gathers * bytes_per_value)
+        per_value = 4 + gathers * bytes_per_value
     else:
-        dp_bytes = 2 * _ring(c.dp) * shard * 4
+        per_value = 2 * 4
+    dp_bytes = (_ring(c.dp * c.cp) * dense + _ring(c.dp // c.ep) * experts) * per_value
     dp_comm = dp_bytes / dp_bw
     # pp: one activation per micro-batch per boundary, forward and backward; across nodes when
     # the stages do not fit one node.
     microbatches = max(1, global_batch // (c.dp * c.micro_batch_size))
     pp_bw = (
         cluster.intra_bw
-        if intra_node and c.pp * c.tp * c.dp <= cluster.gpus_per_node
+        if intra_node and c.pp * c.tp * c.cp * c.dp <= cluster.gpus_per_node
         else (cluster.inter_bw)
     )
     pp_bytes = 2 * microbatches * c.micro_batch_size * seq_len * shape.dim * bytes_per_value
     pp_comm = pp_bytes / pp_bw if c.pp > 1 else 0.0
-    exposed = tp_comm + max(0.0, dp_comm - compute * 2 / 3) + pp_comm / max(1, microbatches)
+    exposed = tp_comm + cp_comm + ep_comm
+    exposed += max(0.0, dp_comm - compute * 2 / 3) + pp_comm / max(1, microbatches)
     work = compute + exposed
     stages_per_rank = 2 if c.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     bubble = work * (c.pp - 1) / (microbatches * stages_per_rank + c.pp - 1) if c.pp > 1 else 0.0
@@ -128,6 +156,8 @@ def step_time(
         tp_comm_s=tp_comm,
         dp_comm_s=dp_comm,
         pp_comm_s=pp_comm,
+        cp_comm_s=cp_comm,
+        ep_comm_s=ep_comm,
         exposed_comm_s=exposed,
         bubble_s=bubble,
         step_s=step,

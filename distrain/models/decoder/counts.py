@@ -39,10 +39,20 @@ def _moe_params(args: ModelArgs, *, active: bool) -> int:
     one token uses: the router, its top_k experts and the shared experts."""
     moe = args.moe
     ffn_dim = moe.expert_ffn_dim(args.ffn_dim)
-    expert = (3 if args.mlp == "swiglu" else 2) * args.dim * ffn_dim  # experts have no biases
     experts = moe.top_k if active else moe.num_experts
     shared = _mlp_params(args, moe.shared_experts * ffn_dim) if moe.shared_experts else 0
-    return args.dim * moe.num_experts + experts * expert + shared
+    return args.dim * moe.num_experts + experts * _expert_params(args) + shared
+
+
+def _expert_params(args: ModelArgs) -> int:
+    """One routed expert: two matrices (gelu) or three (swiglu), without biases."""
+    matrices = 3 if args.mlp == "swiglu" else 2
+    return matrices * args.dim * args.moe.expert_ffn_dim(args.ffn_dim)
+
+
+def routed_expert_params(args: ModelArgs) -> int:
+    """Parameters of the routed experts of every MoE layer (what expert parallelism splits)."""
+    return _moe_layers(args) * args.moe.num_experts * _expert_params(args)
 
 
 def active_params(args: ModelArgs) -> int:

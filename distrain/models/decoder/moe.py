@@ -127,6 +127,20 @@ def _split_sizes(num_rows: int, num_tokens_per_expert: torch.Tensor) -> list[int
     return [num_rows // experts + (e < num_rows % experts) for e in range(experts)]
 
 
+def _within_capacity(
+    order: torch.Tensor, position: torch.Tensor, capacity: int, num_experts: int
+) -> torch.Tensor:
+    """The copies of `order` whose place in their expert's queue (`position`) is within
+    `capacity`. A fake tensor (the planner's fake build) has no positions to compare: the
+    copies of a balanced router are kept, each expert's even share up to `capacity`, as
+    `_split_sizes` prices them."""
+    if not is_fake(position):
+        return order[position < capacity]
+    copies = order.shape[0]
+    shares = [copies // num_experts + (e < copies % num_experts) for e in range(num_experts)]
+    return order[: sum(min(share, capacity) for share in shares)].clone()
+
+
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """torch._grouped_mm runs on CUDA in bf16 (sm90+ kernels, with a fallback elsewhere); on CPU
     or in fp32 we loop over experts instead."""
@@ -196,7 +210,7 @@ class MoE(nn.Module):
             capacity = math.ceil(self.args.capacity_factor * k * num_tokens / num_experts)
             starts = torch.cumsum(counts, 0) - counts
             position = torch.arange(order.numel(), device=x.device) - starts[expert_of_copy[order]]
-            order = order[position < capacity]
+            order = _within_capacity(order, position, capacity, num_experts)
             kept_counts = counts.clamp(max=capacity)
         token_of_copy = order % num_tokens
         out = self.experts(tokens[token_of_copy], kept_counts)

@@ -16,7 +16,7 @@ from torch import nn
 
 from distrain.family.spec import HfAdapter, ModelShape, ModelSpec
 from distrain.models.decoder.args import decoder_args
-from distrain.models.decoder.counts import flops_per_token, num_params
+from distrain.models.decoder.counts import flops_per_token, num_params, routed_expert_params
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.decoder.moe import MoEArgs, moe_layers
 from distrain.models.decoder.parallelize import tensor_plan
@@ -59,6 +59,9 @@ def _shape(args: ModelArgs) -> ModelShape:
         ),
         num_experts=args.moe.num_experts,
         moe_layers=tuple(i for i in range(args.n_layers) if args.moe.is_moe_layer(i)),
+        top_k=args.moe.top_k if args.moe.enabled else 0,
+        expert_params=routed_expert_params(args),
+        kv_width=args.kv_heads * args.head_dim,
     )
 
 
