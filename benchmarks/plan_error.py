@@ -2,8 +2,9 @@
 
 - memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2
   and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with full, selective and selective_op
-  checkpointing or none, micro-batch 1-4, a step of one micro-batch or several; DiLoCo over 2
-  sites of FSDP 2) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak
+  checkpointing or none, micro-batch 1-4, a step of one micro-batch or several; cp 2 and 4
+  (ring) on the dense presets, ep 2 and 4 on the MoE one; DiLoCo over 2 sites of FSDP 2) of
+  each family's tiny preset (6 blocks, seq 64, global batch 16), the peak
   per rank that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
   fake builds) against the full fake build of the same layout (what `--exhaustive` builds:
   memory.py, pipeline_memory.py for pp); the error is modelled / built - 1. A layout the
@@ -56,6 +57,18 @@ LAYOUTS = (
     (4, 1, 1, 3, "selective", 2),
     (4, 1, 1, 3, "selective_op", 4),
 )
+CP_EP_LAYOUTS = (
+    (2, 1, 1, 2, "none", 2, 2, 1),
+    (2, 1, 1, 3, "full", 4, 2, 1),
+    (1, 1, 1, 3, "none", 1, 4, 1),
+    (1, 2, 1, 2, "none", 2, 2, 1),
+    (4, 1, 1, 2, "none", 2, 1, 2),
+    (4, 1, 1, 3, "full", 4, 1, 4),
+    (4, 1, 1, 0, "none", 1, 1, 2),
+    (4, 1, 1, 2, "selective", 2, 1, 4),
+)
+"""(dp_shard, tp, pp, zero stage, checkpointing, micro-batch, cp, ep): context parallelism for
+the dense presets, expert parallelism for the MoE one (each refuses the other kind)."""
 DILOCO_LAYOUTS = (
     (2, 2, 1, 1, 2, "none", 2),
     (2, 2, 1, 1, 3, "full", 4),
@@ -81,6 +94,9 @@ def memory_rows(preset: str) -> list[dict[str, Any]]:
     found = []
     base = base_config(preset)
     found += _memory_rows(base, [Candidate(1, *layout) for layout in LAYOUTS])
+    found += _memory_rows(
+        base, [Candidate(1, *layout[:6], "1f1b", *layout[6:]) for layout in CP_EP_LAYOUTS]
+    )
     base.parallel.zero_stage, base.diloco.inner_steps = 2, 4
     found += _memory_rows(base, [Candidate(*layout) for layout in DILOCO_LAYOUTS])
     return found
@@ -123,6 +139,7 @@ def _memory_rows(base: Config, layouts: list[Candidate]) -> list[dict[str, Any]]
 def _line(row: dict[str, Any]) -> str:
     c = row["layout"]
     where = f"{row['preset']:<13} shard {c['dp_shard']} tp {c['tp']} pp {c['pp']} "
+    where += "".join(f"{k} {c[k]} " for k in ("cp", "ep") if c[k] > 1)
     where += f"zero {c['zero_stage']} ac {c['activation_checkpointing']:<4} "
     where += f"mb {c['micro_batch_size']}"
     if "error" in row:

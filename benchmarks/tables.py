@@ -679,9 +679,11 @@ def plan_error(d: dict[str, Any]) -> str:
     def layout(r: dict[str, Any]) -> str:
         x = r["layout"]
         sites = f"DiLoCo {x['dp_replicate']} sites x " if r.get("diloco") else ""
+        split = "".join(f" {k} {x[k]}" for k in ("cp", "ep") if x.get(k, 1) > 1)
         return (
-            f"{sites}dp {x['dp_shard']} tp {x['tp']} pp {x['pp']}, ZeRO-{x['zero_stage']}, "
-            f"ac {x['activation_checkpointing']}, mb {x['micro_batch_size']}"
+            f"{sites}dp {x['dp_shard']} tp {x['tp']} pp {x['pp']}{split}, "
+            f"ZeRO-{x['zero_stage']}, ac {x['activation_checkpointing']}, "
+            f"mb {x['micro_batch_size']}"
         )
 
     def mib(r: dict[str, Any], key: str) -> str:

@@ -17,6 +17,7 @@ from helpers import plan_of
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
+from distrain.parallel import attention_blocks
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
@@ -229,3 +230,17 @@ def test_plan_of_an_moe_model_evaluates_its_ep_layouts():
     assert all(not r.reason.startswith("not evaluated") for r in shown), [r.reason for r in shown]
     assert any(r.fits and r.candidate.ep > 1 for r in rows)
     assert math.isfinite(rows[0].time.step_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_fake_cp_attention_runs_the_largest_blocks_for_the_same_peak(monkeypatch, method):
+    """On fake tensors the blockwise attention computes only its largest unmasked and masked
+    blocks (a long sequence has thousands): the build equals, to the byte, the one that computes
+    every block, at a length of several blocks per chunk."""
+    cfg = dense_config(cp=2, cp_method=method, zero_stage=2)
+    cfg.model.n_layers, cfg.training.seq_len = 1, 4096
+    cfg.model.max_seq_len = 4096
+    reduced = estimate_memory(cfg, 2)
+    monkeypatch.setattr(attention_blocks, "_blocks_to_run", lambda plan, q: plan)
+    assert estimate_memory(cfg, 2) == reduced

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from distrain.torch_compat import is_fake
+
 
 def chunk_order(rank: int, size: int) -> tuple[int, int]:
     """The two chunks (of 2 x size) cp rank `rank` holds: one early, its mirror late."""
@@ -67,6 +69,28 @@ def _block_documents(documents: Documents, qs: int, qe: int, ks: int, ke: int) -
     return documents[0][:, qs:qe], documents[1][:, ks:ke]
 
 
+def _blocks_to_run(plan: list[Block], q: torch.Tensor) -> list[Block]:
+    """The blocks of `plan` to compute: all of them, or on fake tensors (the planner's fake
+    build, which has no values to compute) the largest unmasked (U) and the largest masked (M)
+    one, as U U M M U. Each block makes the same temporaries and updates the same tensors in
+    place, and the previous block's temporaries live until the next replaces them, so every
+    pair of consecutive kinds reaches the peak of the whole plan (a 32k-token sequence has
+    thousands of blocks a layer)."""
+    if not is_fake(q):
+        return plan
+    largest: dict[bool, Block] = {}
+    for block in plan:
+        if block[4] not in largest or _area(block) > _area(largest[block[4]]):
+            largest[block[4]] = block
+    order = (False, False, True, True, False)
+    return [largest[masked] for masked in order if masked in largest]
+
+
+def _area(block: Block) -> int:
+    qs, qe, ks, ke, _ = block
+    return (qe - qs) * (ke - ks)
+
+
 def forward_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,7 +105,7 @@ def forward_blocks(
     """Merge the softmax of every block of `plan` into `out` and the running log-sum-exp `lse`
     of each query row (both updated in place; the online softmax of flash attention)."""
     scale = q.shape[-1] ** -0.5
-    for qs, qe, ks, ke, masked in plan:
+    for qs, qe, ks, ke, masked in _blocks_to_run(plan, q):
         scores = _scores(
             q[:, :, qs:qe],
             k[:, :, ks:ke],
@@ -119,7 +143,7 @@ def backward_blocks(
     of grad_out x out."""
     dq, dk, dv = grads
     scale = q.shape[-1] ** -0.5
-    for qs, qe, ks, ke, masked in plan:
+    for qs, qe, ks, ke, masked in _blocks_to_run(plan, q):
         go, qb, kb, vb = grad_out[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
         block_documents = _block_documents(documents, qs, qe, ks, ke)
         scores = _scores(qb, kb, q_pos[qs:qe], k_pos[ks:ke], scale, masked, block_documents)
