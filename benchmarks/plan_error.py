@@ -3,8 +3,8 @@
 - memory: for a sample of layouts on 4 ranks (DDP, ZeRO-1/2/3, ZeRO-3 with checkpointing, tp 2
   and 4, tp 2 x FSDP, pp 2 x FSDP and pp 4, with full, selective and selective_op
   checkpointing or none, micro-batch 1-4, a step of one micro-batch or several; cp 2 and 4
-  (ring) on the dense presets, ep 2 and 4 on the MoE one; DiLoCo over 2 sites of FSDP 2) of
-  each family's tiny preset (6 blocks, seq 64, global batch 16), the peak
+  (ring) on the dense presets, ep 2 and 4 (and pp 2 x ep 2) on the MoE one; DiLoCo over 2
+  sites of FSDP 2) of each family's tiny preset (6 blocks, seq 64, global batch 16), the peak
   per rank that `distrain plan` prices with distrain/plan/memory_model.py (calibrated by its shallow
   fake builds) against the full fake build of the same layout (what `--exhaustive` builds:
   memory.py, pipeline_memory.py for pp); the error is modelled / built - 1. A layout the
@@ -66,6 +66,7 @@ CP_EP_LAYOUTS = (
     (4, 1, 1, 3, "full", 4, 1, 4),
     (4, 1, 1, 0, "none", 1, 1, 2),
     (4, 1, 1, 2, "selective", 2, 1, 4),
+    (2, 1, 2, 2, "none", 2, 1, 2),
 )
 """(dp_shard, tp, pp, zero stage, checkpointing, micro-batch, cp, ep): context parallelism for
 the dense presets, expert parallelism for the MoE one (each refuses the other kind)."""

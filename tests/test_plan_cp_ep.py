@@ -149,6 +149,8 @@ MODEL_ROWS = [
     ("moe", Candidate(1, 8, 1, 1, 3, "none", 1, ep=2)),
     ("moe", Candidate(8, 1, 1, 1, 0, "none", 2, ep=4)),
     ("moe", Candidate(1, 8, 1, 1, 2, "full", 2, ep=8)),
+    ("moe", Candidate(1, 4, 1, 2, 2, "none", 2, ep=2)),
+    ("moe", Candidate(2, 1, 1, 2, 0, "none", 2, ep=2)),
     ("dense", Candidate(1, 2, 1, 1, 2, "none", 2, cp=2)),
     ("dense", Candidate(1, 1, 2, 1, 3, "full", 1, cp=4)),
     ("dense", Candidate(1, 4, 1, 1, 3, "none", 1, cp=2)),
@@ -160,7 +162,7 @@ MODEL_ROWS = [
 def test_memory_model_prices_cp_and_ep_as_the_full_build(kind, candidate):
     """The memory model (calibrated at 2 and 3 blocks, 2 x ep data-parallel ranks under ep)
     against the full fake build of 6 blocks: every kind within 5%, on layouts whose ep or
-    FSDP2 degree differs from the calibration's."""
+    FSDP2 degree differs from the calibration's, pp 2 x ep 2 among them."""
     base = moe_config() if kind == "moe" else dense_config()
     base.model.n_layers, base.training.global_batch_size = 6, 16
     modelled, built = _modelled_and_built(base, candidate)
@@ -177,16 +179,17 @@ def test_search_lists_cp_for_dense_and_ep_for_moe_models():
     assert {c.cp for c in dense} == {1, 2, 4, 8}
     assert {c.ep for c in dense} == {1}
     assert {c.ep for c in moe} == {1, 2, 4, 8}
-    # MoE does not compose with cp; neither is searched with pp; cp runs on FSDP2; ep not with
-    # ZeRO-1; tp x cp inside the node.
+    # MoE does not compose with cp; cp is not searched with pp and runs on FSDP2; ep is
+    # searched with pp, not with ZeRO-1; tp x cp inside the node.
     assert {c.cp for c in moe} == {1}
+    assert any(c.ep > 1 and c.pp > 1 for c in moe)
     for c in dense + moe:
         world = c.dp * c.tp * c.cp * c.pp
         assert world == 8 and c.tp * c.cp <= 8
         if c.cp > 1:
             assert c.pp == 1 and c.zero_stage >= 2
         if c.ep > 1:
-            assert c.pp == 1 and c.zero_stage != 1 and c.dp % c.ep == 0
+            assert c.zero_stage != 1 and c.dp % c.ep == 0
 
 
 def test_cp_and_ep_exchanges_in_the_step_time():

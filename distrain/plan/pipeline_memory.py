@@ -80,10 +80,12 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
     p, t = cfg.parallel, cfg.training
     dim = spec.shape(plan.model).dim
     assert dims.pp > 1
-    if dims.cp > 1 or dims.ep > 1:
-        raise NotImplementedError("the planner does not yet plan pipelines with cp or ep")
+    if dims.cp > 1:
+        raise NotImplementedError("the planner does not yet plan pipelines with cp")
     with fake_world(world_size, rank):
         mesh, _ = dims.build_mesh("cpu")
+        # Made before the fake mode, as the world mesh (memory.estimate_memory says why).
+        ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         pp_rank = mesh["pp"].get_local_rank()
         with torch.device("meta"):
             meta = spec.build(plan.model)
@@ -91,7 +93,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         parts, stage_ids, num_stages, microbatches = cut_stages(meta, plan, mesh)
         rows = plan.batch.local // microbatches
         with FakeTensorMode(allow_non_fake_inputs=True), device_meshes_under_fake_mode():
-            parts = lay_out_parts(parts, plan, mesh, CommStats())
+            parts = lay_out_parts(parts, plan, mesh, CommStats(), ep_mesh=ep_mesh)
             for part in parts:
                 part.to_empty(device="cpu")
             kept = in_flight(p.pp_schedule, dims.pp, pp_rank, p.pp_stages_per_rank, microbatches)

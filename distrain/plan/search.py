@@ -282,9 +282,9 @@ def candidates(
     """Every layout of the cluster: tp (powers of 2) inside a node, cp (powers of 2, for a
     family with attention to split and without experts) beside it inside the node, pp (powers
     of 2 up to the blocks) and the data-parallel rest, with ep (the expert counts dividing it)
-    for an MoE model. cp and ep are searched without pp (the planner's pipeline build has
-    neither), cp under FSDP2 (ZeRO-2/3: the shard axis is dp_shard x cp, as torchtitan lays it
-    out) and ep without ZeRO-1."""
+    for an MoE model. cp is searched without pp (the planner's pipeline build has no sequence
+    split) and under FSDP2 (ZeRO-2/3: the shard axis is dp_shard x cp, as torchtitan lays it
+    out), ep without ZeRO-1."""
     world, t = cluster.world_size, base.training
     shape = validate(base, None).shape
     found = []
@@ -294,7 +294,7 @@ def candidates(
             pp = 1
             while pp <= shape.n_layers and world % (tp * cp * pp) == 0 and (pp == 1 or cp == 1):
                 dp = world // (tp * cp * pp)
-                for ep in _expert_degrees(shape, dp) if pp == 1 else (1,):
+                for ep in _expert_degrees(shape, dp):
                     # Without data parallelism (or cp) every ZeRO stage is stage 0.
                     kept = (0,) if dp * cp == 1 else (*filter(_stage_searched(cp, ep), stages),)
                     found += [
@@ -620,7 +620,7 @@ def _memory_key(cfg: Config) -> tuple:
 def _pipeline_key(cfg: Config) -> tuple:
     """The key of a pipeline's memory_row in plan's cache."""
     p, t = cfg.parallel, cfg.training
-    key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard)
+    key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, p.ep)
     return (*key, t.micro_batch_size, t.activation_checkpointing, cfg.model.n_layers)
 
 
