@@ -71,10 +71,9 @@ def _block_documents(documents: Documents, qs: int, qe: int, ks: int, ke: int) -
 
 def _blocks_to_run(plan: list[Block], q: torch.Tensor) -> list[Block]:
     """The blocks of `plan` to compute: all of them, or on fake tensors (the planner's fake
-    build, which has no values to compute) the largest unmasked (U) and the largest masked (M)
-    one, as U U M M U. Each block makes the same temporaries and updates the same tensors in
-    place, and the previous block's temporaries live until the next replaces them, so every
-    pair of consecutive kinds reaches the peak of the whole plan (a 32k-token sequence has
+    build, which has no values to compute) the largest unmasked and the largest masked one.
+    Each block makes its temporaries, frees them before the next, and updates the same
+    tensors in place, so those two reach the peak of the whole plan (a 32k-token sequence has
     thousands of blocks a layer)."""
     if not is_fake(q):
         return plan
@@ -82,8 +81,7 @@ def _blocks_to_run(plan: list[Block], q: torch.Tensor) -> list[Block]:
     for block in plan:
         if block[4] not in largest or _area(block) > _area(largest[block[4]]):
             largest[block[4]] = block
-    order = (False, False, True, True, False)
-    return [largest[masked] for masked in order if masked in largest]
+    return list(largest.values())
 
 
 def _area(block: Block) -> int:
@@ -123,6 +121,8 @@ def forward_blocks(
         keep = (lse[:, :, qs:qe] - shift).exp()[..., None]
         out[:, :, qs:qe] = out[:, :, qs:qe] * keep + probs @ v[:, :, ks:ke]
         lse[:, :, qs:qe] = merged
+        # Freed before the next block makes its own (each is a block of scores per head).
+        del scores, merged, shift, probs, keep
 
 
 def backward_blocks(
@@ -153,6 +153,7 @@ def backward_blocks(
         dscores = probs * (go @ vb.transpose(-1, -2) - delta[:, :, qs:qe, None])
         dq[:, :, qs:qe] += (dscores @ kb) * scale
         dk[:, :, ks:ke] += (dscores.transpose(-1, -2) @ qb) * scale
+        del scores, probs, dscores
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -16,7 +16,7 @@ from distrain.plan.search import GIB, NOT_PRICED, SOURCE_LABEL, PlanRow
 from distrain.plan.timing import Candidate, Cluster
 
 if TYPE_CHECKING:
-    from distrain.config.schema import Config
+    from distrain.config.schema import Config, ParallelConfig
 
 WIDTH = 100
 INDENT = " " * 17
@@ -25,10 +25,11 @@ INDENT = " " * 17
 
 def layout_name(c: Candidate) -> str:
     """The parallel degrees above 1, compactly: 'dp8·tp2', 'fsdp16', 'pp2', 'fsdp4·cp2',
-    'fsdp8·ep4'; '1 device' alone. dp is the replicated data-parallel degree (DDP, ZeRO-1),
-    fsdp the sharded one (ZeRO-2/3); ep splits the experts over data-parallel ranks."""
+    'fsdp8·ep4', 'rg2·fsdp4'; '1 device' alone. dp is the replicated data-parallel degree (DDP,
+    ZeRO-1), fsdp the sharded one (ZeRO-2/3); ep splits the experts over data-parallel ranks;
+    rg counts replica groups (fault_tolerance.replica_groups), each its own torchrun."""
     degrees = (
-        ("dp", c.dp_replicate),
+        ("rg" if c.groups else "dp", c.dp_replicate),
         ("fsdp", c.dp_shard),
         ("tp", c.tp),
         ("cp", c.cp),
@@ -119,9 +120,7 @@ def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[s
             f"{layout} (row 1)",
             f"fastest step that fits (plain communication): {best.time.step_s:.3g} s; "
             f"peak {peak / GIB:.3g} of {cluster.memory_bytes / GIB:.3g} GiB",
-            f"[parallel] dp_replicate = {p.dp_replicate}, dp_shard = {p.dp_shard}, tp = {p.tp}, "
-            f"pp = {p.pp}, zero_stage = {p.zero_stage}"
-            + "".join(f", {name} = {n}" for name, n in (("cp", p.cp), ("ep", p.ep)) if n > 1),
+            *_parallel_lines(c, p),
             f'[training] activation_checkpointing = "{c.activation_checkpointing}"',
         ),
         *_communication(best, cluster),
@@ -134,8 +133,44 @@ def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[s
     ]
 
 
+def _parallel_lines(c: Candidate, p: ParallelConfig) -> list[str]:
+    """The config lines of layout `c` (its parallel section `p`): replica groups are each a
+    torchrun of the group's layout, counted by fault_tolerance.replica_groups."""
+    if c.groups:
+        return [
+            f"[parallel] dp_shard = {p.dp_shard}, tp = {p.tp}, pp = {p.pp}, "
+            f"zero_stage = {p.zero_stage}",
+            f"[fault_tolerance] replica_groups = {c.groups} (a torchrun each, of "
+            f"{_count_of(c.dp_shard * c.tp * c.pp, 'rank')})",
+        ]
+    extra = "".join(f", {name} = {n}" for name, n in (("cp", p.cp), ("ep", p.ep)) if n > 1)
+    return [
+        f"[parallel] dp_replicate = {p.dp_replicate}, dp_shard = {p.dp_shard}, tp = {p.tp}, "
+        f"pp = {p.pp}, zero_stage = {p.zero_stage}{extra}"
+    ]
+
+
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("s" if n != 1 else "")
+
+
 def _communication(best: PlanRow, cluster: Cluster) -> list[str]:
-    advice = best.communication
+    advice, c = best.communication, best.candidate
+    if advice is None and c.groups:
+        return _item(
+            "communication",
+            "the replica groups' own",
+            f"each rank's gradient shard is all-reduced over the {c.groups} groups after "
+            f"backward (torchft): {best.time.groups_comm_s:.3g} s a step; gradient compression "
+            "and DiLoCo do not compose with replica groups",
+        )
+    if advice is None and c.ep > 1:
+        return _item(
+            "communication",
+            "plain FSDP2",
+            "expert parallelism runs on FSDP2, which has no place for the other methods' DDP "
+            "communication hooks",
+        )
     if advice is None:
         split = f"the layout splits the model over all {cluster.world_size} devices"
         if cluster.world_size == 1:

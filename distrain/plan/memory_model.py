@@ -247,6 +247,9 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
             global_batch_size=dp,
             activation_checkpointing=family.activation_checkpointing,
         ),
+        # Replica groups are priced as HSDP over the groups (search.candidate_config): the
+        # calibration is one group's layout.
+        fault_tolerance=dataclasses.replace(base.fault_tolerance, replica_groups=0),
     )
     return cfg, family.tp * family.cp * dp
 
@@ -480,6 +483,15 @@ def _group_sizes(cfg: Config) -> list[list[int]]:
         groups = param_groups(model, cfg.optim.weight_decay, roles_of(model, family.spec))
         _GROUPS[key] = [sorted((t.numel() for t in g["params"]), reverse=True) for g in groups]
     return _GROUPS[key]
+
+
+def with_replica_average(row: dict[str, int]) -> dict[str, int]:
+    """A row of a replica-group layout with the groups' exchange after backward
+    (train/replica_groups.py's `average`): the rank's gradient shards flattened into one tensor,
+    then copied with the loss and proofs into the one torchft all-reduces, both alive beside the
+    gradients and the optimizer state: two more copies of the gradients."""
+    held = row["params"] + row["grads"] + row["optimizer"]
+    return {**row, "peak": max(row["peak"], held + 2 * row["grads"])}
 
 
 def modelled_row(

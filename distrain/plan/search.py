@@ -54,6 +54,7 @@ from distrain.plan.memory_model import (
     modelled_row,
     states_floor,
     with_depth,
+    with_replica_average,
     zero1_largest_share,
 )
 from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
@@ -125,6 +126,11 @@ def candidate_config(base: Config, c: Candidate) -> Config:
     )
     if c.zero_stage <= 1:
         cfg.parallel.dp_replicate = -1
+    if c.groups:
+        # Priced as HSDP over the groups: a rank holds the same shards and runs the same step;
+        # the groups' own exchange is added by memory_model.with_replica_average and the
+        # step-time model.
+        cfg.fault_tolerance = dataclasses.replace(cfg.fault_tolerance, replica_groups=0)
     return cfg
 
 
@@ -287,9 +293,14 @@ def candidates(
     out), ep without ZeRO-1."""
     world, t = cluster.world_size, base.training
     shape = validate(base, None).shape
+    groups = base.fault_tolerance.replica_groups
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
+        if groups:
+            found += _replica_group_layouts(base, world, tp, stages, checkpointing)
+            tp *= 2
+            continue
         for cp in _context_degrees(shape, cluster.gpus_per_node // tp, world // tp):
             pp = 1
             while pp <= shape.n_layers and world % (tp * cp * pp) == 0 and (pp == 1 or cp == 1):
@@ -303,6 +314,27 @@ def candidates(
                     ]
                 pp *= 2
         tp *= 2
+    return found
+
+
+def _replica_group_layouts(
+    base: Config, world: int, tp: int, stages: tuple[int, ...], checkpointing: tuple[str, ...]
+) -> list[Candidate]:
+    """Under fault_tolerance.replica_groups = R: the layouts of R groups of world / R ranks,
+    each FSDP2 (ZeRO-2/3) over its data-parallel ranks (one rank too) with tp and pp, and no
+    cp, ep or further replication (what the layout rules allow a group)."""
+    groups, t = base.fault_tolerance.replica_groups, base.training
+    n_layers = validate(base, None).shape.n_layers
+    found = []
+    pp = 1
+    while world % (groups * tp * pp) == 0 and pp <= n_layers:
+        shard = world // (groups * tp * pp)
+        dp = groups * shard
+        for stage in (s for s in stages if s >= 2):
+            for ac in checkpointing:
+                for mb in divisors(t.global_batch_size // dp):
+                    found.append(Candidate(groups, shard, tp, pp, stage, ac, mb, groups=groups))
+        pp *= 2
     return found
 
 
@@ -495,6 +527,8 @@ def plan(
                 rows.append(PlanRow(c, {}, time, False, reason, source))
                 failing += 1
             else:
+                if c.groups and "peak" in memory:
+                    memory = with_replica_average(memory)
                 if "peak" in memory:
                     what, peak = "peak", memory["peak"]
                 else:
@@ -534,7 +568,7 @@ def timed_layouts(
     for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
         if c.micro_batch_size > max_micro_batch:
             continue
-        if c.dp_replicate > 1 and c.dp_shard > 1 and not hsdp:
+        if c.dp_replicate > 1 and c.dp_shard > 1 and not hsdp and not c.groups:
             continue
         cfg = candidate_config(base, c)
         try:
@@ -696,9 +730,10 @@ def with_advice(
 
 def advisable(c: Candidate) -> bool:
     """Whether layout `c` has a data-parallel gradient exchange to choose a method for: a
-    data-parallel group, and no expert parallelism (it runs on FSDP2, which has no place for
-    the methods' DDP communication hooks: layout/facts.py's ep_conflict)."""
-    return c.dp > 1 and c.ep == 1
+    data-parallel group, and neither expert parallelism (it runs on FSDP2, which has no place
+    for the methods' DDP communication hooks: layout/facts.py's ep_conflict) nor replica groups
+    (their exchange is torchft's)."""
+    return c.dp > 1 and c.ep == 1 and not c.groups
 
 
 def one_line(error: Exception) -> str:

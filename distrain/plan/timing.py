@@ -8,10 +8,11 @@
   stays inside a node; data parallel crosses nodes as soon as its group spans more than one;
   pipeline sends one activation per micro-batch per stage boundary; context parallelism passes
   each block's keys and values round its ranks; expert parallelism sends each token's top_k
-  copies to their experts and back (all-to-all), priced for a balanced router;
+  copies to their experts and back (all-to-all), priced for a balanced router; replica groups
+  all-reduce each rank's gradient shard over the groups after backward;
 - overlap: data-parallel gradient communication hides behind backward (2/3 of compute) and FSDP's
-  forward all-gather behind forward; tensor-, context- and expert-parallel exchanges sit on the
-  critical path;
+  forward all-gather behind forward; tensor-, context- and expert-parallel exchanges and the
+  replica groups' all-reduce sit on the critical path;
 - bubble: (pp - 1) / (micro-batches + pp - 1) of the pipelined time (1F1B/GPipe; interleaved
   divides it by the stages per rank).
 """
@@ -54,6 +55,9 @@ class Candidate:
     pp_schedule: str = "1f1b"
     cp: int = 1
     ep: int = 1
+    groups: int = 0
+    """Replica groups (fault_tolerance.replica_groups), each its own torchrun, that
+    dp_replicate counts; 0: none."""
 
     @property
     def dp(self) -> int:
@@ -68,6 +72,7 @@ class StepTime:
     pp_comm_s: float
     cp_comm_s: float
     ep_comm_s: float
+    groups_comm_s: float
     exposed_comm_s: float
     bubble_s: float
     step_s: float
@@ -126,15 +131,22 @@ def step_time(
     # holding the same experts.
     experts = shape.expert_params / (c.pp * c.ep)
     dense = (model.num_params() - shape.expert_params) / (c.tp * c.pp)
-    dp_bw = cluster.intra_bw if c.tp * c.cp * c.dp <= cluster.gpus_per_node else cluster.inter_bw
+    # Replica groups: the gradients are reduced inside a group (its dp_shard ranks), then each
+    # rank's fp32 shard is all-reduced over the groups after backward (torchft), exposed.
+    group = c.dp_shard if c.groups else c.dp
+    dp_bw = cluster.intra_bw if c.tp * c.cp * group <= cluster.gpus_per_node else cluster.inter_bw
     if c.zero_stage >= 2:
         # reduce-scatter of fp32 grads + all-gather of params (twice under ZeRO-3).
         gathers = 2 if c.zero_stage == 3 else 1
         per_value = 4 + gathers * bytes_per_value
     else:
         per_value = 2 * 4
-    dp_bytes = (_ring(c.dp * c.cp) * dense + _ring(c.dp // c.ep) * experts) * per_value
+    dp_bytes = (_ring(group * c.cp) * dense + _ring(group // c.ep) * experts) * per_value
     dp_comm = dp_bytes / dp_bw
+    one_node = cluster.world_size <= cluster.gpus_per_node
+    groups_bw = cluster.intra_bw if one_node else cluster.inter_bw
+    shard_bytes = 4 * dense / (group * c.cp)
+    groups_comm = 2 * _ring(c.groups) * shard_bytes / groups_bw if c.groups else 0.0
     # pp: one activation per micro-batch per boundary, forward and backward; across nodes when
     # the stages do not fit one node.
     microbatches = max(1, global_batch // (c.dp * c.micro_batch_size))
@@ -145,7 +157,7 @@ def step_time(
     )
     pp_bytes = 2 * microbatches * c.micro_batch_size * seq_len * shape.dim * bytes_per_value
     pp_comm = pp_bytes / pp_bw if c.pp > 1 else 0.0
-    exposed = tp_comm + cp_comm + ep_comm
+    exposed = tp_comm + cp_comm + ep_comm + groups_comm
     exposed += max(0.0, dp_comm - compute * 2 / 3) + pp_comm / max(1, microbatches)
     work = compute + exposed
     stages_per_rank = 2 if c.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
@@ -158,6 +170,7 @@ def step_time(
         pp_comm_s=pp_comm,
         cp_comm_s=cp_comm,
         ep_comm_s=ep_comm,
+        groups_comm_s=groups_comm,
         exposed_comm_s=exposed,
         bubble_s=bubble,
         step_s=step,

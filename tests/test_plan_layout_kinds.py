@@ -1,7 +1,8 @@
-"""The planner's context (cp) and expert (ep) parallel layouts: the fake build of a cp or ep
-rank against the same rank on real tensors (2 gloo processes), the memory model against the full
-fake build, the layouts the search lists, and their communication in the step-time model
-(hand-computed)."""
+"""The planner's context-parallel (cp), expert-parallel (ep) and replica-group layouts: the fake
+build of a cp or ep rank against the same rank on real tensors (2 gloo processes), a replica
+group's stand-in against the group's own build, the memory model against the full fake build,
+the layouts the search lists, their communication in the step-time model (hand-computed), and
+the answer's config lines."""
 
 import dataclasses
 import json
@@ -21,6 +22,7 @@ from distrain.parallel import attention_blocks
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
+from distrain.plan.answer import recommendation
 from distrain.plan.memory import (
     LiveBytes,
     estimate_memory,
@@ -247,3 +249,59 @@ def test_fake_cp_attention_runs_the_largest_blocks_for_the_same_peak(monkeypatch
     reduced = estimate_memory(cfg, 2)
     monkeypatch.setattr(attention_blocks, "_blocks_to_run", lambda plan, q: plan)
     assert estimate_memory(cfg, 2) == reduced
+
+
+def replica_group_config() -> Config:
+    cfg = dense_config(zero_stage=3)
+    cfg.training.seq_len, cfg.training.global_batch_size = 128, 16
+    cfg.fault_tolerance.replica_groups = 2
+    cfg.fault_tolerance.lighthouse = "http://localhost:29510"
+    return cfg
+
+
+def test_search_lists_replica_groups_as_fsdp_groups():
+    """Under fault_tolerance.replica_groups = 2 on 8 devices every layout is 2 groups of 4
+    ranks, FSDP2 (ZeRO-2/3) inside each (one data-parallel rank too), without cp or ep."""
+    rows = candidates(replica_group_config(), Cluster(2, 4, 80e9, 1e12, 0.5, 100e9, 1e9))
+    assert rows and {(c.groups, c.dp_replicate) for c in rows} == {(2, 2)}
+    assert {c.zero_stage for c in rows} == {2, 3}
+    assert {c.dp_shard for c in rows} == {1, 2, 4}
+    for c in rows:
+        assert c.dp_shard * c.tp * c.pp == 4 and c.cp == c.ep == 1
+
+
+@pytest.mark.parametrize(("stage", "ac"), [(2, "none"), (3, "full")])
+def test_replica_groups_are_priced_as_one_group(stage, ac):
+    """A replica-group row is built as HSDP over the groups (its config passes the layout
+    rules, which refuse dp_replicate beside replica groups): every figure equals, to the byte,
+    the build of one group on its own ranks."""
+    c = Candidate(2, 2, 1, 1, stage, ac, 2, groups=2)
+    stand_in = candidate_config(replica_group_config(), c)
+    group = dataclasses.replace(
+        stand_in,
+        parallel=dataclasses.replace(stand_in.parallel, dp_replicate=1, dp_shard=2),
+        training=dataclasses.replace(stand_in.training, global_batch_size=8),
+    )
+    assert estimate_memory(stand_in, 4) == estimate_memory(group, 2)
+
+
+def test_replica_groups_exchange_and_answer():
+    """The groups' all-reduce of each rank's fp32 gradient shard, after backward, between
+    nodes; the average's two flat copies of the gradients in the peak; the answer sets
+    replica_groups and the group's own layout."""
+    cfg = replica_group_config()
+    cluster = Cluster(2, 1, 80e9, 1e12, 0.5, 100e9, 1e9)
+    model = validate(cfg, None).family_model
+    c = Candidate(2, 1, 1, 1, 2, "none", 1, groups=2)
+    t = step_time(c, model, cluster, global_batch=16, seq_len=128, bytes_per_value=4)
+    assert t.groups_comm_s == pytest.approx(2 * 0.5 * 4 * model.num_params() / 1e9)
+    assert t.dp_comm_s == 0  # one rank per group: nothing to reduce inside it
+    assert t.exposed_comm_s == pytest.approx(t.groups_comm_s)
+    rows = plan(cfg, cluster, shown=2, stages=(2,), checkpointing=("none",), verify=1)
+    best = rows[0]
+    grads = best.memory["grads"]
+    held = sum(best.memory[k] for k in ("params", "grads", "optimizer"))
+    assert best.candidate.groups == 2 and best.memory["peak"] >= held + 2 * grads
+    text = "\n".join(recommendation(rows, cfg, cluster))
+    assert "[fault_tolerance] replica_groups = 2 (a torchrun each, of 1 rank)" in text
+    assert "dp_replicate" not in text
