@@ -345,6 +345,8 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
             backend="fake",
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
+        # Before the fake mode: a DeviceMesh reads its rank map, which that mode leaves without
+        # values (build_parallel_model's ep_mesh).
         ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         with torch.device("meta"):
             meta_model = plan.spec.build(plan.model)

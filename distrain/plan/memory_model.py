@@ -11,18 +11,20 @@ fastest few are built (search.py):
   itself (torch's styles: column-parallel linear weights and their biases along dim 0,
   row-parallel linear weights along dim 1, a row-parallel embedding along dim 0 and a
   column-parallel one along dim 1; whatever the plan does not split replicated); then, under
-  ZeRO-2/3, dim 0 of that local tensor sharded over dp_shard as FSDP2 does (the first rank
-  holding the rounded-up share). Gradients equal the parameters (sharded under ZeRO-2/3);
-  optimizer state is the calibration build's bytes per parameter byte (AdamW: two fp32 moments
-  and a step scalar per tensor), divided over the data-parallel ranks under ZeRO-1 (the fullest
-  rank of torch's ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under
-  ZeRO-1/2;
+  ZeRO-2/3, dim 0 of that local tensor sharded over dp_shard (x cp) as FSDP2 does (the first
+  rank holding the rounded-up share); a routed expert's weights split over ep and sharded over
+  the data-parallel ranks ep does not use, whatever the ZeRO stage. Gradients equal the
+  parameters (sharded under ZeRO-2/3); optimizer state is the calibration build's bytes per
+  parameter byte (AdamW: two fp32 moments and a step scalar per tensor), divided over the
+  data-parallel ranks under ZeRO-1 (the fullest rank of torch's ZeroRedundancyOptimizer without
+  tp or pp) and 1-bit Adam's own chunking under ZeRO-1/2;
 - activations: the fwd/bwd peak above the model states at the layout's micro-batch (with the
   gradients held, or for a step of one micro-batch without: memory.MemoryEstimate), a cost per
   block and a constant, measured for a *family* of layouts (tp degree, data-parallel wrapper:
-  none/DDP, FSDP2 without or with resharding after forward, activation checkpointing) by two
-  fake builds of the planned model at its real width and 2 and 3 blocks (3 and 4 under FSDP2
-  resharding with full checkpointing: `calibration_depths`; world: tp, x2 under FSDP2), which
+  none/DDP, FSDP2 without or with resharding after forward, activation checkpointing, cp and
+  ep degrees) by two fake builds of the planned model at its real width and 2 and 3 blocks (3
+  and 4 under FSDP2 resharding with full checkpointing: `calibration_depths`; world: tp x cp,
+  x2 under FSDP2, x 2 ep under ep: `calibration_layout`), which
   hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
   full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch is kept
   within the gradients' bytes of the held peak: `Coefficients.above_states`); every
@@ -31,7 +33,8 @@ fastest few are built (search.py):
   receive buffers. A pipeline stage's FSDP2 never reshards after forward, so ZeRO-3 under pp
   is priced with the ZeRO-2 family.
 
-Checked against full fake builds in tests/test_plan_model.py (within 10% on small layouts).
+Checked against full fake builds in tests/test_plan_model.py (within 10% on small layouts) and
+tests/test_plan_layout_kinds.py (cp, ep and replica groups: within 5%).
 """
 
 from __future__ import annotations
@@ -413,7 +416,8 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     spec = model.spec
     blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
-    replicas = max(1, p.dp_replicate)  # DiLoCo's sites (the search's only HSDP)
+    # The search's only HSDP: DiLoCo's sites, and replica groups (search.candidate_config).
+    replicas = max(1, p.dp_replicate)
     # FSDP2's shard axis: dp_shard (x cp: world // (tp x pp x replicas) counts both).
     shard = world_size // (p.tp * p.pp * replicas) if p.zero_stage >= 2 else 1
     # A routed expert's weight: split over ep, then FSDP2-sharded over the data-parallel ranks

@@ -84,7 +84,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         raise NotImplementedError("the planner does not yet plan pipelines with cp")
     with fake_world(world_size, rank):
         mesh, _ = dims.build_mesh("cpu")
-        # Made before the fake mode, as the world mesh (memory.estimate_memory says why).
+        # Made before the fake mode, as the world mesh (build_parallel_model's ep_mesh).
         ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         pp_rank = mesh["pp"].get_local_rank()
         with torch.device("meta"):
