@@ -35,28 +35,26 @@ from distrain.plan.search import candidate_config, candidates, memory_of, memory
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 
-def moe_config(**parallel) -> Config:
-    """moe-tiny (8 experts, top-2, dim 128) at 2 blocks."""
+def _config(preset: str, seq_len: int, global_batch: int, parallel: dict) -> Config:
+    """`preset` at 2 blocks on the CPU, eager, micro-batch 1, with these parallel fields."""
     cfg = Config()
     cfg.run.device = "cpu"
-    cfg.model.preset, cfg.model.n_layers = "moe-tiny", 2
-    cfg.training.seq_len, cfg.training.global_batch_size = 64, 4
+    cfg.model.preset, cfg.model.n_layers = preset, 2
+    cfg.training.seq_len, cfg.training.global_batch_size = seq_len, global_batch
     cfg.training.compile, cfg.training.micro_batch_size = False, 1
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
     return cfg
+
+
+def moe_config(**parallel) -> Config:
+    """moe-tiny (8 experts, top-2, dim 128) at 2 blocks."""
+    return _config("moe-tiny", 64, 4, parallel)
 
 
 def dense_config(**parallel) -> Config:
     """tiny at 2 blocks, sequences long enough that attention's activations count."""
-    cfg = Config()
-    cfg.run.device = "cpu"
-    cfg.model.preset, cfg.model.n_layers = "tiny", 2
-    cfg.training.seq_len, cfg.training.global_batch_size = 256, 2
-    cfg.training.compile, cfg.training.micro_batch_size = False, 1
-    for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
-    return cfg
+    return _config("tiny", 256, 2, parallel)
 
 
 REAL_CASES = {

@@ -298,7 +298,7 @@ def candidates(
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
         if groups:
-            found += _replica_group_layouts(base, world, tp, stages, checkpointing)
+            found += _replica_group_layouts(base, world, tp, shape.n_layers, stages, checkpointing)
             tp *= 2
             continue
         for cp in _context_degrees(shape, cluster.gpus_per_node // tp, world // tp):
@@ -307,7 +307,7 @@ def candidates(
                 dp = world // (tp * cp * pp)
                 for ep in _expert_degrees(shape, dp):
                     # Without data parallelism (or cp) every ZeRO stage is stage 0.
-                    kept = (0,) if dp * cp == 1 else (*filter(_stage_searched(cp, ep), stages),)
+                    kept = (0,) if dp * cp == 1 else _stages_searched(stages, cp, ep)
                     found += [
                         dataclasses.replace(c, cp=cp, ep=ep)
                         for c in _data_parallel(dp, tp, pp, t, kept, checkpointing)
@@ -318,13 +318,17 @@ def candidates(
 
 
 def _replica_group_layouts(
-    base: Config, world: int, tp: int, stages: tuple[int, ...], checkpointing: tuple[str, ...]
+    base: Config,
+    world: int,
+    tp: int,
+    n_layers: int,
+    stages: tuple[int, ...],
+    checkpointing: tuple[str, ...],
 ) -> list[Candidate]:
     """Under fault_tolerance.replica_groups = R: the layouts of R groups of world / R ranks,
     each FSDP2 (ZeRO-2/3) over its data-parallel ranks (one rank too) with tp and pp, and no
     cp, ep or further replication (what the layout rules allow a group)."""
     groups, t = base.fault_tolerance.replica_groups, base.training
-    n_layers = validate(base, None).shape.n_layers
     found = []
     pp = 1
     while world % (groups * tp * pp) == 0 and pp <= n_layers:
@@ -354,8 +358,9 @@ def _expert_degrees(shape: ModelShape, dp: int) -> list[int]:
     return [e for e in divisors(shape.num_experts) if dp % e == 0] if shape.num_experts else [1]
 
 
-def _stage_searched(cp: int, ep: int) -> Callable[[int], bool]:
-    return lambda stage: (cp == 1 or stage >= 2) and (ep == 1 or stage != 1)
+def _stages_searched(stages: tuple[int, ...], cp: int, ep: int) -> tuple[int, ...]:
+    """The ZeRO stages searched with cp (FSDP2's: 2 and 3) and ep (not ZeRO-1)."""
+    return tuple(s for s in stages if (cp == 1 or s >= 2) and (ep == 1 or s != 1))
 
 
 def _data_parallel(
