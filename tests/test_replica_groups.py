@@ -59,6 +59,11 @@ if importlib.util.find_spec("torchft") is None:
 
 STEPS = 60
 REL = 1e-6
+# Four groups whose membership changes at times the kills decide: each step's gradient is summed
+# over 4, 2 or 1 group(s) in an order the 1-process run never uses, and AdamW carries those fp32
+# reorderings on. Measured up to 1.06e-6 (step 30 of 40, in a clean-clone CI run): the bound is
+# ten times that; the list of trained steps catches a lost or repeated step on its own.
+FOUR_REL = 1e-5
 WEIGHTS_REL = 2e-5
 FIELDS = {
     "training__steps": STEPS,
@@ -366,7 +371,8 @@ def test_two_failures_at_once_and_one_during_a_rejoin_lose_no_step(four_groups, 
     for g, run in enumerate(runs):
         got = losses(read_metrics(run / "metrics.jsonl", all_attempts=True))
         for step, loss in got.items():
-            assert abs(loss - want[step]) <= REL * abs(want[step]), (g, step, loss, want[step])
+            err = abs(loss - want[step])
+            assert err <= FOUR_REL * abs(want[step]), (g, step, loss, want[step])
     changes = [r for r in rows0 if "replica_change" in r]
     assert all(r.get("steps_lost", 0) == 0 for r in changes), changes
     lost = {
