@@ -35,8 +35,9 @@ from distrain.config.schema import Config
 from distrain.errors import ConfigError
 from distrain.layout.rules import validate
 from distrain.models.registry import family_of_preset
+from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, memory_of, memory_row, one_line
+from distrain.plan.search import candidate_config, one_line
 from distrain.plan.timing import Candidate
 
 WORLD = 4

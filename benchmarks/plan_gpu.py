@@ -33,8 +33,9 @@ from harness import bench_config, is_worker, launch_self, worker_session, write_
 
 from distrain.config.schema import Config
 from distrain.models.registry import family_of_preset
+from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, memory_of, memory_row
+from distrain.plan.search import candidate_config
 from distrain.plan.timing import Candidate
 from distrain.train.build import build_trainer
 

@@ -213,8 +213,8 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
 
 def predict(found: dict[str, Any], costs: dict) -> dict[str, dict[str, Any]]:
     """Per layout: the median over rounds of the predicted step, and the planned model state."""
+    from distrain.plan.built_rows import memory_of
     from distrain.plan.probe import Collective, Probe, predicted_time
-    from distrain.plan.search import memory_of
 
     predicted = {}
     cache: dict = {}

@@ -25,9 +25,10 @@ from distrain.optim.builder import build_optimizer
 from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import build_parallel_model
-from distrain.plan import memory, search
+from distrain.plan import built_rows, memory, search
 from distrain.plan.answer import text
 from distrain.plan.build_workers import Pool
+from distrain.plan.built_rows import memory_of
 from distrain.plan.calibrate import calibrate
 from distrain.plan.command import (
     DEFAULT_PEAK_FLOPS,
@@ -37,7 +38,8 @@ from distrain.plan.command import (
     progress_printer,
 )
 from distrain.plan.memory import MemoryEstimate, estimate_memory, fake_world, measure_step
-from distrain.plan.search import memory_of, plan, zero1_largest_share
+from distrain.plan.memory_model import zero1_largest_share
+from distrain.plan.search import plan
 from distrain.plan.timing import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -534,7 +536,7 @@ def lazy_plans():
             calibrated = recording(search.calibrate_family, families, 1)
             patch.setattr(search, "calibrate_family", calibrated)
             for kind in ("estimate_memory", "estimate_pipeline_memory"):
-                patch.setattr(search, kind, recording(getattr(search, kind), builds))
+                patch.setattr(built_rows, kind, recording(getattr(built_rows, kind), builds))
             with Pool(workers - 1, preload=search.PRELOAD) as pool:
                 if workers > 1:
                     pool.start()  # ready: plan() sends it builds from the first
@@ -601,14 +603,14 @@ def test_calibration_workers_plan_as_the_planning_process(lazy_plans):
 
 
 def test_a_layout_that_cannot_be_built_is_a_row_with_the_reason(monkeypatch):
-    built = search.estimate_memory
+    built = built_rows.estimate_memory
 
     def fails_under_tp(cfg, world_size, **kwargs):
         if cfg.parallel.tp > 1:
             raise RuntimeError("no kernel for this\nsecond line")
         return built(cfg, world_size, **kwargs)
 
-    monkeypatch.setattr(search, "estimate_memory", fails_under_tp)
+    monkeypatch.setattr(built_rows, "estimate_memory", fails_under_tp)
     cfg = tiny_config(world_size=2)
     rows = plan(cfg, small_cluster(2, 1e9), stages=(3,), checkpointing=("none",), max_micro_batch=1)
     failed = [r for r in rows if r.candidate.tp == 2]

@@ -23,6 +23,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
 from distrain.plan.answer import recommendation
+from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory import (
     LiveBytes,
     estimate_memory,
@@ -31,7 +32,7 @@ from distrain.plan.memory import (
     local_bytes,
 )
 from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, candidates, memory_of, memory_row, plan
+from distrain.plan.search import candidate_config, candidates, plan
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 

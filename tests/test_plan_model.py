@@ -9,10 +9,11 @@ from distrain.errors import ConfigError
 from distrain.family.spec import FamilyModel
 from distrain.models.gpt.flavors import PRESETS
 from distrain.models.gpt.spec import GPT_SPEC
+from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.comm_advice import advise, predict_methods
 from distrain.plan.command import cluster_of, link_bandwidth, parse
 from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, memory_of, memory_row
+from distrain.plan.search import candidate_config
 from distrain.plan.timing import Candidate, Cluster
 
 WORLD = 4

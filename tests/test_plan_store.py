@@ -7,7 +7,7 @@ import json
 import pytest
 
 from distrain.config.schema import Config
-from distrain.plan import build_store, search
+from distrain.plan import build_store, built_rows, search
 from distrain.plan.build_store import BuildStore
 from distrain.plan.memory import MemoryEstimate
 from distrain.plan.search import plan
@@ -142,8 +142,8 @@ def test_a_plan_asked_again_reads_every_build_and_answers_the_same(
     )
     assert {r["layout"]["pp"] for r in first} == {1, 2, 4}
     assert True in {r["fits"] for r in first} and False in {r["fits"] for r in first}
-    monkeypatch.setattr(search, "estimate_memory", no_build)
-    monkeypatch.setattr(search, "estimate_pipeline_memory", no_build)
+    monkeypatch.setattr(built_rows, "estimate_memory", no_build)
+    monkeypatch.setattr(built_rows, "estimate_pipeline_memory", no_build)
     monkeypatch.setattr(search.Pool, "submit", no_build)  # no build for a worker to make
     again = [r.as_dict() for r in plan(small_config(), CLUSTER, store=store, **options)]
     assert again == first

@@ -21,12 +21,13 @@ from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import build_parallel_model
+from distrain.plan.built_rows import memory_row
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
 from distrain.plan.memory import LiveBytes, grad_bytes, held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
-from distrain.plan.search import candidates, memory_row
+from distrain.plan.search import candidates
 from distrain.plan.timing import Cluster
 
 

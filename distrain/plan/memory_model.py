@@ -262,7 +262,7 @@ def calibration_depths(family: Family) -> tuple[int, int]:
     DEPTHS under FSDP2 resharding with checkpointing; under selective checkpointing, the
     first multiples of its period from there, one period apart (a line through 2 and 3 blocks,
     one checkpointed of 2 and two of 3, over-priced `tiny`'s 6 blocks by 5-12%).
-    search.built_row verifies a layout at the same blocks per stage."""
+    built_rows.built_row verifies a layout at the same blocks per stage."""
     checkpointed = family.activation_checkpointing != "none"
     low, high = CALIBRATION_DEPTHS
     if family.wrapper == "fsdp_reshard" and checkpointed:
@@ -449,7 +449,7 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
 
 def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coefficients) -> int:
     """This rank's optimizer state: the family's bytes per parameter byte, shared out under
-    ZeRO-1 and by 1-bit Adam's own chunking (as search.memory_of plans the builds)."""
+    ZeRO-1 and by 1-bit Adam's own chunking (as built_rows.memory_of plans the builds)."""
     p = cfg.parallel
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
@@ -501,7 +501,7 @@ def with_replica_average(row: dict[str, int]) -> dict[str, int]:
 def modelled_row(
     cfg: Config, world_size: int, coefficients: Callable[[Family], Coefficients]
 ) -> dict[str, int]:
-    """Bytes per rank of `cfg` on `world_size` ranks, the keys of search.memory_row:
+    """Bytes per rank of `cfg` on `world_size` ranks, the keys of built_rows.memory_row:
     params, grads, optimizer, activations, peak. A pipeline: the largest peak of its ranks (the
     first keeps the most microbatches in flight, the last the head, a middle one more blocks)."""
     p, t = cfg.parallel, cfg.training
@@ -509,7 +509,7 @@ def modelled_row(
     if p.pp == 1:
         states = model_states(cfg, world_size)
         optimizer = optimizer_bytes(cfg, world_size, states, c)
-        # ZeRO-1 without tp is planned from the ZeRO-0 build (search.memory_of): its step's
+        # ZeRO-1 without tp is planned from the ZeRO-0 build (built_rows.memory_of): its step's
         # peak holds all the state.
         step_optimizer = optimizer
         if p.zero_stage == 1 and p.tp == 1:
