@@ -80,6 +80,47 @@ def plan_of(cfg: Config, world_size: int) -> Any:
     )
 
 
+def real_step_memory(cfg: Config, batches: list[tuple[Any, Any]]) -> dict[str, int]:
+    """This rank's bytes over a real training step of `batches` (micro-batches of (tokens,
+    targets)) on CPU, in a process group of every rank of `cfg` already made, counted as the
+    planner counts a fake build: the model states after a first step, and the peak above
+    parameters and gradients during a second step's forward and backward (gradients None before
+    it, the optimizer state already made; the second step's first micro-batch holds no gradients
+    yet, as `estimate_memory`'s accumulating=False)."""
+    import torch
+    import torch.distributed as dist
+
+    from distrain.optim.builder import build_optimizer
+    from distrain.parallel.compress import CommStats
+    from distrain.parallel.device import DistContext
+    from distrain.parallel.model import build_parallel_model
+    from distrain.plan.memory import LiveBytes, grad_bytes, held_optimizer_state_bytes, local_bytes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = plan_of(cfg, world)
+    ctx = DistContext(
+        rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo"
+    )
+    mesh, dp_mesh = plan.dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+    optimizers = [build_optimizer(p, cfg.optim, spec=plan.spec) for p in model.parts]
+    model.forward_backward(batches, lambda loss: loss, report_loss=False)
+    for optimizer in optimizers:
+        optimizer.step()
+    model.zero_grad()
+    params = sum(local_bytes(p) for p in model.parameters())
+    with LiveBytes(params) as live:
+        model.forward_backward(batches, lambda loss: loss, report_loss=False)
+    grads = grad_bytes(model.parameters())
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": held_optimizer_state_bytes(optimizers),
+        "activations": live.peak - params - grads,
+    }
+
+
 @contextlib.contextmanager
 def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
     """`cfg` planned for one process inside a real 1-process gloo group (ended on exit):

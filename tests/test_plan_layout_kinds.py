@@ -13,23 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import plan_of
+from helpers import real_step_memory
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
-from distrain.optim.builder import build_optimizer
 from distrain.parallel import attention_blocks
-from distrain.parallel.compress import CommStats
-from distrain.parallel.device import DistContext
-from distrain.parallel.model import build_parallel_model
 from distrain.plan.answer import recommendation
 from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory import (
-    LiveBytes,
     estimate_memory,
-    grad_bytes,
-    held_optimizer_state_bytes,
-    local_bytes,
 )
 from distrain.plan.memory_model import calibrate_family, modelled_row
 from distrain.plan.search import candidate_config, candidates, plan
@@ -77,31 +69,10 @@ def _real_worker(rank: int, tmp_path: Path) -> None:
         found = {}
         for name, make in REAL_CASES.items():
             cfg = make()
-            plan = plan_of(cfg, 2)
-            ctx = DistContext(
-                rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo"
-            )
-            mesh, dp_mesh = plan.dims.build_mesh("cpu")
-            torch.manual_seed(0)
-            model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
-            optimizers = [build_optimizer(p, cfg.optim, spec=plan.spec) for p in model.parts]
             generator = torch.Generator().manual_seed(rank)
-            vocab = plan.spec.shape(plan.model).vocab_size
+            vocab = validate(cfg, None).shape.vocab_size
             tokens = torch.randint(vocab, (MICRO_BATCH, cfg.training.seq_len), generator=generator)
-            model.forward_backward([(tokens, tokens)], lambda loss: loss, report_loss=False)
-            for optimizer in optimizers:
-                optimizer.step()
-            model.zero_grad()
-            params = sum(local_bytes(p) for p in model.parameters())
-            with LiveBytes(params) as live:
-                model.forward_backward([(tokens, tokens)], lambda loss: loss, report_loss=False)
-            grads = grad_bytes(model.parameters())
-            found[name] = {
-                "params": params,
-                "grads": grads,
-                "optimizer": held_optimizer_state_bytes(optimizers),
-                "activations": live.peak - params - grads,
-            }
+            found[name] = real_step_memory(cfg, [(tokens, tokens)])
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()

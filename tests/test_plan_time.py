@@ -11,20 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import plan_of
+from helpers import real_step_memory
 
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
-from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
-from distrain.optim.builder import build_optimizer
-from distrain.parallel.compress import CommStats
-from distrain.parallel.device import DistContext
-from distrain.parallel.model import build_parallel_model
 from distrain.plan.built_rows import memory_row
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
-from distrain.plan.memory import LiveBytes, grad_bytes, held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates
@@ -192,29 +186,8 @@ def _pipeline_worker(rank: int, tmp_path: Path) -> None:
         found = {}
         for schedule in SCHEDULES:
             cfg = pipeline_config(schedule)
-            plan = plan_of(cfg, 2)
-            ctx = DistContext(
-                rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo"
-            )
-            mesh, dp_mesh = plan.dims.build_mesh("cpu")
-            model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
-            optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
             tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)
-            batches = [(tokens, tokens)] * 8
-            model.forward_backward(batches, lambda loss: loss, report_loss=False)
-            model.zero_grad()
-            params = sum(local_bytes(p) for p in model.parameters())
-            with LiveBytes(params) as live:
-                model.forward_backward(batches, lambda loss: loss, report_loss=False)
-            grads = grad_bytes(model.parameters())
-            for optimizer in optimizers:
-                optimizer.step()
-            found[schedule] = {
-                "params": params,
-                "grads": grads,
-                "optimizer": held_optimizer_state_bytes(optimizers),
-                "activations": live.peak - params - grads,
-            }
+            found[schedule] = real_step_memory(cfg, [(tokens, tokens)] * 8)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
