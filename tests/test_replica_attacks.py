@@ -46,6 +46,8 @@ GROUP_FIELDS = {
     "parallel__zero_stage": 3,
     "fault_tolerance__replica_groups": 2,
     "fault_tolerance__timeout_s": 5,
+    # Group 1 never comes: group 0 starts alone after this wait (the default 120 s is idle time).
+    "fault_tolerance__quorum_timeout_s": 15,
     "debug__slow_rank": 0,
     "debug__slow_ms": 200,
 }
