@@ -91,16 +91,22 @@ from distrain.config.schema import Config, validate  # noqa: E402
 from distrain.data import build_datasets  # noqa: E402
 from distrain.data.loader import val_batches  # noqa: E402
 from distrain.family.spec import FamilyModel  # noqa: E402
+from distrain.models.decoder.counts import num_params  # noqa: E402
 from distrain.models.decoder.model import next_token_loss  # noqa: E402
 from distrain.models.registry import model_args, model_family  # noqa: E402
 from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402
+from distrain.plan.collectives import time_collective  # noqa: E402
 from distrain.plan.comm_advice import predict_methods, recommend  # noqa: E402
 from distrain.train.build import build_trainer  # noqa: E402
 from distrain.train.observers import CommMetrics  # noqa: E402
 
 LOOPBACK = "loopback"
 PEER = "accelerate ddp"
+LINK_PROBE = "link probe"
+"""Not a variant: before a link's runs, the ranks time one all-reduce of the preset's fp32
+gradients (plain DDP's bytes per step, as one message) over it (`probe_link`)."""
+PROBE_REPEATS = 5
 FREEZE_STEP = 2  # onebit_adam's fp32 warm-up, and PowerSGD's start
 PORT = 29300  # rendezvous port; each run adds its own offset
 RUN_TIMEOUT_S = 1800
@@ -301,6 +307,20 @@ def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext) -> d
     return {**result, "counted_bytes_per_step": None}
 
 
+def probe_link(cfg: Config) -> dict[str, Any]:
+    """The link's rate as gloo's all-reduce achieves it: the median seconds of one all-reduce of
+    `cfg`'s fp32 gradients (distrain.plan.collectives.time_collective, after two untimed), and
+    the bytes each rank sends for it (a ring: 2 (n - 1) / n of the message)."""
+    nbytes = 4 * num_params(model_args(cfg.model))
+    seconds = time_collective("all_reduce", nbytes, PROBE_REPEATS, torch.device("cpu"))
+    n = dist.get_world_size()
+    return {
+        "allreduce_bytes": nbytes,
+        "allreduce_s": seconds,
+        "sent_bytes": 2 * (n - 1) / n * nbytes,
+    }
+
+
 def _setup_s() -> float:
     """Seconds since this worker's process started (the launcher's start time), the slowest
     rank's."""
@@ -313,6 +333,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
     with worker_session(run_dir, "cpu") as (ctx, logger):
+        if args.variant == LINK_PROBE:
+            result = probe_link(make_config(args, run_dir, "distrain ddp"))
+            if ctx.rank == 0:
+                Path(args.result).write_text(json.dumps(result))
+            return
         cfg = make_config(args, run_dir, args.variant)
         if args.variant in ACCELERATE_HOOKS:
             result = run_accelerate(cfg, args, ctx)
@@ -344,7 +369,8 @@ def worker_argv(args: argparse.Namespace, preset: str, variant: str, result: Pat
     return [
         str(Path(__file__).resolve()),
         *passed,
-        *("--preset", preset, "--variant", variant, "--variants", f"{PEER},{variant}"),
+        *("--preset", preset, "--variant", variant),
+        *("--variants", PEER if variant == LINK_PROBE else f"{PEER},{variant}"),
         *("--result", str(result)),
         *("--run-dir", str(result.with_suffix(""))),
     ]
@@ -397,7 +423,9 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
 
 
 def summarize(
-    args: argparse.Namespace, runs: dict[tuple[str, str, str], list[dict[str, Any]]]
+    args: argparse.Namespace,
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]],
+    probes: dict[tuple[str, str], list[dict[str, Any]]],
 ) -> list[dict[str, Any]]:
     rows = []
     tokens = args.global_batch_size * args.seq_len * args.steps
@@ -444,8 +472,19 @@ def summarize(
         r["val_loss_vs_peer"] = _median(r["final_val_loss"]) / r["target_val_loss"] - 1
         compute = by_key.get((LOOPBACK, r["preset"], "distrain ddp"))
         if r["link"] != LOOPBACK and compute is not None:
+            probed = probes.get((r["link"], r["preset"]))
+            rate = _median([p["sent_bytes"] / p["allreduce_s"] for p in probed]) if probed else None
+            r["link_probe"] = (
+                {
+                    "sent_bytes_per_s": rate,
+                    "shaped_bits_per_s": parse_rate(r["link"]),
+                    "runs": probed,
+                }
+                if probed
+                else None
+            )
             r["planner_prediction"] = planner_prediction(
-                args, r["link"], r["preset"], r["variant"], _median(compute["step_s"])
+                args, r["link"], r["preset"], r["variant"], _median(compute["step_s"]), rate
             )
     return rows
 
@@ -462,44 +501,66 @@ PLANNER_METHODS = {
 
 
 def planner_prediction(
-    args: argparse.Namespace, link: str, preset: str, variant: str, compute_s: float
+    args: argparse.Namespace,
+    link: str,
+    preset: str,
+    variant: str,
+    compute_s: float,
+    measured_bandwidth: float | None = None,
 ) -> dict[str, Any] | None:
     """What the planner's communication model (distrain.plan.comm_advice) predicts on this link
     for this variant: its step seconds and bytes per step over the run (the steady step, and
     plain DDP's for a variant's warm-up steps), and the method it recommends, with distrain
-    ddp's step on loopback as the compute time (2 ranks, one per host, fp32)."""
+    ddp's step on loopback as the compute time (2 ranks, one per host, fp32), on the link's
+    shaped rate; and, given the rate the link probe measured (bytes a rank sends per second of
+    all-reduce), the step on that rate (`step_s_measured_link`)."""
     cfg = make_config(argparse.Namespace(**{**vars(args), "preset": preset}), Path("-"), PEER)
-    found = predict_methods(
-        FamilyModel(model_family(cfg.model.family), model_args(cfg.model)),
-        compute_s=compute_s,
-        replicas=2 * args.procs,
-        bandwidth=parse_rate(link) / 8 / args.procs,
-        sites=2,
-        sync_dtype="bf16",
-        max_inner_steps=args.steps,
-    )
-    by_method = {m.method: m for m in found}
+    model = FamilyModel(model_family(cfg.model.family), model_args(cfg.model))
+
+    def methods(bandwidth: float) -> list:
+        return predict_methods(
+            model,
+            compute_s=compute_s,
+            replicas=2 * args.procs,
+            bandwidth=bandwidth,
+            sites=2,
+            sync_dtype="bf16",
+            max_inner_steps=args.steps,
+        )
+
+    found = methods(parse_rate(link) / 8 / args.procs)
+    predicted = _predicted(args, variant, found, compute_s)
+    if predicted is not None and measured_bandwidth is not None:
+        on_measured = _predicted(args, variant, methods(measured_bandwidth), compute_s)
+        predicted["step_s_measured_link"] = on_measured["step_s"]
     recommended = recommend(found).recommended
-    predicted = None
-    if variant in PLANNER_METHODS and PLANNER_METHODS[variant] in by_method:
-        m, plain = by_method[PLANNER_METHODS[variant]], by_method["plain"]
-        # The planner predicts the steady step; the run's first FREEZE_STEP steps of PowerSGD
-        # and 1-bit Adam are plain fp32 DDP.
-        warm = FREEZE_STEP if variant in WARMED_UP else 0
-        predicted = {
-            key: (warm * getattr(plain, key) + (args.steps - warm) * getattr(m, key)) / args.steps
-            for key in ("step_s", "bytes_per_step")
-        }
-    elif variant.startswith("distrain diloco h") and "diloco" in by_method:
-        m = by_method["diloco"]  # its outer all-reduce, spread over this variant's H instead
-        h = int(variant.split()[2][1:])
-        outer_s, outer_bytes = m.comm_s * m.inner_steps, m.bytes_per_step * m.inner_steps
-        predicted = {"step_s": compute_s + outer_s / h, "bytes_per_step": outer_bytes / h}
     return {
         **(predicted or {}),
         "recommended": recommended.method,
         "recommended_inner_steps": recommended.inner_steps,
     }
+
+
+def _predicted(
+    args: argparse.Namespace, variant: str, found: list, compute_s: float
+) -> dict[str, float] | None:
+    """The step seconds and bytes per step of `variant` among the planner's methods `found`."""
+    by_method = {m.method: m for m in found}
+    if variant in PLANNER_METHODS and PLANNER_METHODS[variant] in by_method:
+        m, plain = by_method[PLANNER_METHODS[variant]], by_method["plain"]
+        # The planner predicts the steady step; the run's first FREEZE_STEP steps of PowerSGD
+        # and 1-bit Adam are plain fp32 DDP.
+        warm = FREEZE_STEP if variant in WARMED_UP else 0
+        return {
+            key: (warm * getattr(plain, key) + (args.steps - warm) * getattr(m, key)) / args.steps
+            for key in ("step_s", "bytes_per_step")
+        }
+    if variant.startswith("distrain diloco h") and "diloco" in by_method:
+        m = by_method["diloco"]  # its outer all-reduce, spread over this variant's H instead
+        h = int(variant.split()[2][1:])
+        outer_s, outer_bytes = m.comm_s * m.inner_steps, m.bytes_per_step * m.inner_steps
+        return {"step_s": compute_s + outer_s / h, "bytes_per_step": outer_bytes / h}
+    return None
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -581,12 +642,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="distrain-slow-link-"))
     load_start = os.getloadavg()[0]
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    probes: dict[tuple[str, str], list[dict[str, Any]]] = {}
     port = PORT
     for rep in range(args.reps):
         for link in args.links:
             for preset in args.presets:
                 lab_cm = net_lab(2, rate=link) if link != LOOPBACK else contextlib.nullcontext()
                 with lab_cm as lab:
+                    if lab is not None:
+                        port += 1
+                        probe = run_once(args, link, lab, preset, LINK_PROBE, work, port)
+                        probes.setdefault((link, preset), []).append(probe)
+                        rate = probe["sent_bytes"] / probe["allreduce_s"]
+                        print(f"rep {rep} {link} {preset} link probe: {rate * 8e-6:.0f} Mbit/s")
                     for variant in args.variants:
                         port += 1
                         run = run_once(args, link, lab, preset, variant, work, port)
@@ -599,7 +667,7 @@ def main() -> None:
                             f"val {run['evals'][-1][1]:.4f}, load {os.getloadavg()[0]:.2f}",
                             flush=True,
                         )
-    rows = summarize(args, runs)
+    rows = summarize(args, runs, probes)
     load = (load_start, os.getloadavg()[0])
     report(args, rows, load)
     config = {

@@ -251,6 +251,16 @@ def slow_link(d: dict[str, Any]) -> str:
     def planned(r: dict[str, Any]) -> str:
         return f"{predicted(r):.2f} ({error(r):+.0%})" if predicted(r) else "-"
 
+    def on_probed(r: dict[str, Any]) -> float | None:
+        return (r.get("planner_prediction") or {}).get("step_s_measured_link")
+
+    def probed_error(r: dict[str, Any]) -> float:
+        return on_probed(r) / statistics.median(r["step_s"]) - 1
+
+    def probed(r: dict[str, Any]) -> str:
+        return f"{on_probed(r):.2f} ({probed_error(r):+.0%})" if on_probed(r) else "-"
+
+    probing = any(r.get("link_probe") for r in d["rows"])
     rows = []
     for r in d["rows"]:
         name = f"**{r['variant']} (recipe)**" if r["recipe"] else r["variant"]
@@ -269,11 +279,12 @@ def slow_link(d: dict[str, Any]) -> str:
                 span(r["counted_bytes_per_step"], ".2f", 1e-6),
                 span(r["final_val_loss"], ".4f"),
                 planned(r),
+                *((probed(r),) if probing else ()),
             )
         )
     head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
             "tokens/s", "s/step", "wire MB/step", "counted MB/step", "val loss",
-            "planned s/step")  # fmt: skip
+            "planned s/step", *(("on the probed link",) if probing else ()))  # fmt: skip
     links = {r["link"] for r in d["rows"]}
     where = (
         f"{2 * c['procs']} processes on one machine's loopback"
@@ -289,6 +300,20 @@ def slow_link(d: dict[str, Any]) -> str:
         if errors
         else ""
     )
+    probed_errors = [abs(probed_error(r)) for r in d["rows"] if on_probed(r)]
+    if probed_errors:
+        probes = {r["link"]: r["link_probe"] for r in d["rows"] if on_probed(r)}
+        measured = ", ".join(
+            f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "
+            f"({p['sent_bytes_per_s'] * 8 / p['shaped_bits_per_s']:.0%})"
+            for link, p in sorted(probes.items())
+        )
+        planner += (
+            f" On the rate an all-reduce of the gradients' bytes reached over the link before the "
+            f"runs (the link probe: {measured} of the shaped rate), the same prediction (on the "
+            f"probed link) is within 20% on {sum(e <= 0.2 for e in probed_errors)} of "
+            f"{len(probed_errors)} rows (largest |error| {max(probed_errors):.0%})."
+        )
     return (
         f"{where} (gloo, CPU, OMP_NUM_THREADS=1), global batch "
         f"{c['global_batch_size']} x seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, "

@@ -68,8 +68,9 @@ def fit(sizes: list[float], seconds: list[float], group_size: int) -> LinkCost:
     return LinkCost(latency_s=latency, s_per_byte=slope, group_size=group_size)
 
 
-def _time_kind(kind: str, nbytes: int, repeats: int, device: torch.device) -> float:
-    """Median seconds of one collective of `nbytes` over the default group (all ranks call)."""
+def time_collective(kind: str, nbytes: int, repeats: int, device: torch.device) -> float:
+    """Median seconds of one collective of `nbytes` over the default group (all ranks call), the
+    slowest rank's."""
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = nbytes // 4
     full = torch.ones(numel, device=device)
@@ -113,7 +114,7 @@ def _worker(rank: int, world: int, store_path: str, repeats: int, out: dict) -> 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         found = {
-            kind: [_time_kind(kind, size, repeats, device) for size in SIZES] for kind in KINDS
+            kind: [time_collective(kind, size, repeats, device) for size in SIZES] for kind in KINDS
         }
     finally:
         dist.destroy_process_group()
