@@ -60,9 +60,9 @@ if importlib.util.find_spec("torchft") is None:
 STEPS = 60
 REL = 1e-6
 # Four groups whose membership changes at times the kills decide: each step's gradient is summed
-# over 4, 2 or 1 group(s) in an order the 1-process run never uses, and AdamW carries those fp32
-# reorderings on. Measured up to 1.06e-6 (step 30 of 40, in a clean-clone CI run): the bound is
-# ten times that; the list of trained steps catches a lost or repeated step on its own.
+# over the groups live at that step, in an order the 1-process run never uses, and AdamW carries
+# those fp32 reorderings on. Measured up to 1.06e-6 (step 30 of 40, in a clean-clone CI run): the
+# bound is ten times that; the list of trained steps catches a lost or repeated step on its own.
 FOUR_REL = 1e-5
 WEIGHTS_REL = 2e-5
 FIELDS = {
