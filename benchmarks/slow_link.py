@@ -314,10 +314,12 @@ def probe_link(cfg: Config) -> dict[str, Any]:
     nbytes = 4 * num_params(model_args(cfg.model))
     seconds = time_collective("all_reduce", nbytes, PROBE_REPEATS, torch.device("cpu"))
     n = dist.get_world_size()
+    sent = 2 * (n - 1) / n * nbytes
     return {
         "allreduce_bytes": nbytes,
         "allreduce_s": seconds,
-        "sent_bytes": 2 * (n - 1) / n * nbytes,
+        "sent_bytes": sent,
+        "sent_bytes_per_s": sent / seconds,
     }
 
 
@@ -335,14 +337,10 @@ def worker(args: argparse.Namespace) -> None:
     with worker_session(run_dir, "cpu") as (ctx, logger):
         if args.variant == LINK_PROBE:
             result = probe_link(make_config(args, run_dir, "distrain ddp"))
-            if ctx.rank == 0:
-                Path(args.result).write_text(json.dumps(result))
-            return
-        cfg = make_config(args, run_dir, args.variant)
-        if args.variant in ACCELERATE_HOOKS:
-            result = run_accelerate(cfg, args, ctx)
+        elif args.variant in ACCELERATE_HOOKS:
+            result = run_accelerate(make_config(args, run_dir, args.variant), args, ctx)
         else:
-            result = run_distrain(cfg, args, ctx, logger)
+            result = run_distrain(make_config(args, run_dir, args.variant), args, ctx, logger)
         if ctx.rank == 0:
             Path(args.result).write_text(json.dumps(result))
 
@@ -473,7 +471,7 @@ def summarize(
         compute = by_key.get((LOOPBACK, r["preset"], "distrain ddp"))
         if r["link"] != LOOPBACK and compute is not None:
             probed = probes.get((r["link"], r["preset"]))
-            rate = _median([p["sent_bytes"] / p["allreduce_s"] for p in probed]) if probed else None
+            rate = _median([p["sent_bytes_per_s"] for p in probed]) if probed else None
             r["link_probe"] = (
                 {
                     "sent_bytes_per_s": rate,
@@ -653,8 +651,8 @@ def main() -> None:
                         port += 1
                         probe = run_once(args, link, lab, preset, LINK_PROBE, work, port)
                         probes.setdefault((link, preset), []).append(probe)
-                        rate = probe["sent_bytes"] / probe["allreduce_s"]
-                        print(f"rep {rep} {link} {preset} link probe: {rate * 8e-6:.0f} Mbit/s")
+                        rate = probe["sent_bytes_per_s"] * 8e-6
+                        print(f"rep {rep} {link} {preset} link probe: {rate:.0f} Mbit/s")
                     for variant in args.variants:
                         port += 1
                         run = run_once(args, link, lab, preset, variant, work, port)

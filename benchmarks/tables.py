@@ -242,24 +242,17 @@ def slow_link(d: dict[str, Any]) -> str:
     def ratio(x: float | None) -> str:
         return f"{x:.2f}" if x else "-"
 
-    def predicted(r: dict[str, Any]) -> float | None:
-        return (r.get("planner_prediction") or {}).get("step_s")
+    def predicted(r: dict[str, Any], key: str = "step_s") -> float | None:
+        """The planner's step: on the shaped rate ("step_s") or on the probed one."""
+        return (r.get("planner_prediction") or {}).get(key)
 
-    def error(r: dict[str, Any]) -> float:
-        return predicted(r) / statistics.median(r["step_s"]) - 1
+    def error(r: dict[str, Any], key: str = "step_s") -> float:
+        return predicted(r, key) / statistics.median(r["step_s"]) - 1
 
-    def planned(r: dict[str, Any]) -> str:
-        return f"{predicted(r):.2f} ({error(r):+.0%})" if predicted(r) else "-"
+    def planned(r: dict[str, Any], key: str = "step_s") -> str:
+        return f"{predicted(r, key):.2f} ({error(r, key):+.0%})" if predicted(r, key) else "-"
 
-    def on_probed(r: dict[str, Any]) -> float | None:
-        return (r.get("planner_prediction") or {}).get("step_s_measured_link")
-
-    def probed_error(r: dict[str, Any]) -> float:
-        return on_probed(r) / statistics.median(r["step_s"]) - 1
-
-    def probed(r: dict[str, Any]) -> str:
-        return f"{on_probed(r):.2f} ({probed_error(r):+.0%})" if on_probed(r) else "-"
-
+    probed = "step_s_measured_link"
     probing = any(r.get("link_probe") for r in d["rows"])
     rows = []
     for r in d["rows"]:
@@ -279,7 +272,7 @@ def slow_link(d: dict[str, Any]) -> str:
                 span(r["counted_bytes_per_step"], ".2f", 1e-6),
                 span(r["final_val_loss"], ".4f"),
                 planned(r),
-                *((probed(r),) if probing else ()),
+                *((planned(r, probed),) if probing else ()),
             )
         )
     head = ("link", "preset", "variant", "to loss s", "x accelerate ddp", "x best accelerate",
@@ -300,9 +293,9 @@ def slow_link(d: dict[str, Any]) -> str:
         if errors
         else ""
     )
-    probed_errors = [abs(probed_error(r)) for r in d["rows"] if on_probed(r)]
+    probed_errors = [abs(error(r, probed)) for r in d["rows"] if predicted(r, probed)]
     if probed_errors:
-        probes = {r["link"]: r["link_probe"] for r in d["rows"] if on_probed(r)}
+        probes = {r["link"]: r["link_probe"] for r in d["rows"] if predicted(r, probed)}
         measured = ", ".join(
             f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "
             f"({p['sent_bytes_per_s'] * 8 / p['shaped_bits_per_s']:.0%})"
