@@ -61,7 +61,7 @@ from distrain.data import DistributedBatchLoader, build_datasets
 from distrain.models.decoder.model import Decoder, init_weights, next_token_loss
 from distrain.models.gpt.spec import GPT_SPEC
 from distrain.models.registry import model_args
-from distrain.optim.builder import param_groups
+from distrain.optim.param_groups import param_groups
 from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext, cpu_has_native_bf16
 from distrain.train.build import build_trainer

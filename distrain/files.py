@@ -13,6 +13,8 @@ must not make distrain write through it to another file.
   symlink is refused, since every file written in it would land where it points.
 
 A symlink that would be written through is refused with one line naming it (`SymlinkRefused`).
+A file name read from data (a checkpoint's index, a Hugging Face folder's weight map) is used
+only when `plain_file_name`: it stays inside its folder.
 """
 
 from __future__ import annotations
@@ -106,3 +108,14 @@ def make_dir(root: str | Path, sub: str) -> Path:
         if path.is_symlink():
             raise _refused(path)
     return path
+
+
+def plain_file_name(name: object) -> bool:
+    """A name that stays inside its folder: no separators, no `..`, nothing hidden in it."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\0")
+        and name.isprintable()
+    )

@@ -17,8 +17,8 @@ from distrain.config.io import load_config
 from distrain.models.decoder.counts import num_params
 from distrain.models.registry import model_args
 from distrain.observe.metrics import read_metrics
-from distrain.optim.builder import param_groups
 from distrain.optim.onebit_adam import OneBitAdam
+from distrain.optim.param_groups import param_groups
 from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 
 # Long enough for the lossy methods' lag to show: at 12 steps 1-bit had made 0.93-0.96 of the

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from distrain.config.schema import OptimConfig
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
-from distrain.optim.builder import build_optimizer, param_groups
+from distrain.optim.builder import build_optimizer
+from distrain.optim.param_groups import param_groups
 
 
 def test_plain_parameters_get_fused_adamw_equal_to_foreach_within_1e_6():

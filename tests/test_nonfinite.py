@@ -154,9 +154,9 @@ def test_onebit_zero2_stop_names_the_parameter_its_averaged_gradient_holds():
     import torch
 
     from distrain.observe.health import NonFiniteGuard
-    from distrain.optim.builder import param_groups
     from distrain.optim.gradient_plan import OneBitZeroPlan
     from distrain.optim.onebit_zero import OneBitZeroAdam
+    from distrain.optim.param_groups import param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     optimizer = OneBitZeroAdam(

@@ -27,6 +27,7 @@ from distrain.parallel.compress import CommStats
 from distrain.parallel.model import build_parallel_model
 from distrain.plan import built_rows, memory, search
 from distrain.plan.answer import text
+from distrain.plan.build_results import MemoryEstimate
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import memory_of
 from distrain.plan.calibrate import calibrate
@@ -37,7 +38,7 @@ from distrain.plan.command import (
     plan_command,
     progress_printer,
 )
-from distrain.plan.memory import MemoryEstimate, estimate_memory, fake_world, measure_step
+from distrain.plan.memory import estimate_memory, fake_world, measure_step
 from distrain.plan.memory_model import zero1_largest_share
 from distrain.plan.search import plan
 from distrain.plan.timing import Cluster

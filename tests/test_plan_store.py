@@ -3,13 +3,18 @@ build a hit or a miss, and plans that read every build back instead of building 
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from distrain.config.schema import Config
-from distrain.plan import build_store, built_rows, search
+from distrain.plan import build_store, built_rows, parameter_table, search
+from distrain.plan.build_results import MemoryEstimate
 from distrain.plan.build_store import BuildStore
-from distrain.plan.memory import MemoryEstimate
+from distrain.plan.memory_model import model_of
+from distrain.plan.parameter_table import ParameterTable
 from distrain.plan.search import plan
 from distrain.plan.timing import Cluster
 
@@ -87,12 +92,14 @@ def test_an_unreadable_file_is_built_again_and_a_failed_build_is_not_stored(tmp_
         stored(params="1"),
         stored(params=1.5),
         stored() + " " * 5000,  # a whole build, padded past MAX_FILE_BYTES
+        "[" * 3000,  # nested deeper than the JSON reader's recursion allows
     ],
 )
 def test_a_planted_cache_file_is_a_miss_never_a_result(tmp_path, planted):
     """The cache is data someone else may have written: a symlink (to a file holding a valid
-    build), a missing or extra field, a value that is not an integer, or an oversized file is
-    built again, and the planted file replaced by the real build."""
+    build), a missing or extra field, a value that is not an integer, an oversized file or one
+    nested past the reader's recursion is built again, and the planted file replaced by the
+    real build."""
     store, estimate, cfg = BuildStore(tmp_path / "builds"), Counted(), small_config()
     store.directory.mkdir()
     path = store.path(MemoryEstimate, cfg, 2)
@@ -145,5 +152,124 @@ def test_a_plan_asked_again_reads_every_build_and_answers_the_same(
     monkeypatch.setattr(built_rows, "estimate_memory", no_build)
     monkeypatch.setattr(built_rows, "estimate_pipeline_memory", no_build)
     monkeypatch.setattr(search.Pool, "submit", no_build)  # no build for a worker to make
+    monkeypatch.setattr(parameter_table, "_built", no_build)  # the tables are read back too
+    monkeypatch.setattr(parameter_table, "_TABLES", {})
     again = [r.as_dict() for r in plan(small_config(), CLUSTER, store=store, **options)]
     assert again == first
+
+
+class CountedTable:
+    """parameter_table's meta build, counting its runs."""
+
+    def __init__(self):
+        self.runs, self.built = 0, parameter_table._built
+
+    def __call__(self, model) -> ParameterTable:
+        self.runs += 1
+        return self.built(model)
+
+
+def test_a_parameter_table_is_kept_and_read_back_whole(tmp_path, monkeypatch):
+    """The meta build's table (every name of a tied tensor, tp dims, expert and decay flags) is
+    kept once and read back equal, with no meta build; another model misses."""
+    monkeypatch.setattr(parameter_table, "_TABLES", {})
+    monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
+    store, cfg = BuildStore(tmp_path / "builds"), small_config()
+    cfg.model.tie_embeddings = True
+    model = model_of(cfg)
+    parameter_table.load(model, store)
+    made = parameter_table.table(model)
+    assert counted.runs == 1 and len(list(store.directory.iterdir())) == 1
+    names = [p.name for p in made.parameters]
+    assert "tok_emb.weight" in names and "output.weight" in names
+    assert len(made.unique()) == len(made.parameters) - 1  # the tied head: one tensor
+    assert {p.tp_dim for p in made.parameters} == {0, 1, None}
+    assert {p.decayed for p in made.parameters} == {True, False}
+    monkeypatch.setattr(parameter_table, "_TABLES", {})
+    parameter_table.load(model, store)
+    assert parameter_table.table(model) == made and counted.runs == 1
+    cfg.model.n_layers = 9
+    parameter_table.load(model_of(cfg), store)
+    assert counted.runs == 2 and len(list(store.directory.iterdir())) == 2
+
+
+def planted_table(entry: list | None = None, **extra) -> str:
+    """A stored table's JSON: one 2-D parameter (or `entry`), with `extra` top-level keys."""
+    entry = entry if entry is not None else ["w", [4, 8], 0, 1, False, True]
+    return json.dumps({"parameters": [entry], **extra})
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "symlink",
+        planted_table(["w", [-1, 8], 0, 1, False, True]),  # a negative dim
+        planted_table(["w", [4, 8.0], 0, 1, False, True]),  # a dim that is not an integer
+        planted_table(["w", [4, 8], 0, 2, False, True]),  # a tp dim outside the shape
+        planted_table(["w", [4, 8], 0, True, False, True]),  # a tp dim that is a boolean
+        planted_table(["w", [4, 8], 0, 1, 1, True]),  # a flag that is not a boolean
+        planted_table(["w", [1] * 9, 0, 1, False, True]),  # more dims than a tensor has
+        planted_table(["", [4, 8], 0, 1, False, True]),  # no name
+        planted_table(["w", [4, 8], 0, 1, False]),  # a field missing
+        planted_table(code="os.system"),  # another key
+        planted_table() + " " * parameter_table.MAX_STORED_BYTES,  # oversized
+        "[" * 100_000,  # nested past the reader's recursion
+    ],
+    ids=[
+        "symlink", "negative-dim", "float-dim", "tp-dim-outside", "tp-dim-bool", "int-flag",
+        "nine-dims", "no-name", "field-missing", "other-key", "oversized", "nested",
+    ],
+)  # fmt: skip
+def test_a_planted_parameter_table_is_a_miss_never_a_result(tmp_path, monkeypatch, planted):
+    """A table in the cache is data: a symlink to a valid one, any entry of the wrong kind or
+    out of bounds, another key, an oversized or too deeply nested file is built again and
+    replaced by the real table."""
+    monkeypatch.setattr(parameter_table, "_TABLES", {})
+    monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
+    store, model = BuildStore(tmp_path / "builds"), model_of(small_config())
+    parameter_table.load(model, store)
+    real = parameter_table.table(model)
+    (path,) = store.directory.iterdir()
+    path.unlink()
+    if planted == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text(json.dumps(real.to_stored()))
+        path.symlink_to(elsewhere)
+    else:
+        path.write_text(planted)
+    monkeypatch.setattr(parameter_table, "_TABLES", {})
+    parameter_table.load(model, store)
+    assert counted.runs == 2 and parameter_table.table(model) == real
+    assert not path.is_symlink()
+    assert ParameterTable.from_stored(json.loads(path.read_text())) == real
+
+
+WARM_IMPORTS = """
+import sys
+from distrain.plan.command import plan_command
+
+plan_command(sys.argv[1:])
+heavy = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo")
+print(*[m for m in heavy if m in sys.modules], file=sys.stderr)
+"""
+
+
+def test_a_plan_that_reads_every_build_back_imports_none_of_the_training_stack(tmp_path):
+    """Asked again, a plan reads its builds and parameter tables from the store, and never
+    imports what only builds need (DTensor, FSDP2, dynamo: most of a warm plan's time); asked
+    first, it does (so the check can fail)."""
+    argv = ["--preset", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "32",
+            "--global-batch", "4", "--gpu-memory", "12MB", "--zero", "0,3", "--checkpointing",
+            "none", "--peak", "100G", "--top", "3", "--workers", "1"]  # fmt: skip
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    cold, warm = (
+        subprocess.run(
+            [sys.executable, "-c", WARM_IMPORTS, *argv],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo"]
+    assert cold.stderr.split() == heavy
+    assert warm.stderr.split() == []
+    assert warm.stdout == cold.stdout

@@ -16,10 +16,11 @@ from helpers import real_step_memory
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
 from distrain.models.registry import model_args
+from distrain.plan.build_results import in_flight
 from distrain.plan.built_rows import memory_row
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
-from distrain.plan.pipeline_memory import estimate_pipeline_memory, in_flight
+from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates
 from distrain.plan.timing import Cluster

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from distrain.checkpoint.load import read_metadata
-from distrain.checkpoint.metadata import plain_file_name
 from distrain.checkpoint.storage import Storage, StorageError
 from distrain.errors import CheckpointError
+from distrain.files import plain_file_name
 
 MANIFEST = "MANIFEST.json"
 UNREADABLE: dict[str, Any] = {"unreadable": True}

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from distrain.errors import CheckpointError
+from distrain.files import plain_file_name
 
 MAX_METADATA_BYTES = 1 << 30
 """A metadata file larger than this is refused unread: a 1,000-rank checkpoint of a 400B-parameter
@@ -238,13 +239,3 @@ def check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
         if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
             raise CheckpointError("its storage index holds a negative or non-integer offset")
 
-
-def plain_file_name(name: object) -> bool:
-    """A name that stays inside its folder: no separators, no `..`, nothing hidden in it."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and name not in (".", "..")
-        and not any(c in name for c in "/\\\0")
-        and name.isprintable()
-    )

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-from distrain.checkpoint.metadata import plain_file_name
 from distrain.errors import ConfigError, MissingInput, install_hint
+from distrain.files import plain_file_name
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"

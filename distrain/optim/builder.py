@@ -1,7 +1,7 @@
-"""Optimizer construction: parameter groups (no weight decay on norms and biases), AdamW (fused
-where the device has it), ZeRO-1 for tp/pp layouts or torch's ZeroRedundancyOptimizer under DDP,
-1-bit Adam (plain, and sharded under ZeRO-1/2) and plain SGD, each with the gradient plan it
-declares (gradient_plan.py)."""
+"""Optimizer construction: over param_groups.py's groups (no weight decay on norms and biases),
+AdamW (fused where the device has it), ZeRO-1 for tp/pp layouts or torch's
+ZeroRedundancyOptimizer under DDP, 1-bit Adam (plain, and sharded under ZeRO-1/2) and plain SGD,
+each with the gradient plan it declares (gradient_plan.py)."""
 
 from __future__ import annotations
 
@@ -21,36 +21,12 @@ from distrain.optim.capability import optimizer_capability
 from distrain.optim.gradient_plan import GradientPlan, OneBitAdamPlan, OneBitZeroPlan
 from distrain.optim.onebit_adam import OneBitAdam, onebit_units
 from distrain.optim.onebit_zero import OneBitZeroAdam
+from distrain.optim.param_groups import param_groups, roles_of
 from distrain.optim.zero1 import Zero1AdamW
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims
 from distrain.torch_compat import canonical_name
-
-
-def roles_of(model: nn.Module, spec: ModelSpec) -> ParamRoles:
-    """The family's roles of `model`'s parameters (a DDP-wrapped model's: its module's)."""
-    return spec.param_roles(model.module if isinstance(model, DistributedDataParallel) else model)
-
-
-def param_groups(
-    model: nn.Module, weight_decay: float, roles: ParamRoles | None = None
-) -> list[dict]:
-    """Decay matrices only: norms, biases and embedding tables (`roles.undecayed`, a head tied
-    to one too) stay undecayed (GPT-2 practice)."""
-    roles = roles or ParamRoles()
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.ndim < 2 or canonical_name(name) in roles.undecayed:
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
 
 
 def by_tensor_kind(groups: list[dict]) -> list[dict]:

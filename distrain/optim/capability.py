@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distrain.config.schema import OptimConfig
+from distrain.parallel.compress import onebit_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,3 +52,12 @@ def optimizer_capability(
         averages_gradients=zero_stage == 0 and (tp > 1 or pp > 1),
         shards_gradients=zero_stage == 2,
     )
+
+
+def held_state_bytes(numel: int, world: int) -> int:
+    """Bytes of state a rank holds past warm-up for `numel` parameter values over `world`
+    ranks (what the planner counts): its chunk of the momentum, the variance and the server
+    error, and, whole, its worker error and the frozen denominator, all fp32."""
+    blocks, block = onebit_blocks(numel, world)
+    chunk = blocks * block
+    return 4 * (3 * chunk + 2 * world * chunk)

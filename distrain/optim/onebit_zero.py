@@ -59,15 +59,6 @@ _MISSING_GRADIENT = "1-bit Adam under ZeRO updates every parameter; a parameter 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def held_state_bytes(numel: int, world: int) -> int:
-    """Bytes of state a rank holds past warm-up for `numel` parameter values over `world`
-    ranks (what the planner counts): its chunk of the momentum, the variance and the server
-    error, and, whole, its worker error and the frozen denominator, all fp32."""
-    blocks, block = onebit_blocks(numel, world)
-    chunk = blocks * block
-    return 4 * (3 * chunk + 2 * world * chunk)
-
-
 class OneBitZeroAdam(torch.optim.Optimizer):
     def __init__(
         self,

@@ -5,11 +5,13 @@ One JSON file per build under the planner's cache directory (calibrate.cache_dir
 named by a digest of everything the build's result depends on: which build it is (the type of
 its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config, the
 world size and rank, torch's version, and the source of the distrain package (a changed model,
-layout or planner makes every older file a miss; nothing is ever read back for other code).
+layout or planner makes every older file a miss; nothing is ever read back for other code);
+other builds (`keep`: parameter_table.py's meta build) name what they depend on themselves.
 A build that raises is not stored: the next plan tries it again. The cache is data another
 process could have written: a stored build is read only from a regular file (a symlink is not
-followed), of at most MAX_FILE_BYTES, holding exactly the result's fields, each an integer;
-anything else is a miss and is written again.
+followed), of at most MAX_FILE_BYTES, holding exactly the result's fields, each an integer (a
+result type with `from_stored` checks its own JSON, of at most its MAX_STORED_BYTES, and writes
+it with `to_stored`); anything else is a miss and is written again.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ MAX_FILE_BYTES = 4096
 
 def _read(path: Path, result_type: type[Result]) -> Result:
     """The stored build at `path`; OSError or ValueError when it is not one (module docstring)."""
+    limit = getattr(result_type, "MAX_STORED_BYTES", MAX_FILE_BYTES)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
-        text = f.read(MAX_FILE_BYTES + 1)
-    if len(text) > MAX_FILE_BYTES:
-        raise ValueError(f"{path} is over {MAX_FILE_BYTES} bytes")
-    fields = json.loads(text)
+        text = f.read(limit + 1)
+    if len(text) > limit:
+        raise ValueError(f"{path} is over {limit} bytes")
+    try:
+        fields = json.loads(text)
+    except RecursionError as error:  # nested deeper than the interpreter's stack
+        raise ValueError(f"{path} is nested too deeply") from error
+    if hasattr(result_type, "from_stored"):
+        return result_type.from_stored(fields)
     names = {f.name for f in dataclasses.fields(result_type)}  # type: ignore[arg-type]
     if not isinstance(fields, dict) or set(fields) != names:
         raise ValueError(f"{path} does not hold the fields of {result_type.__name__}")
@@ -69,11 +77,13 @@ class BuildStore:
     directory: Path
 
     def path(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> Path:
+        key = {"config": dataclasses.asdict(cfg), "world_size": world_size, "rank": rank}
+        return self._path(result_type, key)
+
+    def _path(self, result_type: type, key: dict) -> Path:
         what = {
             "build": f"{result_type.__module__}.{result_type.__qualname__}",
-            "config": dataclasses.asdict(cfg),
-            "world_size": world_size,
-            "rank": rank,
+            **key,
             "code": code_digest(),
         }
         text = json.dumps(what, sort_keys=True, default=str)
@@ -99,17 +109,26 @@ class BuildStore:
         """`estimate(cfg, world_size, rank=rank)` (a fake build: a dataclass of ints), read from
         its file when stored, else run and stored."""
         path = self.path(result_type, cfg, world_size, rank)
+        return self._kept(path, result_type, lambda: estimate(cfg, world_size, rank=rank))
+
+    def keep(self, result_type: type[Result], key: dict, make: Callable[[], Result]) -> Result:
+        """`make()`, a build of `result_type` whose result depends on `key` (JSON) and this
+        code alone, read from its file when stored, else run and stored."""
+        return self._kept(self._path(result_type, key), result_type, make)
+
+    def _kept(self, path: Path, result_type: type[Result], make: Callable[[], Result]) -> Result:
         try:
             return _read(path, result_type)
         except (OSError, ValueError):
             pass
-        found = estimate(cfg, world_size, rank=rank)
+        found = make()
+        stored = found.to_stored() if hasattr(found, "to_stored") else dataclasses.asdict(found)
         self.directory.mkdir(parents=True, exist_ok=True)
         # Written whole under another name, then renamed: a plan running beside this one reads
         # the old file, the new one or none, never half of one.
         fd, partial = tempfile.mkstemp(dir=self.directory, suffix=".partial")
         with os.fdopen(fd, "w") as out:
-            json.dump(dataclasses.asdict(found), out)
+            json.dump(stored, out)
         os.replace(partial, path)
         return found
 

@@ -17,18 +17,31 @@ from typing import Any
 from distrain.config.schema import Config
 from distrain.family.spec import ModelShape
 from distrain.layout.rules import validate
-from distrain.optim.capability import optimizer_capability
-from distrain.optim.onebit_zero import held_state_bytes
+from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
+from distrain.plan.build_results import MemoryEstimate, PipelineMemory, accumulates
 from distrain.plan.build_store import BuildStore, build
-from distrain.plan.memory import MemoryEstimate, accumulates, estimate_memory
 from distrain.plan.memory_model import (
     calibration_depths,
     family_of,
     with_depth,
     zero1_largest_share,
 )
-from distrain.plan.pipeline_memory import PipelineMemory, estimate_pipeline_memory
+
+
+def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
+    """memory.py's fake build of a step. The builds import the training stack (DTensor, FSDP2,
+    the optimizers: seconds) when one is made, not when a plan reads them all from its store."""
+    from distrain.plan import memory
+
+    return memory.estimate_memory(cfg, world_size, rank=rank)
+
+
+def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> PipelineMemory:
+    """pipeline_memory.py's fake build of a pp rank (imported when made, as `estimate_memory`)."""
+    from distrain.plan import pipeline_memory
+
+    return pipeline_memory.estimate_pipeline_memory(cfg, world_size, rank=rank)
 
 
 def cached(cache: dict, key: tuple, compute: Callable[[], Any]) -> Any:
@@ -59,7 +72,7 @@ def memory_of(
     it is planned as one rank; ZeroRedundancyOptimizer (ZeRO-1) is ZeRO-0 with the optimizer
     state of its fullest rank (`zero1_largest_share`). 1-bit Adam under ZeRO-1/2 (no tp, pp: a
     layout rule) holds a rank's local gradients as one rank does until they are exchanged, and
-    the state `onebit_zero.held_state_bytes` counts from the optimizer's own chunking. `store`:
+    the state `capability.held_state_bytes` counts from the optimizer's own chunking. `store`:
     fake builds read from and kept on disk (build_store.py)."""
     return cached(
         cache, _memory_key(cfg), lambda: _memory_of(cfg, world_size, cache, exhaustive, store)

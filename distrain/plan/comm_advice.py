@@ -33,10 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import torch
-
 from distrain.family.spec import FamilyModel
 from distrain.parallel.compress import ONEBIT_BLOCK, wire_bytes
+from distrain.plan.parameter_table import table
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 METHODS = ("plain", "bf16", "diloco", "powersgd", "onebit", "onebit_adam")
@@ -98,14 +97,13 @@ def powersgd_values(model: FamilyModel, rank: int) -> int:
     """fp32 values PowerSGD all-reduces per step for the whole model's gradients: (m + k) r per
     matrix it compresses (torch's `_should_compress` at min_compression_rate 2), every other
     tensor whole."""
-    with torch.device("meta"):
-        built = model.build()
     total = 0
-    for param in built.parameters():
-        if param.dim() < 2:
-            total += param.numel()
+    for param in table(model).unique():
+        values = math.prod(param.shape)
+        if len(param.shape) < 2:
+            total += values
             continue
-        rows, cols = param.shape[0], param.numel() // param.shape[0]
+        rows, cols = param.shape[0], values // param.shape[0]
         r = min(rank, rows, cols)
         compressed = (rows + cols) * r
         total += compressed if compressed * 2 < rows * cols else rows * cols

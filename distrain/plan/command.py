@@ -22,7 +22,7 @@ UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 # Dense bf16 peak of the common training GPU (H100 SXM) when nothing is calibrated.
 DEFAULT_PEAK_FLOPS = 989e12
 # The planner's defaults, restated so that --help imports no torch (test_plan_model.py checks).
-VERIFIED = 4
+VERIFIED = 1
 DEFAULT_LATENCY_S = 1e-4
 
 
@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
         "--verify",
         type=int,
         default=VERIFIED,
-        help="Fastest layouts predicted to fit whose memory a fake build then decides.",
+        help="Fastest layouts predicted to fit whose memory a fake build then decides (default 1: "
+        "the recommended one).",
     )
     p.add_argument(
         "--workers",

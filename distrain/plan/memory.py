@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,79 +50,14 @@ from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
-from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.run_plan import RunPlan
+from distrain.plan.build_results import MOMENTS, MemoryEstimate
 from distrain.torch_compat import (
     device_meshes_under_fake_mode,
     dtensor_storage,
     forget_dtensor_meshes,
 )
-
-MOMENTS = ("", "second_", "steep_")
-"""The three moments of a fwd/bwd whose lines make its peak (`peak_lines`), by field prefix."""
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank. The fwd/bwd peak at micro-batch size b (params and the gradients
-    included, optimizer state not) is the largest of three lines, fixed + b x per_sample: with
-    the gradients held (`fixed`, `per_sample`: the moment highest at micro-batch 1; `second_*`:
-    at 2; `steep_*`: the moment growing fastest), and for a step's first micro-batch, which
-    starts without them (`first_*`, the same moments of that pass)."""
-
-    params: int
-    grads: int
-    optimizer: int
-    fixed: int
-    per_sample: int
-    second_fixed: int
-    second_per_sample: int
-    steep_fixed: int
-    steep_per_sample: int
-    first_fixed: int
-    first_per_sample: int
-    first_second_fixed: int
-    first_second_per_sample: int
-    first_steep_fixed: int
-    first_steep_per_sample: int
-    opt_step_peak: int
-
-    @property
-    def model_states(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    def _line_peak(self, prefix: str, micro_batch_size: int) -> int:
-        return max(
-            getattr(self, f"{prefix}{m}fixed")
-            + micro_batch_size * getattr(self, f"{prefix}{m}per_sample")
-            for m in MOMENTS
-        )
-
-    def fwd_bwd(self, micro_batch_size: int, *, accumulating: bool) -> int:
-        """The fwd/bwd peak of a step of one micro-batch, or of several (`accumulating`: the
-        later ones hold the first one's gradients)."""
-        first = self._line_peak("first_", micro_batch_size)
-        if not accumulating:
-            return first
-        return max(first, self._line_peak("", micro_batch_size))
-
-    def activations(self, micro_batch_size: int, *, accumulating: bool) -> int:
-        peak = self.fwd_bwd(micro_batch_size, accumulating=accumulating)
-        return max(0, peak - self.params - self.grads)
-
-    def peak(self, micro_batch_size: int, *, accumulating: bool) -> int:
-        fwd_bwd = self.fwd_bwd(micro_batch_size, accumulating=accumulating) + self.optimizer
-        return max(fwd_bwd, self.opt_step_peak, self.model_states)
-
-
-def accumulates(cfg: Config, world_size: int) -> bool:
-    """Whether a rank of `cfg` on `world_size` ranks runs more than one micro-batch a step (its
-    share of the global batch over the micro-batch), so that its later micro-batches hold the
-    gradients of the first."""
-    t = cfg.training
-    return t.global_batch_size // data_parallel_size(cfg.parallel, world_size) > t.micro_batch_size
-
 
 Line = tuple[int, int]
 

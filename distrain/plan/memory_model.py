@@ -4,20 +4,20 @@ The fake build of memory.py costs seconds per block (a 32-block 7B step: ~40 s o
 machine), so a search of hundreds of layouts prices each one here instead, and only the
 fastest few are built (search.py):
 
-- model states (`model_states`): each parameter tensor of the model (its shapes on the meta
-  device) held by this rank: the blocks of its pipeline stages, the embedding on the first stage
-  and the norm and head on the last (the family's first- and last-stage submodules; a tied head:
-  its own copy there); split by tp as the family's tensor plan splits it, read from the plan
-  itself (torch's styles: column-parallel linear weights and their biases along dim 0,
-  row-parallel linear weights along dim 1, a row-parallel embedding along dim 0 and a
-  column-parallel one along dim 1; whatever the plan does not split replicated); then, under
-  ZeRO-2/3, dim 0 of that local tensor sharded over dp_shard (x cp) as FSDP2 does (the first
-  rank holding the rounded-up share); a routed expert's weights split over ep and sharded over
-  the data-parallel ranks ep does not use, whatever the ZeRO stage. Gradients equal the
-  parameters (sharded under ZeRO-2/3); optimizer state is the calibration build's bytes per
-  parameter byte (AdamW: two fp32 moments and a step scalar per tensor), divided over the
-  data-parallel ranks under ZeRO-1 (the fullest rank of torch's ZeroRedundancyOptimizer without
-  tp or pp) and 1-bit Adam's own chunking under ZeRO-1/2;
+- model states (`model_states`): each parameter tensor of the model (parameter_table.py: its
+  shape, from a meta build kept in the build store) held by this rank: the blocks of its
+  pipeline stages, the embedding on the first stage and the norm and head on the last (the
+  family's first- and last-stage submodules; a tied head: its own copy there); split by tp as
+  the family's tensor plan splits it, read from the plan itself (torch's styles: column-parallel
+  linear weights and their biases along dim 0, row-parallel linear weights along dim 1, a
+  row-parallel embedding along dim 0 and a column-parallel one along dim 1; whatever the plan does
+  not split replicated); then, under ZeRO-2/3, dim 0 of that local tensor sharded over dp_shard
+  (x cp) as FSDP2 does (the first rank holding the rounded-up share); a routed expert's weights
+  split over ep and sharded over the data-parallel ranks ep does not use, whatever the ZeRO
+  stage. Gradients equal the parameters (sharded under ZeRO-2/3); optimizer state is the
+  calibration build's bytes per parameter byte (AdamW: two fp32 moments and a step scalar per
+  tensor), divided over the data-parallel ranks under ZeRO-1 (the fullest rank of torch's
+  ZeroRedundancyOptimizer without tp or pp) and 1-bit Adam's own chunking under ZeRO-1/2;
 - activations: the fwd/bwd peak above the model states at the layout's micro-batch (with the
   gradients held, or for a step of one micro-batch without: memory.MemoryEstimate), a cost per
   block and a constant, measured for a *family* of layouts (tp degree, data-parallel wrapper:
@@ -45,20 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
 from distrain.config.schema import Config
 from distrain.family.spec import FamilyModel, ModelShape
 from distrain.layout.rules import validate
-from distrain.optim.builder import param_groups, roles_of
-from distrain.optim.capability import optimizer_capability
-from distrain.optim.onebit_zero import held_state_bytes
+from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.memory import MemoryEstimate, accumulates
-from distrain.plan.pipeline_memory import in_flight
+from distrain.plan.build_results import MemoryEstimate, accumulates, in_flight
+from distrain.plan.parameter_table import table
 
 FP32 = 4
 CALIBRATION_DEPTHS = (2, 3)
@@ -308,57 +302,7 @@ class ModelStates:
     has_head: bool
 
 
-def _meta_model(model: FamilyModel) -> nn.Module:
-    with torch.device("meta"):
-        return model.build()
-
-
-@dataclass(frozen=True)
-class ParameterShape:
-    name: str
-    shape: torch.Size
-    identity: int
-    """The same for a tied parameter's names."""
-    tp_dim: int | None
-    """The dim tensor parallelism splits (None: replicated over tp)."""
-    expert: bool
-    """A routed expert's weight (split over ep, its FSDP2 shards over the rest)."""
-
-
-_SHAPES: dict[str, list[ParameterShape]] = {}
-
-
-def _parameter_shapes(model: FamilyModel) -> list[ParameterShape]:
-    """Each parameter of the model, a tied one under both names; made once per model (a 7B
-    meta build is a noticeable share of pricing a layout)."""
-    key = f"{model.spec.name}:{model.args!r}"
-    if key not in _SHAPES:
-        built = _meta_model(model)
-        plan = model.spec.tensor_plan(built, False) if model.spec.tensor_plan else {}
-        # What expert parallelism splits: each MoE layer's `experts` (parallel/experts.py).
-        layers = model.spec.moe_layers(built)
-        experts = {id(p) for layer in layers for p in layer.experts.parameters()}
-        _SHAPES[key] = [
-            ParameterShape(name, p.shape, id(p), _tp_dim(built, plan, name), id(p) in experts)
-            for name, p in built.named_parameters(remove_duplicate=False)
-        ]
-    return _SHAPES[key]
-
-
-def _tp_dim(model: nn.Module, plan: dict[str, Any], name: str) -> int | None:
-    """The dim of parameter `name` that the tensor plan's style of its module shards, as torch's
-    styles do (None: replicated)."""
-    path, _, kind = name.rpartition(".")
-    style = plan.get(path)
-    embedding = isinstance(model.get_submodule(path), nn.Embedding)
-    if isinstance(style, ColwiseParallel):
-        return 1 if embedding else 0
-    if isinstance(style, RowwiseParallel):
-        return 0 if embedding else (1 if kind == "weight" else None)
-    return None
-
-
-def _tp_local_shape(shape: torch.Size, dim: int | None, tp: int) -> list[int]:
+def _tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> list[int]:
     dims = list(shape)
     if tp > 1 and dim is not None:
         dims[dim] = -(-dims[dim] // tp)
@@ -381,7 +325,7 @@ _STATES: dict[tuple, ModelStates] = {}
 _MODELS: dict[str, FamilyModel] = {}
 
 
-def _model(cfg: Config) -> FamilyModel:
+def model_of(cfg: Config) -> FamilyModel:
     """The family model of `cfg.model`, resolved once per model config (the layout rules are
     the caller's to check)."""
     key = repr(cfg.model)
@@ -412,7 +356,7 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
 
 def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     p = cfg.parallel
-    model = _model(cfg)
+    model = model_of(cfg)
     spec = model.spec
     blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
     held = {str(i) for i in blocks}
@@ -425,7 +369,7 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     expert_shard = data_parallel_size(p, world_size) // p.ep
     params = 0
     seen: set[int] = set()
-    for parameter in _parameter_shapes(model):
+    for parameter in table(model).parameters:
         top, _, rest = parameter.name.partition(".")
         if top == spec.blocks and rest.split(".")[0] not in held:
             continue
@@ -453,7 +397,7 @@ def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coeffi
     p = cfg.parallel
     capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
-        return held_state_bytes(_model(cfg).num_params(), world_size)
+        return held_state_bytes(model_of(cfg).num_params(), world_size)
     whole = states.params * c.optimizer_per_param_byte
     if p.zero_stage == 1 and world_size > 1:
         if p.tp == p.pp == 1:
@@ -478,14 +422,15 @@ _GROUPS: dict[tuple, list[list[int]]] = {}
 
 
 def _group_sizes(cfg: Config) -> list[list[int]]:
-    """Values of each parameter of each of the optimizer's groups, largest first; read from a
-    meta build once per model and weight decay."""
-    key = (repr(cfg.model), cfg.optim.weight_decay)
+    """Values of each parameter of each of the optimizer's groups (optim/builder.py's
+    `param_groups`: decayed, then not), largest first; counted once per model."""
+    key = repr(cfg.model)
     if key not in _GROUPS:
-        family = _model(cfg)
-        model = _meta_model(family)
-        groups = param_groups(model, cfg.optim.weight_decay, roles_of(model, family.spec))
-        _GROUPS[key] = [sorted((t.numel() for t in g["params"]), reverse=True) for g in groups]
+        unique = table(model_of(cfg)).unique()
+        _GROUPS[key] = [
+            sorted((math.prod(p.shape) for p in unique if p.decayed == decayed), reverse=True)
+            for decayed in (True, False)
+        ]
     return _GROUPS[key]
 
 
@@ -536,7 +481,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     schedule keeps, the head's cost per sample on the last stage only, and the receive buffers
     of pipeline_memory.py."""
     p, t = cfg.parallel, cfg.training
-    dim = _model(cfg).shape.dim
+    dim = model_of(cfg).shape.dim
     states = model_states(cfg, world_size, pp_rank=pp_rank)
     optimizer = optimizer_bytes(cfg, world_size, states, c)
     local_batch = t.global_batch_size // data_parallel_size(p, world_size)

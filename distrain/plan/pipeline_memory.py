@@ -22,8 +22,6 @@ allocated at the first step and kept (torch.distributed.pipelining's stage infra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -33,6 +31,7 @@ from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.model import cut_stages, lay_out_parts
 from distrain.parallel.tensor import tp_loss_context
+from distrain.plan.build_results import PipelineMemory, in_flight
 from distrain.plan.memory import (
     LiveBytes,
     fake_world,
@@ -42,33 +41,6 @@ from distrain.plan.memory import (
     planned_run,
 )
 from distrain.torch_compat import device_meshes_under_fake_mode
-
-
-@dataclass(frozen=True)
-class PipelineMemory:
-    """Bytes of one pp rank: model states at rest, the fwd/bwd peak of the schedule's in-flight
-    microbatches above params and grads, the kept receive buffers, and the peak."""
-
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    comm_buffers: int
-    in_flight: int
-
-    @property
-    def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers
-
-
-def in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int, microbatches: int) -> int:
-    """Chunk-microbatches whose activations rank `pp_rank` holds at once (module docstring)."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, pp - pp_rank)
-    v = stages_per_rank
-    return min(v * microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
 def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> PipelineMemory:

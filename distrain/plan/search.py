@@ -36,6 +36,7 @@ from distrain.errors import ConfigError
 from distrain.family.spec import ModelShape
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
+from distrain.plan.build_results import MemoryEstimate
 from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import (
@@ -49,25 +50,28 @@ from distrain.plan.built_rows import (
     memory_row,
 )
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
-from distrain.plan.memory import MemoryEstimate
 from distrain.plan.memory_model import (
     Coefficients,
     Family,
     calibrate_family,
     calibrated_family,
     calibration_builds,
+    model_of,
     modelled_row,
     states_floor,
     with_depth,
     with_replica_average,
 )
+from distrain.plan.parameter_table import load
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "full")
-VERIFIED = 4
-"""Layouts whose memory a fake build decides: the fastest that the model predicts to fit."""
+VERIFIED = 1
+"""Layouts whose memory a fake build decides: the fastest that the model predicts to fit (the
+one an answer recommends; the model's error on every sampled layout is within 5%:
+benchmarks/plan_error.py)."""
 ADVISED = 3
 """Fitting rows with a data-parallel group, fastest first, given the communication advice."""
 MODEL_MARGIN = 0.15
@@ -77,7 +81,10 @@ NOT_PRICED = "not priced"
 """The memory source of a row plan() left unpriced: slower than every row shown, of a family
 not calibrated (plan's `shown`)."""
 UNPRICED_REASON = "not priced: slower than the rows shown, its memory model family not calibrated"
-PRELOAD = ("distrain.plan.search", "torch._dynamo")
+PRELOAD = ("distrain.plan.search", "distrain.plan.pipeline_memory", "torch._dynamo")
+"""What a build worker's forkserver imports once: the planner, the builds (memory.py with
+pipeline_memory.py, which search.py imports only when it makes one) and dynamo (which a first
+fake build imports)."""
 """What the build workers' forkserver imports once: the planner, and what a first fake build
 would import (dynamo, through torch's Python reference of `normal_`: 0.5 s)."""
 SOURCE_LABEL = {"fake build": "built", "model": "model", NOT_PRICED: "-"}
@@ -296,6 +303,7 @@ def plan(
             stages=stages,
             checkpointing=checkpointing,
         )
+        load(model_of(base), store)  # the parameter table: read from the store, not built
     except BaseException:
         if own:
             pool.close()
@@ -340,7 +348,10 @@ def plan(
             return memory_of(cfg, world_size, cache, store=store)
 
         def calibrated() -> Coefficients:
-            at_once(pool, [(memory_of, *b) for b in calibration_builds(base, family)])
+            builds = calibration_builds(base, family)
+            for cfg, _ in builds:  # the shallow models' tables too
+                load(model_of(cfg), store)
+            at_once(pool, [(memory_of, *b) for b in builds])
             return calibrate_family(base, family, measure)
 
         return cached(coefficients, family, calibrated)

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distrain.checkpoint.load import SavedLayoutAware
 from distrain.errors import CheckpointError
 from distrain.family.spec import ModelSpec
-from distrain.optim.builder import roles_of
 from distrain.optim.diloco import DiLoCo
 from distrain.optim.diloco_resume import site_change_problem
+from distrain.optim.param_groups import roles_of
 from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.parallel.mesh import ParallelDims
 from distrain.train.rng import rng_state, set_rng_state

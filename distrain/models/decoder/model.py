@@ -23,7 +23,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distrain.models.decoder.moe import MoE, MoEArgs
 from distrain.torch_compat import canonical_name
@@ -384,6 +383,10 @@ def init_weights(
     its own slice of it. So a model initialized on 1 rank or on 8, under any layout, is the same.
     The MoE expert bias (a buffer) starts at zero.
     """
+    # Imported here: what only reads a model's sizes (the planner) never imports DTensor
+    # (half a second).
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for name, param in model.named_parameters():
         value = (
             full_init_value(name, param.shape, args, seed)

@@ -19,7 +19,6 @@ from distrain.models.decoder.args import decoder_args
 from distrain.models.decoder.counts import flops_per_token, num_params, routed_expert_params
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights, summed_next_token_loss
 from distrain.models.decoder.moe import MoEArgs, moe_layers
-from distrain.models.decoder.parallelize import tensor_plan
 
 SHAPE_FIELDS = frozenset(
     {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"}
@@ -89,6 +88,14 @@ def _moe_settings(args: ModelArgs) -> MoEArgs | None:
     return args.moe if args.moe.enabled else None
 
 
+
+def _tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict:
+    """parallelize.tensor_plan, imported when a layout with tp needs it: torch's tensor-parallel
+    styles import DTensor (half a second), which the planner, reading sizes only, never needs."""
+    from distrain.models.decoder.parallelize import tensor_plan
+
+    return tensor_plan(model, sequence_parallel)
+
 def decoder_family(
     name: str,
     *,
@@ -115,7 +122,7 @@ def decoder_family(
         blocks="blocks",
         first_stage=("tok_emb", "pos_emb"),
         last_stage=("norm", "output"),
-        tensor_plan=tensor_plan,
+        tensor_plan=_tensor_plan,
         attention_modules=_attention_modules,
         loss_in_forward=True,
         tied_weights=_tied_weights,
