@@ -262,11 +262,9 @@ def test_a_plan_that_reads_every_build_back_imports_none_of_the_training_stack(t
             "--global-batch", "4", "--gpu-memory", "12MB", "--zero", "0,3", "--checkpointing",
             "none", "--peak", "100G", "--top", "3", "--workers", "1"]  # fmt: skip
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    command = [sys.executable, "-c", WARM_IMPORTS, *argv]
     cold, warm = (
-        subprocess.run(
-            [sys.executable, "-c", WARM_IMPORTS, *argv],
-            env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         for _ in range(2)
     )
     heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo"]

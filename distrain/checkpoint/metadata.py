@@ -238,4 +238,3 @@ def check_storage_paths(metadata: dcp_metadata.Metadata) -> None:
             )
         if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
             raise CheckpointError("its storage index holds a negative or non-integer offset")
-

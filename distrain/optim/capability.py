@@ -55,8 +55,9 @@ def optimizer_capability(
 
 
 def held_state_bytes(numel: int, world: int) -> int:
-    """Bytes of state a rank holds past warm-up for `numel` parameter values over `world`
-    ranks (what the planner counts): its chunk of the momentum, the variance and the server
+    """Bytes of state a rank of sharded 1-bit Adam (onebit_zero.py, ZeRO-1/2) holds past warm-up
+    for `numel` parameter values over `world` ranks, declared here for the planner, which counts
+    it without building the optimizer: its chunk of the momentum, the variance and the server
     error, and, whole, its worker error and the frozen denominator, all fp32."""
     blocks, block = onebit_blocks(numel, world)
     chunk = blocks * block

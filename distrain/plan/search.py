@@ -82,11 +82,9 @@ NOT_PRICED = "not priced"
 not calibrated (plan's `shown`)."""
 UNPRICED_REASON = "not priced: slower than the rows shown, its memory model family not calibrated"
 PRELOAD = ("distrain.plan.search", "distrain.plan.pipeline_memory", "torch._dynamo")
-"""What a build worker's forkserver imports once: the planner, the builds (memory.py with
-pipeline_memory.py, which search.py imports only when it makes one) and dynamo (which a first
-fake build imports)."""
-"""What the build workers' forkserver imports once: the planner, and what a first fake build
-would import (dynamo, through torch's Python reference of `normal_`: 0.5 s)."""
+"""What the build workers' forkserver imports once: the planner, the fake builds (memory.py with
+pipeline_memory.py, which built_rows.py imports only when it makes one), and what a first fake
+build would import (dynamo, through torch's Python reference of `normal_`: 0.5 s)."""
 SOURCE_LABEL = {"fake build": "built", "model": "model", NOT_PRICED: "-"}
 
 

@@ -88,13 +88,13 @@ def _moe_settings(args: ModelArgs) -> MoEArgs | None:
     return args.moe if args.moe.enabled else None
 
 
-
 def _tensor_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     """parallelize.tensor_plan, imported when a layout with tp needs it: torch's tensor-parallel
     styles import DTensor (half a second), which the planner, reading sizes only, never needs."""
     from distrain.models.decoder.parallelize import tensor_plan
 
     return tensor_plan(model, sequence_parallel)
+
 
 def decoder_family(
     name: str,
