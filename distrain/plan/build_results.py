@@ -11,6 +11,7 @@ the optimizers).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from distrain.config.schema import Config
@@ -72,6 +73,24 @@ class MemoryEstimate:
     def peak(self, micro_batch_size: int, *, accumulating: bool) -> int:
         fwd_bwd = self.fwd_bwd(micro_batch_size, accumulating=accumulating) + self.optimizer
         return max(fwd_bwd, self.opt_step_peak, self.model_states)
+
+
+def at_depth(
+    builds: tuple[MemoryEstimate, MemoryEstimate], depths: tuple[int, int], blocks: int
+) -> MemoryEstimate:
+    """The estimate of a stack of `blocks` blocks from two builds at `depths` blocks: every
+    field on its line through the two, each moment's line in the micro-batch apart, so the peak
+    there is the highest moment at that depth, whichever was highest in the shallow builds."""
+    (low, high), (one, two) = depths, builds
+    return MemoryEstimate(
+        **{
+            f.name: round(
+                getattr(one, f.name)
+                + (getattr(two, f.name) - getattr(one, f.name)) * (blocks - low) / (high - low)
+            )
+            for f in dataclasses.fields(MemoryEstimate)
+        }
+    )
 
 
 def accumulates(cfg: Config, world_size: int) -> bool:

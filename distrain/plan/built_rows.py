@@ -19,7 +19,7 @@ from distrain.family.spec import ModelShape
 from distrain.layout.rules import validate
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.build_results import MemoryEstimate, PipelineMemory, accumulates
+from distrain.plan.build_results import MemoryEstimate, PipelineMemory, accumulates, at_depth
 from distrain.plan.build_store import BuildStore, build
 from distrain.plan.memory_model import (
     calibration_depths,
@@ -192,28 +192,35 @@ def built_row(
     cfg: Config, world_size: int, cache: dict, *, store: BuildStore | None = None
 ) -> dict[str, int]:
     """memory_row from fake builds of its family's calibration depths (memory_model.
-    calibration_depths) in blocks per pipeline stage, extrapolated
-    linearly to the model's depth (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks
-    lies on one line to the byte); the full build when the model is no deeper."""
+    calibration_depths) in blocks per pipeline stage, extrapolated linearly to the model's depth
+    (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte):
+    each moment of the step on its own line (build_results.at_depth), a pipeline rank's row as
+    a whole; the full build when the model is no deeper."""
     n_layers = validate(cfg, None).shape.n_layers
     if not (depths := built_depths(cfg)):
         return memory_row(cfg, world_size, cache, store=store)
     low, high = depths
-    one, two = (memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high))
-    scale = (n_layers - low) / (high - low)
-    row = {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
-    if cfg.parallel.pp == 1 and not accumulates(cfg, world_size):
+    if cfg.parallel.pp > 1:
+        one, two = (
+            memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high)
+        )
+        scale = (n_layers - low) / (high - low)
+        return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+    shallow = tuple(memory_of(with_depth(cfg, n), world_size, cache, store=store) for n in depths)
+    mem = at_depth(shallow, depths, n_layers)
+    mb, accumulating = cfg.training.micro_batch_size, accumulates(cfg, world_size)
+    row = {
+        "params": mem.params,
+        "grads": mem.grads,
+        "optimizer": mem.optimizer,
+        "activations": mem.activations(mb, accumulating=accumulating),
+        "peak": mem.peak(mb, accumulating=accumulating),
+    }
+    if not accumulating:
         # A step's first micro-batch: within the gradients of the held peak (memory_model.
         # Coefficients.above_states says why).
-        held = [
-            memory_row(with_depth(cfg, n), world_size, cache, store=store, accumulating=True)
-            for n in (low, high)
-        ]
-        held_activations = (
-            held[0]["activations"] + (held[1]["activations"] - held[0]["activations"]) * scale
-        )
-        floor = held_activations - row["grads"]
-        row["activations"] = round(min(max(row["activations"], floor), held_activations))
+        held = mem.activations(mb, accumulating=True)
+        row["activations"] = min(max(row["activations"], held - row["grads"]), held)
         fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
         row["peak"] = max(row["peak"], fwd_bwd)
     return row

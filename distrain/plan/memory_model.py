@@ -51,7 +51,7 @@ from distrain.layout.rules import validate
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.build_results import MemoryEstimate, accumulates, in_flight
+from distrain.plan.build_results import MOMENTS, MemoryEstimate, accumulates, in_flight
 from distrain.plan.parameter_table import table
 
 FP32 = 4
@@ -105,17 +105,44 @@ class Coefficients:
     step_extra_per_param_byte: float
     scale: float = 1.0
 
-    def _above(self, micro_batch_size: int, accumulating: bool) -> tuple[float, float]:
-        """(per block, constant) of the fwd/bwd peak above the model states at this
-        micro-batch: each build's peak there (memory.MemoryEstimate.fwd_bwd: the highest of its
-        moments), on a line through the two depths."""
+    def _moments(self, accumulating: bool) -> list[str]:
+        """The field prefixes of the moments whose highest is the fwd/bwd peak
+        (MemoryEstimate.fwd_bwd): a step's first micro-batch's, and with the gradients held."""
+        return [f"{p}{m}" for p in ("first_", "")[: 1 + accumulating] for m in MOMENTS]
+
+    def _depth_line(self, field: str, *, above_states: bool = False) -> tuple[float, float]:
+        """(per block, constant) of a field of the builds on the line through the two depths
+        (less the model states: `above_states`)."""
         low, high = self.depths
-        above = [
-            m.fwd_bwd(micro_batch_size, accumulating=accumulating) - s
+        one, two = (
+            getattr(m, field) - (s if above_states else 0)
             for m, s in zip(self.builds, self.states, strict=True)
-        ]
-        per_block = (above[1] - above[0]) / (high - low)
-        return per_block, above[0] - low * per_block
+        )
+        per_block = (two - one) / (high - low)
+        return per_block, one - low * per_block
+
+    def lines(self, accumulating: bool = True) -> list[LineCosts]:
+        """Each moment's bytes above the model states, in blocks and micro-batch, each on its
+        own line through the two depths: the peak of a stack is the highest of them at its
+        depth. (The highest moment can change with depth: `llama3-8b` under FSDP2 with cp 2
+        peaks at 2 and 3 blocks when the gathered embedding and head and their gradients are
+        live, 8.4 GB at any micro-batch, while the blocks' activations, 5.0 GB a sample at 2
+        blocks, grow 0.87 GB a sample a block and pass it from 3 blocks on: a line through the
+        shallow peaks priced 32 blocks at micro-batch 1 at 7.8 GiB above the states, where the
+        activations' moment alone is 31 GB.) `scale` x the per-block and fixed terms."""
+        found = []
+        for moment in self._moments(accumulating):
+            fixed_per_block, fixed_const = self._depth_line(f"{moment}fixed", above_states=True)
+            sample_per_block, sample_const = self._depth_line(f"{moment}per_sample")
+            found.append(
+                LineCosts(
+                    sample_per_block=sample_per_block * self.scale,
+                    sample_const=sample_const,
+                    fixed_per_block=fixed_per_block * self.scale,
+                    fixed_const=fixed_const * self.scale,
+                )
+            )
+        return found
 
     def above_states(
         self, blocks: int, micro_batch_size: int, *, accumulating: bool, grads: int
@@ -137,32 +164,11 @@ class Coefficients:
         return min(max(value, held - grads), held)
 
     def _scaled(self, blocks: int, micro_batch_size: int, accumulating: bool) -> float:
-        per_block, const = self._above(micro_batch_size, accumulating)
-        if self.scale == 1.0:
-            return const + blocks * per_block
-        _, const_next = self._above(micro_batch_size + 1, accumulating)
-        sample_const = const_next - const
-        fixed_const = const - micro_batch_size * sample_const
-        return (fixed_const + blocks * per_block) * self.scale + micro_batch_size * sample_const
-
-    def held_line(self) -> LineCosts:
-        """The line a pipeline stage is priced by: gradients held, through micro-batch 1 and 2."""
-        (block_one, const_one), (block_two, const_two) = (
-            self._above(b, accumulating=True) for b in (1, 2)
-        )
-        line = LineCosts(
-            sample_per_block=block_two - block_one,
-            sample_const=const_two - const_one,
-            fixed_per_block=2 * block_one - block_two,
-            fixed_const=2 * const_one - const_two,
-        )
-        if self.scale == 1.0:
-            return line
-        return dataclasses.replace(
-            line,
-            sample_per_block=line.sample_per_block * self.scale,
-            fixed_per_block=line.fixed_per_block * self.scale,
-            fixed_const=line.fixed_const * self.scale,
+        return max(
+            line.fixed_const
+            + blocks * (line.fixed_per_block + micro_batch_size * line.sample_per_block)
+            + micro_batch_size * line.sample_const
+            for line in self.lines(accumulating)
         )
 
 
@@ -488,11 +494,12 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
     rows = local_batch // microbatches
     kept = in_flight(p.pp_schedule, p.pp, pp_rank, p.pp_stages_per_rank, microbatches)
-    held = c.held_line()
-    per_sample = states.blocks * held.sample_per_block
-    per_sample += held.sample_const if states.has_head else 0
-    activations = max(0, round(held.fixed_const + states.blocks * held.fixed_per_block))
-    activations += round(kept * rows * per_sample)
+    activations = 0
+    for line in c.lines():  # each moment of a microbatch, held `kept` times over
+        per_sample = states.blocks * line.sample_per_block
+        per_sample += line.sample_const if states.has_head else 0
+        fixed = max(0, round(line.fixed_const + states.blocks * line.fixed_per_block))
+        activations = max(activations, fixed + round(kept * rows * per_sample))
     stages = p.pp * p.pp_stages_per_rank
     ids = [pp_rank + i * p.pp for i in range(p.pp_stages_per_rank)]
     receives = sum((s != 0) + (s != stages - 1) for s in ids)
