@@ -133,10 +133,11 @@ def test_zero3_checkpointed_and_mixtral_within_five_percent_of_the_fake_builds()
 def test_a_peak_whose_moment_changes_with_depth_is_priced_at_the_full_depth():
     """`tiny` with a 16k vocabulary at seq 128 under ZeRO-2: at 2 and 3 blocks the step peaks
     while FSDP2's gathered embedding and head and their gradients are live (32 MiB, whatever
-    the micro-batch); deeper, the blocks' activations pass it. Each moment on its own line
-    through the two depths, the memory model and the verified row price 16 blocks within 1% of
-    the full build; a line through the two shallow peaks is more than 10% under (it was the
-    model: llama3-8b with cp 2 priced 7.8 GiB above the states where 31 GB are)."""
+    the micro-batch); deeper, the blocks' activations pass it. With the steepest moment on its
+    own line through the two depths, the memory model and the verified row price 16 blocks
+    within 1% of the full build; the line through the two shallow peaks alone is more than 10%
+    under (it was the model: llama3-8b with cp 2 priced 7.8 GiB above the states where 31 GB
+    are)."""
     base = base_config()
     base.model.vocab_size, base.model.n_layers, base.training.seq_len = 16384, 16, 128
     cache, coefficients = {}, {}

@@ -66,6 +66,16 @@ class MemoryEstimate:
             return first
         return max(first, self._line_peak("", micro_batch_size))
 
+    def steep_fwd_bwd(self, micro_batch_size: int, *, accumulating: bool) -> int:
+        """`fwd_bwd` of the moment growing fastest with the micro-batch alone (every block's
+        activations live: what a deeper stack's peak comes to; memory_model.Coefficients)."""
+        prefixes = ("first_", "")[: 1 + accumulating]
+        return max(
+            getattr(self, f"{p}steep_fixed")
+            + micro_batch_size * getattr(self, f"{p}steep_per_sample")
+            for p in prefixes
+        )
+
     def activations(self, micro_batch_size: int, *, accumulating: bool) -> int:
         peak = self.fwd_bwd(micro_batch_size, accumulating=accumulating)
         return max(0, peak - self.params - self.grads)
@@ -79,8 +89,8 @@ def at_depth(
     builds: tuple[MemoryEstimate, MemoryEstimate], depths: tuple[int, int], blocks: int
 ) -> MemoryEstimate:
     """The estimate of a stack of `blocks` blocks from two builds at `depths` blocks: every
-    field on its line through the two, each moment's line in the micro-batch apart, so the peak
-    there is the highest moment at that depth, whichever was highest in the shallow builds."""
+    field on its line through the two (a moment's line is right where the moment is the same at
+    both depths: the steepest, `steep_fwd_bwd`)."""
     (low, high), (one, two) = depths, builds
     return MemoryEstimate(
         **{

@@ -193,36 +193,44 @@ def built_row(
 ) -> dict[str, int]:
     """memory_row from fake builds of its family's calibration depths (memory_model.
     calibration_depths) in blocks per pipeline stage, extrapolated linearly to the model's depth
-    (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte):
-    each moment of the step on its own line (build_results.at_depth), a pipeline rank's row as
-    a whole; the full build when the model is no deeper."""
+    (a uniform stack: the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte),
+    with the step's steepest moment on its own line as the memory model has it (a pipeline
+    rank's build keeps only its peak); the full build when the model is no deeper."""
     n_layers = validate(cfg, None).shape.n_layers
     if not (depths := built_depths(cfg)):
         return memory_row(cfg, world_size, cache, store=store)
     low, high = depths
-    if cfg.parallel.pp > 1:
+    scale = (n_layers - low) / (high - low)
+
+    def extrapolated(accumulating: bool | None = None) -> dict[str, int]:
         one, two = (
-            memory_row(with_depth(cfg, n), world_size, cache, store=store) for n in (low, high)
+            memory_row(
+                with_depth(cfg, n), world_size, cache, store=store, accumulating=accumulating
+            )
+            for n in (low, high)
         )
-        scale = (n_layers - low) / (high - low)
         return {k: round(one[k] + (two[k] - one[k]) * scale) for k in one}
+
+    row = extrapolated()
+    if cfg.parallel.pp > 1:
+        return row
+    # The steepest moment on its own line too (memory_model.Coefficients._scaled says why).
     shallow = tuple(memory_of(with_depth(cfg, n), world_size, cache, store=store) for n in depths)
-    mem = at_depth(shallow, depths, n_layers)
+    deep = at_depth(shallow, depths, n_layers)
     mb, accumulating = cfg.training.micro_batch_size, accumulates(cfg, world_size)
-    row = {
-        "params": mem.params,
-        "grads": mem.grads,
-        "optimizer": mem.optimizer,
-        "activations": mem.activations(mb, accumulating=accumulating),
-        "peak": mem.peak(mb, accumulating=accumulating),
-    }
+
+    def activations(row: dict[str, int], accumulating: bool) -> int:
+        steep = deep.steep_fwd_bwd(mb, accumulating=accumulating) - deep.params - deep.grads
+        return max(row["activations"], steep)
+
+    row["activations"] = activations(row, accumulating)
     if not accumulating:
         # A step's first micro-batch: within the gradients of the held peak (memory_model.
         # Coefficients.above_states says why).
-        held = mem.activations(mb, accumulating=True)
+        held = activations(extrapolated(accumulating=True), True)
         row["activations"] = min(max(row["activations"], held - row["grads"]), held)
-        fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
-        row["peak"] = max(row["peak"], fwd_bwd)
+    fwd_bwd = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
+    row["peak"] = max(row["peak"], fwd_bwd)
     return row
 
 

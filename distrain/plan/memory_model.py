@@ -51,7 +51,7 @@ from distrain.layout.rules import validate
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
-from distrain.plan.build_results import MOMENTS, MemoryEstimate, accumulates, in_flight
+from distrain.plan.build_results import MemoryEstimate, accumulates, in_flight
 from distrain.plan.parameter_table import table
 
 FP32 = 4
@@ -105,10 +105,17 @@ class Coefficients:
     step_extra_per_param_byte: float
     scale: float = 1.0
 
-    def _moments(self, accumulating: bool) -> list[str]:
-        """The field prefixes of the moments whose highest is the fwd/bwd peak
-        (MemoryEstimate.fwd_bwd): a step's first micro-batch's, and with the gradients held."""
-        return [f"{p}{m}" for p in ("first_", "")[: 1 + accumulating] for m in MOMENTS]
+    def _above(self, micro_batch_size: int, accumulating: bool) -> tuple[float, float]:
+        """(per block, constant) of the fwd/bwd peak above the model states at this
+        micro-batch: each build's peak there (MemoryEstimate.fwd_bwd: the highest of its
+        moments), on a line through the two depths."""
+        low, high = self.depths
+        above = [
+            m.fwd_bwd(micro_batch_size, accumulating=accumulating) - s
+            for m, s in zip(self.builds, self.states, strict=True)
+        ]
+        per_block = (above[1] - above[0]) / (high - low)
+        return per_block, above[0] - low * per_block
 
     def _depth_line(self, field: str, *, above_states: bool = False) -> tuple[float, float]:
         """(per block, constant) of a field of the builds on the line through the two depths
@@ -121,28 +128,42 @@ class Coefficients:
         per_block = (two - one) / (high - low)
         return per_block, one - low * per_block
 
-    def lines(self, accumulating: bool = True) -> list[LineCosts]:
-        """Each moment's bytes above the model states, in blocks and micro-batch, each on its
-        own line through the two depths: the peak of a stack is the highest of them at its
-        depth. (The highest moment can change with depth: `llama3-8b` under FSDP2 with cp 2
-        peaks at 2 and 3 blocks when the gathered embedding and head and their gradients are
-        live, 8.4 GB at any micro-batch, while the blocks' activations, 5.0 GB a sample at 2
-        blocks, grow 0.87 GB a sample a block and pass it from 3 blocks on: a line through the
-        shallow peaks priced 32 blocks at micro-batch 1 at 7.8 GiB above the states, where the
-        activations' moment alone is 31 GB.) `scale` x the per-block and fixed terms."""
+    def _steep_lines(self, accumulating: bool) -> list[LineCosts]:
+        """The moment growing fastest with the micro-batch (`steep_`: every block's activations
+        live, where a deep stack peaks) of a step's first micro-batch and, `accumulating`, with
+        the gradients held, each on its own line through the two depths, scaled."""
         found = []
-        for moment in self._moments(accumulating):
+        for moment in ("first_steep_", "steep_")[: 1 + accumulating]:
             fixed_per_block, fixed_const = self._depth_line(f"{moment}fixed", above_states=True)
             sample_per_block, sample_const = self._depth_line(f"{moment}per_sample")
-            found.append(
-                LineCosts(
-                    sample_per_block=sample_per_block * self.scale,
-                    sample_const=sample_const,
-                    fixed_per_block=fixed_per_block * self.scale,
-                    fixed_const=fixed_const * self.scale,
-                )
-            )
+            line = LineCosts(sample_per_block, sample_const, fixed_per_block, fixed_const)
+            found.append(self._scaled_line(line))
         return found
+
+    def _scaled_line(self, line: LineCosts) -> LineCosts:
+        if self.scale == 1.0:
+            return line
+        return dataclasses.replace(
+            line,
+            sample_per_block=line.sample_per_block * self.scale,
+            fixed_per_block=line.fixed_per_block * self.scale,
+            fixed_const=line.fixed_const * self.scale,
+        )
+
+    def lines(self) -> list[LineCosts]:
+        """The lines a pipeline stage is priced by (gradients held), the highest at its depth:
+        the shallow builds' peaks through the two depths (at micro-batch 1 and 2), and the
+        steepest moment on its own line (`_steep_lines`)."""
+        (block_one, const_one), (block_two, const_two) = (
+            self._above(b, accumulating=True) for b in (1, 2)
+        )
+        peaks = LineCosts(
+            sample_per_block=block_two - block_one,
+            sample_const=const_two - const_one,
+            fixed_per_block=2 * block_one - block_two,
+            fixed_const=2 * const_one - const_two,
+        )
+        return [self._scaled_line(peaks), *self._steep_lines(True)]
 
     def above_states(
         self, blocks: int, micro_batch_size: int, *, accumulating: bool, grads: int
@@ -164,11 +185,35 @@ class Coefficients:
         return min(max(value, held - grads), held)
 
     def _scaled(self, blocks: int, micro_batch_size: int, accumulating: bool) -> float:
+        """The highest at `blocks` of the line through the shallow builds' peaks at this
+        micro-batch and the steepest moments' own lines (`_steep_lines`).
+
+        The highest moment can change with depth: `llama3-8b` with cp 2 under FSDP2 peaks at 2
+        and 3 blocks while the gathered embedding and head and their gradients are live (8.4
+        GB at any micro-batch), while the blocks' activations (5.0 GB a sample at 2 blocks)
+        grow 0.87 GB a sample a block and pass it: through the shallow peaks alone, 32 blocks
+        at micro-batch 1 were priced at 7.8 GiB above the states, where that moment alone is
+        31 GB. Not every moment on its own line: the moment highest at micro-batch 2 can be
+        another one at each depth (`gpt2-tiny`, cp 4: the steep one at 2 blocks, the one
+        highest at micro-batch 1 at 3), and its line through the two over-priced 6 blocks by
+        13%. `scale` x the per-block and fixed terms."""
+        per_block, const = self._above(micro_batch_size, accumulating)
+        if self.scale == 1.0:
+            through_peaks = const + blocks * per_block
+        else:
+            _, const_next = self._above(micro_batch_size + 1, accumulating)
+            sample_const = const_next - const
+            fixed_const = const - micro_batch_size * sample_const
+            through_peaks = (fixed_const + blocks * per_block) * self.scale
+            through_peaks += micro_batch_size * sample_const
         return max(
-            line.fixed_const
-            + blocks * (line.fixed_per_block + micro_batch_size * line.sample_per_block)
-            + micro_batch_size * line.sample_const
-            for line in self.lines(accumulating)
+            through_peaks,
+            *(
+                line.fixed_const
+                + blocks * (line.fixed_per_block + micro_batch_size * line.sample_per_block)
+                + micro_batch_size * line.sample_const
+                for line in self._steep_lines(accumulating)
+            ),
         )
 
 
