@@ -1,8 +1,9 @@
 """What the planner's fake builds report, and the arithmetic the memory model shares with them:
 memory.py's `MemoryEstimate` (one layout's step on one rank) and pipeline_memory.py's
-`PipelineMemory` (one pp rank), the results the build store keeps; `accumulates` (whether a
-rank's step holds its first micro-batch's gradients through the others) and `in_flight` (the
-microbatches a pipeline schedule keeps at once: pipeline_memory.py's docstring).
+`PipelineMemory` (one pp rank), the results the build store keeps, and a step's estimate
+extrapolated in depth from two (`at_depth`); `accumulates` (whether a rank's step holds its
+first micro-batch's gradients through the others) and `in_flight` (the microbatches a pipeline
+schedule keeps at once: pipeline_memory.py's docstring).
 
 Apart from the builds, so that a plan that reads every build from the store (search.py,
 built_rows.py, memory_model.py) never imports the training stack the builds run (DTensor, FSDP2,

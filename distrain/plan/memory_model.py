@@ -540,7 +540,7 @@ def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) 
     rows = local_batch // microbatches
     kept = in_flight(p.pp_schedule, p.pp, pp_rank, p.pp_stages_per_rank, microbatches)
     activations = 0
-    for line in c.lines():  # each moment of a microbatch, held `kept` times over
+    for line in c.lines():  # the highest of its lines, a microbatch held `kept` times over
         per_sample = states.blocks * line.sample_per_block
         per_sample += line.sample_const if states.has_head else 0
         fixed = max(0, round(line.fixed_const + states.blocks * line.fixed_per_block))
