@@ -42,9 +42,10 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def modelled_and_built():
-    base, cache, coefficients = base_config(), {}, {}
+def calibrated(base: Config, cache: dict):
+    """The `coefficients` argument of modelled_row: each family calibrated once, from builds
+    kept in `cache`; with the dict of the families it calibrated."""
+    coefficients = {}
 
     def coefficients_of(family):
         if family not in coefficients:
@@ -52,6 +53,14 @@ def modelled_and_built():
                 base, family, lambda cfg, world: memory_of(cfg, world, cache)
             )
         return coefficients[family]
+
+    return coefficients_of, coefficients
+
+
+@pytest.fixture(scope="module")
+def modelled_and_built():
+    base, cache = base_config(), {}
+    coefficients_of, _ = calibrated(base, cache)
 
     rows = []
     for shard, tp, pp, stage, ac, mb in LAYOUTS:
@@ -87,15 +96,8 @@ def modelled_and_built_peaks(
 ) -> list[tuple[tuple, int, int]]:
     """(layout, modelled peak, full fake build's peak) of each of `layouts` (without data
     parallel replicas) and `candidates` on WORLD ranks; `rows`: the whole rows, not peaks."""
-    cache, coefficients = {}, {}
-
-    def coefficients_of(family):
-        if family not in coefficients:
-            coefficients[family] = calibrate_family(
-                base, family, lambda cfg, world: memory_of(cfg, world, cache)
-            )
-        return coefficients[family]
-
+    cache = {}
+    coefficients_of, _ = calibrated(base, cache)
     found = []
     for layout in [Candidate(1, *layout) for layout in layouts] + list(candidates):
         cfg = candidate_config(base, layout)
@@ -140,14 +142,8 @@ def test_a_peak_whose_moment_changes_with_depth_is_priced_at_the_full_depth():
     are)."""
     base = base_config()
     base.model.vocab_size, base.model.n_layers, base.training.seq_len = 16384, 16, 128
-    cache, coefficients = {}, {}
-
-    def coefficients_of(family):
-        if family not in coefficients:
-            coefficients[family] = calibrate_family(
-                base, family, lambda cfg, world: memory_of(cfg, world, cache)
-            )
-        return coefficients[family]
+    cache = {}
+    coefficients_of, coefficients = calibrated(base, cache)
 
     cfg = candidate_config(base, Candidate(1, 4, 1, 1, 2, "none", 1))
     modelled = modelled_row(cfg, WORLD, coefficients_of)
