@@ -142,7 +142,6 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     stopped = None
     try:
 
-
         def rejoins() -> int:
             return sum(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[1]))
 
@@ -297,9 +296,10 @@ def four_reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def four_groups(tmp_path_factory, lighthouse) -> dict:
     """4 groups of 1 rank. Once every group has logged step 3, groups 2 and 3 are SIGKILLed
-    back to back (the same step); once groups 0 and 1 have redone that step and group 2's
-    restarted worker is up (on its way to rejoin with a peer's live state), group 1 is
-    SIGKILLed too. Group 0 is never touched."""
+    back to back (the same step), their agents held until groups 0 and 1 have redone that step
+    without them (as a slow node restart would); once group 2's restarted worker is up (on its
+    way to rejoin with a peer's live state), group 1 is SIGKILLed too. Group 0 is never
+    touched."""
     root = tmp_path_factory.mktemp("four")
     runs = [root / f"group{g}" for g in range(4)]
     secret = secret_file(root)
@@ -318,7 +318,6 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         for g in range(4)
     ]
 
-
     try:
         _wait(
             lambda: all(trained_step(runs[g]) >= 3 for g in range(4)),
@@ -327,14 +326,23 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         )
         survivor = worker_pid(procs[0].pid, 0, restart=0)
         victims = [worker_pid(procs[g].pid, 0, restart=0) for g in (2, 3)]
+        # Their agents are held (SIGSTOP) until the survivors have redone the step without
+        # them: a restart quicker than the survivors' new quorum would be taken into it, and
+        # the step would be retried with groups 2 and 3 rather than redone without them.
+        for g in (2, 3):
+            os.kill(procs[g].pid, signal.SIGSTOP)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         _wait(
-            lambda: (
-                any(r.get("replica_change") == "lost" for r in metrics_rows(runs[0]))
-                and worker_pid(procs[2].pid, 0, restart=1) is not None
-            ),
-            "the step redone without groups 2 and 3, and group 2's restarted worker",
+            lambda: any(r.get("replica_change") == "lost" for r in metrics_rows(runs[0])),
+            "the step redone without groups 2 and 3",
+            procs[:2],
+        )
+        for g in (2, 3):
+            os.kill(procs[g].pid, signal.SIGCONT)
+        _wait(
+            lambda: worker_pid(procs[2].pid, 0, restart=1) is not None,
+            "group 2's restarted worker",
             procs[:2],
         )
         rejoined_before = any(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[2]))
@@ -507,4 +515,3 @@ def test_lighthouse_refuses_a_timeout_it_cannot_use_in_one_line(option, value, c
     assert main(["lighthouse", option, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"distrain: error: {option} must be") and err.count("\n") == 1, err
-
