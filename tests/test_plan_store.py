@@ -151,7 +151,8 @@ def test_a_plan_asked_again_reads_every_build_and_answers_the_same(
     assert True in {r["fits"] for r in first} and False in {r["fits"] for r in first}
     monkeypatch.setattr(built_rows, "estimate_memory", no_build)
     monkeypatch.setattr(built_rows, "estimate_pipeline_memory", no_build)
-    monkeypatch.setattr(search.Pool, "submit", no_build)  # no build for a worker to make
+    monkeypatch.setattr(search.Pool, "start_soon", no_build)  # no worker started
+    monkeypatch.setattr(search.Pool, "submit_soon", no_build)  # nor a build sent to one
     monkeypatch.setattr(parameter_table, "_built", no_build)  # the tables are read back too
     monkeypatch.setattr(parameter_table, "_TABLES", {})
     again = [r.as_dict() for r in plan(small_config(), CLUSTER, store=store, **options)]

@@ -58,6 +58,14 @@ def _read(path: Path, result_type: type[Result]) -> Result:
     return result_type(**fields)
 
 
+def _holds(path: Path, result_type: type) -> bool:
+    try:
+        _read(path, result_type)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 @functools.cache
 def code_digest() -> str:
     """sha256 of torch's version and every source file of the distrain package (this file's
@@ -91,11 +99,11 @@ class BuildStore:
 
     def has(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> bool:
         """Whether `build` would read the build back (the same checks as its read)."""
-        try:
-            _read(self.path(result_type, cfg, world_size, rank), result_type)
-        except (OSError, ValueError):
-            return False
-        return True
+        return _holds(self.path(result_type, cfg, world_size, rank), result_type)
+
+    def has_kept(self, result_type: type, key: dict) -> bool:
+        """Whether `keep` would read the build of `key` back (the same checks as its read)."""
+        return _holds(self._path(result_type, key), result_type)
 
     def build(
         self,

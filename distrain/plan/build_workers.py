@@ -1,5 +1,5 @@
-"""Fake builds in worker processes: `Pool`, the build workers of search.plan (a family's
-calibration or a verified layout's two depths at once).
+"""Fake builds in worker processes: `Pool`, the build workers of search.plan (which builds they
+make, and when: build_sharing.py).
 
 A fake build is single-threaded Python (fake tensors have no data to compute on), so on a
 machine of n cores n builds take the time of one. The workers are forked from a forkserver
@@ -32,6 +32,8 @@ class Pool:
         self.preload = [__name__, *preload]
         self._pool: Any = None
         self._starting: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._queued: list[tuple[Callable, tuple]] = []
 
     def start_soon(self) -> None:
         """Start the processes in the background: making a pool waits for the forkserver to
@@ -40,9 +42,9 @@ class Pool:
             self._starting = threading.Thread(target=self._start, daemon=True)
             self._starting.start()
 
-    def ready(self) -> bool:
-        """Whether the processes are started and take jobs at once."""
-        return self._pool is not None
+    def started(self) -> bool:
+        """Whether the processes are started or on their way (`start_soon`)."""
+        return self._pool is not None or self._starting is not None
 
     def start(self) -> Any:
         """The processes (started now when they are not yet): a multiprocessing pool."""
@@ -56,11 +58,34 @@ class Pool:
     def _start(self) -> None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(self.preload)
-        self._pool = context.Pool(self.workers)
+        pool = context.Pool(self.workers)
+        with self._lock:
+            for function, args in self._queued:
+                pool.apply_async(function, args)
+            self._queued = []
+            self._pool = pool
 
-    def submit(self, function: Callable, args: tuple) -> Any:
-        """`function(*args)` in a worker, at once: its AsyncResult."""
-        return self.start().apply_async(function, args)
+    def submit_soon(self, function: Callable, args: tuple) -> None:
+        """`function(*args)` in a worker, after the jobs given before it: sent at once when
+        the processes are started, else once they are (`start_soon` starts them)."""
+        with self._lock:
+            if self._pool is None:
+                self._queued.append((function, args))
+                return
+        self._pool.apply_async(function, args)
+
+    def discard(self) -> None:
+        """Stop the processes now, their jobs unfinished (the pool is started again when next
+        used)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        with self._lock:
+            self._queued = []
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
 
     def close(self) -> None:
         if self._starting is not None:

@@ -4,7 +4,7 @@ the first rank of each distinct stage (`memory_row`), shared between layouts tha
 the micro-batch; the wrappers that do not build on fake tensors (DDP, ZeroRedundancyOptimizer,
 1-bit Adam's own sharding) planned from the build they wrap (`memory_of`); and a deep model's row
 extrapolated from two shallow builds (`built_row`). Builds are read from and kept in a BuildStore
-when one is given; `kept` and `make` let plan's build workers share them (search.py)."""
+when one is given; `kept` and `build_key` let plan's build workers share them (build_sharing.py)."""
 
 from __future__ import annotations
 
@@ -281,17 +281,6 @@ def kept(function: Callable, cfg: Config, world_size: int, store: BuildStore) ->
     except Exception:  # noqa: BLE001 - _Missing, or a failed build (not kept; the caller reports it)
         return False
     return True
-
-
-def make(function: str, cfg: Config, world_size: int, store: BuildStore) -> None:
-    """A worker's share of plan's builds: `function` (memory_of or memory_row) of `cfg`, its
-    fake builds kept in `store`; one that fails is not kept (plan's own call reports it)."""
-    try:
-        {"memory_of": memory_of, "memory_row": memory_row}[function](
-            cfg, world_size, {}, store=store
-        )
-    except Exception:  # noqa: BLE001, S110 - not kept: the planning process builds it again
-        pass
 
 
 def build_key(function: Callable, cfg: Config) -> tuple:

@@ -120,6 +120,11 @@ def table(model: FamilyModel) -> ParameterTable:
     return _TABLES[key]
 
 
+def stored(model: FamilyModel, store: BuildStore) -> bool:
+    """Whether `load` reads the table of `model` from `store` (a plan of it was kept there)."""
+    return store.has_kept(ParameterTable, {"model": _key(model)})
+
+
 def load(model: FamilyModel, store: BuildStore | None) -> None:
     """Make `table(model)` read the table kept in `store` (kept there when it is not: the one
     this process has, or built)."""

@@ -37,18 +37,10 @@ from distrain.family.spec import ModelShape
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
 from distrain.plan.build_results import MemoryEstimate
+from distrain.plan.build_sharing import SharedBuilds
 from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
-from distrain.plan.built_rows import (
-    build_key,
-    built_depths,
-    built_row,
-    cached,
-    kept,
-    make,
-    memory_of,
-    memory_row,
-)
+from distrain.plan.built_rows import built_depths, built_row, cached, memory_of, memory_row
 from distrain.plan.comm_advice import DEFAULT_LATENCY_S, CommAdvice, advise
 from distrain.plan.memory_model import (
     Coefficients,
@@ -62,7 +54,7 @@ from distrain.plan.memory_model import (
     with_depth,
     with_replica_average,
 )
-from distrain.plan.parameter_table import load
+from distrain.plan.parameter_table import load, stored
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
@@ -292,6 +284,8 @@ def plan(
         pool = Pool(max(1, workers - 1), preload=PRELOAD)
     else:
         workers = pool.workers + 1
+    if workers > 1 and (store is None or not stored(model_of(base), store)):
+        pool.start_soon()  # a model not planned here before: every build is to be made
     try:
         layouts = timed_layouts(
             base,
@@ -318,28 +312,15 @@ def plan(
         scratch = tempfile.TemporaryDirectory(prefix="distrain-plan-")
         store = BuildStore(Path(scratch.name))  # where the workers' builds reach this process
 
-    def at_once(pool: Pool, calls: list[tuple[Callable, Config, int]]) -> None:
-        """Make the builds of `calls` (memory_of or memory_row of a config and world size) not
-        made yet: the first here, each other by a worker into the store, all at once; the
-        caller then makes each call as before, reading them back. A build that fails is left
-        for the caller's own call to report."""
+    # The builds the workers make (as the walk meets their families, the calibrations of the
+    # next ones too: build_sharing.py); the caller then makes each call as before, reading them
+    # back from the store.
+    # Its own pool's processes are stopped at the end, the builds they make ahead unfinished.
+    shared = SharedBuilds(pool, store, discard=own) if workers > 1 and store else None
+    met = list(dict.fromkeys(f for f in families if f is not None))  # in the walk's order
 
-        if workers <= 1:
-            return
-        todo = [c for c in calls if build_key(*c[:2]) not in cache and not kept(*c, store)]
-        if len(todo) < 2:
-            return
-        if not pool.ready():
-            pool.start_soon()  # for the next builds: this process makes these, as it would alone
-            return
-        pending = [pool.submit(make, (f.__name__, cfg, n, store)) for f, cfg, n in todo[1:]]
-        function, cfg, n = todo[0]
-        try:
-            function(cfg, n, cache, store=store)
-        except Exception:  # noqa: BLE001, S110 - the caller's own call reports it
-            pass
-        for job in pending:
-            job.wait()
+    def calibration_calls(family: Family) -> list[tuple[Callable, Config, int]]:
+        return [(memory_of, *b) for b in calibration_builds(base, family)]
 
     def coefficients_of(family: Family) -> Coefficients:
         def measure(cfg: Config, world_size: int) -> MemoryEstimate:
@@ -349,7 +330,10 @@ def plan(
             builds = calibration_builds(base, family)
             for cfg, _ in builds:  # the shallow models' tables too
                 load(model_of(cfg), store)
-            at_once(pool, [(memory_of, *b) for b in builds])
+            if shared is not None:
+                at = met.index(family) + 1 if family in met else len(met)
+                after = [c for f in met[at : at + workers - 1] for c in calibration_calls(f)]
+                shared.now(calibration_calls(family), cache, then=after)
             return calibrate_family(base, family, measure)
 
         return cached(coefficients, family, calibrated)
@@ -357,14 +341,16 @@ def plan(
     def built(cfg: Config) -> dict[str, int]:
         if exhaustive:
             return memory_row(cfg, world, cache, exhaustive=True, store=store)
-        at_once(pool, [(memory_row, with_depth(cfg, n), world) for n in built_depths(cfg)])
+        if shared is not None:
+            depths = built_depths(cfg)
+            shared.now([(memory_row, with_depth(cfg, n), world) for n in depths], cache)
         return built_row(cfg, world, cache, store=store)
 
     rows = []
     verified = fitting = failing = 0
     grouped = False  # a fitting row with a data-parallel group met
     needed: set[Family] = set()  # the families the layouts met before the shown rows were held
-    with pool if own else contextlib.nullcontext(pool):
+    with pool if own else contextlib.nullcontext(pool), shared or contextlib.nullcontext():
         for done, (c, cfg, time) in enumerate(layouts, 1):
             held = (
                 shown is not None

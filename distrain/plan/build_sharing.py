@@ -1,0 +1,166 @@
+"""The fake builds of one plan shared between its process and its build workers
+(build_workers.Pool): each made once, by whichever process claims it first.
+
+The planning process asks for the builds it needs now (`SharedBuilds.now`: a family's
+calibration, a verified layout's two depths) and names the ones it will likely need next
+(`ahead`: the calibrations of the next families its walk meets). Both are sent to the workers,
+which take them in order; the planning process makes each build of `now` that no worker has
+begun, and waits only for those a worker is making. So a worker is never idle while a build the
+plan will need is left, and the planning process never waits behind a build it does not need.
+
+A claim is a file made with O_EXCL in a directory of this plan's (the claimant's pid in it), a
+build's end a second file; a claimant that died without ending its build (a killed worker) is
+not waited for: the planning process's own call then makes it. When the plan is done
+(`close`), the builds still queued are dropped: a worker reads the stop file before it claims.
+The builds are kept in the plan's BuildStore, which the planning process reads them back from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from distrain.config.schema import Config
+from distrain.plan.build_store import BuildStore
+from distrain.plan.build_workers import Pool
+from distrain.plan.built_rows import build_key, kept, memory_of, memory_row
+
+Call = tuple[Callable, Config, int]
+"""memory_of or memory_row, of a config on a world size."""
+POLL_S = 0.01
+STOP = "stop"
+
+
+def _name(function: Callable, cfg: Config, world_size: int) -> str:
+    what = repr((function.__name__, build_key(function, cfg), world_size))
+    return hashlib.sha256(what.encode()).hexdigest()
+
+
+def _claim(claims: Path, name: str) -> bool:
+    """Whether this process now holds `name` (no other process claimed it first)."""
+    path = claims / name
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except (FileExistsError, FileNotFoundError):  # claimed, or the plan is done
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(str(os.getpid()))
+    return True
+
+
+def _end(claims: Path, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # the plan is done
+        (claims / f"{name}.done").touch()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _await(claims: Path, name: str) -> None:
+    """Until the build claimed as `name` has ended, or its claimant died."""
+    while not (claims / f"{name}.done").exists():
+        try:
+            pid = int((claims / name).read_text())
+        except (OSError, ValueError):  # being written: its claimant is alive
+            pid = os.getpid()
+        if not _alive(pid):
+            return
+        time.sleep(POLL_S)
+
+
+def make_claimed(
+    function: str, cfg: Config, world_size: int, store: BuildStore, claims: str
+) -> None:
+    """A worker's job: `function` (memory_of or memory_row) of `cfg`, its fake builds kept in
+    `store`, unless the plan is done or another process claimed it. One that fails is not
+    kept: the planning process makes it again, and reports its error."""
+    folder = Path(claims)
+    made = {"memory_of": memory_of, "memory_row": memory_row}[function]
+    name = _name(made, cfg, world_size)
+    if (folder / STOP).exists() or not _claim(folder, name):
+        return
+    try:
+        made(cfg, world_size, {}, store=store)
+    except Exception:  # noqa: BLE001, S110 - not kept: the planning process builds it again
+        pass
+    finally:
+        _end(folder, name)
+
+
+class SharedBuilds:
+    """A plan's builds, made by this process and `pool`'s workers into `store`."""
+
+    def __init__(self, pool: Pool, store: BuildStore, *, discard: bool = False) -> None:
+        self.pool = pool
+        self.store = store
+        self.discard = discard
+        self._claims = tempfile.TemporaryDirectory(prefix="distrain-plan-claims-")
+        self.claims = Path(self._claims.name)
+        self._sent: set[str] = set()
+
+    def ahead(self, calls: Iterable[Call]) -> None:
+        """Send the workers `calls` (builds the plan will likely need) not sent or kept yet,
+        once they are started (`now` starts them: a plan that needs no build starts none)."""
+        if not self.pool.started():
+            return
+        for function, cfg, world_size in calls:
+            name = _name(function, cfg, world_size)
+            if name in self._sent or kept(function, cfg, world_size, self.store):
+                continue
+            self._sent.add(name)
+            args = (function.__name__, cfg, world_size, self.store, str(self.claims))
+            self.pool.submit_soon(make_claimed, args)
+
+    def now(self, calls: list[Call], cache: dict, then: Iterable[Call] = ()) -> None:
+        """Make the builds of `calls` not made yet: those no worker has begun here (into
+        `cache` and the store), waiting for the others; the workers are sent them, then
+        `then` (`ahead`). One that fails here is left for the caller's own call to report."""
+        todo = [c for c in calls if build_key(*c[:2]) not in cache and not kept(*c, self.store)]
+        if todo:
+            self.pool.start_soon()
+        self.ahead(todo[1:])  # a free worker takes them
+        self.ahead(then)
+        begun = []
+        for function, cfg, world_size in todo:
+            name = _name(function, cfg, world_size)
+            if not _claim(self.claims, name):
+                begun.append(name)
+                continue
+            try:
+                function(cfg, world_size, cache, store=self.store)
+            except Exception:  # noqa: BLE001, S110 - the caller's own call reports it
+                pass
+            finally:
+                _end(self.claims, name)
+        for name in begun:
+            _await(self.claims, name)
+
+    def close(self) -> None:
+        """Drop the builds still queued (a worker that takes one returns at once) and wait for
+        those a worker is making; with `discard`, stop the pool's processes instead, their
+        builds unfinished (none is kept half-written: build_store.py)."""
+        (self.claims / STOP).touch()
+        if self.discard:
+            self.pool.discard()
+        for claim in self.claims.iterdir():
+            if claim.name != STOP and not claim.name.endswith(".done"):
+                _await(self.claims, claim.name)
+        self._claims.cleanup()
+
+    def __enter__(self) -> SharedBuilds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
