@@ -80,13 +80,16 @@ def plan_of(cfg: Config, world_size: int) -> Any:
     )
 
 
-def real_step_memory(cfg: Config, batches: list[tuple[Any, Any]]) -> dict[str, int]:
+def real_step_memory(
+    cfg: Config, batches: list[tuple[Any, Any]], prepare: Any = None
+) -> dict[str, int]:
     """This rank's bytes over a real training step of `batches` (micro-batches of (tokens,
     targets)) on CPU, in a process group of every rank of `cfg` already made, counted as the
     planner counts a fake build: the model states after a first step, and the peak above
     parameters and gradients during a second step's forward and backward (gradients None before
     it, the optimizer state already made; the second step's first micro-batch holds no gradients
-    yet, as `estimate_memory`'s accumulating=False)."""
+    yet, as `estimate_memory`'s accumulating=False). `prepare(model)`: called on the model once
+    it is built."""
     import torch
     import torch.distributed as dist
 
@@ -104,6 +107,8 @@ def real_step_memory(cfg: Config, batches: list[tuple[Any, Any]]) -> dict[str, i
     mesh, dp_mesh = plan.dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+    if prepare is not None:
+        prepare(model)
     optimizers = [build_optimizer(p, cfg.optim, spec=plan.spec) for p in model.parts]
     model.forward_backward(batches, lambda loss: loss, report_loss=False)
     for optimizer in optimizers:

@@ -17,6 +17,7 @@ from helpers import real_step_memory
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
+from distrain.models.decoder.moe import moe_layers
 from distrain.parallel import attention_blocks
 from distrain.plan.answer import recommendation
 from distrain.plan.built_rows import memory_of, memory_row
@@ -57,36 +58,65 @@ REAL_CASES = {
     "cp2 allgather zero3": lambda: dense_config(cp=2, cp_method="allgather", zero_stage=3),
 }
 MICRO_BATCH = 2
+SKEWED_CAPACITY = 4.0
+"""A capacity factor at which every copy a rank routes fits in the 4 experts of ep rank 0."""
+
+
+def skewed_config() -> Config:
+    """moe-tiny over ep 2 with a capacity (SKEWED_CAPACITY) and a selection bias
+    (moe.balance "bias") that `route_to_rank_0` sets."""
+    cfg = moe_config(ep=2, zero_stage=0)
+    cfg.model.moe.capacity_factor = SKEWED_CAPACITY
+    cfg.model.moe.balance = "bias"
+    return cfg
+
+
+def route_to_rank_0(model) -> None:
+    """A router that sends every token's copies to the experts of ep rank 0 (0-3 of 8): their
+    selection bias far above any router probability."""
+    for part in model.parts:
+        for layer in moe_layers(part):
+            layer.expert_bias[: layer.expert_bias.numel() // 2] = 10.0
 
 
 def _real_worker(rank: int, tmp_path: Path) -> None:
     """Each case's rank on real tensors: model states, and the peak above parameters and
     gradients of a step's first micro-batch (after a whole first step, gradients None), on
-    random tokens (a router's load as training sees it, not all tokens alike)."""
+    random tokens (a router's load as training sees it, not all tokens alike); and ep 2 with
+    every token routed to rank 0's experts."""
     store = dist.FileStore(str(tmp_path / "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         found = {}
-        for name, make in REAL_CASES.items():
+        cases = {name: (make, None) for name, make in REAL_CASES.items()}
+        cases["ep2 skewed"] = (skewed_config, route_to_rank_0)
+        for name, (make, prepare) in cases.items():
             cfg = make()
             generator = torch.Generator().manual_seed(rank)
             vocab = validate(cfg, None).shape.vocab_size
             tokens = torch.randint(vocab, (MICRO_BATCH, cfg.training.seq_len), generator=generator)
-            found[name] = real_step_memory(cfg, [(tokens, tokens)])
+            found[name] = real_step_memory(cfg, [(tokens, tokens)], prepare)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def real_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's measurements (`_real_worker`), rank 0 first."""
+    folder = tmp_path_factory.mktemp("real_ranks")
+    mp.spawn(_real_worker, args=(folder,), nprocs=2)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
 @pytest.mark.slow
-def test_fake_build_of_cp_and_ep_matches_real_ranks(tmp_path):
+def test_fake_build_of_cp_and_ep_matches_real_ranks(real_ranks):
     """ep 2 (ZeRO-2 and ZeRO-0: experts split, then FSDP2 over the rest) and cp 2 (ring and
     all-gather) on 2 real ranks: each rank's model states and its activations within 5% of the
     fake build, which routes tokens as a balanced router would (measured: model states equal,
     activations 0.97-1.01 x)."""
-    mp.spawn(_real_worker, args=(tmp_path,), nprocs=2)
     for rank in (0, 1):
-        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        measured = real_ranks[rank]
         for name, make in REAL_CASES.items():
             planned = estimate_memory(make(), 2, rank=rank)
             got = measured[name]
@@ -100,6 +130,24 @@ def test_fake_build_of_cp_and_ep_matches_real_ranks(tmp_path):
     alone = estimate_memory(dense_config(zero_stage=0), 1)
     cp_activations = measured["cp2 ring zero2"]["activations"]
     assert cp_activations < 0.7 * alone.activations(MICRO_BATCH, accumulating=False)
+
+
+@pytest.mark.slow
+def test_an_ep_rank_is_priced_for_the_most_rows_its_capacity_lets_a_router_send(real_ranks):
+    """With a capacity, the fake build of an ep rank receives from each peer the most rows the
+    capacity lets a router send it (here: every row, at a factor of 4 over 2 ranks); measured on
+    2 real ranks whose router sends every copy to rank 0's experts, rank 0's activations are
+    within 5% of it, and over 1.2 x the price of a balanced router (the dropless price)."""
+    rank0 = real_ranks[0]["ep2 skewed"]
+    planned = estimate_memory(skewed_config(), 2, rank=0)
+    worst = planned.activations(MICRO_BATCH, accumulating=False)
+    assert worst == pytest.approx(rank0["activations"], rel=0.05), rank0
+    dropless = skewed_config()
+    dropless.model.moe.capacity_factor = 0.0
+    balanced = estimate_memory(dropless, 2, rank=0).activations(MICRO_BATCH, accumulating=False)
+    assert rank0["activations"] > 1.2 * balanced, (rank0, balanced)
+    # Rank 1's experts receive nothing: below the balanced price.
+    assert real_ranks[1]["ep2 skewed"]["activations"] < balanced
 
 
 def _modelled_and_built(base: Config, c: Candidate) -> tuple[dict, dict]:
@@ -187,9 +235,10 @@ def test_cp_and_ep_exchanges_in_the_step_time():
     assert t.exposed_comm_s >= t.ep_comm_s
     # The experts' gradients are reduced over the dp / ep ranks holding the same experts.
     whole = dataclasses.replace(c, ep=1)
-    assert t.dp_comm_s < step_time(
-        whole, moe, cluster, global_batch=16, seq_len=64, bytes_per_value=2
-    ).dp_comm_s
+    assert (
+        t.dp_comm_s
+        < step_time(whole, moe, cluster, global_batch=16, seq_len=64, bytes_per_value=2).dp_comm_s
+    )
 
 
 @pytest.mark.slow

@@ -98,10 +98,16 @@ class ExpertParallel(nn.Module):
     """
 
     def __init__(
-        self, experts: nn.Module, ep_mesh: DeviceMesh, *, stats: CommStats | None = None
+        self,
+        experts: nn.Module,
+        ep_mesh: DeviceMesh,
+        *,
+        capacity_factor: float = 0.0,
+        stats: CommStats | None = None,
     ) -> None:
         super().__init__()
         self.ep_mesh, self.stats = ep_mesh, stats
+        self.capacity_factor = capacity_factor  # the MoE layer's (moe.py): fake routes' bound
         self.ep = ep_mesh.size()
         self.names = [name for name, _ in experts.named_parameters(recurse=False)]
         for name in self.names:
@@ -142,18 +148,29 @@ class ExpertParallel(nn.Module):
         """(rows sent to each ep rank, rows received from each, the order of the received rows
         by local expert) from this rank's counts per expert (`sent`) and its peers' for its
         experts (`received`), in one host read of both (see the module docstring). A fake
-        tensor (the planner's fake build) has no counts to read: every rank sends each an even
-        share of its rows, a balanced router, as moe.py's fake routing prices it."""
+        tensor (the planner's fake build) has no counts to read: this rank sends each an even
+        share of its rows, and receives from each the most a router can send it
+        (`_most_received`)."""
         if is_fake(received):
             rows = x.shape[0]
             shares = [rows // self.ep + (r < rows % self.ep) for r in range(self.ep)]
-            mine = [shares[self.ep_mesh.get_local_rank()]] * self.ep
+            mine = [self._most_received(rows, shares[self.ep_mesh.get_local_rank()])] * self.ep
             return shares, mine, torch.arange(sum(mine))
         per_rank = self.num_experts // self.ep
         counts = torch.cat([sent, received]).cpu()
         send = counts[: self.num_experts].view(self.ep, per_rank)
         recv = counts[self.num_experts :].view(self.ep, per_rank)
         return send.sum(1).tolist(), recv.sum(1).tolist(), _by_local_expert(recv)
+
+    def _most_received(self, rows: int, even: int) -> int:
+        """The rows a peer that routes `rows` copies sends this rank at most: with a capacity,
+        each of this rank's experts full (ceil(factor x copies / experts) each, the copies of a
+        factor of 1 or more all kept), at most all its rows; dropless, a trained router has no
+        bound short of every row, and the plan prices the balanced `even` share."""
+        if self.capacity_factor <= 0:
+            return even
+        capacity = math.ceil(max(1.0, self.capacity_factor) * rows / self.num_experts)
+        return max(even, min(rows, capacity * (self.num_experts // self.ep)))
 
     def _count_bytes(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> None:
         """Rows this rank sends to other ranks, dispatch now and combine later (their results
@@ -187,6 +204,8 @@ def apply_expert_parallel(
     `ep_mesh`; returns them (for FSDP to wrap)."""
     wrapped = []
     for layer in layers:
-        layer.experts = ExpertParallel(layer.experts, ep_mesh, stats=stats)
+        layer.experts = ExpertParallel(
+            layer.experts, ep_mesh, capacity_factor=layer.args.capacity_factor, stats=stats
+        )
         wrapped.append(layer.experts)
     return wrapped

@@ -272,11 +272,12 @@ def plan(
     ranked after every priced row. The rows (every one) are the same for any `workers` and
     `store`, and the shown ones those of `shown=None`.
 
-    `workers` > 1: the fake builds a family's calibration or a layout's verification needs
-    (two depths) are made at once, one here and the others by `workers - 1` worker processes
-    (build_workers.Pool, started first: they import torch and the planner while this
-    process lists the layouts), which keep them in `store` (a temporary one without it) for
-    this process to read back. `store`: every fake build read from disk when kept there, and
+    `workers` > 1: the fake builds are shared with `workers - 1` worker processes
+    (build_workers.Pool, started first when a build is to be made: they import torch and the
+    planner while this process lists the layouts), each made by whichever process claims it
+    first, the calibrations of the next families the walk meets sent to them ahead
+    (build_sharing.py); they keep them in `store` (a temporary one without it) for this
+    process to read back. `store`: every fake build read from disk when kept there, and
     kept there when made (build_store.py). `pool`: build workers to use instead (the caller's
     to close; `workers` then counts them and this process)."""
     own = pool is None
@@ -312,10 +313,9 @@ def plan(
         scratch = tempfile.TemporaryDirectory(prefix="distrain-plan-")
         store = BuildStore(Path(scratch.name))  # where the workers' builds reach this process
 
-    # The builds the workers make (as the walk meets their families, the calibrations of the
-    # next ones too: build_sharing.py); the caller then makes each call as before, reading them
-    # back from the store.
-    # Its own pool's processes are stopped at the end, the builds they make ahead unfinished.
+    # Builds made by this process or a worker (build_sharing.py), then each call made as before,
+    # reading them back; at the end, this plan's own workers are stopped, a build sent ahead
+    # unfinished.
     shared = SharedBuilds(pool, store, discard=own) if workers > 1 and store else None
     met = list(dict.fromkeys(f for f in families if f is not None))  # in the walk's order
 
