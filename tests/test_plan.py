@@ -592,9 +592,10 @@ def test_the_lazy_search_shows_the_rows_of_the_full_one(lazy_plans):
 
 
 def test_calibration_workers_plan_as_the_planning_process(lazy_plans):
-    """With a worker process making half of the fake builds (calibration and verification, two
-    depths at once), every row (priced or not: memory, source, fit, reason, rank) equals the one
-    whose builds are all made in this process, which made fewer of them itself."""
+    """With a worker process sharing the fake builds (build_sharing.py: each by whichever
+    process claims it first, the next families' calibrations sent to it ahead), every row
+    (priced or not: memory, source, fit, reason, rank) equals the one whose builds are all made
+    in this process, which made fewer of them itself."""
     alone, calibrated, builds = lazy_plans["lazy"]
     pooled, pooled_calibrated, pooled_builds = lazy_plans["pooled"]
     assert [r.as_dict() for r in pooled] == [r.as_dict() for r in alone]

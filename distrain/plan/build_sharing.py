@@ -5,8 +5,9 @@ The planning process asks for the builds it needs now (`SharedBuilds.now`: a fam
 calibration, a verified layout's two depths) and names the ones it will likely need next
 (`ahead`: the calibrations of the next families its walk meets). Both are sent to the workers,
 which take them in order; the planning process makes each build of `now` that no worker has
-begun, and waits only for those a worker is making. So a worker is never idle while a build the
-plan will need is left, and the planning process never waits behind a build it does not need.
+begun, and waits only for those a worker is making. So the workers make the builds the walk is
+about to need while the planning process makes its own, and the planning process never waits
+behind a build it does not need.
 
 A claim is a file made with O_EXCL in a directory of this plan's (the claimant's pid in it), a
 build's end a second file; a claimant that died without ending its build (a killed worker) is
