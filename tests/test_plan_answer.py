@@ -15,6 +15,7 @@ from distrain.plan.answer import (
     layout_name,
     method_label,
     methods_table,
+    question,
     recommendation,
     text,
 )
@@ -155,3 +156,25 @@ def test_the_guide_shows_what_the_plan_prints(capsys):
     """The guide's sample of the 100 Mbit/s answer is the command's (memory planned too)."""
     plan_command(SLOW_LINK)
     assert SHOWN.strip() in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("preset", "said"),
+    [
+        ("tiny", None),
+        ("moe-tiny", "8 routed, top 2, dropless: an ep rank priced for a balanced router"),
+        ("switch-tiny", "8 routed, top 1, capacity factor 1.25: an ep rank priced for the most"),
+    ],
+)
+def test_the_question_says_how_an_moe_models_routed_rows_are_priced(preset, said):
+    """An MoE model's question names its routing and how an ep rank is priced: the most a
+    capacity lets a router send it, or a balanced router when dropless (which a trained router
+    can exceed); a dense model's has no such line."""
+    ns = parse(["--preset", preset, "--gpus-per-node", "8", "--gpu-memory", "80GB"])
+    lines = question(base_config(ns), cluster_of(ns), precision_given=True, latency_s=1e-5)
+    experts = [line for line in lines if line.startswith("  experts")]
+    if said is None:
+        assert experts == []
+    else:
+        assert experts and experts[0].startswith(f"  experts      {said}"), lines
+        assert max(len(line) for line in lines) <= WIDTH

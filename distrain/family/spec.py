@@ -170,7 +170,8 @@ class ModelSpec:
     moe_layers: Callable[[nn.Module], list[nn.Module]] = _no_moe_layers
     moe_settings: Callable[[Any], Any | None] = _no_moe_settings
     """(args) -> the MoE layers' settings (num_experts, balance, bias_update_rate: what
-    `MoEStats` reads), or None for a dense model."""
+    `MoEStats` reads; top_k and capacity_factor: what the planner's answer says it priced), or
+    None for a dense model."""
     hf: HfAdapter | None = None
     """The family's Hugging Face adapter, None if it has none."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from textwrap import wrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distrain.plan import search
 from distrain.plan.comm_advice import TOLERANCE, CommAdvice, MethodPrediction
@@ -88,7 +88,28 @@ def question(
             f"{' ' * 15}{_rate(node_bits, 'bit')} per node between nodes "
             f"({_rate(cluster.inter_bw, 'B')} per device), latency {latency_s * 1e6:.3g} us"
         )
+    moe = layout.spec.moe_settings(layout.family_model.args)
+    if moe is not None:
+        lines += _experts(moe)
     return lines
+
+
+def _experts(moe: Any) -> list[str]:
+    """How the plan prices an expert-parallel rank's routed rows (`ExpertParallel._routes`), from
+    the family's MoE settings (`moe_settings`)."""
+    head = f"{moe.num_experts} routed, top {moe.top_k}"
+    if moe.capacity_factor > 0:
+        text = (
+            f"{head}, capacity factor {moe.capacity_factor:g}: an ep rank priced for the most "
+            "rows the capacity lets a router send it"
+        )
+    else:
+        text = (
+            f"{head}, dropless: an ep rank priced for a balanced router (a trained one can "
+            "send it more; model.moe.capacity_factor bounds it, and the plan then prices the "
+            "bound)"
+        )
+    return wrap(text, WIDTH, initial_indent="  experts      ", subsequent_indent=" " * 15)
 
 
 def _item(label: str, name: str, why: str, *settings: str) -> list[str]:
