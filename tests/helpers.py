@@ -235,3 +235,19 @@ def worker_pid(agent_pid: int, rank: int, *, restart: int = 0) -> int | None:
         if wanted <= environ:
             return pid
     return None
+
+
+def small_cluster(gpus: int, memory_bytes: float):  # -> distrain.plan.timing.Cluster
+    """One node of `gpus` devices of `memory_bytes`, 1 TFLOP/s at full efficiency, 1 GB/s
+    inside the node: the planner tests' cluster."""
+    from distrain.plan.timing import Cluster
+
+    return Cluster(
+        nodes=1,
+        gpus_per_node=gpus,
+        memory_bytes=memory_bytes,
+        peak_flops=1e12,
+        efficiency=1.0,
+        intra_bw=1e9,
+        inter_bw=1e8,
+    )

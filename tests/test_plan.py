@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import one_rank_group
+from helpers import one_rank_group, small_cluster
 
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
@@ -41,7 +41,6 @@ from distrain.plan.command import (
 from distrain.plan.memory import estimate_memory, fake_world, measure_step
 from distrain.plan.memory_model import zero1_largest_share
 from distrain.plan.search import plan
-from distrain.plan.timing import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -445,18 +444,6 @@ def test_unreadable_quantities_name_the_option():
     with pytest.raises(ConfigError, match="--interconnect"):
         cluster_of(parse(["--interconnect", "fast"]))
     assert cluster_of(parse(["--gpu-memory", "80GB"])).memory_bytes == 80e9
-
-
-def small_cluster(gpus: int, memory_bytes: float) -> Cluster:
-    return Cluster(
-        nodes=1,
-        gpus_per_node=gpus,
-        memory_bytes=memory_bytes,
-        peak_flops=1e12,
-        efficiency=1.0,
-        intra_bw=1e9,
-        inter_bw=1e8,
-    )
 
 
 FAST_SEARCH = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import small_cluster
 
 from distrain.config.schema import Config
 from distrain.plan import build_sharing, built_rows
@@ -25,7 +26,6 @@ from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import memory_of
 from distrain.plan.search import plan
-from distrain.plan.timing import Cluster
 
 LIMIT_S = 60
 
@@ -152,15 +152,7 @@ def test_a_build_sent_after_the_plan_is_done_is_not_made(tmp_path, monkeypatch):
 def test_a_plan_with_its_own_worker_answers_as_one_without_and_leaves_nothing(tmp_path):
     """Every row (memory, source, fit, reason, rank) equal to one process's; no claims folder
     nor worker process left afterwards."""
-    cluster = Cluster(
-        nodes=1,
-        gpus_per_node=4,
-        memory_bytes=9e5,
-        peak_flops=1e12,
-        efficiency=1.0,
-        intra_bw=1e9,
-        inter_bw=1e8,
-    )
+    cluster = small_cluster(4, 9e5)
     options = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1, verify=2)
     cfg = small_config(8)
     cfg.training.global_batch_size = 8

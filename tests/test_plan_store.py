@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import small_cluster
 
 from distrain.config.schema import Config
 from distrain.plan import build_store, built_rows, parameter_table, search
@@ -16,7 +17,6 @@ from distrain.plan.build_store import BuildStore
 from distrain.plan.memory_model import model_of
 from distrain.plan.parameter_table import ParameterTable
 from distrain.plan.search import plan
-from distrain.plan.timing import Cluster
 
 
 def small_config() -> Config:
@@ -116,15 +116,7 @@ def test_a_planted_cache_file_is_a_miss_never_a_result(tmp_path, planted):
     assert estimate.runs == 3  # the real build, read back
 
 
-CLUSTER = Cluster(
-    nodes=1,
-    gpus_per_node=4,
-    memory_bytes=9e5,
-    peak_flops=1e12,
-    efficiency=1.0,
-    intra_bw=1e9,
-    inter_bw=1e8,
-)
+CLUSTER = small_cluster(4, 9e5)
 FAST_SEARCH = dict(stages=(0,), checkpointing=("none",), max_micro_batch=1)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from distrain.config.schema import Config
+from distrain.launch.rundir import pid_alive
 from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import build_key, kept, memory_of, memory_row
@@ -59,16 +60,6 @@ def _end(claims: Path, name: str) -> None:
         (claims / f"{name}.done").touch()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _await(claims: Path, name: str) -> None:
     """Until the build claimed as `name` has ended, or its claimant died."""
     while not (claims / f"{name}.done").exists():
@@ -76,7 +67,7 @@ def _await(claims: Path, name: str) -> None:
             pid = int((claims / name).read_text())
         except (OSError, ValueError):  # being written: its claimant is alive
             pid = os.getpid()
-        if not _alive(pid):
+        if not pid_alive(pid):
             return
         time.sleep(POLL_S)
 

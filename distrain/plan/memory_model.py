@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,22 +109,22 @@ class Coefficients:
         """(per block, constant) of the fwd/bwd peak above the model states at this
         micro-batch: each build's peak there (MemoryEstimate.fwd_bwd: the highest of its
         moments), on a line through the two depths."""
-        low, high = self.depths
-        above = [
+        return self._through(
             m.fwd_bwd(micro_batch_size, accumulating=accumulating) - s
             for m, s in zip(self.builds, self.states, strict=True)
-        ]
-        per_block = (above[1] - above[0]) / (high - low)
-        return per_block, above[0] - low * per_block
+        )
 
     def _depth_line(self, field: str, *, above_states: bool = False) -> tuple[float, float]:
         """(per block, constant) of a field of the builds on the line through the two depths
         (less the model states: `above_states`)."""
-        low, high = self.depths
-        one, two = (
+        return self._through(
             getattr(m, field) - (s if above_states else 0)
             for m, s in zip(self.builds, self.states, strict=True)
         )
+
+    def _through(self, values: Iterable[float]) -> tuple[float, float]:
+        """(per block, constant) of the line through the two builds' `values` at their depths."""
+        (low, high), (one, two) = self.depths, values
         per_block = (two - one) / (high - low)
         return per_block, one - low * per_block
 
