@@ -96,7 +96,11 @@ from distrain.models.decoder.model import next_token_loss  # noqa: E402
 from distrain.models.registry import model_args, model_family  # noqa: E402
 from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402
-from distrain.plan.collectives import time_collective  # noqa: E402
+from distrain.plan.collectives import (  # noqa: E402
+    CONCURRENCY_BYTES,
+    time_collective,
+    time_concurrency,
+)
 from distrain.plan.comm_advice import predict_methods, recommend  # noqa: E402
 from distrain.train.build import build_trainer  # noqa: E402
 from distrain.train.observers import CommMetrics  # noqa: E402
@@ -104,8 +108,9 @@ from distrain.train.observers import CommMetrics  # noqa: E402
 LOOPBACK = "loopback"
 PEER = "accelerate ddp"
 LINK_PROBE = "link probe"
-"""Not a variant: before a link's runs, the ranks time one all-reduce of the preset's fp32
-gradients (plain DDP's bytes per step, as one message) over it (`probe_link`)."""
+"""Not a variant: before a link's runs (loopback's too), the ranks time one all-reduce of the
+preset's fp32 gradients (plain DDP's bytes per step, as one message) over it, and measure how far
+an all-reduce progresses while they compute (`probe_link`)."""
 PROBE_REPEATS = 5
 FREEZE_STEP = 2  # onebit_adam's fp32 warm-up, and PowerSGD's start
 PORT = 29300  # rendezvous port; each run adds its own offset
@@ -310,9 +315,11 @@ def run_accelerate(cfg: Config, args: argparse.Namespace, ctx: DistContext) -> d
 def probe_link(cfg: Config) -> dict[str, Any]:
     """The link's rate as gloo's all-reduce achieves it: the median seconds of one all-reduce of
     `cfg`'s fp32 gradients (distrain.plan.collectives.time_collective, after two untimed), and
-    the bytes each rank sends for it (a ring: 2 (n - 1) / n of the message)."""
+    the bytes each rank sends for it (a ring: 2 (n - 1) / n of the message); and the ranks'
+    concurrency over it (time_concurrency, as `distrain plan --calibrate` measures it)."""
+    cpu = torch.device("cpu")
     nbytes = 4 * num_params(model_args(cfg.model))
-    seconds = time_collective("all_reduce", nbytes, PROBE_REPEATS, torch.device("cpu"))
+    seconds = time_collective("all_reduce", nbytes, PROBE_REPEATS, cpu)
     n = dist.get_world_size()
     sent = 2 * (n - 1) / n * nbytes
     return {
@@ -320,6 +327,7 @@ def probe_link(cfg: Config) -> dict[str, Any]:
         "allreduce_s": seconds,
         "sent_bytes": sent,
         "sent_bytes_per_s": sent / seconds,
+        "concurrency": time_concurrency(CONCURRENCY_BYTES, PROBE_REPEATS, cpu),
     }
 
 
@@ -468,23 +476,31 @@ def summarize(
         r["time_to_loss_x_best_accelerate"] = best / own if best and own else None
         r["tokens_per_s_x_peer"] = _ratio(r["tokens_per_s"], peer["tokens_per_s"])
         r["val_loss_vs_peer"] = _median(r["final_val_loss"]) / r["target_val_loss"] - 1
-        compute = by_key.get((LOOPBACK, r["preset"], "distrain ddp"))
-        if r["link"] != LOOPBACK and compute is not None:
-            probed = probes.get((r["link"], r["preset"]))
-            rate = _median([p["sent_bytes_per_s"] for p in probed]) if probed else None
-            r["link_probe"] = (
-                {
-                    "sent_bytes_per_s": rate,
-                    "shaped_bits_per_s": parse_rate(r["link"]),
-                    "runs": probed,
-                }
-                if probed
-                else None
-            )
+        loopback = probes.get((LOOPBACK, r["preset"]))
+        probed = probes.get((r["link"], r["preset"]))
+        if r["link"] != LOOPBACK and base is not None and loopback and probed:
+            r["link_probe"] = {
+                **_probed(probed),
+                "shaped_bits_per_s": parse_rate(r["link"]),
+                "runs": probed,
+            }
             r["planner_prediction"] = planner_prediction(
-                args, r["link"], r["preset"], r["variant"], _median(compute["step_s"]), rate
+                args,
+                r["link"],
+                r["preset"],
+                r["variant"],
+                loopback_step_s=_median(base["step_s"]),
+                loopback=_probed(loopback),
+                probed=r["link_probe"],
             )
     return rows
+
+
+def _probed(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """A link's probed rate and concurrency: the medians over its probes."""
+    return {
+        key: statistics.median(p[key] for p in runs) for key in ("sent_bytes_per_s", "concurrency")
+    }
 
 
 WARMED_UP = ("distrain powersgd", "distrain onebit_adam")
@@ -503,19 +519,23 @@ def planner_prediction(
     link: str,
     preset: str,
     variant: str,
-    compute_s: float,
-    measured_bandwidth: float | None = None,
-) -> dict[str, Any] | None:
+    *,
+    loopback_step_s: float,
+    loopback: dict[str, float],
+    probed: dict[str, float],
+) -> dict[str, Any]:
     """What the planner's communication model (distrain.plan.comm_advice) predicts on this link
-    for this variant: its step seconds and bytes per step over the run (the steady step, and
-    plain DDP's for a variant's warm-up steps), and the method it recommends, with distrain
-    ddp's step on loopback as the compute time (2 ranks, one per host, fp32), on the link's
-    shaped rate; and, given the rate the link probe measured (bytes a rank sends per second of
-    all-reduce), the step on that rate (`step_s_measured_link`)."""
+    for this variant (2 ranks, one per host, fp32): its step seconds and bytes per step over the
+    run (the steady step, and plain DDP's for a variant's warm-up steps), and the method it
+    recommends. The compute is the variant's own: the compute at which the model's step on
+    loopback (its probed rate and concurrency) is the step measured there (`compute_s`). The
+    step on the link's shaped rate takes this machine's concurrency as `distrain plan
+    --calibrate` measures it (on loopback); `step_s_measured_link` is the step on the rate and
+    concurrency the link probe measured on the link itself."""
     cfg = make_config(argparse.Namespace(**{**vars(args), "preset": preset}), Path("-"), PEER)
     model = FamilyModel(model_family(cfg.model.family), model_args(cfg.model))
 
-    def methods(bandwidth: float) -> list:
+    def methods(bandwidth: float, concurrency: float, compute_s: float) -> list:
         return predict_methods(
             model,
             compute_s=compute_s,
@@ -524,19 +544,46 @@ def planner_prediction(
             sites=2,
             sync_dtype="bf16",
             max_inner_steps=args.steps,
+            concurrency=concurrency,
         )
 
-    found = methods(parse_rate(link) / 8 / args.procs)
-    predicted = _predicted(args, variant, found, compute_s)
-    if predicted is not None and measured_bandwidth is not None:
-        on_measured = _predicted(args, variant, methods(measured_bandwidth), compute_s)
-        predicted["step_s_measured_link"] = on_measured["step_s"]
-    recommended = recommend(found).recommended
-    return {
-        **(predicted or {}),
-        "recommended": recommended.method,
-        "recommended_inner_steps": recommended.inner_steps,
+    def predicted(probe: dict[str, float], compute_s: float) -> dict[str, float] | None:
+        found = methods(probe["sent_bytes_per_s"], probe["concurrency"], compute_s)
+        return _predicted(args, variant, found, compute_s)
+
+    shaped = {**loopback, "sent_bytes_per_s": parse_rate(link) / 8 / args.procs}
+    own = predicted(loopback, loopback_step_s) is not None
+    compute = (
+        _compute(lambda c: predicted(loopback, c)["step_s"], loopback_step_s)
+        if own
+        else loopback_step_s
+    )
+    chosen = recommend(methods(shaped["sent_bytes_per_s"], shaped["concurrency"], compute))
+    found: dict[str, Any] = {
+        "recommended": chosen.recommended.method,
+        "recommended_inner_steps": chosen.recommended.inner_steps,
     }
+    if not own:
+        return found
+    return {
+        **found,
+        **predicted(shaped, compute),
+        "step_s_measured_link": predicted(probed, compute)["step_s"],
+        "compute_s": compute,
+        "concurrency": shaped["concurrency"],
+    }
+
+
+def _compute(step_s: Callable[[float], float], measured_s: float) -> float:
+    """The compute at which the predicted step `step_s(compute)` (increasing in it) is
+    `measured_s`, by bisection; 0 when even no compute predicts a longer step."""
+    low, high = 0.0, measured_s
+    if step_s(low) >= measured_s:
+        return 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_s(mid) < measured_s else (low, mid)
+    return (low + high) / 2
 
 
 def _predicted(
@@ -647,12 +694,14 @@ def main() -> None:
             for preset in args.presets:
                 lab_cm = net_lab(2, rate=link) if link != LOOPBACK else contextlib.nullcontext()
                 with lab_cm as lab:
-                    if lab is not None:
-                        port += 1
-                        probe = run_once(args, link, lab, preset, LINK_PROBE, work, port)
-                        probes.setdefault((link, preset), []).append(probe)
-                        rate = probe["sent_bytes_per_s"] * 8e-6
-                        print(f"rep {rep} {link} {preset} link probe: {rate:.0f} Mbit/s")
+                    port += 1
+                    probe = run_once(args, link, lab, preset, LINK_PROBE, work, port)
+                    probes.setdefault((link, preset), []).append(probe)
+                    rate = probe["sent_bytes_per_s"] * 8e-6
+                    print(
+                        f"rep {rep} {link} {preset} link probe: {rate:.0f} Mbit/s, "
+                        f"concurrency {probe['concurrency']:.2f}"
+                    )
                     for variant in args.variants:
                         port += 1
                         run = run_once(args, link, lab, preset, variant, work, port)

@@ -285,16 +285,40 @@ def slow_link(d: dict[str, Any]) -> str:
         else f"2 hosts x {c['procs']} process"
     )
     errors = [abs(error(r)) for r in d["rows"] if predicted(r)]
+    own = any(predicted(r, "compute_s") for r in d["rows"])
+    concurrency = next((predicted(r, "concurrency") for r in d["rows"] if own and predicted(r)), 0)
+    basis = (
+        "each variant's compute from its own step on loopback (the compute at which the model "
+        "gives that step on loopback's probed rate and concurrency), plus the communication "
+        "distrain.plan.comm_advice predicts on the link's shaped rate with this machine's "
+        f"concurrency as `distrain plan --calibrate` measures it, {concurrency:.2f} on loopback"
+        if own
+        else "distrain ddp's step on loopback as the compute, plus the communication "
+        "distrain.plan.comm_advice predicts on the link"
+    )
     planner = (
-        f" The planner's step (planned s/step: distrain ddp's step on loopback as the compute, "
-        f"plus the communication distrain.plan.comm_advice predicts on the link) is within 20% "
+        f" The planner's step (planned s/step: {basis}) is within 20% "
         f"of the measured median on {sum(e <= 0.2 for e in errors)} of {len(errors)} rows "
         f"(largest |error| {max(errors):.0%})."
         if errors
         else ""
     )
     probed_errors = [abs(error(r, probed)) for r in d["rows"] if predicted(r, probed)]
-    if probed_errors:
+    if probed_errors and own:
+        probes = {r["link"]: r["link_probe"] for r in d["rows"] if predicted(r, probed)}
+        measured = ", ".join(
+            f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "
+            f"({p['sent_bytes_per_s'] * 8 / p['shaped_bits_per_s']:.0%}), concurrency "
+            f"{p['concurrency']:.2f}"
+            for link, p in sorted(probes.items())
+        )
+        planner += (
+            f" On the rate and concurrency the link probe measured on the link before the runs "
+            f"(an all-reduce of the gradients' bytes: {measured}), the same prediction (on the "
+            f"probed link) is within 20% on {sum(e <= 0.2 for e in probed_errors)} of "
+            f"{len(probed_errors)} rows (largest |error| {max(probed_errors):.0%})."
+        )
+    elif probed_errors:
         probes = {r["link"]: r["link_probe"] for r in d["rows"] if predicted(r, probed)}
         measured = ", ".join(
             f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "

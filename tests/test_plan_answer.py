@@ -2,6 +2,7 @@
 model alone (memory not planned: every row fits), and the advice at the communication guide's
 100 Mbit/s example: which layout it recommends and what it says of data parallelism there."""
 
+import dataclasses
 import re
 import shlex
 import textwrap
@@ -178,3 +179,19 @@ def test_the_question_says_how_an_moe_models_routed_rows_are_priced(preset, said
     else:
         assert experts and experts[0].startswith(f"  experts      {said}"), lines
         assert max(len(line) for line in lines) <= WIDTH
+
+
+def test_the_question_names_a_calibrated_concurrency():
+    """Ranks whose collectives slow down while they compute (a calibrated CPU machine) are
+    named in the question; a GPU cluster's full overlap is not."""
+    ns = parse(["--preset", "tiny", "--gpus-per-node", "2", "--peak", "100G"])
+    cfg, cluster = base_config(ns), cluster_of(ns)
+    said = question(cfg, cluster, precision_given=True, latency_s=1e-5)
+    assert not any(line.startswith("  overlap") for line in said)
+    slowed = dataclasses.replace(cluster, concurrency=0.3)
+    lines = question(cfg, slowed, precision_given=True, latency_s=1e-5)
+    overlap = [line for line in lines if line.startswith("  overlap")]
+    assert overlap == [
+        "  overlap      a collective progresses 30% as fast while its rank computes (calibrated)"
+    ]
+    assert max(len(line) for line in lines) <= WIDTH

@@ -2,6 +2,8 @@
 communication advice against the byte formulas it states (in this process, on torch's fake
 process group)."""
 
+import dataclasses
+
 import pytest
 
 from distrain.config.schema import Config
@@ -14,7 +16,7 @@ from distrain.plan.comm_advice import advise, predict_methods
 from distrain.plan.command import cluster_of, link_bandwidth, parse
 from distrain.plan.memory_model import calibrate_family, modelled_row
 from distrain.plan.search import candidate_config
-from distrain.plan.timing import Candidate, Cluster
+from distrain.plan.timing import Candidate, Cluster, step_time
 
 WORLD = 4
 
@@ -247,6 +249,29 @@ def test_bytes_per_step_follow_the_ring_formulas():
         bf16 = predict_methods(args, compute_s=1.0, replicas=n, bandwidth=12.5e6, sync_dtype="bf16")
         diloco = next(m for m in bf16 if m.method == "diloco")
         assert diloco.bytes_per_step == pytest.approx(ddp / 2 / diloco.inner_steps)
+
+
+def test_concurrency_scales_what_backward_hides():
+    """Gradient communication hides behind the backward's 2/3 of the compute times the ranks'
+    concurrency: all of it at 1 (a GPU), none at 0 (a collective that waits for the core), in
+    the layout's step time and in every overlapped method's prediction alike."""
+    model = FamilyModel(GPT_SPEC, PRESETS["small"])
+    c = Candidate(2, 1, 1, 1, 0, "none", 8)
+    kw = dict(global_batch=32, seq_len=128, bytes_per_value=4)
+    for concurrency in (1.0, 0.25, 0.0):
+        cluster = dataclasses.replace(two_hosts(100e6), concurrency=concurrency)
+        t = step_time(c, model, cluster, **kw)
+        assert t.dp_comm_s > t.compute_s  # more than the backward can hide, at any concurrency
+        assert t.exposed_comm_s == pytest.approx(t.dp_comm_s - 2 / 3 * concurrency * t.compute_s)
+        methods = {m.method: m for m in advise(c, model, cluster, **kw).methods}
+        # The same step, but for the advice's per-message latency (0.4 ms here).
+        assert methods["plain"].step_s == pytest.approx(t.step_s, abs=1e-3)
+        for name in ("plain", "bf16", "powersgd"):
+            m = methods[name]
+            hidden = min(m.comm_s, 2 / 3 * concurrency * t.compute_s)
+            assert m.exposed_comm_s == pytest.approx(m.comm_s - hidden), name
+        # 1-bit Adam's exchange is in its optimizer step: never hidden.
+        assert methods["onebit_adam"].exposed_comm_s == methods["onebit_adam"].comm_s
 
 
 def test_inter_node_bandwidth_is_read_in_bits_per_node():

@@ -20,6 +20,7 @@ from distrain.plan.build_results import in_flight
 from distrain.plan.built_rows import memory_row
 from distrain.plan.calibrate import calibrate, collective_costs, load_calibration
 from distrain.plan.collectives import KINDS, LinkCost, fit
+from distrain.plan.command import cluster_of, parse
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
 from distrain.plan.search import candidates
@@ -167,6 +168,10 @@ def test_calibration_stores_collective_costs(tmp_path, monkeypatch):
         assert cost.as_dict() == found["collectives"][kind]
     # A message costs more than an empty one of the same kind.
     assert costs["all_reduce"].seconds(2**24, 2) > costs["all_reduce"].seconds(0, 2)
+    # Two single-threaded ranks on this machine's cores: a share, stored, that plans use.
+    assert 0.0 <= found["concurrency"] <= 1.0
+    assert cluster_of(parse([])).concurrency == found["concurrency"]
+    assert cluster_of(parse(["--peak", "989T"])).concurrency == 1.0
 
 
 def pipeline_config(schedule: str) -> Config:

@@ -88,6 +88,11 @@ def question(
             f"{' ' * 15}{_rate(node_bits, 'bit')} per node between nodes "
             f"({_rate(cluster.inter_bw, 'B')} per device), latency {latency_s * 1e6:.3g} us"
         )
+    if cluster.concurrency < 1:
+        lines.append(
+            f"  overlap      a collective progresses {cluster.concurrency:.0%} as fast while its "
+            "rank computes (calibrated)"
+        )
     moe = layout.spec.moe_settings(layout.family_model.args)
     if moe is not None:
         lines += _experts(moe)

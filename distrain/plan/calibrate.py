@@ -1,7 +1,9 @@
-"""`distrain plan --calibrate`: this machine's measured matmul rate and collective costs (the
-alpha-beta fit of collectives.py, under "collectives"), stored under the user's cache directory
-($XDG_CACHE_HOME/distrain/calibration.json, default ~/.cache) for later plans; its peak is the
-plan's default peak with efficiency 1 (the measured rate is already achieved)."""
+"""`distrain plan --calibrate`: this machine's measured matmul rate, collective costs (the
+alpha-beta fit of collectives.py, under "collectives") and concurrency (how far a collective
+progresses while the rank computes, collectives.py's `time_concurrency`), stored under the user's
+cache directory ($XDG_CACHE_HOME/distrain/calibration.json, default ~/.cache) for later plans.
+A plan given no --peak is for devices like this machine's: its peak is the measured rate with
+efficiency 1 (the rate is already achieved) and its concurrency the measured one."""
 
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ def calibrate(*, collectives: bool = True, repeats: int = 10) -> dict[str, Any]:
     `repeats`: timed runs of each collective at each size."""
     found: dict[str, Any] = {"peak_flops": matmul_flops(), "threads": torch.get_num_threads()}
     if collectives:
-        costs = measure_collectives(repeats=repeats)
-        found["collectives"] = {kind: cost.as_dict() for kind, cost in costs.items()}
+        measured = measure_collectives(repeats=repeats)
+        found["collectives"] = {kind: cost.as_dict() for kind, cost in measured.costs.items()}
+        found["concurrency"] = measured.concurrency
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found))

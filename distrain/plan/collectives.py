@@ -8,6 +8,13 @@ collective of a group of n ranks with ring scaling from the measured group of g 
 (n - 1) / (g - 1) (a ring takes n - 1 steps) and the byte term x ((n - 1) / n) / ((g - 1) / g)
 (the share of the message each rank moves). Bytes are the full message: the all-reduced tensor,
 the all-gather's output, the reduce-scatter's input, the tensor sent.
+
+The same processes measure how far a rank's collectives progress while it computes
+(`time_concurrency`): an all-reduce alone, a run of matmuls as long alone, then both at once (the
+all-reduce started asynchronously, the matmuls run, the all-reduce waited on). The share of the
+shorter of the two that the pair saved is the concurrency: near 1 where the collective has its own
+engine (a GPU's NCCL kernels on their own stream), lower where it competes with the compute for
+the same cores (gloo's threads beside a CPU rank's compute thread).
 """
 
 from __future__ import annotations
@@ -104,6 +111,58 @@ def time_collective(kind: str, nbytes: int, repeats: int, device: torch.device) 
     return float(value.item())
 
 
+CONCURRENCY_BYTES = 16 * 2**20
+"""The all-reduce `time_concurrency` hides: a gradient bucket's size (comm.bucket_cap_mb 25) in
+fp32, rounded down."""
+
+
+def time_concurrency(nbytes: int, repeats: int, device: torch.device) -> float:
+    """The share of the shorter of an all-reduce of `nbytes` and a matmul run as long that
+    running them at once saves (the module docstring), in [0, 1]: the median over `repeats`, the
+    least of the group's ranks."""
+    full = torch.ones(nbytes // 4, device=device)
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            a @ b
+
+    for _ in range(2):  # untimed: connection set-up, buffers, kernel selection
+        timed(lambda: dist.all_reduce(full))
+        timed(lambda: matmuls(1))
+    comm = statistics.median(timed(lambda: dist.all_reduce(full)) for _ in range(repeats))
+    one = statistics.median(timed(lambda: matmuls(8)) for _ in range(repeats)) / 8
+    count = max(1, round(comm / one))
+    # Every rank runs as many matmuls: rank 0's count.
+    agreed = torch.tensor([count], device=device)
+    dist.broadcast(agreed, src=0)
+    count = int(agreed.item())
+
+    def both() -> None:
+        work = dist.all_reduce(full, async_op=True)
+        matmuls(count)
+        work.wait()
+
+    shares = []
+    for _ in range(repeats):
+        alone_comm = timed(lambda: dist.all_reduce(full))
+        alone_compute = timed(lambda: matmuls(count))
+        together = timed(both)
+        saved = alone_comm + alone_compute - together
+        shares.append(min(1.0, max(0.0, saved / min(alone_comm, alone_compute))))
+    value = torch.tensor([statistics.median(shares)], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
+
+
 def _worker(rank: int, world: int, store_path: str, repeats: int, out: dict) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -116,14 +175,24 @@ def _worker(rank: int, world: int, store_path: str, repeats: int, out: dict) -> 
         found = {
             kind: [time_collective(kind, size, repeats, device) for size in SIZES] for kind in KINDS
         }
+        found["concurrency"] = time_concurrency(CONCURRENCY_BYTES, repeats, device)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         out.update(found)
 
 
-def measure_collectives(world_size: int = 2, repeats: int = 10) -> dict[str, LinkCost]:
-    """Fitted cost of each kind on `world_size` fresh processes of this machine."""
+@dataclass(frozen=True)
+class Measured:
+    """What `measure_collectives` found: the fitted cost of each kind and the concurrency."""
+
+    costs: dict[str, LinkCost]
+    concurrency: float
+
+
+def measure_collectives(world_size: int = 2, repeats: int = 10) -> Measured:
+    """Fitted cost of each kind, and the concurrency, on `world_size` fresh processes of this
+    machine."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(
@@ -132,4 +201,5 @@ def measure_collectives(world_size: int = 2, repeats: int = 10) -> dict[str, Lin
             nprocs=world_size,
         )
         measured = dict(out)
-    return {kind: fit([float(s) for s in SIZES], measured[kind], world_size) for kind in KINDS}
+    costs = {kind: fit([float(s) for s in SIZES], measured[kind], world_size) for kind in KINDS}
+    return Measured(costs, measured["concurrency"])

@@ -18,14 +18,15 @@ rank (the model over tp x pp):
   pseudo-gradient over the sites in diloco.sync_dtype: 2(s-1)/s x bytes x P / dp_shard, / H
   per step.
 
-Time = bytes / bandwidth + latency x the collectives' ring steps. Overlap as timing.py has it:
-DDP's hooks (plain, casts, PowerSGD, 1-bit) run during backward and hide behind 2/3 of the
-compute; 1-bit Adam's exchange is in its optimizer step and DiLoCo's outer step between steps,
-neither hidden. The recommendation is the first method, in the order of METHODS (plain first;
-lossy gradient compressions after DiLoCo, whose inner steps are exact optimizer steps: what
-error feedback delays costs them progress per step), whose predicted step is within TOLERANCE
-of the fastest method's; DiLoCo takes the smallest H in H_CHOICES (at most the run's steps)
-that brings its step within TOLERANCE of the step without data-parallel communication.
+Time = bytes / bandwidth + latency x the collectives' ring steps. Overlap as timing.py has it: DDP's
+hooks (plain, casts, PowerSGD, 1-bit) run during backward and hide behind its share of the compute,
+as far as the ranks' concurrency lets them (timing.py's `hidden_s`); 1-bit Adam's exchange is in its
+optimizer step and DiLoCo's outer step between steps, neither hidden. The recommendation is the
+first method, in the order of METHODS (plain first; lossy gradient compressions after DiLoCo, whose
+inner steps are exact optimizer steps: what error feedback delays costs them progress per step),
+whose predicted step is within TOLERANCE of the fastest method's; DiLoCo takes the smallest H in
+H_CHOICES (at most the run's steps) that brings its step within TOLERANCE of the step without
+data-parallel communication.
 """
 
 from __future__ import annotations
@@ -36,13 +37,11 @@ from dataclasses import asdict, dataclass
 from distrain.family.spec import FamilyModel
 from distrain.parallel.compress import ONEBIT_BLOCK, wire_bytes
 from distrain.plan.parameter_table import table
-from distrain.plan.timing import Candidate, Cluster, step_time
+from distrain.plan.timing import Candidate, Cluster, hidden_s, step_time
 
 METHODS = ("plain", "bf16", "diloco", "powersgd", "onebit", "onebit_adam")
 TOLERANCE = 0.1
 H_CHOICES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
-OVERLAP = 2 / 3
-"""Share of the compute that DDP's backward hooks hide behind (timing.py)."""
 DEFAULT_LATENCY_S = 1e-4
 SYNC_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -131,18 +130,20 @@ def predict_methods(
     site_bandwidth: float | None = None,
     sync_dtype: str = "fp32",
     max_inner_steps: int = H_CHOICES[-1],
+    concurrency: float = 1.0,
 ) -> list[MethodPrediction]:
     """Each applicable method's prediction for a data-parallel group of `replicas` ranks joined
     by `bandwidth` (bytes/s per rank) with `latency_s` per message, a step computing for
     `compute_s` (plus `other_s` of other exposed time: tp, pipeline) on ranks holding 1 /
-    `model_split` of the model. DiLoCo runs `sites` sites (default: `replicas`, one rank each)
-    of replicas / sites ranks joined inside a site by `site_bandwidth`."""
+    `model_split` of the model, whose collectives progress at `concurrency` while they compute
+    (timing.py's Cluster). DiLoCo runs `sites` sites (default: `replicas`, one rank each) of
+    replicas / sites ranks joined inside a site by `site_bandwidth`."""
     n = replicas
     values = model.num_params() / model_split
     grad_bytes = 4 * values
     buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
     floor = compute_s + other_s
-    hidden = OVERLAP * compute_s
+    hidden = hidden_s(compute_s, concurrency)
 
     def made(method: str, sent: float, comm: float, overlapped: bool, settings: str, h: int = 1):
         exposed = max(0.0, comm - hidden) if overlapped else comm
@@ -294,12 +295,15 @@ def advise(
         bandwidth=bandwidth,
         latency_s=latency_s,
         model_split=c.tp * c.pp,
-        other_s=t.step_s - t.compute_s - max(0.0, t.dp_comm_s - OVERLAP * t.compute_s),
+        other_s=t.step_s
+        - t.compute_s
+        - max(0.0, t.dp_comm_s - hidden_s(t.compute_s, cluster.concurrency)),
         zero_stage=c.zero_stage,
         bytes_per_value=bytes_per_value,
         sites=nodes_in_group if spans_nodes else None,
         site_bandwidth=cluster.intra_bw,
         sync_dtype=sync_dtype,
         max_inner_steps=max_inner_steps,
+        concurrency=cluster.concurrency,
     )
     return recommend(methods)

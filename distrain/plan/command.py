@@ -208,10 +208,12 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
     if ns.inter_node_bandwidth:
         inter = link_bandwidth(ns.inter_node_bandwidth, "--inter-node-bandwidth") / ns.gpus_per_node
     calibrated = load_calibration()
+    concurrency = 1.0
     if ns.peak:
         peak, efficiency = quantity(ns.peak, "--peak"), ns.efficiency
-    elif calibrated:
+    elif calibrated:  # devices like this machine's (calibrate.py)
         peak, efficiency = calibrated["peak_flops"], 1.0
+        concurrency = calibrated.get("concurrency", 1.0)
     else:
         peak, efficiency = DEFAULT_PEAK_FLOPS, ns.efficiency
     return Cluster(
@@ -222,6 +224,7 @@ def cluster_of(ns: argparse.Namespace) -> Cluster:
         efficiency=efficiency,
         intra_bw=intra,
         inter_bw=inter,
+        concurrency=concurrency,
     )
 
 
@@ -249,7 +252,10 @@ def plan_command(argv: list[str]) -> None:
 
     if ns.calibrate:
         found = calibrate()
-        print(f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s")
+        print(
+            f"calibrated: matmul {found['peak_flops'] / 1e9:.1f} GFLOP/s, concurrency "
+            f"{found['concurrency']:.2f} (share of a collective that progresses while computing)"
+        )
         for kind, c in found["collectives"].items():
             print(
                 f"  {kind}: latency {c['latency_s'] * 1e6:.0f} us, "

@@ -10,9 +10,11 @@
   each block's keys and values round its ranks; expert parallelism sends each token's top_k
   copies to their experts and back (all-to-all), priced for a balanced router; replica groups
   all-reduce each rank's gradient shard over the groups after backward;
-- overlap: data-parallel gradient communication hides behind backward (2/3 of compute) and FSDP's
-  forward all-gather behind forward; tensor-, context- and expert-parallel exchanges and the
-  replica groups' all-reduce sit on the critical path;
+- overlap: data-parallel gradient communication hides behind backward (BACKWARD_SHARE of the
+  compute) as far as the device lets a collective progress while it computes (the cluster's
+  concurrency: 1 on GPUs, measured by `distrain plan --calibrate` for ranks like this machine's)
+  and FSDP's forward all-gather behind forward; tensor-, context- and expert-parallel exchanges and
+  the replica groups' all-reduce sit on the critical path;
 - bubble: (pp - 1) / (micro-batches + pp - 1) of the pipelined time (1F1B/GPipe; interleaved
   divides it by the stages per rank).
 """
@@ -22,6 +24,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from distrain.family.spec import FamilyModel
+
+BACKWARD_SHARE = 2 / 3
+"""The share of a step's compute that is backward, behind which the gradients' communication
+can hide (2 of the 3 matmuls per weight)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,10 @@ class Cluster:
     efficiency: float
     intra_bw: float
     inter_bw: float
+    concurrency: float = 1.0
+    """The share of a collective that progresses while its rank computes: 1 on GPUs (NCCL's
+    kernels on their own stream); on CPU ranks gloo's threads compete with the compute for the
+    cores (collectives.py's `time_concurrency`)."""
 
     @property
     def world_size(self) -> int:
@@ -81,6 +91,11 @@ class StepTime:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def hidden_s(compute_s: float, concurrency: float) -> float:
+    """How much data-parallel gradient communication a step computing for `compute_s` hides."""
+    return BACKWARD_SHARE * concurrency * compute_s
 
 
 def _ring(n: int) -> float:
@@ -158,7 +173,8 @@ def step_time(
     pp_bytes = 2 * microbatches * c.micro_batch_size * seq_len * shape.dim * bytes_per_value
     pp_comm = pp_bytes / pp_bw if c.pp > 1 else 0.0
     exposed = tp_comm + cp_comm + ep_comm + groups_comm
-    exposed += max(0.0, dp_comm - compute * 2 / 3) + pp_comm / max(1, microbatches)
+    exposed += max(0.0, dp_comm - hidden_s(compute, cluster.concurrency))
+    exposed += pp_comm / max(1, microbatches)
     work = compute + exposed
     stages_per_rank = 2 if c.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     bubble = work * (c.pp - 1) / (microbatches * stages_per_rank + c.pp - 1) if c.pp > 1 else 0.0
