@@ -1,7 +1,5 @@
 """`python -m distrain` is the `distrain` command."""
 
-import sys
+from distrain.cli import program
 
-from distrain.cli import main
-
-sys.exit(main())
+program()

@@ -5,6 +5,8 @@ default config, the Slurm script's options, `train --check` and `--resume-from S
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import re
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 
 from distrain.checkpoint.manifest import MANIFEST, rewind, step_name
 from distrain.checkpoint.storage import Storage
-from distrain.cli import COMMANDS, EXPORT_DTYPES, EXPORT_SHARD_MB, main
+from distrain.cli import COMMANDS, EXPORT_DTYPES, EXPORT_SHARD_MB, main, program
 from distrain.config.io import config_changes, default_config_toml, help_text, load_config
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
@@ -35,6 +37,21 @@ def test_top_level_help_lists_every_command_and_the_version(capsys):
         assert f"  {name}" in result.stdout and command.summary in result.stdout
     result = cli_in_process(capsys, "--version")
     assert result.stdout.strip().startswith("distrain 0.")
+
+
+@pytest.mark.parametrize(("name", "frozen"), [("plan", True), ("presets", False), ("train", False)])
+def test_only_a_quick_exit_command_leaves_its_objects_to_the_exit(monkeypatch, name, frozen):
+    """`distrain plan` freezes what it made before the interpreter's last collection; a command
+    that may hold files open (train) is collected as usual; the exit code is main's."""
+    ran, freezes = [], []
+    command = dataclasses.replace(COMMANDS[name], run=ran.append)
+    monkeypatch.setitem(COMMANDS, name, command)
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(True))
+    monkeypatch.setattr(sys, "argv", ["distrain", name, "--x"])
+    with pytest.raises(SystemExit) as exit_:
+        program()
+    assert exit_.value.code == 0 and ran == [["--x"]]
+    assert freezes == ([True] if frozen else [])
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
