@@ -588,10 +588,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def program() -> NoReturn:
     """The `distrain` program (its console script and `python -m distrain`): `main` on the
     command line, then the process's exit; after a `quick_exit` command the objects alive are
@@ -602,3 +598,7 @@ def program() -> NoReturn:
     if command is not None and command.quick_exit:
         gc.freeze()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    program()
