@@ -438,6 +438,61 @@ def test_calibration_is_stored_and_used_by_later_plans(tmp_path, monkeypatch):
     assert cluster_of(parse(["--peak", "312T"])).peak_flops == 312e12
 
 
+GOOD_CALIBRATION = {
+    "peak_flops": 5e10,
+    "threads": 1,
+    "concurrency": 0.4,
+    "collectives": {"all_reduce": {"latency_s": 1e-4, "s_per_byte": 1e-9, "group_size": 2}},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"concurrency": 5.0}, "concurrency"),
+        ({"concurrency": "0.4"}, "concurrency"),
+        ({"peak_flops": -1}, "peak_flops"),
+        ({"threads": True}, "threads"),
+        ({"collectives": {"all_reduce": {"latency_s": 1e-4}}}, "all_reduce"),
+        ({"collectives": {"ring": {}}}, "collectives"),
+        ({"command": "rm -rf ~"}, "not a calibration"),
+    ],
+)
+def test_a_hostile_calibration_file_is_refused_with_the_fix(tmp_path, monkeypatch, change, said):
+    """The stored calibration is data: a figure out of its range or of the wrong kind, a key
+    calibrate never writes, is a one-line error naming the file and the fix; the file as
+    calibrate writes it is read back."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = tmp_path / "distrain" / "calibration.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(GOOD_CALIBRATION))
+    assert cluster_of(parse([])).concurrency == 0.4
+    path.write_text(json.dumps({**GOOD_CALIBRATION, **change}))
+    with pytest.raises(ConfigError, match=said) as refused:
+        cluster_of(parse([]))
+    assert str(path) in str(refused.value) and "--calibrate" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_calibration_link_or_oversized_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = tmp_path / "distrain" / "calibration.json"
+    path.parent.mkdir()
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(GOOD_CALIBRATION))
+    path.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="not a readable regular file"):
+        cluster_of(parse([]))
+    path.unlink()
+    path.write_text(json.dumps({**GOOD_CALIBRATION, "pad": " " * 2**16}))
+    with pytest.raises(ConfigError, match="at most 65536 bytes"):
+        cluster_of(parse([]))
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ConfigError, match="regular file"):
+        cluster_of(parse([]))
+
+
 def test_unreadable_quantities_name_the_option():
     with pytest.raises(ConfigError, match="--gpu-memory"):
         cluster_of(parse(["--gpu-memory", "lots"]))
