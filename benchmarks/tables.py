@@ -304,32 +304,25 @@ def slow_link(d: dict[str, Any]) -> str:
         else ""
     )
     probed_errors = [abs(error(r, probed)) for r in d["rows"] if predicted(r, probed)]
-    if probed_errors and own:
-        probes = {r["link"]: r["link_probe"] for r in d["rows"] if predicted(r, probed)}
-        measured = ", ".join(
-            f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "
-            f"({p['sent_bytes_per_s'] * 8 / p['shaped_bits_per_s']:.0%}), concurrency "
-            f"{p['concurrency']:.2f}"
-            for link, p in sorted(probes.items())
-        )
-        planner += (
-            f" On the rate and concurrency the link probe measured on the link before the runs "
-            f"(an all-reduce of the gradients' bytes: {measured}), the same prediction (on the "
-            f"probed link) is within 20% on {sum(e <= 0.2 for e in probed_errors)} of "
-            f"{len(probed_errors)} rows (largest |error| {max(probed_errors):.0%})."
-        )
-    elif probed_errors:
+    if probed_errors:
         probes = {r["link"]: r["link_probe"] for r in d["rows"] if predicted(r, probed)}
         measured = ", ".join(
             f"{link}: {p['sent_bytes_per_s'] * 8e-6:.0f} Mbit/s "
             f"({p['sent_bytes_per_s'] * 8 / p['shaped_bits_per_s']:.0%})"
+            + (f", concurrency {p['concurrency']:.2f}" if own else "")
             for link, p in sorted(probes.items())
         )
+        what = (
+            "the rate and concurrency the link probe measured on the link before the runs (an "
+            f"all-reduce of the gradients' bytes: {measured})"
+            if own
+            else "the rate an all-reduce of the gradients' bytes reached over the link before "
+            f"the runs (the link probe: {measured} of the shaped rate)"
+        )
         planner += (
-            f" On the rate an all-reduce of the gradients' bytes reached over the link before the "
-            f"runs (the link probe: {measured} of the shaped rate), the same prediction (on the "
-            f"probed link) is within 20% on {sum(e <= 0.2 for e in probed_errors)} of "
-            f"{len(probed_errors)} rows (largest |error| {max(probed_errors):.0%})."
+            f" On {what}, the same prediction (on the probed link) is within 20% on "
+            f"{sum(e <= 0.2 for e in probed_errors)} of {len(probed_errors)} rows (largest "
+            f"|error| {max(probed_errors):.0%})."
         )
     return (
         f"{where} (gloo, CPU, OMP_NUM_THREADS=1), global batch "
