@@ -116,7 +116,6 @@ def real_step_memory(
     model.forward_backward(batches, lambda loss: loss, report_loss=False)
     for optimizer in optimizers:
         optimizer.step()
-    model.zero_grad()
     params = sum(local_bytes(p) for p in model.parameters())
     peaks = []
     for _ in range(2):

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,18 +37,27 @@ MAX_FILE_BYTES = 4096
 """A stored build is a handful of integers: a bigger file is not one."""
 
 
-def _read(path: Path, result_type: type[Result]) -> Result:
-    """The stored build at `path`; OSError or ValueError when it is not one (module docstring)."""
-    limit = getattr(result_type, "MAX_STORED_BYTES", MAX_FILE_BYTES)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def read_stored_json(path: Path, limit: int) -> object:
+    """The JSON of the regular file at `path` (a symlink is not followed) of at most `limit`
+    bytes; OSError (FileNotFoundError when there is none) or ValueError when it is not that."""
+    # O_NONBLOCK: a FIFO at the name is refused below, not waited on for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
         text = f.read(limit + 1)
     if len(text) > limit:
-        raise ValueError(f"{path} is over {limit} bytes")
+        raise ValueError(f"{path} is not a file of at most {limit} bytes")
     try:
-        fields = json.loads(text)
+        return json.loads(text)
     except RecursionError as error:  # nested deeper than the interpreter's stack
         raise ValueError(f"{path} is nested too deeply") from error
+
+
+def _read(path: Path, result_type: type[Result]) -> Result:
+    """The stored build at `path`; OSError or ValueError when it is not one (module docstring)."""
+    fields = read_stored_json(path, getattr(result_type, "MAX_STORED_BYTES", MAX_FILE_BYTES))
     if hasattr(result_type, "from_stored"):
         return result_type.from_stored(fields)
     names = {f.name for f in dataclasses.fields(result_type)}  # type: ignore[arg-type]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from distrain.errors import ConfigError
+from distrain.plan.build_store import read_stored_json
 from distrain.plan.collectives import KINDS, LinkCost, measure_collectives
 
 MAX_STORED_BYTES = 64 * 2**10
@@ -70,24 +70,15 @@ def load_calibration() -> dict[str, Any] | None:
     path = calibration_path()
     fix = f"calibration file {path}: {{}}; run `distrain plan --calibrate` again or delete it"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        data = read_stored_json(path, MAX_STORED_BYTES)
+        _check(data)
     except FileNotFoundError:
         return None
     except OSError as e:  # a link (ELOOP), or not readable
         raise ConfigError(fix.format(f"not a readable regular file ({e.strerror})")) from None
-    try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        text = os.read(fd, MAX_STORED_BYTES + 1) if regular else b""
-    finally:
-        os.close(fd)
-    if not regular or len(text) > MAX_STORED_BYTES:
-        raise ConfigError(fix.format(f"not a regular file of at most {MAX_STORED_BYTES} bytes"))
-    try:
-        data = json.loads(text)
-        _check(data)
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
         raise ConfigError(fix.format(e)) from None
-    return data
+    return data  # type: ignore[return-value]
 
 
 def _number(
