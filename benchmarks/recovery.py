@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from harness import write_json
 
-from distrain.launch.lighthouse import DEFAULT_HEARTBEAT_TIMEOUT_MS, DEFAULT_JOIN_TIMEOUT_S
+from distrain.ft.lighthouse import DEFAULT_HEARTBEAT_TIMEOUT_MS, DEFAULT_JOIN_TIMEOUT_S
 
 NUM_RANKS = 2
 LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"

@@ -493,13 +493,13 @@ def cmd_plan(argv: list[str]) -> None:
 
 
 def _lighthouse_parser() -> argparse.ArgumentParser:
-    from distrain.launch.lighthouse import lighthouse_parser
+    from distrain.ft.lighthouse import lighthouse_parser
 
     return lighthouse_parser()
 
 
 def cmd_lighthouse(argv: list[str]) -> None:
-    from distrain.launch.lighthouse import lighthouse_command
+    from distrain.ft.lighthouse import lighthouse_command
 
     lighthouse_command(argv)
 

@@ -39,7 +39,7 @@ def test_diagnose_names_the_worker_that_raised_with_its_traceback(tmp_path, caps
     assert "rank 1 failed first" in first
     assert "debug.fail_at_step: rank 1 crashes at step 3" in first
     assert "InjectedFailure: debug.fail_at_step: rank 1 crashes at step 3" in report.stdout
-    assert "in step_begins" in report.stdout  # a frame of the traceback (train/faults.py)
+    assert "in step_begins" in report.stdout  # a frame of the traceback (train/fault_injection.py)
     assert "last committed checkpoint: step 2 (temporary, world size 2)" in report.stdout
 
     # distrain status on the same run dir: last metrics, checkpoints checked against their

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "data": 4,  # the corpus reader logs through observe
     "parallel": 4,  # generic mechanisms over any model, beating the heartbeat (observe)
     "checkpoint": 5,  # saves over parallel/device.py's checkpoint group
+    "ft": 5,  # replica groups re-plan the loader (data) over torchft's process groups (parallel)
     "models": 6,  # each family owns its parallel plan (family/'s spec, parallel/'s styles); Hugging
     # Face folders are read through checkpoint/metadata.py's file-name confinement
     "launch": 6,  # preflight checks the data and the checkpoint folder before workers start

@@ -1,4 +1,4 @@
-"""distrain's lighthouse: torchft's quorum rules (distrain/launch/quorum.py) and its gRPC service,
+"""distrain's lighthouse: torchft's quorum rules (distrain/ft/quorum.py) and its gRPC service,
 answered to torchft 0.2.0's own lighthouse client (the Rust one its managers use), plus the
 check that tells a dead group from a slow one: a group whose manager server refuses a connection
 is left out at once, a group that heartbeats but is slow is waited for.
@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-from distrain.launch import lighthouse_wire as wire
-from distrain.launch.lighthouse_server import Lighthouse, refuses_connection, serve
-from distrain.launch.quorum import QuorumState
+from distrain.ft import lighthouse_wire as wire
+from distrain.ft.lighthouse_server import Lighthouse, refuses_connection, serve
+from distrain.ft.quorum import QuorumState
 
 
 def _member(rid: str, *, step: int = 0, address: str = "", shrink_only: bool = False):

@@ -26,11 +26,11 @@ from helpers import SMALL_RUN, losses, start_train, train_in_process
 from replica import running_lighthouse, secret_file, trained_step, wait_until
 
 from distrain.config.io import load_config
+from distrain.ft.trust import SLOT_SIZE
 from distrain.layout.rules import validate
 from distrain.models.decoder.counts import num_params
 from distrain.observe.diagnose import replica_lines
 from distrain.observe.metrics import read_metrics
-from distrain.train.replica_trust import SLOT_SIZE
 
 pytestmark = pytest.mark.slow
 

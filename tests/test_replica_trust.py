@@ -35,10 +35,10 @@ import pytest
 import torch
 from helpers import cli_in_process
 
-from distrain.config.ft_network import read_secret, secret_needed
 from distrain.errors import ConfigError
-from distrain.train.replica_transport import AUTH_HEADER, NONCE_HEADER, StateTransport
-from distrain.train.replica_trust import (
+from distrain.ft.network import read_secret, secret_needed
+from distrain.ft.transport import AUTH_HEADER, NONCE_HEADER, StateTransport
+from distrain.ft.trust import (
     SLOT_SIZE,
     PeerRefused,
     Round,
@@ -382,7 +382,7 @@ def test_the_manager_server_binds_the_address_given(monkeypatch):
     """torchft 0.2.0's Manager hard-codes `[::]`: distrain's wrapper rewrites it."""
     import torchft.manager
 
-    from distrain.train.replica_groups import _manager_server_bound_to
+    from distrain.ft.replica_groups import _manager_server_bound_to
 
     seen = []
     monkeypatch.setattr(torchft.manager, "ManagerServer", lambda **kw: seen.append(kw["bind"]))

@@ -35,7 +35,7 @@ from distrain.launch.torchrun import launch, make_plan, torchrun_argv, worker_th
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
-from distrain.train.faults import InjectedFailure
+from distrain.train.fault_injection import InjectedFailure
 
 TINY = {
     "training__steps": 4,

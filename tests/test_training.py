@@ -14,7 +14,7 @@ from helpers import cli_in_process, losses, run_cli, train_cli, train_in_process
 from distrain.checkpoint import checkpointer, manifest
 from distrain.checkpoint.storage import Storage
 from distrain.observe.metrics import read_metrics
-from distrain.train.faults import InjectedFailure
+from distrain.train.fault_injection import InjectedFailure
 
 STEPS = 6
 # Global batch 8 x 64 tokens: small enough for 2 cores, the same math on any number of ranks.

@@ -675,7 +675,7 @@ class WatchdogConfig:
 
 @dataclass(kw_only=True, slots=True)
 class FaultToleranceConfig:
-    """Replica groups that survive each other (train/replica_groups.py): each group is its own
+    """Replica groups that survive each other (ft/replica_groups.py): each group is its own
     torchrun, shards the model with FSDP2 over its ranks, and averages gradients with the other
     groups through torchft's reconfigurable process group; a group that dies or hangs is left
     out, the survivors take its micro-batches, and a restarted group fetches the live state."""

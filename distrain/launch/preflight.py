@@ -28,7 +28,6 @@ from fsspec.registry import get_filesystem_class, known_implementations
 from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
 from distrain.checkpoint.ownership import owner_problem
-from distrain.config.ft_network import read_secret
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.dataset import check_split
@@ -37,6 +36,7 @@ from distrain.data.shards import parse_index
 from distrain.data.tokenizer import load_tokenizer
 from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError, MissingInput
+from distrain.ft.network import read_secret
 from distrain.launch.rundir import run_id
 from distrain.observe.trackers import check_trackers_installed
 

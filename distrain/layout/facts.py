@@ -9,11 +9,11 @@ import os
 from dataclasses import dataclass
 
 from distrain.config.batch import BatchSizes
-from distrain.config.ft_network import secret_missing, secret_needed
 from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import MissingInput
 from distrain.family.spec import ModelShape, ModelSpec
+from distrain.ft.network import secret_missing, secret_needed
 from distrain.optim.capability import OptimizerCapability, optimizer_capability
 from distrain.parallel.device import pick_device
 from distrain.parallel.mesh import ParallelDims, data_parallel_size

@@ -126,7 +126,7 @@ def init_distributed(requested_device: str, *, timeout_s: float = 0.0) -> DistCo
 
 def replica_process_group(backend: str, timeout_s: float) -> object:
     """torchft's reconfigurable process group between replica groups, of this run's backend:
-    its members change at each quorum (train/replica_groups.py). NCCL's runs its collectives
+    its members change at each quorum (ft/replica_groups.py). NCCL's runs its collectives
     on the current stream like any NCCL group; a collective that errs or outlasts `timeout_s`
     marks the step for the groups to drop, instead of ending the process."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL

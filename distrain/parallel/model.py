@@ -152,7 +152,7 @@ class ParallelModel:
 
     def fit_pipeline_batch(self, rows: int) -> None:
         """Run a local batch of `rows` sequences from now on, in microbatches of the size the
-        schedule runs now: replica groups (train/replica_groups.py) re-split the global batch
+        schedule runs now: replica groups (ft/replica_groups.py) re-split the global batch
         when a group leaves or joins, so the survivors' local batch grows or shrinks. A new
         schedule when the count changes, since one runs a single batch shape; every pp rank
         of the group calls it at the same step (their loaders are re-planned alike). The

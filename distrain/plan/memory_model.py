@@ -487,7 +487,7 @@ def _group_sizes(cfg: Config) -> list[list[int]]:
 
 def with_replica_average(row: dict[str, int]) -> dict[str, int]:
     """A row of a replica-group layout with the groups' exchange after backward
-    (train/replica_groups.py's `average`): the rank's gradient shards flattened into one tensor,
+    (ft/replica_groups.py's `average`): the rank's gradient shards flattened into one tensor,
     then copied with the loss and proofs into the one torchft all-reduces, both alive beside the
     gradients and the optimizer state: two more copies of the gradients."""
     held = row["params"] + row["grads"] + row["optimizer"]

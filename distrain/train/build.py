@@ -25,6 +25,7 @@ from distrain.data import DistributedBatchLoader, build_eval_sets, check_data_sk
 from distrain.data.dataset import TokenDataset
 from distrain.data.shard_store import Call
 from distrain.data.sources import build_mixture
+from distrain.ft.replica_groups import ReplicaGroups
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
 from distrain.observe import heartbeat
@@ -45,7 +46,7 @@ from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
 from distrain.train.backward import PlainBackward
-from distrain.train.faults import Faults
+from distrain.train.fault_injection import FaultInjection
 from distrain.train.loop import Trainer
 from distrain.train.observers import (
     CommMetrics,
@@ -55,7 +56,6 @@ from distrain.train.observers import (
     ReplicaCheck,
 )
 from distrain.train.oom import RecoveringBackward
-from distrain.train.replica_groups import ReplicaGroups
 from distrain.train.resolve import resolve
 from distrain.train.rng import seed_everything
 from distrain.train.steps import PlainSteps, ReplicatedSteps
@@ -114,7 +114,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
 
     outer = outer_optimizer(cfg, dims, mesh, model) if dims.diloco else None
-    faults = Faults(cfg.debug, rank=ctx.rank, logger=logger)
+    faults = FaultInjection(cfg.debug, rank=ctx.rank, logger=logger)
     checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
     nonfinite = NonFiniteGuard(
         t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
@@ -263,7 +263,7 @@ def _checkpointer(
     dims: ParallelDims,
     ctx: DistContext,
     metrics: MetricsWriter,
-    faults: Faults,
+    faults: FaultInjection,
     logger: logging.Logger,
 ) -> Checkpointer:
     """The checkpointer of this run's checkpoint settings and storage; each settled save is a

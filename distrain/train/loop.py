@@ -9,7 +9,8 @@ syncs outside fp16 and health checks) and the metrics row goes through the obser
 rank ends the run with a preempt checkpoint. How a step runs is the `steps` strategy (steps.py):
 once, or under replica groups with the groups' quorum, the gradients averaged between groups
 after backward and a step some group failed redone by the survivors. The parts are assembled
-once by `build_trainer` (build.py); fault injection goes through `Faults` (faults.py).
+once by `build_trainer` (build.py); fault injection goes through `FaultInjection`
+(fault_injection.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
 from distrain.train.backward import Backward
-from distrain.train.faults import Faults
+from distrain.train.fault_injection import FaultInjection
 from distrain.train.state import (
     GlobalWeights,
     ModelState,
@@ -93,7 +94,7 @@ class Trainer:
     nonfinite: NonFiniteGuard
     metrics: MetricsWriter
     """Also among the observers (it writes each logged row); extra rows go to it directly."""
-    faults: Faults
+    faults: FaultInjection
     observers: list[StepObserver]
     """Called in this order on every rank; the metrics writer and the progress display last."""
     phase_ranges: PhaseRanges

@@ -35,7 +35,7 @@ from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.scaler import AgreedGradScaler
-from distrain.train.faults import Faults
+from distrain.train.fault_injection import FaultInjection
 
 if TYPE_CHECKING:
     from distrain.data import DistributedBatchLoader
@@ -120,7 +120,7 @@ class RecoveringBackward:
         ctx: DistContext,
         grad_group: dist.ProcessGroup,
         bucket_cap_mb: float,
-        faults: Faults,
+        faults: FaultInjection,
         metrics: MetricsWriter,
         logger: logging.Logger,
     ):

@@ -15,9 +15,9 @@ from torch import nn
 
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader
+from distrain.ft.replica_groups import ReplicaGroups, StepNotCommitted, copy_into, transferable
 from distrain.optim.schedule import lr_at
 from distrain.parallel.model import ParallelModel
-from distrain.train.replica_groups import ReplicaGroups, StepNotCommitted, copy_into, transferable
 from distrain.train.rng import rng_state, set_rng_state
 from distrain.train.state import ModelState, OptimizerState
 

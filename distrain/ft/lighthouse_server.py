@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from distrain.launch import lighthouse_wire as wire
-from distrain.launch.quorum import QuorumState
+from distrain.ft import lighthouse_wire as wire
+from distrain.ft.quorum import QuorumState
 
 PROBE_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 0.5

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
-from distrain.train.replica_trust import PeerRefused, mac, same_mac, url_host
+from distrain.ft.trust import PeerRefused, mac, same_mac, url_host
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ torchft's protocol); after backward each group votes to commit.
 - **A group comes back** (its torchrun restarted its workers): it joins a quorum at a step
   boundary and fetches the live state from a healthy group: each rank's model and optimizer
   shards (its counterpart holds the same ones), the loader position, the RNG states and the
-  step, over distrain's own transport (replica_transport.py: tensors and integers only,
+  step, over distrain's own transport (transport.py: tensors and integers only,
   authenticated by the run secret, checked against this rank's own schema; never a pickle).
 - **Trust**: every step's exchange carries each group's proof of the run secret and its
-  gradient norm (replica_trust.py); a member that fails it is named and the step is committed
+  gradient norm (trust.py); a member that fails it is named and the step is committed
   by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
   with one line (`ReplicaPeerRefused`) rather than train with a peer it cannot believe:
   the lighthouse protocol carries no credential, so the lighthouse cannot keep an intruder
@@ -44,14 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain.config.ft_network import read_secret
 from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import DistrainError
-from distrain.launch.lighthouse import HEARTBEAT_INTERVAL_MS
-from distrain.observe.metrics import MetricsWriter
-from distrain.parallel.device import DistContext, replica_process_group
-from distrain.train.replica_trust import (
+from distrain.ft.lighthouse import HEARTBEAT_INTERVAL_MS
+from distrain.ft.network import read_secret
+from distrain.ft.trust import (
     PeerRefused,
     Round,
     advertised_host,
@@ -60,6 +58,8 @@ from distrain.train.replica_trust import (
     slots,
     url_host,
 )
+from distrain.observe.metrics import MetricsWriter
+from distrain.parallel.device import DistContext, replica_process_group
 
 _STORE_ADDRESS_BYTES = 256
 _GATHER_POLL_S = 0.05
@@ -181,7 +181,7 @@ class ReplicaGroups:
     - `{"step", "replica_change": "rejoined", "transfer_s", "state_mb", "replica_groups"}` in the
       rejoining group's own run dir: the live state it fetched.
     - `{"step", "replica_change": "refused", "reason", "refusals"}` for an attempt no honest
-      group committed because a peer's state or slot was not believed (replica_trust.py).
+      group committed because a peer's state or slot was not believed (trust.py).
     """
 
     def __init__(
@@ -199,7 +199,7 @@ class ReplicaGroups:
         ranks of one data-parallel rank read the same batch)."""
         from torchft.manager import Manager
 
-        from distrain.train.replica_transport import StateTransport
+        from distrain.ft.transport import StateTransport
 
         # torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder
         # (absent on gloo; distrain's flight records are its own, observe/flight.py).
@@ -388,7 +388,7 @@ class ReplicaGroups:
     ) -> torch.Tensor:
         """Average this rank's gradient shards and `loss` over the groups in the quorum and
         vote to commit the step; returns the groups' mean loss. The exchange carries every
-        member's slot (replica_trust.py): a member that is not believed makes this group vote
+        member's slot (trust.py): a member that is not believed makes this group vote
         against the step. Raises StepNotCommitted, with the gradients cleared, when some group
         failed or was not believed: the caller redoes the step."""
         grads = [_local(p.grad) for p in parameters() if p.grad is not None]

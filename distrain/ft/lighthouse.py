@@ -1,5 +1,5 @@
 """`distrain lighthouse`: the server that forms each step's quorum of replica groups
-(train/replica_groups.py), speaking torchft's lighthouse protocol to torchft's managers
+(ft/replica_groups.py), speaking torchft's lighthouse protocol to torchft's managers
 (lighthouse_server.py, quorum.py), and telling a slow group from a gone one.
 
 - **Gone, at once**: a group whose manager server refuses a connection. The lighthouse checks
@@ -31,7 +31,7 @@ from distrain.config.args import CommandParser
 from distrain.errors import DistrainError
 
 HEARTBEAT_INTERVAL_MS = 50
-"""How often each group's manager server heartbeats (train/replica_groups.py passes it)."""
+"""How often each group's manager server heartbeats (ft/replica_groups.py passes it)."""
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
 DEFAULT_JOIN_TIMEOUT_S = 30.0
 DEFAULT_TICK_MS = 10
@@ -83,7 +83,7 @@ def lighthouse_command(argv: list[str]) -> None:
             lighthouse_parser().error(f"--{name.replace('_', '-')} must be at least 1")
     if ns.join_timeout_s <= 0:
         lighthouse_parser().error("--join-timeout-s must be positive")
-    from distrain.launch.lighthouse_server import Lighthouse, serve
+    from distrain.ft.lighthouse_server import Lighthouse, serve
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s lighthouse %(levelname)s %(message)s"

@@ -5,7 +5,7 @@ The lighthouse, torchft's manager servers and its process groups authenticate no
 that reaches them can join a quorum. distrain therefore checks, itself, everything it takes from
 a peer:
 
-- **The live state** a rejoining group fetches travels over `replica_transport.py`, whose every
+- **The live state** a rejoining group fetches travels over `transport.py`, whose every
   request and response carries an HMAC-SHA256 under the run secret (`fault_tolerance.
   secret_file`), and which holds tensors and integers only (`torch.load(weights_only=True)`,
   then an exact key, dtype and shape schema): no pickle of objects.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distrain.config.ft_network import lighthouse_host
+from distrain.ft.network import lighthouse_host
 
 SLOT_MAC_CHUNKS = 8
 """A slot's MAC: 128 bits as eight 16-bit integers, each exact in fp32 through an average."""

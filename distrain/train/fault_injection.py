@@ -1,6 +1,6 @@
 """Every `debug.*` fault injection of a training run, in one place, for tests and chaos runs:
-`Faults` is built once from the `[debug]` section and this rank, and the loop calls it at the
-points where a real fault would strike:
+`FaultInjection` is built once from the `[debug]` section and this rank, and the loop calls it
+at the points where a real fault would strike:
 
 - as a step begins: a crash (an exception, or SIGKILL), a slow rank (a sleep every step), a
   hang inside that step's backward (a gradient hook that never returns);
@@ -43,7 +43,7 @@ class InjectedFailure(RuntimeError):
     """The crash that debug.fail_at_step asks for."""
 
 
-class Faults:
+class FaultInjection:
     """The faults `[debug]` asks this rank to suffer (none by default)."""
 
     def __init__(self, debug: DebugConfig, *, rank: int, logger: logging.Logger):

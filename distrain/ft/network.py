@@ -1,7 +1,7 @@
 """Where the replica groups' lighthouse is, whether the run may span hosts and so needs a run
 secret, and reading that secret: decided from the config and the secret file alone, so that the
 launcher refuses a bad setting before any worker starts and the workers read it the same way
-(train/replica_trust.py uses the secret)."""
+(ft/trust.py uses the secret)."""
 
 from __future__ import annotations
 
