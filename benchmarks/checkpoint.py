@@ -75,7 +75,6 @@ from harness import is_worker, launch_self, synchronize, worker_session, write_j
 from distrain.checkpoint.checkpointer import SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
-from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
@@ -149,10 +148,8 @@ def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
 
 def train(trainer: Trainer, num_steps: int) -> None:
     """`num_steps` iterations of `Trainer.run`'s step, without its logging and checks."""
-    cfg = trainer.cfg
     for _ in range(num_steps):
-        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
-        trainer.train_step(trainer.loader.next_batch(), lr)
+        trainer.train_step(trainer.loader.next_batch())
         trainer.step += 1
 
 

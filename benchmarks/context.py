@@ -39,7 +39,6 @@ import torch.distributed as dist
 from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
 
 from distrain.config.schema import Config
-from distrain.optim.schedule import lr_at
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
@@ -88,8 +87,7 @@ def high_water_mib() -> float:
 
 def measure(trainer: Trainer) -> dict[str, float]:
     """Peak RSS and saved-activation bytes of one forward and backward, after a settling step."""
-    cfg = trainer.cfg
-    trainer.train_step(trainer.loader.next_batch(), lr_at(0, cfg=cfg.optim, total_steps=2))
+    trainer.train_step(trainer.loader.next_batch())
     params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     saved: dict[int, int] = {}
 
@@ -103,10 +101,9 @@ def measure(trainer: Trainer) -> dict[str, float]:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.model.forward_backward(batch, trainer.scaler.scale)
+        trainer.model.forward_backward(batch, trainer.optimizers.scale)
     peak = high_water_mib()
-    for optimizer in trainer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    trainer.optimizers.zero_grad()
     return {"peak_rss_mib": peak, "activations_mib": sum(saved.values()) / MIB}
 
 

@@ -27,7 +27,6 @@ from torch.distributed.run import get_args_parser, run
 
 from distrain.config.schema import Config, validate
 from distrain.observe.logs import close_logging, setup_logging
-from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext, init_distributed, teardown
 from distrain.train.loop import Trainer
 
@@ -211,11 +210,9 @@ def measure_steps(
     trainer: Trainer, *, warmup: int, steps: int, device: torch.device, report_loss: bool = True
 ) -> float:
     """Seconds for `steps` training steps after `warmup` untimed ones, on the slowest rank."""
-    cfg = trainer.cfg
 
     def step() -> None:
-        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
-        trainer.train_step(trainer.loader.next_batch(), lr, report_loss=report_loss)
+        trainer.train_step(trainer.loader.next_batch(), report_loss=report_loss)
         trainer.step += 1
 
     for _ in range(warmup):

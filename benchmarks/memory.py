@@ -45,7 +45,6 @@ from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
-from distrain.optim.schedule import lr_at
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
@@ -114,16 +113,13 @@ def optimizer_bytes(optimizers: list[torch.optim.Optimizer]) -> tuple[int, int]:
 
 def measure(trainer: Trainer) -> dict[str, int]:
     """One training step, then this rank's bytes of params, grads and optimizer state."""
-    cfg = trainer.cfg
-    lr = lr_at(0, cfg=cfg.optim, total_steps=cfg.training.steps)
-    trainer.train_step(trainer.loader.next_batch(), lr)
+    trainer.train_step(trainer.loader.next_batch())
     params = trainer.model.parameters()
     param_bytes = sum(local_bytes(p) for p in params)
-    moments, steps = optimizer_bytes(trainer.optimizers)
-    trainer.model.forward_backward(trainer.loader.next_batch(), trainer.scaler.scale)
+    moments, steps = optimizer_bytes(trainer.optimizers.per_part)
+    trainer.model.forward_backward(trainer.loader.next_batch(), trainer.optimizers.scale)
     grad_bytes = sum(local_bytes(p.grad) for p in params if p.grad is not None)
-    for optimizer in trainer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    trainer.optimizers.zero_grad()
     return {"params": param_bytes, "grads": grad_bytes, "optimizer": moments, "step": steps}
 
 

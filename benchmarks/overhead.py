@@ -89,11 +89,9 @@ def make_config(args: argparse.Namespace, accum: int, run_dir: Path) -> Config:
 
 def distrain_step(trainer: Trainer) -> Step:
     """One iteration of `Trainer.run` without its logging, evaluation and checkpoint checks."""
-    cfg = trainer.cfg
 
     def step() -> torch.Tensor:
-        lr = lr_at(trainer.step, cfg=cfg.optim, total_steps=cfg.training.steps)
-        loss, _ = trainer.train_step(trainer.loader.next_batch(), lr)
+        loss, _, _ = trainer.train_step(trainer.loader.next_batch())
         trainer.step += 1
         return loss
 

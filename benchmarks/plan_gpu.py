@@ -93,7 +93,7 @@ def measure_row(cfg: Config, ctx: Any, logger: Any) -> dict[str, Any]:
     trainer = build_trainer(cfg, ctx, logger)
     try:
         for _ in range(cfg.training.steps):
-            trainer.train_step(trainer.loader.next_batch(), cfg.optim.lr, report_loss=False)
+            trainer.train_step(trainer.loader.next_batch(), report_loss=False)
             trainer.step += 1
         torch.cuda.synchronize(ctx.device)
         return {

@@ -84,7 +84,7 @@ def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
 
 def _model_state(trainer: Any) -> int:
     params = sum(local_bytes(p) for p in trainer.model.parameters())
-    return params + held_optimizer_state_bytes(trainer.optimizers)
+    return params + held_optimizer_state_bytes(trainer.optimizers.per_part)
 
 
 def worker(ns: argparse.Namespace) -> None:

@@ -94,7 +94,6 @@ from distrain.family.spec import FamilyModel  # noqa: E402
 from distrain.models.decoder.counts import num_params  # noqa: E402
 from distrain.models.decoder.model import next_token_loss  # noqa: E402
 from distrain.models.registry import model_args, model_family  # noqa: E402
-from distrain.optim.schedule import lr_at  # noqa: E402
 from distrain.parallel.device import DistContext  # noqa: E402
 from distrain.plan.collectives import (  # noqa: E402
     CONCURRENCY_BYTES,
@@ -271,8 +270,7 @@ def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger
     stats.reset()
 
     def step(i: int) -> None:
-        lr = lr_at(i, cfg=cfg.optim, total_steps=cfg.training.steps)
-        trainer.train_step(trainer.loader.next_batch(), lr, report_loss=False)
+        trainer.train_step(trainer.loader.next_batch(), report_loss=False)
         trainer.step += 1
 
     try:

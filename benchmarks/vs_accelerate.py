@@ -162,8 +162,7 @@ def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger
     trainer = build_trainer(cfg, ctx, logger)
 
     def step(i: int) -> torch.Tensor:
-        lr = lr_at(i, cfg=cfg.optim, total_steps=cfg.training.steps)
-        loss, _ = trainer.train_step(trainer.loader.next_batch(), lr)
+        loss, _, _ = trainer.train_step(trainer.loader.next_batch())
         trainer.step += 1
         return loss
 

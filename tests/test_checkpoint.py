@@ -526,7 +526,7 @@ def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
     from distrain.models.decoder.model import Decoder, ModelArgs
     from distrain.models.gpt.spec import GPT_SPEC
     from distrain.parallel.pipeline import split_model
-    from distrain.train.state import OptimizerState
+    from distrain.optim.state_dict import OptimizerState
 
     args = ModelArgs(
         vocab_size=64,

@@ -31,22 +31,23 @@ LAYERS: dict[str, int] = {
     "family": 3,  # what a model family is to everyone else (its spec reads the [model] section)
     "observe": 3,  # logs, metrics and heartbeats read config (and write through files)
     "data": 4,  # the corpus reader logs through observe
-    "parallel": 4,  # generic mechanisms over any model, beating the heartbeat (observe)
-    "checkpoint": 5,  # saves over parallel/device.py's checkpoint group
-    "ft": 5,  # replica groups re-plan the loader (data) over torchft's process groups (parallel)
-    "models": 6,  # each family owns its parallel plan (family/'s spec, parallel/'s styles); Hugging
+    "parallel": 5,  # generic mechanisms over any model and the data's batches, beating the
+    # heartbeat (observe)
+    "checkpoint": 6,  # saves over parallel/device.py's checkpoint group
+    "ft": 6,  # replica groups re-plan the loader (data) over torchft's process groups (parallel)
+    "models": 7,  # each family owns its parallel plan (family/'s spec, parallel/'s styles); Hugging
     # Face folders are read through checkpoint/metadata.py's file-name confinement
-    "launch": 6,  # preflight checks the data and the checkpoint folder before workers start
-    "optim": 7,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
-    "inference": 7,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
-    "interop": 7,  # exports from a run dir and its checkpoint through the family's mapping
-    "layout": 8,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
-    "evaluate": 8,  # lm-evaluation-harness over interop/'s checkpoint loading, inference's sampler
-    "plan": 9,  # checks layouts with layout/ and builds their optimizers (optim/)
-    "train": 10,
-    "distrain": 11,  # the package root's Python API (function-local imports of config and train)
-    "cli": 11,
-    "__main__": 12,
+    "launch": 7,  # preflight checks the data and the checkpoint folder before workers start
+    "optim": 8,  # ZeRO-1 and 1-bit Adam communicate over parallel's meshes; tied weights
+    "inference": 8,  # reads a run dir (launch/rundir.py), its checkpoint and its model family
+    "interop": 8,  # exports from a run dir and its checkpoint through the family's mapping
+    "layout": 9,  # the rule table reads model shapes, the optimizer's capability, mesh degrees
+    "evaluate": 9,  # lm-evaluation-harness over interop/'s checkpoint loading, inference's sampler
+    "plan": 10,  # checks layouts with layout/ and builds their optimizers (optim/)
+    "train": 11,
+    "distrain": 12,  # the package root's Python API (function-local imports of config and train)
+    "cli": 12,
+    "__main__": 13,
 }
 
 

@@ -23,7 +23,8 @@ from distrain.data.documents import DocumentIndex, document_index, packed_sample
 
 Ranges = list[tuple[int, int]]
 Batch = tuple[torch.Tensor, ...]
-"""(inputs, targets), or (inputs, targets, documents) with document ids: each [B, T]."""
+"""(inputs, targets), or (inputs, targets, documents) with the samples' document ids, [B, T]:
+what the loader hands the step and the model runs."""
 
 
 def split_tokens(

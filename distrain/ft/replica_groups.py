@@ -25,8 +25,10 @@ torchft's protocol); after backward each group votes to commit.
   the lighthouse protocol carries no credential, so the lighthouse cannot keep an intruder
   out of a quorum: it could stall, never steer, the run.
 
-Every membership change is a metrics row (see `ReplicaGroups`); the loop calls `quorum` before
-each step and `average` after backward (train/loop.py).
+Every membership change is a metrics row (see `ReplicaGroups`). The trainer (train/loop.py)
+calls `begin` once, runs each step inside `until_committed` (which redoes it until every group
+of the quorum commits it), calls `average` between backward and the update, and `next_quorum`
+after each step but the last.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,8 @@ from distrain.ft.trust import (
 )
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext, replica_process_group
+
+T = TypeVar("T")
 
 _STORE_ADDRESS_BYTES = 256
 _GATHER_POLL_S = 0.05
@@ -256,8 +260,59 @@ class ReplicaGroups:
         self._healed: tuple[float, int] | None = None
         self._refusals = 0
         """Attempts refused in a row (see REFUSALS_BEFORE_STOP)."""
+        self._step: Callable[[], int] = lambda: 0
+        self._loader: DistributedBatchLoader | None = None
 
-    def serve(
+    # --- how the trainer runs its steps ------------------------------------------------------
+
+    def begin(
+        self,
+        *,
+        state: Callable[[], dict[str, Any]],
+        load: Callable[[dict[str, Any]], None],
+        step: Callable[[], int],
+        loader: DistributedBatchLoader,
+    ) -> None:
+        """Before the first step: serve this rank's live state (`state`; `load` takes a
+        peer's, see `_serve`), gather the first quorum (which may load a peer's state, and so
+        move `step()`, the trainer's step) and refuse a restart that has nothing to resume
+        from. `loader` is re-planned at every quorum over the groups in it."""
+        self._step, self._loader = step, loader
+        self._serve(state, load, step=step())
+        self._first_quorum(step=step(), loader=loader)
+        self._check_restart_has_a_source(step=step())
+
+    def until_committed(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, one step on this group's share of the global batch, redone until every
+        group of the quorum commits it (`average` raises StepNotCommitted when one does not).
+        After a failed attempt the loader and the RNG are put back where the step began and
+        the survivors' new quorum re-plans the same global batch over the groups left. That
+        quorum may also load a peer's live state (this group was cut off while the others went
+        on), which moves the trainer's step to the peer's: each attempt takes its step from
+        it."""
+        assert self._loader is not None, "begin() first"
+        while True:
+            started = time.perf_counter()
+            position, rng = self._loader.state_dict(), torch.get_rng_state()
+            try:
+                result = attempt()
+            except StepNotCommitted as error:
+                self._loader.load_state_dict(position)
+                torch.set_rng_state(rng)
+                self._step_failed(started, error)
+                self.quorum(step=self._step(), loader=self._loader)
+                continue
+            self._step_committed(self._step() + 1)
+            return result
+
+    def next_quorum(self) -> None:
+        """After a step that is not the last: the quorum of the next one."""
+        assert self._loader is not None, "begin() first"
+        self.quorum(step=self._step(), loader=self._loader)
+
+    # --- the live state, the quorum ------------------------------------------------------------
+
+    def _serve(
         self,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
@@ -278,9 +333,7 @@ class ReplicaGroups:
 
         self.manager.register_state_dict_fn("distrain", timed_load, state)
 
-    # --- before each step --------------------------------------------------------------------
-
-    def first_quorum(self, *, step: int, loader: DistributedBatchLoader) -> None:
+    def _first_quorum(self, *, step: int, loader: DistributedBatchLoader) -> None:
         """The quorum before this group's first step. Groups that start together (none ahead
         of this one's `step`, no restart) gather first: until every one of the
         fault_tolerance.replica_groups groups is in the quorum, or for
@@ -362,7 +415,7 @@ class ReplicaGroups:
             dp_size=participants * self.dp_size,
         )
 
-    def check_restart_has_a_source(self, *, step: int) -> None:
+    def _check_restart_has_a_source(self, *, step: int) -> None:
         """A restarted group (torchrun's restart count > 0) at step 0, alone in its first quorum,
         has neither a peer's live state nor a checkpoint: training from scratch would only make
         a second run under this group's run dir, so it stops with a one-line error instead."""
@@ -453,12 +506,12 @@ class ReplicaGroups:
                 "lighthouse (docs/security.md)"
             )
 
-    def step_failed(self, started: float, error: StepNotCommitted) -> None:
+    def _step_failed(self, started: float, error: StepNotCommitted) -> None:
         """Note a failed attempt of the current step (started at `started`, perf_counter)."""
         self._failed.append((started, str(error)))
         self.log.warning("step not committed by every replica group (%s): redoing it", error)
 
-    def step_committed(self, step: int) -> None:
+    def _step_committed(self, step: int) -> None:
         """`step` committed: report the recovery if it took more than one attempt."""
         if not self._failed:
             return

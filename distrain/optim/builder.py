@@ -1,10 +1,12 @@
 """Optimizer construction: over param_groups.py's groups (no weight decay on norms and biases),
 AdamW (fused where the device has it), ZeRO-1 for tp/pp layouts or torch's
 ZeroRedundancyOptimizer under DDP, 1-bit Adam (plain, and sharded under ZeRO-1/2) and plain SGD,
-each with the gradient plan it declares (gradient_plan.py)."""
+each with the gradient plan it declares (gradient_plan.py), gathered into one `Optimizers`
+(optimizers.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,11 +23,13 @@ from distrain.optim.capability import optimizer_capability
 from distrain.optim.gradient_plan import GradientPlan, OneBitAdamPlan, OneBitZeroPlan
 from distrain.optim.onebit_adam import OneBitAdam, onebit_units
 from distrain.optim.onebit_zero import OneBitZeroAdam
+from distrain.optim.optimizers import Optimizers
 from distrain.optim.param_groups import param_groups, roles_of
 from distrain.optim.zero1 import Zero1AdamW
 from distrain.parallel.compress import CommStats
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims
+from distrain.parallel.scaler import AgreedGradScaler
 from distrain.torch_compat import canonical_name
 
 
@@ -54,14 +58,18 @@ def build_optimizers(
     dp_mesh: DeviceMesh,
     comm_stats: CommStats | None = None,
     *,
+    scaler: AgreedGradScaler,
+    total_steps: int,
+    counted_elsewhere: list[nn.Parameter],
     site: dist.ProcessGroup | None = None,
-) -> tuple[list[torch.optim.Optimizer], GradientPlan]:
+    logger: logging.Logger | None = None,
+) -> Optimizers:
     """`build_optimizer` for each model part, on the groups the layout `dims` decides:
     gradients averaged over dp (dp x cp under context parallelism), ZeRO-1's state split over
     `ParallelDims.zero1_mesh`, 1-bit Adam's gradients reduce-scattered over the averaging
-    group when it shards them (ZeRO-2, no wrapper); and the `GradientPlan` the trainer asks
-    in every step, as the optimizers' capability has it. Under DiLoCo (`dims.diloco`) each
-    site's gradient is normed and clipped over that site's ranks, `site`
+    group when it shards them (ZeRO-2, no wrapper); gathered with `scaler`, the schedule over
+    `total_steps` and the `GradientPlan` the optimizers' capability declares. Under DiLoCo
+    (`dims.diloco`) each site's gradient is normed and clipped over that site's ranks, `site`
     (parallel/mesh.py's `site_group`)."""
     capability = optimizer_capability(cfg, zero_stage=dims.zero_stage, tp=dims.tp, pp=dims.pp)
     grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
@@ -81,16 +89,27 @@ def build_optimizers(
         for part in parts
     ]
     holders = dims.world_size // dims.pp
+    plan: GradientPlan
     if site is not None:  # DiLoCo: AdamW or SGD (layout rules)
-        return optimizers, GradientPlan(
-            parts, holders=holders // dims.dp_replicate, norm_group=site
-        )
-    if not capability.exchanges_momentum:
-        return optimizers, GradientPlan(parts, holders=holders)
-    if zero1_group is None and zero2_group is None:  # OneBitAdam
-        return optimizers, OneBitAdamPlan(parts, optimizers, holders=holders)
-    (sharded,) = optimizers  # OneBitZeroAdam: one part (no pp; a layout rule)
-    return optimizers, OneBitZeroPlan(parts, sharded, holders=holders)
+        plan = GradientPlan(parts, holders=holders // dims.dp_replicate, norm_group=site)
+    elif not capability.exchanges_momentum:
+        plan = GradientPlan(parts, holders=holders)
+    elif zero1_group is None and zero2_group is None:  # OneBitAdam
+        plan = OneBitAdamPlan(parts, optimizers, holders=holders)
+    else:
+        (sharded,) = optimizers  # OneBitZeroAdam: one part (no pp; a layout rule)
+        plan = OneBitZeroPlan(parts, sharded, holders=holders)
+    return Optimizers(
+        parts,
+        optimizers,
+        plan=plan,
+        scaler=scaler,
+        spec=spec,
+        cfg=cfg,
+        total_steps=total_steps,
+        counted_elsewhere=counted_elsewhere,
+        logger=logger,
+    )
 
 
 def build_optimizer(

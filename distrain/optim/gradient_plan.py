@@ -1,8 +1,8 @@
 """What happens to the gradients between backward and the optimizer step, as the optimizers'
 capability (capability.py) has it at run time: whether backward averages them (DDP, FSDP2),
 what the optimizers do before clipping, how the norm is taken and where the non-finite guard
-reads them. `build_optimizers` builds the plan with the optimizers; the trainer asks the plan in
-every step, never the optimizers."""
+reads them. `build_optimizers` builds the plan with the optimizers, and `Optimizers`
+(optimizers.py) asks it in every step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Optimizer state under the full model's parameter names, whatever the layout (DCP's flattened
 optimizer state dict; ZeRO-1 and 1-bit Adam give their shards under the same names), so a
-checkpoint of any layout loads into any other."""
+checkpoint of any layout loads into any other; `OptimizerState` merges the model parts'
+optimizers into one such dict."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
+from distrain.family.spec import ModelSpec
+from distrain.optim.param_groups import roles_of
 from distrain.optim.zero1 import Zero1AdamW
 from distrain.torch_compat import is_zero_redundancy_optimizer
 
@@ -58,3 +62,59 @@ def _zero1(optimizer: torch.optim.Optimizer) -> Any:
     holds this rank's state)."""
     zero1 = isinstance(optimizer, Zero1AdamW) or is_zero_redundancy_optimizer(optimizer)
     return optimizer if zero1 else None
+
+
+def _head_copy(part: torch.nn.Module, spec: ModelSpec) -> tuple[str, str] | None:
+    """(the last stage's name, the first stage's name) of a tied weight when `part` is a
+    pipeline stage with its own copy of it under the last stage's name (parallel/tied.py).
+    Where the embedding and the head are one parameter, torch names it once, after the
+    embedding, and the head's name has no optimizer state."""
+    tied = roles_of(part, spec).tied
+    if tied is None or not any(name == tied[1] for name, _ in part.named_parameters()):
+        return None
+    return tied[1], tied[0]
+
+
+def _renamed(state: dict, old: str, new: str) -> dict:
+    """`state` with the flattened entries of parameter `old` (`state.<old>.<key>`,
+    `param_groups.<old>.<key>`) named after `new`; the other entries as they are."""
+    renamed = {}
+    for key, value in state.items():
+        for section in ("state.", "param_groups."):
+            if key.startswith(f"{section}{old}."):
+                key = f"{section}{new}.{key.removeprefix(f'{section}{old}.')}"
+        renamed[key] = value
+    return renamed
+
+
+class OptimizerState(Stateful):
+    """One optimizer per model part, flattened to `state.<param name>.<key>` entries so the parts'
+    dicts merge and split again under another layout.
+
+    A tied embedding has one optimizer state, under the embedding's name, whatever the layout:
+    a pipeline's last stage saves its head copy's state (equal to the embedding copy's, since
+    both take the same summed gradient) under that name, and loads it from there, so a
+    checkpoint of one layout resumes on any other."""
+
+    def __init__(
+        self,
+        parts: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        spec: ModelSpec,
+    ):
+        self.parts, self.optimizers = parts, optimizers
+        self.copies = [_head_copy(part, spec) for part in parts]
+
+    def state_dict(self) -> dict:
+        merged = {}
+        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
+            state = optimizer_state_dict(part, optimizer)
+            if copy is not None:
+                state = _renamed(state, *copy)
+            merged.update(state)
+        return merged
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
+            own = _renamed(state, copy[1], copy[0]) if copy is not None else state
+            load_optimizer_state_dict(part, optimizer, own)

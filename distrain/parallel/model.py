@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distrain.config.batch import BatchSizes
+from distrain.data.dataset import Batch
 from distrain.errors import ConfigError
 from distrain.family.spec import ModelSpec
 from distrain.observe import heartbeat
@@ -56,9 +57,6 @@ from distrain.parallel.moe_stats import MoEStats
 from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
-
-Batch = tuple[torch.Tensor, ...]
-"""(inputs, targets), or (inputs, targets, documents) with the samples' document ids, [B, T]."""
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -3,9 +3,9 @@ the loop runs, in dependency order, each from its own section of the resolved co
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
 choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink (with
 rank 0's experiment trackers), the stop-signal agreement, fault injection, the step observers,
-the step's backward (plain or out-of-memory recovering) and how steps run (plainly, or under
-replica groups as this group's seat among them: torchft's manager). Nothing is built
-later, and nothing here runs a step."""
+out-of-memory recovery (training.oom_recovery) and this group's seat among the replica groups
+(fault_tolerance.replica_groups: torchft's manager). Nothing is built later, and nothing here
+runs a step."""
 
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ from distrain.parallel.model import ParallelModel, build_parallel_model
 from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
-from distrain.train.backward import PlainBackward
 from distrain.train.fault_injection import FaultInjection
 from distrain.train.loop import Trainer
 from distrain.train.observers import (
@@ -55,10 +54,9 @@ from distrain.train.observers import (
     MoEMetrics,
     ReplicaCheck,
 )
-from distrain.train.oom import RecoveringBackward
+from distrain.train.oom import OutOfMemoryRecovery
 from distrain.train.resolve import resolve
 from distrain.train.rng import seed_everything
-from distrain.train.steps import PlainSteps, ReplicatedSteps
 
 
 def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trainer:
@@ -81,8 +79,19 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     model = build_parallel_model(plan, mesh, dp_mesh, ctx, comm_stats)
     timeout_s = cfg.comm.collective_timeout_s
     site = site_group(mesh, timeout_s=timeout_s) if dims.diloco else None
-    optimizers, gradient_plan = build_optimizers(
-        model.parts, cfg.optim, plan.spec, dims, mesh, dp_mesh, comm_stats, site=site
+    optimizers = build_optimizers(
+        model.parts,
+        cfg.optim,
+        plan.spec,
+        dims,
+        mesh,
+        dp_mesh,
+        comm_stats,
+        scaler=AgreedGradScaler(ctx.device, enabled=t.precision == "fp16"),
+        total_steps=t.steps,
+        counted_elsewhere=model.counted_elsewhere,
+        site=site,
+        logger=logger,
     )
     trackers = Trackers(cfg, run_dir, logger) if ctx.rank == 0 else None
     metrics = MetricsWriter(
@@ -94,7 +103,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     if plan.auto_micro_batch:
         choice = autobatch.choose(
             model,
-            optimizers,
+            optimizers.per_part,
             train_set,
             loader,
             training=t,
@@ -142,13 +151,13 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     )
     if outer is not None:
         observers.insert(observers.index(metrics), DiLoCoMetrics(outer))
-    scaler = AgreedGradScaler(ctx.device, enabled=t.precision == "fp16")
     # The ranks gradients are averaged over: dp, or dp x cp under context parallelism.
     grad_group = dims.gradient_mesh(mesh, dp_mesh).get_group()
+    oom = None
     if t.oom_recovery:
-        backward = RecoveringBackward(
+        oom = OutOfMemoryRecovery(
             model,
-            scaler,
+            optimizers.scale,
             loader,
             ctx=ctx,
             grad_group=grad_group,
@@ -157,22 +166,16 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
             metrics=metrics,
             logger=logger,
         )
-    else:
-        backward = PlainBackward(model, scaler, gradient_plan)
-    steps = (
-        ReplicatedSteps(
-            ReplicaGroups(
-                cfg.fault_tolerance,
-                ctx=ctx,
-                dp_rank=dp_rank,
-                dp_size=dims.dp_size,
-                metrics=metrics,
-                logger=logger,
-            )
+    replicas = None
+    if cfg.fault_tolerance.replica_groups:
+        replicas = ReplicaGroups(
+            cfg.fault_tolerance,
+            ctx=ctx,
+            dp_rank=dp_rank,
+            dp_size=dims.dp_size,
+            metrics=metrics,
+            logger=logger,
         )
-        if cfg.fault_tolerance.replica_groups
-        else PlainSteps()
-    )
     return Trainer(
         plan=plan,
         ctx=ctx,
@@ -185,10 +188,8 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         eval_sets=eval_sets,
         model=model,
         optimizers=optimizers,
-        gradient_plan=gradient_plan,
-        backward=backward,
-        steps=steps,
-        scaler=scaler,
+        oom=oom,
+        replicas=replicas,
         checkpointer=checkpointer,
         checkpoint_policy=CheckpointPolicy(cfg.checkpoint, total_steps=t.steps, device=ctx.device),
         stop_signals=stop_signals,

@@ -1,16 +1,19 @@
-"""The training loop: data -> step -> observe -> checkpoint, until training.steps.
+"""The trainer: its parts, one training step, and the loop that runs the steps until
+training.steps.
 
-A step is forward/backward over this rank's micro-batches (accumulated, mixed precision; the
-`backward` strategy, backward.py, or oom.py's with out-of-memory recovery), clipping, the
-optimizer update and the loss scale, and under DiLoCo the outer step when it is due
-(optim/diloco.py). At logged steps the loss and gradient norm are read (the loop's only host
-syncs outside fp16 and health checks) and the metrics row goes through the observers
-(observe/observer.py); evaluation and checkpoints follow when due; a stop signal agreed by every
-rank ends the run with a preempt checkpoint. How a step runs is the `steps` strategy (steps.py):
-once, or under replica groups with the groups' quorum, the gradients averaged between groups
-after backward and a step some group failed redone by the survivors. The parts are assembled
-once by `build_trainer` (build.py); fault injection goes through `FaultInjection`
-(fault_injection.py).
+`Trainer.train_step` is the step, top to bottom: the loss's divisor, forward and backward over
+this rank's micro-batches (accumulated, mixed precision; under training.oom_recovery retried with
+half the micro-batch, oom.py), the gradients averaged between replica groups (ft/), then the
+optimizers (optim/optimizers.py: unscale, clip, the update unless the non-finite guard says no,
+zero_grad), MoE statistics and, under DiLoCo, the outer step when it is due (optim/diloco.py).
+Under replica groups each step runs inside `ReplicaGroups.until_committed`, which redoes it
+until every group of the quorum commits it.
+
+`Trainer.run` is the loop: data -> step -> observe -> evaluate -> checkpoint. At logged steps the
+loss and gradient norm are read (the loop's only host syncs outside fp16 and health checks) and
+the metrics row goes through the observers (observe/observer.py); a stop signal agreed by every
+rank ends the run with a preempt checkpoint. The parts are assembled once by `build_trainer`
+(build.py); fault injection goes through `FaultInjection` (fault_injection.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,9 @@ from distrain.checkpoint.manifest import step_name
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, val_batches
+from distrain.data.dataset import Batch
 from distrain.errors import CheckpointError
+from distrain.ft.replica_groups import ReplicaGroups, copy_into, transferable
 from distrain.launch.preempt import Preempted, StopAgreement, StopSignals, preempted_message
 from distrain.observe import heartbeat
 from distrain.observe.health import NonFiniteGuard
@@ -38,27 +44,18 @@ from distrain.observe.metrics import MetricsWriter
 from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges
 from distrain.optim.diloco import DiLoCo
-from distrain.optim.gradient_plan import GradientPlan
-from distrain.optim.schedule import set_lr
+from distrain.optim.optimizers import Optimizers
 from distrain.parallel.device import DistContext
 from distrain.parallel.mesh import ParallelDims
 from distrain.parallel.model import ParallelModel
 from distrain.parallel.run_plan import RunPlan
-from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import oom
-from distrain.train.backward import Backward
 from distrain.train.fault_injection import FaultInjection
-from distrain.train.state import (
-    GlobalWeights,
-    ModelState,
-    OptimizerState,
-    OuterState,
-    RNGState,
-    SiteState,
-)
-from distrain.train.steps import PlainSteps
+from distrain.train.rng import rng_state, set_rng_state
+from distrain.train.state import GlobalWeights, ModelState, OuterState, RNGState, SiteState
 
-Batch = tuple[torch.Tensor, ...]
+StepResult = tuple[torch.Tensor, torch.Tensor, float]
+"""(loss, gradient norm, learning rate) of a step; the first two on the device."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -79,14 +76,11 @@ class Trainer:
     eval_sets: dict[str, Dataset]
     """data.eval_sets by name, evaluated after val_set at every validation pass."""
     model: ParallelModel
-    optimizers: list[torch.optim.Optimizer]
-    gradient_plan: GradientPlan
-    """How the optimizers want the gradients: synchronized in backward, averaged, clipped."""
-    backward: Backward
-    """How the step makes its gradients: plainly, or recovering from out-of-memory errors."""
-    steps: PlainSteps
-    """How the loop runs a step: once, or as one replica group among several."""
-    scaler: AgreedGradScaler
+    optimizers: Optimizers
+    oom: oom.OutOfMemoryRecovery | None
+    """training.oom_recovery: forward and backward retried with half the micro-batch."""
+    replicas: ReplicaGroups | None
+    """fault_tolerance.replica_groups: this group's seat among the replica groups."""
     checkpointer: Checkpointer
     checkpoint_policy: CheckpointPolicy
     stop_signals: StopSignals
@@ -103,8 +97,6 @@ class Trainer:
     step: int = 0
     started: bool = False
     """True once the loop begins: an error before that is a failed start (see worker.py)."""
-    fp16_skipped: int = 0
-    """Steps the loss scaler skipped (gradients overflowed on some rank)."""
     step_state: dict[str, torch.Tensor] = field(
         default_factory=lambda: {"step": torch.zeros((), dtype=torch.int64)}
     )
@@ -123,8 +115,7 @@ class Trainer:
         # The model's entries before the optimizer's: asking FSDP2 for them reshards the
         # parameters that an evaluation's forward left gathered (ZeRO-2), which the optimizer's
         # state is keyed by.
-        model = ModelState(self.model.parts)
-        optim = OptimizerState(self.model.parts, self.optimizers, self.model.spec)
+        model, optim = ModelState(self.model.parts), self.optimizers
         if self.outer is None:
             state = {"model": model, "optim": optim}
         else:
@@ -136,8 +127,8 @@ class Trainer:
                 "outer": OuterState(self.outer),
             }
         state.update(trainer=self.step_state, data=self.loader, rng=RNGState())
-        if self.scaler.is_enabled():
-            state["scaler"] = self.scaler
+        if self.optimizers.fp16:
+            state["scaler"] = self.optimizers.scaler
         return state
 
     def save_checkpoint(self, kind: str | None, *, preempt: bool = False) -> None:
@@ -166,70 +157,83 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def train_step(
-        self, batches: list[Batch], lr: float, *, report_loss: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm) on
-        the device, without a host sync. The model is in train mode (see `evaluate`). With
-        report_loss=False the loss is left where it was computed (see
-        `ParallelModel.forward_backward`): for steps that are not logged.
-
-        The loss is the mean over the global batch's targets: under data.document_masking
-        samples hold unequally many, so the ranks add up their counts first (one all-reduce of
-        a scalar); otherwise every rank's count is known to be the same."""
-        plan = self.gradient_plan
-        share = self.model.target_share(
-            batches, self.grad_group if self.cfg.data.document_masking else None
-        )
-        loss = self.backward(batches, share, step=self.step + 1, report_loss=report_loss)
+    def train_step(self, batches: list[Batch], *, report_loss: bool = True) -> StepResult:
+        """Optimizer step self.step + 1 over this rank's micro-batches: (loss, gradient norm,
+        learning rate), the first two on the device, without a host sync. The model is in train
+        mode (see `evaluate`). With report_loss=False the loss is left where it was computed
+        (see `ParallelModel.forward_backward`): for steps that are not logged. self.step is the
+        caller's to advance."""
+        step = self.step + 1
+        lr = self.optimizers.lr_at(self.step)
+        # The loss is the mean over the global batch's targets: under data.document_masking
+        # samples hold unequally many, so the ranks add up their counts first (one all-reduce
+        # of a scalar); otherwise every rank's count is known to be the same.
+        masked = self.cfg.data.document_masking
+        share = self.model.target_share(batches, self.grad_group if masked else None)
+        if self.oom is None:
+            loss = self.model.forward_backward(
+                batches,
+                self.optimizers.scale,
+                sync=self.optimizers.sync_in_backward(),
+                report_loss=report_loss,
+                target_share=share,
+            )
+        else:
+            loss = self.oom.forward_backward(batches, share, step=step)
         heartbeat.mark("optimizer")
-        self.faults.after_backward(self.step + 1, self.model.parameters)
-        loss = self.steps.between_groups(loss, self.model.parameters)
-        for optimizer in self.optimizers:
-            self.scaler.unscale_(optimizer)
-        plan.before_clip()
-        grad_norm = plan.clip(
-            self.cfg.optim.max_grad_norm or math.inf,
-            counted_elsewhere=self.model.counted_elsewhere,
-        )
-        update = self.scaler.is_enabled() or self.nonfinite.step_ok(
+        self.faults.after_backward(step, self.model.parameters)
+        if self.replicas is not None:
+            # Raises StepNotCommitted, gradients dropped, if some group failed: see `run`.
+            loss = self.replicas.average(loss, self.model.parameters)
+        grad_norm = self.optimizers.unscale_and_clip()
+        # Under fp16 the scaler skips a step whose (agreed) gradients overflowed.
+        update = self.optimizers.fp16 or self.nonfinite.step_ok(
             grad_norm,
-            step=self.step + 1,
-            named_params=plan.named_gradients(),
-            agreed=plan.norm_agreed(),
+            step=step,
+            named_params=self.optimizers.named_gradients(),
+            agreed=self.optimizers.norm_agreed(),
         )
-        if update:
-            for optimizer in self.optimizers:
-                set_lr(optimizer, lr)
-                self.scaler.step(optimizer)
-        self._update_scale()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        self.optimizers.step(lr, update=update, step=step)
         if self.model.moe_stats is not None:
             self.model.moe_stats.after_step(updated=update)
         if self.outer is not None:
-            self.outer.after_step(self.step + 1)
-        return loss, grad_norm
+            self.outer.after_step(step)
+        return loss, grad_norm, lr
 
-    def _update_scale(self) -> None:
-        """scaler.update(), noting a skipped step: the scale only drops when the (agreed)
-        gradients overflowed. Reading the scale syncs the host, but scaler.step just did so
-        reading the found-inf flag, so fp16 costs no extra wait."""
-        if not self.scaler.is_enabled():
-            self.scaler.update()
-            return
-        before = self.scaler.get_scale()
-        self.scaler.update()
-        after = self.scaler.get_scale()
-        if after < before:
-            self.fp16_skipped += 1
-            self.log.warning(
-                "step %d: fp16 gradients overflowed on some rank: step skipped by every rank, "
-                "loss scale %g -> %g",
-                self.step + 1,
-                before,
-                after,
-            )
+    def _next_step(self, *, report_loss: bool) -> StepResult:
+        """The next step on the next global batch: once, or, under replica groups, until every
+        group of the quorum commits it (which always reports the loss: the groups average it)."""
+        if self.replicas is None:
+            return self.train_step(self.loader.next_batch(), report_loss=report_loss)
+        return self.replicas.until_committed(
+            lambda: self.train_step(self.loader.next_batch(), report_loss=True)
+        )
+
+    # --- the live state a rejoining replica group takes from this rank --------------------
+
+    def _live_state(self) -> dict[str, Any]:
+        """This rank's shards of the model and optimizer, the loader position, the RNG states
+        and the step: what the same rank of a rejoining replica group loads."""
+        return transferable(
+            {
+                "model": ModelState(self.model.parts).state_dict(),
+                "optim": self.optimizers.state_dict(),
+                "data": self.loader.state_dict(),
+                "rng": rng_state(),
+                "trainer": {"step": torch.tensor(self.step)},
+            }
+        )
+
+    def _load_live_state(self, received: dict[str, Any]) -> None:
+        model = ModelState(self.model.parts)
+        weights, moments = model.state_dict(), self.optimizers.state_dict()
+        copy_into(weights, received["model"], where="model.")
+        copy_into(moments, received["optim"], where="optim.")
+        model.load_state_dict(weights)
+        self.optimizers.load_state_dict(moments)
+        self.loader.load_state_dict(received["data"])
+        set_rng_state(received["rng"])
+        self.step = int(received["trainer"]["step"])
 
     def _world_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all ranks: every tp and pp rank of a replica holds its replica's value, so
@@ -271,7 +275,13 @@ class Trainer:
             self.checkpointer.storage.check_writable()
         self.maybe_resume()
         self.checkpointer.claim_location()
-        self.steps.begin(self)
+        if self.replicas is not None:
+            self.replicas.begin(
+                state=self._live_state,
+                load=self._load_live_state,
+                step=lambda: self.step,
+                loader=self.loader,
+            )
         if self.step >= t.steps:
             self.log.info(
                 "run already finished at step %d (training.steps = %d)", self.step, t.steps
@@ -293,7 +303,7 @@ class Trainer:
                 observer.before_step(step)
             heartbeat.mark("data", step=step)
             self.faults.step_runs(step, self.model.parameters)
-            loss, grad_norm, lr = self.steps.run(self, report_loss=is_logged(step))
+            loss, grad_norm, lr = self._next_step(report_loss=is_logged(step))
             step = self.step + 1  # a peer's, where a failed attempt healed this replica group
             finished, logged = step == t.steps, is_logged(step)
             self.step = step
@@ -327,7 +337,8 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             for observer in self.observers:
                 observer.step_end(step)
-            self.steps.step_end(self, finished=finished)
+            if self.replicas is not None and not finished:
+                self.replicas.next_quorum()
         heartbeat.mark("checkpoint")
         self.checkpointer.wait()
         self.stop.close()
@@ -368,8 +379,11 @@ class Trainer:
             "tokens_per_s": t.global_batch_size * t.seq_len * steps / elapsed,
             "step_time_s": elapsed / steps,
         }
-        if self.scaler.is_enabled():
-            row.update(loss_scale=self.scaler.get_scale(), fp16_skipped=self.fp16_skipped)
+        if self.optimizers.fp16:
+            row.update(
+                loss_scale=self.optimizers.scaler.get_scale(),
+                fp16_skipped=self.optimizers.fp16_skipped,
+            )
         for observer in self.observers:
             observer.logged(row, steps=steps)
 
@@ -382,7 +396,8 @@ class Trainer:
         self.phase_ranges.close()
         heartbeat.unlisten(self.phase_ranges)
         self.stop_signals.close()
-        self.steps.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def _perplexity(loss: float) -> float:

@@ -1,7 +1,7 @@
-"""Out-of-memory recovery (`RecoveringBackward`, the step's backward strategy under
-training.oom_recovery): a step that runs out of memory on any rank is retried by every rank
-with half the micro-batch and twice the accumulation, so the global batch and the math stay the
-same.
+"""Out-of-memory recovery (`OutOfMemoryRecovery`, which wraps the step's forward and backward
+under training.oom_recovery): a step that runs out of memory on any rank is retried by every
+rank with half the micro-batch and twice the accumulation, so the global batch and the math stay
+the same.
 
 Ranks must agree before any gradient leaves a rank, or a rank that failed mid-backward would
 leave the others waiting in a collective it never joins. So with recovery on, every micro-batch
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from distrain.data.dataset import Batch
 from distrain.errors import DistrainError
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext
 from distrain.parallel.model import ParallelModel
-from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train.fault_injection import FaultInjection
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def halve_micro_batch(current: int, *, step: int, logger: logging.Logger) -> int
     return smaller
 
 
-def split(batches: list[tuple[torch.Tensor, ...]], micro_batch_size: int):
+def split(batches: list[Batch], micro_batch_size: int) -> list[Batch]:
     """The same samples, in the same order, cut into micro-batches of the new size (each part
     of a batch: inputs, targets and any document ids)."""
     parts = [torch.cat(part) for part in zip(*batches, strict=True)]
@@ -106,7 +106,7 @@ def split(batches: list[tuple[torch.Tensor, ...]], micro_batch_size: int):
     ]
 
 
-class RecoveringBackward:
+class OutOfMemoryRecovery:
     """The step's forward and backward, retried with half the micro-batch (the loader's too,
     for the steps after) until it fits on every rank. Gradients are synchronized after the
     ranks agree, never by a rank that failed (see the module docstring)."""
@@ -114,7 +114,7 @@ class RecoveringBackward:
     def __init__(
         self,
         model: ParallelModel,
-        scaler: AgreedGradScaler,
+        scale: Callable[[torch.Tensor], torch.Tensor],
         loader: DistributedBatchLoader,
         *,
         ctx: DistContext,
@@ -124,7 +124,7 @@ class RecoveringBackward:
         metrics: MetricsWriter,
         logger: logging.Logger,
     ):
-        self.model, self.scaler, self.loader = model, scaler, loader
+        self.model, self.scale, self.loader = model, scale, loader
         self.ctx, self.grad_group, self.bucket_cap_mb = ctx, grad_group, bucket_cap_mb
         self.faults, self.metrics, self.log = faults, metrics, logger
         dims = model.dims
@@ -133,14 +133,12 @@ class RecoveringBackward:
         # agree before each micro-batch.
         self.agree = dims.dp_wrapper == "fsdp" or self.pipelined or dims.cp > 1
 
-    def __call__(
-        self,
-        batches: list[tuple[torch.Tensor, ...]],
-        target_share: torch.Tensor,
-        *,
-        step: int,
-        report_loss: bool,
+    def forward_backward(
+        self, batches: list[Batch], target_share: torch.Tensor, *, step: int
     ) -> torch.Tensor:
+        """`ParallelModel.forward_backward` of optimizer step `step`'s micro-batches, the
+        gradients synchronized, retried until it fits on every rank; the loss, reported (as
+        with report_loss=True)."""
         while True:
             hook = self.faults.out_of_memory_hook(step, 1 if self.pipelined else len(batches))
             loss = self._attempt(batches, target_share, hook)
@@ -157,7 +155,7 @@ class RecoveringBackward:
 
     def _attempt(
         self,
-        batches: list[tuple[torch.Tensor, ...]],
+        batches: list[Batch],
         target_share: torch.Tensor,
         hook: Callable[[int], None],
     ) -> torch.Tensor | None:
@@ -169,7 +167,7 @@ class RecoveringBackward:
             try:
                 loss = self.model.forward_backward(
                     batches,
-                    self.scaler.scale,
+                    self.scale,
                     sync_each=True,
                     before_micro_batch=agreed(hook, device),
                     target_share=target_share,
@@ -183,7 +181,7 @@ class RecoveringBackward:
         try:
             loss = self.model.forward_backward(
                 batches,
-                self.scaler.scale,
+                self.scale,
                 sync=False,
                 before_micro_batch=hook,
                 target_share=target_share,

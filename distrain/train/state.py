@@ -1,6 +1,6 @@
-"""What a checkpoint holds of the model, its optimizers and the RNGs, as DCP `Stateful`s: weights
-and optimizer state under the full model's parameter names (so any layout loads them), and the
-RNG states.
+"""What a checkpoint holds of the model and the RNGs, as DCP `Stateful`s: weights under the full
+model's parameter names (so any layout loads them), and the RNG states; the optimizers' state is
+their own (optim/optimizers.py).
 
 Under DiLoCo the sites' weights and inner optimizer states differ between outer steps: each
 site keeps its own (`SiteState`), the model's entries are the global weights (what export and
@@ -20,11 +20,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distrain.checkpoint.load import SavedLayoutAware
 from distrain.errors import CheckpointError
-from distrain.family.spec import ModelSpec
 from distrain.optim.diloco import DiLoCo
 from distrain.optim.diloco_resume import site_change_problem
-from distrain.optim.param_groups import roles_of
-from distrain.optim.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from distrain.parallel.mesh import ParallelDims
 from distrain.train.rng import rng_state, set_rng_state
 
@@ -41,62 +38,6 @@ class ModelState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         for part in self.parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
-
-
-def _head_copy(part: torch.nn.Module, spec: ModelSpec) -> tuple[str, str] | None:
-    """(the last stage's name, the first stage's name) of a tied weight when `part` is a
-    pipeline stage with its own copy of it under the last stage's name (parallel/tied.py).
-    Where the embedding and the head are one parameter, torch names it once, after the
-    embedding, and the head's name has no optimizer state."""
-    tied = roles_of(part, spec).tied
-    if tied is None or not any(name == tied[1] for name, _ in part.named_parameters()):
-        return None
-    return tied[1], tied[0]
-
-
-def _renamed(state: dict, old: str, new: str) -> dict:
-    """`state` with the flattened entries of parameter `old` (`state.<old>.<key>`,
-    `param_groups.<old>.<key>`) named after `new`; the other entries as they are."""
-    renamed = {}
-    for key, value in state.items():
-        for section in ("state.", "param_groups."):
-            if key.startswith(f"{section}{old}."):
-                key = f"{section}{new}.{key.removeprefix(f'{section}{old}.')}"
-        renamed[key] = value
-    return renamed
-
-
-class OptimizerState(Stateful):
-    """One optimizer per model part, flattened to `state.<param name>.<key>` entries so the parts'
-    dicts merge and split again under another layout.
-
-    A tied embedding has one optimizer state, under the embedding's name, whatever the layout:
-    a pipeline's last stage saves its head copy's state (equal to the embedding copy's, since
-    both take the same summed gradient) under that name, and loads it from there, so a
-    checkpoint of one layout resumes on any other."""
-
-    def __init__(
-        self,
-        parts: list[torch.nn.Module],
-        optimizers: list[torch.optim.Optimizer],
-        spec: ModelSpec,
-    ):
-        self.parts, self.optimizers = parts, optimizers
-        self.copies = [_head_copy(part, spec) for part in parts]
-
-    def state_dict(self) -> dict:
-        merged = {}
-        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
-            state = optimizer_state_dict(part, optimizer)
-            if copy is not None:
-                state = _renamed(state, *copy)
-            merged.update(state)
-        return merged
-
-    def load_state_dict(self, state: dict) -> None:
-        for part, optimizer, copy in zip(self.parts, self.optimizers, self.copies, strict=True):
-            own = _renamed(state, copy[1], copy[0]) if copy is not None else state
-            load_optimizer_state_dict(part, optimizer, own)
 
 
 class SiteState(SavedLayoutAware):
