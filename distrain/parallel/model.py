@@ -24,7 +24,9 @@ masking leaves out the first token of every document; a negative target is no ta
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.batch import BatchSizes
 from distrain.data.dataset import Batch
@@ -59,6 +62,21 @@ from distrain.parallel.tensor import tp_loss_context
 from distrain.parallel.tied import TiedEmbedding
 
 
+@dataclass(frozen=True)
+class DDPSettling:
+    """What a DDP-wrapped model part needs once built: the shape of the throwaway batch that
+    settles its buckets, and the communication hook installed after it (`install_hook` returns
+    whether it installed one)."""
+
+    rows: int
+    seq_len: int
+    install_hook: Callable[[DistributedDataParallel], bool]
+
+
+def _unscaled(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -83,11 +101,20 @@ class ParallelModel:
         num_stages: int,
         pp_microbatches: int,
         spec: ModelSpec,
+        comm_stats: CommStats,
+        loss_in_model: bool = False,
         tied: tuple[dist.ProcessGroup, tuple[str, str]] | None = None,
+        moe_stats: MoEStats | None = None,
+        ddp: DDPSettling | None = None,
     ):
-        """`spec`: the model family's (its loss: (output, targets) -> summed loss). `tied`: the
-        group of the first and last pipeline rank and the names of a weight
-        the two share (`TiedEmbedding`)."""
+        """`spec`: the model family's (its loss: (output, targets) -> summed loss).
+        `comm_stats`: where DDP's plain all-reduce is counted (the other gradient collectives
+        count themselves). `loss_in_model`: the model part computes the loss itself (its
+        forward with targets, a family's `loss_in_forward`): when it is compiled whole, so that
+        the loss joins its graph. `tied`: the group of the first and last pipeline rank and the
+        names of a weight the two share (`TiedEmbedding`). `moe_stats`: a mixture-of-experts
+        model's statistics, whose balancing losses join the training loss. `ddp`: the part is
+        DDP-wrapped, its buckets settled and its hook installed here (`DDPSettling`)."""
         self.parts, self.dims, self.device = parts, dims, device
         self.spec = spec
         self.loss_fn = spec.loss
@@ -99,17 +126,9 @@ class ParallelModel:
             "fp32" if dims.dp_wrapper == "fsdp" and self.precision == "bf16" else self.precision,
             device,
         )
-        self.comm_stats: CommStats | None = None
-        self.loss_in_model = False
-        """The model part computes the loss itself (its forward with targets, a family's
-        `loss_in_forward`): set when it is compiled whole, so that the loss joins its graph."""
+        self.loss_in_model = loss_in_model
         # Under context parallelism each rank runs its share of every sequence's columns.
         self.sequence_split = SequenceSplit(mesh["cp"]) if dims.cp > 1 else None
-        # (elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
-        # because no hook runs on that path (see `install_comm_hook`); None when a hook counts.
-        self.allreduce_payload: tuple[int, int] | None = None
-        self.moe_stats: MoEStats | None = None
-        """Set for a mixture-of-experts model: its balancing losses join the training loss."""
         self.runner = None
         self.tied: TiedEmbedding | None = None
         self._pp_mesh = mesh["pp"] if dims.pp > 1 else None
@@ -119,6 +138,28 @@ class ParallelModel:
             if tied is not None:
                 group, names = tied
                 self.tied = TiedEmbedding(parts, stage_ids, num_stages, group, names=names)
+        # The settling iteration below counts no bytes and feeds no MoE statistics.
+        self.comm_stats: CommStats | None = None
+        self.moe_stats: MoEStats | None = None
+        self.allreduce_payload: tuple[int, int] | None = None
+        """(elements, bytes) of DDP's built-in all-reduce per synchronized step, counted here
+        because no hook runs on that path (see `install_comm_hook`); None when a hook counts."""
+        if ddp is not None:
+            self.allreduce_payload = self._settle_ddp(ddp)
+        self.comm_stats, self.moe_stats = comm_stats, moe_stats
+        if moe_stats is not None and dims.pp > 1:
+            from distrain.parallel.moe_pipeline import join_balancing_losses
+
+            join_balancing_losses(parts, moe_stats)
+
+    def _settle_ddp(self, ddp: DDPSettling) -> tuple[int, int] | None:
+        """DDP's buckets settled by one throwaway forward/backward (so a restarted process
+        reduces exactly as the run it continues), then its communication hook installed; the
+        payload of DDP's plain all-reduce when no hook was installed (the model counts it)."""
+        (wrapped,) = self.parts
+        tokens = torch.zeros(ddp.rows, ddp.seq_len, dtype=torch.long, device=self.device)
+        settle_bucket_layout(wrapped, lambda: self.forward_backward([(tokens, tokens)], _unscaled))
+        return None if ddp.install_hook(wrapped) else allreduce_payload(wrapped)
 
     def _build_runner(self, n_microbatches: int) -> None:
         from distrain.parallel.pipeline import PipelineRunner
@@ -418,22 +459,23 @@ def build_parallel_model(
     meta_model: nn.Module | None = None,
     ep_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
-    """The model parts for this rank: the model of `plan` (its family's, from its arguments)
-    laid out per its parallel degrees; gradient communication (DDP's hook, or the model itself
-    for DDP's plain all-reduce) counts its bytes into `comm_stats`. `meta_model`: the model
-    already built on the meta device (the planner builds it before it enters its fake-tensor
-    mode, in which module parameters could not be swapped by to_empty); `ep_mesh`: the
-    expert-parallel mesh already built (the planner's, made before that mode too: a DeviceMesh
-    reads its rank map, which that mode leaves without values), else built here under ep."""
-    device, spec, dims, cfg = ctx.device, plan.spec, plan.dims, plan.config
-    t = cfg.training
+    """The model parts for this rank, finished: the model of `plan` (its family's, from its
+    arguments) laid out per its parallel degrees; gradient communication (DDP's hook, or the
+    model itself for DDP's plain all-reduce) counts its bytes into `comm_stats`. `meta_model`:
+    the model already built on the meta device (the planner builds it before it enters its
+    fake-tensor mode, in which module parameters could not be swapped by to_empty); `ep_mesh`:
+    the expert-parallel mesh already built (the planner's, made before that mode too: a
+    DeviceMesh reads its rank map, which that mode leaves without values), else built here
+    under ep."""
+    device, spec, dims = ctx.device, plan.spec, plan.dims
+    t, comm = plan.training, plan.comm
     if meta_model is None:
         with torch.device("meta"):
             meta_model = spec.build(plan.model)
     moe_settings = spec.moe_settings(plan.model)
     parts, stage_ids, num_stages, microbatches = cut_stages(meta_model, plan, mesh)
     if ep_mesh is None and dims.ep > 1:
-        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=cfg.comm.collective_timeout_s)
+        ep_mesh = dims.build_ep_mesh(device.type, timeout_s=comm.collective_timeout_s)
     # Whole-model compile only where nothing inside the model would be traced across blocks.
     plain = dims.world_size == dims.dp_size and dims.ep == 1
     compile_whole = (
@@ -447,48 +489,57 @@ def build_parallel_model(
         parts, plan, mesh, comm_stats, ep_mesh=ep_mesh, compile_whole=compile_whole
     )
     _materialize(parts, plan, device)
+    ddp = None
     if dims.dp_wrapper == "ddp":
         dp_mesh = dims.gradient_mesh(mesh, dp_mesh)
         parts = [
-            apply_ddp(part, dp_mesh, bucket_cap_mb=cfg.comm.bucket_cap_mb, device=device)
+            apply_ddp(part, dp_mesh, bucket_cap_mb=comm.bucket_cap_mb, device=device)
             for part in parts
         ]
+        ddp = DDPSettling(
+            rows=plan.batch.micro,
+            seq_len=t.seq_len,
+            install_hook=functools.partial(
+                install_comm_hook,
+                dp_mesh=dp_mesh,
+                comm=comm,
+                stats=comm_stats,
+                local_world_size=ctx.local_world_size,
+                timeout_s=comm.collective_timeout_s,
+            ),
+        )
     tied_names = spec.tied_weights(meta_model)
-    model = ParallelModel(
-        parts,
-        dims=dims,
-        mesh=mesh,
-        batch=plan.batch,
-        precision=t.precision,
-        pp_schedule=cfg.parallel.pp_schedule,
-        device=device,
-        stage_ids=stage_ids,
-        num_stages=num_stages,
-        pp_microbatches=microbatches,
-        spec=spec,
-        tied=(
-            (embedding_group(mesh, timeout_s=cfg.comm.collective_timeout_s), tied_names)
-            if dims.pp > 1 and tied_names is not None
-            else None
-        ),
-    )
-    model.loss_in_model = compile_whole and spec.loss_in_forward
-    if dims.dp_wrapper == "ddp":
-        _settle_ddp(model, plan, dp_mesh, comm_stats, ctx)
-    model.comm_stats = comm_stats
+    moe_stats = None
     if moe_settings is not None:
-        model.moe_stats = MoEStats(
+        moe_stats = MoEStats(
             parts,
             moe_layers=spec.moe_layers,
             dp_group=dp_mesh.get_group(),
             device=device,
             args=moe_settings,
         )
-        if dims.pp > 1:
-            from distrain.parallel.moe_pipeline import join_balancing_losses
-
-            join_balancing_losses(parts, model.moe_stats)
-    return model
+    return ParallelModel(
+        parts,
+        dims=dims,
+        mesh=mesh,
+        batch=plan.batch,
+        precision=t.precision,
+        pp_schedule=plan.parallel.pp_schedule,
+        device=device,
+        stage_ids=stage_ids,
+        num_stages=num_stages,
+        pp_microbatches=microbatches,
+        spec=spec,
+        comm_stats=comm_stats,
+        loss_in_model=compile_whole and spec.loss_in_forward,
+        tied=(
+            (embedding_group(mesh, timeout_s=comm.collective_timeout_s), tied_names)
+            if dims.pp > 1 and tied_names is not None
+            else None
+        ),
+        moe_stats=moe_stats,
+        ddp=ddp,
+    )
 
 
 def cut_stages(
@@ -503,7 +554,7 @@ def cut_stages(
     from distrain.parallel.pipeline import split_model
     from distrain.parallel.stages import stage_ids_for_rank
 
-    p = plan.config.parallel
+    p = plan.parallel
     num_stages = dims.pp * p.pp_stages_per_rank
     stage_ids = stage_ids_for_rank(
         mesh["pp"].get_local_rank(), dims.pp, p.pp_stages_per_rank, p.pp_schedule
@@ -535,7 +586,7 @@ def lay_out_parts(
             part,
             mesh,
             plan.dims,
-            precision=plan.config.training.precision,
+            precision=plan.training.precision,
             blocks=getattr(part, plan.spec.blocks),
             expert_mesh=None if ep_mesh is None else ep_mesh["dp_mod_ep"],
         )
@@ -553,7 +604,7 @@ def _apply_layout(
 ) -> None:
     """Context, tensor and expert parallelism, activation checkpointing and compile, in that
     order, on one part still on the meta device."""
-    t, p, dims, spec = plan.config.training, plan.config.parallel, plan.dims, plan.spec
+    t, p, dims, spec = plan.training, plan.parallel, plan.dims, plan.spec
     blocks = getattr(part, spec.blocks)
     if dims.cp > 1:
         if spec.attention_modules is None:
@@ -584,42 +635,15 @@ def _apply_layout(
 def _materialize(parts: list[nn.Module], plan: RunPlan, device: torch.device) -> None:
     """Storage on `device` for every part, then the family's seeded init (the same values on
     every layout), from model.init_from's pretrained weights when it names them."""
-    spec, cfg = plan.spec, plan.config
+    spec = plan.spec
     source = None
-    if cfg.model.init_from:
+    if plan.init_from:
         if spec.hf is None:
             raise ConfigError(
                 f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
                 "remove model.init_from"
             )
-        source = spec.hf.source(cfg.model.init_from, plan.model)
+        source = spec.hf.source(plan.init_from, plan.model)
     for part in parts:
         part.to_empty(device=device)
-        spec.init_weights(part, plan.model, cfg.training.seed, source=source)
-
-
-def _settle_ddp(
-    model: ParallelModel,
-    plan: RunPlan,
-    dp_mesh: DeviceMesh,
-    comm_stats: CommStats,
-    ctx: DistContext,
-) -> None:
-    """DDP's buckets settled by one throwaway forward/backward (so a restarted process reduces
-    exactly as the run it continues), then its communication hook installed; without a hook
-    the model counts DDP's plain all-reduce itself."""
-    (ddp,) = model.parts
-    comm = plan.config.comm
-    tokens = torch.zeros(
-        plan.batch.micro, plan.config.training.seq_len, dtype=torch.long, device=ctx.device
-    )
-    settle_bucket_layout(ddp, lambda: model.forward_backward([(tokens, tokens)], lambda loss: loss))
-    hooked = install_comm_hook(
-        ddp,
-        dp_mesh,
-        comm=comm,
-        stats=comm_stats,
-        local_world_size=ctx.local_world_size,
-        timeout_s=comm.collective_timeout_s,
-    )
-    model.allreduce_payload = None if hooked else allreduce_payload(ddp)
+        spec.init_weights(part, plan.model, plan.training.seed, source=source)

@@ -1,9 +1,10 @@
 """The run as it executes, decided once: `RunPlan`, an immutable description every component
 that builds or runs the model reads (the trainer's parts, the planner's fake builds): the model
 family and its arguments, the parallel degrees, the batch arithmetic, and a copy of the config
-with every "auto" decided for the device (training.precision, training.compile). The user's
-config is never changed, so config.toml keeps what the user asked for. train/resolve.py makes
-the run's plan from its config (checking the layout rules and logging what "auto" became).
+with every "auto" decided for the device (training.precision, training.compile). What builds the
+model reads the sections it needs (`training`, `parallel`, `comm`), never the whole config. The
+user's config is never changed, so config.toml keeps what the user asked for. train/resolve.py
+makes the run's plan from its config (checking the layout rules and logging what "auto" became).
 
 training.micro_batch_size = "auto" is decided later, by trial steps on the built model
 (train/autobatch.py), which is built for micro-batch 1 until then (`RunPlan.with_micro` gives
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from distrain.config.batch import BatchSizes
-from distrain.config.schema import Config
+from distrain.config.schema import CommConfig, Config, ParallelConfig, TrainingConfig
 from distrain.family.spec import ModelSpec
 from distrain.parallel.device import resolve_compile, resolve_precision
 from distrain.parallel.mesh import ParallelDims
@@ -38,6 +39,24 @@ class RunPlan:
     batch: BatchSizes
     auto_micro_batch: bool
     """training.micro_batch_size = "auto" and not decided yet."""
+
+    @property
+    def training(self) -> TrainingConfig:
+        """The [training] section, its "auto" choices decided."""
+        return self.config.training
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.config.parallel
+
+    @property
+    def comm(self) -> CommConfig:
+        return self.config.comm
+
+    @property
+    def init_from(self) -> str:
+        """model.init_from: the pretrained weights the model starts from ("": none)."""
+        return self.config.model.init_from
 
     @classmethod
     def decided(
