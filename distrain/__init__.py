@@ -35,23 +35,6 @@ if TYPE_CHECKING:
     from distrain.config.schema import Config
 
 
-def _version() -> str:
-    """The installed distribution's version or, run from a source tree never installed (a
-    checkout on PYTHONPATH), the version its pyproject.toml declares."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("distrain")
-    except PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
-
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
-
-
-__version__ = _version()
-
 __all__ = [
     "Config",
     "ConfigError",
@@ -95,6 +78,11 @@ def presets(family: str = "gpt") -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from distrain.version import version
+
+        globals()[name] = version()
+        return globals()[name]
     if name in _LAZY:
         import importlib
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import distrain
 from distrain.config.args import (
     LAUNCH_OPTIONS,
     CommandParser,
@@ -28,6 +27,7 @@ from distrain.config.args import (
 )
 from distrain.config.schema import Config
 from distrain.errors import ConfigError, DistrainError
+from distrain.version import version
 
 CHECKPOINT_DIR_HELP = (
     "Where the run's checkpoints are, when not in the run folder (a path or URL): a run "
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         print(top_help())
         return 0
     if argv[0] == "--version":
-        print(f"distrain {distrain.__version__}")
+        print(f"distrain {version()}")
         return 0
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)

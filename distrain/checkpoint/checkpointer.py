@@ -40,7 +40,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-import distrain
 from distrain.checkpoint.group import CheckpointGroup
 from distrain.checkpoint.load import root_cause
 from distrain.checkpoint.manifest import rank_record, step_name, write_manifest
@@ -54,6 +53,7 @@ from distrain.checkpoint.writer_process import OffloadedWriter, WriterProcess
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
+from distrain.version import version
 
 
 def checkpoint_storage(cfg: Config) -> Storage:
@@ -426,7 +426,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "layout": self.layout,
             "notes": job.notes,
-            "distrain_version": distrain.__version__,
+            "distrain_version": version(),
             "torch_version": torch.__version__,
             "time": time.time(),
             "files": files,
