@@ -607,11 +607,8 @@ def _apply_layout(
     t, p, dims, spec = plan.training, plan.parallel, plan.dims, plan.spec
     blocks = getattr(part, spec.blocks)
     if dims.cp > 1:
-        if spec.attention_modules is None:
-            raise ConfigError(
-                f"parallel.cp: the {spec.name!r} model family has no attention for context "
-                "parallelism to split; set parallel.cp = 1"
-            )
+        # A family without attention is refused by the layout rules (cp_needs_attention).
+        assert spec.attention_modules is not None
         apply_context_parallel(
             part,
             spec.attention_modules(part),

@@ -136,7 +136,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         return comm_stats.snapshot()["bytes_sent"] + outer_bytes
 
     observers = _observers(
-        cfg,
+        plan,
         ctx,
         run_dir,
         model,
@@ -300,7 +300,7 @@ def _checkpointer(
 
 
 def _observers(
-    cfg: Config,
+    plan: RunPlan,
     ctx: DistContext,
     run_dir: Path,
     model: ParallelModel,
@@ -316,7 +316,7 @@ def _observers(
     """The step observers, in the order the loop calls them: the metrics row's producers,
     then the sink, then what reads the row. The profiler's phase ranges listen to the
     heartbeat when it profiles, and always on CUDA (named ranges for external profilers)."""
-    t = cfg.training
+    cfg, t = plan.config, plan.training
     profiler = StepProfiler(
         cfg.profile,
         run_dir=run_dir,
