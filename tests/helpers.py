@@ -145,7 +145,7 @@ def process_group(
     """The one way a test starts a (gloo) process group: rank `rank` of `world_size`, destroyed
     on exit however the block ends (unless the block already ended it), so that no group
     outlives its test into the next. One rank meets itself in memory (a HashStore); the ranks of
-    several processes meet through `store_file` (a FileStore: the same new path in every rank),
+    several processes meet through `store_file` (a FileStore: one unused path, every rank's),
     which needs no port: no port picked free beforehand that another process can take first.
     `timeout_s`: how long a collective waits (torch's default where None), so that ranks that
     disagree fail the test instead of hanging it."""
