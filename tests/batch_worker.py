@@ -32,6 +32,8 @@ def run_one(argv: list[str], name: str, store: dist.Store, rank: int, world_size
     """Train one run of the batch; raises if it failed on this rank."""
     _, cfg = parse_train_args(argv, worker=True)
     _, backend = pick_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    # Not helpers.process_group: the group a distrain worker makes for itself (the run's
+    # backend and timeout, on torchrun's store), handed over to run_training.
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"{name}/", store),

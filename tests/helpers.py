@@ -1,4 +1,5 @@
-"""Test helpers: run distrain in this process (1 rank) or through the CLI (N ranks, torchrun)."""
+"""Test helpers: run distrain in this process (1 rank) or through the CLI (N ranks, torchrun);
+start a process group in a test (`process_group`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,23 +135,48 @@ def real_step_memory(
 
 
 @contextlib.contextmanager
+def process_group(
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    store_file: Path | None = None,
+    timeout_s: float | None = None,
+) -> Iterator[None]:
+    """The one way a test starts a (gloo) process group: rank `rank` of `world_size`, destroyed
+    on exit however the block ends (unless the block already ended it), so that no group
+    outlives its test into the next. One rank meets itself in memory (a HashStore); the ranks of
+    several processes meet through `store_file` (a FileStore: one unused path, every rank's),
+    which needs no port: no port picked free beforehand that another process can take first.
+    `timeout_s`: how long a collective waits (torch's default where None), so that ranks that
+    disagree fail the test instead of hanging it."""
+    import torch.distributed as dist
+
+    if store_file is None and world_size > 1:
+        raise ValueError("ranks in several processes meet through a store_file")
+    store = dist.HashStore() if store_file is None else dist.FileStore(str(store_file), world_size)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """`cfg` planned for one process inside a real 1-process gloo group (ended on exit):
+    """`cfg` planned for one process inside a real 1-process gloo group (`process_group`):
     (RunPlan, DistContext, mesh, data-parallel mesh), what `build_parallel_model` takes."""
     import torch
-    import torch.distributed as dist
 
     from distrain.parallel.device import DistContext
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with process_group():
         plan = plan_of(cfg, 1)
         ctx = DistContext(
             rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"
         )
         yield (plan, ctx, *plan.dims.build_mesh("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_cli(

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import train_in_process
+from helpers import process_group, train_in_process
 
 from distrain.checkpoint import checkpointer, load, manifest
 from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord
@@ -402,11 +402,6 @@ def test_training_on_a_full_disk_reports_each_failure_and_stops(tmp_path):
 # --- two ranks: ZeRO-1 shards, shared verification, a failure on one rank ------------------
 
 
-def _init(rank: int, tmp_path) -> None:
-    torch.set_num_threads(1)  # all ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=2)
-
-
 def _adamw_pair(zero: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -423,63 +418,63 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int 
 
 
 def _two_rank_worker(rank: int, tmp_path) -> None:
-    _init(rank, tmp_path)
-    report: dict = {}
-    storage = Storage(str(tmp_path / "ckpt"))
-    ckpt = Checkpointer(
-        storage, run_id="test", layout="dp2", async_mode="off", keep_temporary=5, logger=LOG
-    )
-    report["group_is_own"] = ckpt.group is not None and ckpt.group != dist.group.WORLD
+    torch.set_num_threads(1)  # all ranks share 2 cores
+    with process_group(rank, 2, store_file=tmp_path / "store"):
+        report: dict = {}
+        storage = Storage(str(tmp_path / "ckpt"))
+        ckpt = Checkpointer(
+            storage, run_id="test", layout="dp2", async_mode="off", keep_temporary=5, logger=LOG
+        )
+        report["group_is_own"] = ckpt.group is not None and ckpt.group != dist.group.WORLD
 
-    # ZeRO-1: each rank saves the state of its own partition; nothing is consolidated.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+        # ZeRO-1: each rank saves the state of its own partition; nothing is consolidated.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    def no_gather(*_args, **_kwargs):
-        raise AssertionError("a ZeRO-1 save must not consolidate the optimizer state")
+        def no_gather(*_args, **_kwargs):
+            raise AssertionError("a ZeRO-1 save must not consolidate the optimizer state")
 
-    ZeroRedundancyOptimizer.consolidate_state_dict = no_gather
-    model, zero = _adamw_pair(zero=True)
-    _train(model, zero)
-    flat = optimizer_state_dict(model, zero)
-    report["state_keys"] = sorted(k for k in flat if k.startswith("state."))
-    ckpt.save(3, {"optim": flat}, permanent=False)
+        ZeroRedundancyOptimizer.consolidate_state_dict = no_gather
+        model, zero = _adamw_pair(zero=True)
+        _train(model, zero)
+        flat = optimizer_state_dict(model, zero)
+        report["state_keys"] = sorted(k for k in flat if k.startswith("state."))
+        ckpt.save(3, {"optim": flat}, permanent=False)
 
-    # Resume: each rank hashes its share of the files; the verdicts are combined.
-    hashed: list[str] = []
-    real_sha256 = Storage.sha256
+        # Resume: each rank hashes its share of the files; the verdicts are combined.
+        hashed: list[str] = []
+        real_sha256 = Storage.sha256
 
-    def counting_sha256(self, path, **kwargs):
-        hashed.append(path.rsplit("/", 1)[-1])
-        return real_sha256(self, path, **kwargs)
+        def counting_sha256(self, path, **kwargs):
+            hashed.append(path.rsplit("/", 1)[-1])
+            return real_sha256(self, path, **kwargs)
 
-    Storage.sha256 = counting_sha256
-    target = optimizer_state_dict(*_adamw_pair(zero=True))
-    report["restored"] = ckpt.restore_latest({"optim": target})
-    report["hashed"] = hashed
-    Storage.sha256 = real_sha256
+        Storage.sha256 = counting_sha256
+        target = optimizer_state_dict(*_adamw_pair(zero=True))
+        report["restored"] = ckpt.restore_latest({"optim": target})
+        report["hashed"] = hashed
+        Storage.sha256 = real_sha256
 
-    # A full disk on rank 1 only fails the save on both ranks and removes its directory.
-    real_writer = ckpt.storage.dcp_writer
+        # A full disk on rank 1 only fails the save on both ranks and removes its directory.
+        real_writer = ckpt.storage.dcp_writer
 
-    def full_on_rank1(path):
-        writer = real_writer(path)
-        if rank == 1:
+        def full_on_rank1(path):
+            writer = real_writer(path)
+            if rank == 1:
 
-            def no_space(*_args, **_kwargs):
-                raise OSError(errno.ENOSPC, "No space left on device")
+                def no_space(*_args, **_kwargs):
+                    raise OSError(errno.ENOSPC, "No space left on device")
 
-            writer.write_data = no_space
-        return writer
+                writer.write_data = no_space
+            return writer
 
-    ckpt.storage.dcp_writer = full_on_rank1
-    failures: list[str] = []
-    ckpt.on_failure = lambda step, message: failures.append(message)
-    ckpt.save(4, {"optim": flat}, permanent=False)
-    report["failures"] = failures
-    report["newest"] = ckpt.newest_committed
-    (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+        ckpt.storage.dcp_writer = full_on_rank1
+        failures: list[str] = []
+        ckpt.on_failure = lambda step, message: failures.append(message)
+        ckpt.save(4, {"optim": flat}, permanent=False)
+        report["failures"] = failures
+        report["newest"] = ckpt.newest_committed
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
 
 
 @pytest.mark.slow

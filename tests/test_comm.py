@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from batch import Run, pool_name
-from helpers import cli_in_process, free_port, losses, overrides, start_train
+from helpers import cli_in_process, free_port, losses, overrides, process_group, start_train
 
 from distrain.config.io import load_config
 from distrain.models.decoder.counts import num_params
@@ -437,14 +437,12 @@ def test_onebit_adam_on_dtensors_resumes_bit_exact(resume_at):
     DTensors laid out as their parameters, through the trainer's flattened state dict; a fresh
     optimizer continues exactly (a 1-process gloo group and mesh). Its units: the replicated
     vectors apart from the sharded matrices."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from distrain.optim.onebit_adam import onebit_units
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with process_group():
         mesh = init_device_mesh("cpu", (1,))
 
         def build(model: torch.nn.Module) -> OneBitAdam:
@@ -487,8 +485,6 @@ def test_onebit_adam_on_dtensors_resumes_bit_exact(resume_at):
         _dtensor_steps(restarted, optimizer, range(resume_at, 8))
         for got, want in zip(restarted.parameters(), model.parameters(), strict=True):
             assert torch.equal(got.to_local(), want.to_local())
-    finally:
-        dist.destroy_process_group()
 
 
 def test_onebit_adam_loads_in_place_as_dcp_does():

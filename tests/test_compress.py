@@ -7,7 +7,6 @@ costs ~3 s for 2 ranks, ~5 s for 4).
 import gc
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import process_group
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
@@ -51,17 +51,6 @@ POWERSGD_START = 2
 SMALL_BUCKET_MB = 0.03
 # A method must make this share of the uncompressed run's loss decrease.
 MIN_PROGRESS = 0.9
-
-
-def _init(rank: int, world_size: int, tmp_path: Path) -> None:
-    torch.set_num_threads(1)  # all ranks share 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )
 
 
 def _gpt() -> Decoder:
@@ -289,13 +278,11 @@ def _train(kind: str, rank: int) -> dict:
 
 
 def _hooks_worker(rank: int, tmp_path: Path) -> None:
-    _init(rank, 2, tmp_path)
-    try:
+    torch.set_num_threads(1)  # all ranks share 2 cores
+    with process_group(rank, 2, store_file=tmp_path / "store", timeout_s=60):
         results = {kind: _train(kind, rank) for kind in (*COMM_HOOK_KINDS, "zero")}
         if rank == 0:
             (tmp_path / "hooks.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 # fp16/bf16 round each summed gradient once (fp16 ~5e-4 relative, bf16 ~4e-3) and AdamW's
@@ -395,8 +382,8 @@ def _onebit_bytes(group: dist.ProcessGroup) -> dict:
 
 
 def _four_rank_worker(rank: int, tmp_path: Path) -> None:
-    _init(rank, 4, tmp_path)
-    try:
+    torch.set_num_threads(1)  # all ranks share 2 cores
+    with process_group(rank, 4, store_file=tmp_path / "store", timeout_s=60):
         # Every rank creates every group, in the same order: nodes {0,1} and {2,3}, leaders {0,2}.
         intra = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         leaders = dist.new_group([0, 2])
@@ -453,8 +440,6 @@ def _four_rank_worker(rank: int, tmp_path: Path) -> None:
         del models, chained, state
         gc.collect()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -7,14 +7,13 @@ in-process: DDP is built without torch 2.13's deprecation warning and without pe
 """
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import process_group
 from torch.distributed.device_mesh import init_device_mesh
 
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
@@ -57,14 +56,7 @@ def _wrapped(mesh, rank: int, *, settle: bool) -> torch.nn.Module:
 
 def _worker(rank: int, tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with process_group(rank, WORLD, store_file=tmp_path / "store", timeout_s=60):
         mesh = init_device_mesh("cpu", (WORLD,))
         result = {}
         for settle in (True, False):
@@ -98,8 +90,6 @@ def _worker(rank: int, tmp_path: Path) -> None:
         result["grads_are_bucket_views"] = ddp._get_ddp_logging_data()["gradient_as_bucket_view"]
         if rank == 0:
             (tmp_path / "result.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -135,13 +125,10 @@ def test_ddp_is_built_without_a_deprecation_warning_and_without_per_step_buffer_
     rank's log; the buffers (equal on every rank) are not broadcast before each forward."""
     import warnings
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with process_group():
         mesh = init_device_mesh("cpu", (1,))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ddp = _wrapped(mesh, 0, settle=False)
         assert [str(w.message) for w in caught if w.category is FutureWarning] == []
         assert ddp.forward_sync_buffers is False
-    finally:
-        dist.destroy_process_group()

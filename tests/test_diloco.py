@@ -26,9 +26,9 @@ import torch.distributed as dist
 from batch import Run, pool_name
 from helpers import (
     cli_in_process,
-    free_port,
     losses,
     overrides,
+    process_group,
     start_train,
     train_cli,
     train_in_process,
@@ -489,9 +489,8 @@ def _local_step(k: int, site: int) -> float:
     return 0.1 * (site + 1) * (k + 1)
 
 
-def _outer_steps_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+def _outer_steps_on_rank(rank: int, store_file: Path, queue: multiprocessing.Queue) -> None:
+    with process_group(rank, 2, store_file=store_file):
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
         # Buckets of 2 elements: the weight and the bias go in separate all-reduces.
@@ -528,15 +527,13 @@ def _outer_steps_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> 
         outer.after_step(2)
         bf16 = ([p.detach().numpy().copy() for p in model.parameters()], outer.take_bytes())
         queue.put((rank, results, outer_steps, bf16))
-    finally:
-        dist.destroy_process_group()
 
 
-def test_outer_step_matches_a_hand_computation():
+def test_outer_step_matches_a_hand_computation(tmp_path):
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_outer_steps_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    store = tmp_path / "store"
+    procs = [context.Process(target=_outer_steps_on_rank, args=(r, store, queue)) for r in (0, 1)]
     for proc in procs:
         proc.start()
     got, bf16 = {}, {}
@@ -623,9 +620,8 @@ def _by_hand(cfg: DiLoCoConfig, steps: int) -> list[list[float]]:
     return local
 
 
-def _streaming_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+def _streaming_on_rank(rank: int, store_file: Path, queue: multiprocessing.Queue) -> None:
+    with process_group(rank, 2, store_file=store_file):
         out = {}
         for tau in (0, 1):
             cfg = dataclasses.replace(STREAMING, overlap_steps=tau)
@@ -698,15 +694,13 @@ def _streaming_on_rank(rank: int, port: int, queue: multiprocessing.Queue) -> No
             [p.detach().numpy().copy() for p in model.parameters()],
         )
         queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
 
 
-def test_streaming_matches_a_hand_computation():
+def test_streaming_matches_a_hand_computation(tmp_path):
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_streaming_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    store = tmp_path / "store"
+    procs = [context.Process(target=_streaming_on_rank, args=(r, store, queue)) for r in (0, 1)]
     for proc in procs:
         proc.start()
     got = dict(queue.get(timeout=60) for _ in procs)

@@ -9,7 +9,6 @@ gradients against the 1-process ones within 1e-6, and the cp2 / pp2 document che
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import plan_of
+from helpers import plan_of, process_group
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config, DataConfig
@@ -216,14 +215,7 @@ def _pp_documents(model) -> dict[str, float]:
 
 def _worker(rank: int, out: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out}/store",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=120),
-    )
-    try:
+    with process_group(rank, WORLD, store_file=out / "store", timeout_s=120):
         batch = _global_batch()
         want_loss, want_grads = _reference(batch)
         results = {
@@ -232,8 +224,6 @@ def _worker(rank: int, out: Path) -> None:
         }
         (out / f"rank{rank}.json").write_text(json.dumps(results))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -41,8 +42,7 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, tmp_path: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=2)
-    try:
+    with process_group(rank, 2, store_file=tmp_path / "store"):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
         reference = _experts()
         stats = CommStats()
@@ -77,8 +77,6 @@ def _worker(rank: int, tmp_path: Path) -> None:
         sent = sum(ROWS[rank][2 * other : 2 * other + 2])
         received = sum(ROWS[other][2 * rank : 2 * rank + 2])
         assert stats.snapshot()["bytes_sent"] == (sent + received) * DIM * 4
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ finds it through its entry point, from a TOML config, is tests/test_family_plugi
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from distrain_residual_mlp.model import ResidualMLPArgs
 from distrain_residual_mlp.spec import SPEC
-from helpers import plan_of
+from helpers import plan_of, process_group
 
 from distrain.config.schema import Config
 from distrain.models.registry import model_family, register_family
@@ -118,21 +117,12 @@ def _parallel(rank: int, tp: int, pp: int, ac: str) -> list[float]:
 
 def _worker(rank: int, tmp_path: Path) -> None:
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with process_group(rank, WORLD_SIZE, store_file=tmp_path / "store", timeout_s=60):
         results = {"one_process": _one_process()}
         for name, layout in LAYOUTS.items():
             results[name] = _parallel(rank, *layout)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
         dist.barrier()  # neither rank tears its groups down while the other still uses them
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

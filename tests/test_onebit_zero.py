@@ -9,13 +9,13 @@ world size), which takes the whole moments. The end-to-end run (warm-up equal to
 progress, bytes from the trainer's metrics) is tests/test_comm.py's zero1 case.
 """
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import process_group
 from torch import nn
 
 from distrain.optim.onebit_zero import OneBitZeroAdam
@@ -73,11 +73,7 @@ def _snapshot(model: nn.Module, opt: OneBitZeroAdam) -> tuple[dict, dict]:
 
 
 def _worker(rank: int, store: Path, out: Path) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with process_group(rank, 2, store_file=store, timeout_s=60):
         model, reference = _model(), _model()
         stats = CommStats()
         opt = _optimizer(model, stats)
@@ -119,8 +115,6 @@ def _worker(rank: int, store: Path, out: Path) -> None:
             assert torch.equal(_flat(restarted), _flat(model)), step
         if rank == 0:
             torch.save(saved[5], out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -175,11 +169,7 @@ def _run_zero2(model: nn.Module, opt: OneBitZeroAdam, steps: range, rank: int) -
 
 
 def _zero2_worker(rank: int, store: Path) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with process_group(rank, 2, store_file=store, timeout_s=60):
         model, reference = _model(), _model()
         n = sum(p.numel() for p in model.parameters())
         stats = CommStats()
@@ -230,8 +220,6 @@ def _zero2_worker(rank: int, store: Path) -> None:
             load_optimizer_state_dict(restarted, again, state)
             _run_zero2(restarted, again, range(step, STEPS), rank)
             assert torch.equal(_flat(restarted), _flat(model)), step
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -4,14 +4,13 @@ and every schedule's loss, gradients and AdamW steps on 2 gloo processes."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.errors import ConfigError
@@ -171,14 +170,8 @@ def _check_schedule(schedule: str, pp_mesh: DeviceMesh, batches: list[Batch]) ->
 
 
 def _worker(rank: int, tmp_path: Path) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=rank,
-        world_size=PP,
-        timeout=timedelta(seconds=60),  # a schedule mismatch fails the test instead of hanging
-    )
-    try:
+    # timeout_s: a schedule mismatch fails the test instead of hanging.
+    with process_group(rank, PP, store_file=tmp_path / "store", timeout_s=60):
         torch.manual_seed(0)  # dropout-free model; this only fixes the batches, same on each rank
         mesh = init_device_mesh("cpu", (PP, 1), mesh_dim_names=("pp", "dp"))
         batches = [
@@ -191,8 +184,6 @@ def _worker(rank: int, tmp_path: Path) -> None:
         _check_config_errors(mesh["pp"], batches[0])
         results = {s: _check_schedule(s, mesh["pp"], batches) for s in SCHEDULES}
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

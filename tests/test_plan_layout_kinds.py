@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import real_step_memory
+from helpers import process_group, real_step_memory
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
@@ -84,9 +83,7 @@ def _real_worker(rank: int, tmp_path: Path) -> None:
     gradients of a step's first micro-batch (after a whole first step, gradients None), on
     random tokens (a router's load as training sees it, not all tokens alike); and ep 2 with
     every token routed to rank 0's experts."""
-    store = dist.FileStore(str(tmp_path / "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
+    with process_group(rank, 2, store_file=tmp_path / "store"):
         found = {}
         cases = {name: (make, None) for name, make in REAL_CASES.items()}
         cases["ep2 skewed"] = (skewed_config, route_to_rank_0)
@@ -97,8 +94,6 @@ def _real_worker(rank: int, tmp_path: Path) -> None:
             tokens = torch.randint(vocab, (MICRO_BATCH, cfg.training.seq_len), generator=generator)
             found[name] = real_step_memory(cfg, [(tokens, tokens)], prepare)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

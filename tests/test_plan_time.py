@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import real_step_memory
+from helpers import process_group, real_step_memory
 
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
@@ -186,17 +185,13 @@ def pipeline_config(schedule: str) -> Config:
 def _pipeline_worker(rank: int, tmp_path: Path) -> None:
     """Each pp rank's memory over a real schedule step (gloo, 2 processes), counted like the
     planner counts fake tensors: the second step (the first allocates the receive buffers)."""
-    store = dist.FileStore(str(tmp_path / "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
+    with process_group(rank, 2, store_file=tmp_path / "store"):
         found = {}
         for schedule in SCHEDULES:
             cfg = pipeline_config(schedule)
             tokens = torch.zeros(2, cfg.training.seq_len, dtype=torch.long)
             found[schedule] = real_step_memory(cfg, [(tokens, tokens)] * 8)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()
 
 
 SCHEDULES = ("1f1b", "gpipe")

@@ -6,13 +6,13 @@ tests/test_parity.py."""
 
 from __future__ import annotations
 
-import os
-import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import process_group
 from test_context import full_attention_reference
 
 from distrain.parallel.attention_blocks import backward_blocks, forward_blocks, local_positions
@@ -91,10 +91,8 @@ def test_ring_skips_the_key_chunks_after_a_query_chunk():
     ]
 
 
-def _ring_worker(rank: int, size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
+def _ring_worker(rank: int, size: int, store_file: Path) -> None:
+    with process_group(rank, size, store_file=store_file):
         (q, k, v), reference, weights, want = full_attention_reference(size)
         rows = local_positions(q.shape[2], rank, size, CPU)
         attend = RingAttention(dist.group.WORLD, rank, size, block=5)
@@ -107,20 +105,12 @@ def _ring_worker(rank: int, size: int, port: int) -> None:
                 torch.testing.assert_close(
                     tensor.grad.double(), expected[:, :, rows], rtol=tol, atol=tol
                 )
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
-def test_ring_kernel_on_three_ranks_equals_full_causal_attention():
+def test_ring_kernel_on_three_ranks_equals_full_causal_attention(tmp_path):
     """Every rank's output and the gradients of its q, k and v (k and v: summed over every
     rank that used them, delivered by the ring) equal the unsplit kernel's rows: float64 to
     rounding, bf16 inputs to bf16 rounding (the math runs in fp32, the travelling gradients
     too)."""
-    mp.spawn(_ring_worker, args=(3, _free_port()), nprocs=3, join=True)
+    mp.spawn(_ring_worker, args=(3, tmp_path / "store"), nprocs=3, join=True)

@@ -18,7 +18,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from helpers import cli_in_process, losses, overrides, run_cli, start_train, train_in_process
+from helpers import (
+    cli_in_process,
+    losses,
+    overrides,
+    process_group,
+    run_cli,
+    start_train,
+    train_in_process,
+)
 
 import distrain.launch.torchrun
 from distrain.checkpoint.storage import Storage
@@ -510,14 +518,15 @@ def test_teardown_ends_groups_that_a_reference_cycle_still_holds():
     from distrain.parallel.device import teardown
 
     before = _gloo_threads()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    group = dist.new_group([0])
-    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
-    model.loss = model(torch.ones(2, 4)).sum()
-    model.loss.backward()
-    model.cycle = model  # as closures, hooks and bound methods often do
-    del model, group
-    assert _gloo_threads() > before
-    teardown(synchronize=True)
-    assert not dist.is_initialized()
-    assert _gloo_threads() == before
+    # Inside the block: its exit would destroy a group that teardown left behind.
+    with process_group():
+        group = dist.new_group([0])
+        model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+        model.loss = model(torch.ones(2, 4)).sum()
+        model.loss.backward()
+        model.cycle = model  # as closures, hooks and bound methods often do
+        del model, group
+        assert _gloo_threads() > before
+        teardown(synchronize=True)
+        assert not dist.is_initialized()
+        assert _gloo_threads() == before

@@ -10,14 +10,13 @@ variants share one process group: spawning 2 ranks costs ~3 s.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -165,14 +164,7 @@ def _compare(mesh: DeviceMesh, overrides: dict, sequence_parallel: bool, meta: b
 
 def _worker(rank: int, tmp_path: Path) -> None:
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with process_group(rank, WORLD_SIZE, store_file=tmp_path / "store", timeout_s=60):
         mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
         results = {name: _compare(mesh, *variant) for name, variant in VARIANTS.items()}
 
@@ -184,8 +176,6 @@ def _worker(rank: int, tmp_path: Path) -> None:
         except ConfigError as err:
             results["odd_length_error"] = str(err)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

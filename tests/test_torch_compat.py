@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import process_group
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,18 +20,9 @@ from distrain import torch_compat
 
 
 @pytest.fixture
-def one_rank(tmp_path: Path):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path}/store",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=30),
-    )
-    try:
+def one_rank():
+    with process_group(timeout_s=30):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_flatten_mesh_names_one_axis_of_all(one_rank):

@@ -7,13 +7,12 @@ each rank must hold the state of its own share of the parameters only. The end-t
 under tp and pp is in the parity matrix (zero1x2_tp2, pp2_zero1x2_tied).
 """
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
@@ -56,11 +55,7 @@ def _reference() -> list[torch.Tensor]:
 
 
 def _worker(rank: int, store: Path) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with process_group(rank, 2, store_file=store, timeout_s=60):
         mesh = init_device_mesh("cpu", (2,))
         model = _model()
         for name, p in list(model.items()):
@@ -92,8 +87,6 @@ def _worker(rank: int, store: Path) -> None:
             index = int(key.split(".")[1][1:])
             loaded = opt.optim.state[params[index]]["exp_avg"]
             torch.testing.assert_close(loaded.to_local(), value, rtol=0, atol=0)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_owners_balance_and_agree():
