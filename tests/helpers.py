@@ -101,7 +101,7 @@ def real_step_memory(
     from distrain.optim.builder import build_optimizer
     from distrain.parallel.compress import CommStats
     from distrain.parallel.device import DistContext
-    from distrain.parallel.model import build_parallel_model
+    from distrain.parallel.parallelize import parallelize
     from distrain.plan.memory import LiveBytes, grad_bytes, held_optimizer_state_bytes, local_bytes
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,7 +111,7 @@ def real_step_memory(
     )
     mesh, dp_mesh = plan.dims.build_mesh("cpu")
     torch.manual_seed(0)
-    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+    model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
     if prepare is not None:
         prepare(model)
     optimizers = [build_optimizer(p, cfg.optim, spec=plan.spec) for p in model.parts]
@@ -166,7 +166,7 @@ def process_group(
 @contextlib.contextmanager
 def one_rank_group(cfg: Config) -> Iterator[tuple[Any, Any, Any, Any]]:
     """`cfg` planned for one process inside a real 1-process gloo group (`process_group`):
-    (RunPlan, DistContext, mesh, data-parallel mesh), what `build_parallel_model` takes."""
+    (RunPlan, DistContext, mesh, data-parallel mesh), what `parallelize` takes."""
     import torch
 
     from distrain.parallel.device import DistContext

@@ -96,7 +96,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
 
     from distrain.config.schema import Config
     from distrain.parallel.compress import CommStats
-    from distrain.parallel.model import build_parallel_model
+    from distrain.parallel.parallelize import parallelize
 
     torch._dynamo.reset()
     cfg = Config()
@@ -109,7 +109,7 @@ def test_compiled_whole_model_holds_the_loss_in_its_one_graph_and_evaluates_eage
             planned = dataclasses.replace(
                 plan, config=dataclasses.replace(plan.config, training=training)
             )
-            models[compiled] = build_parallel_model(planned, mesh, dp_mesh, ctx, CommStats())
+            models[compiled] = parallelize(planned, mesh, dp_mesh, ctx, CommStats())
         tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         assert models[True].loss_in_model and not models[False].loss_in_model

@@ -31,7 +31,7 @@ from distrain.parallel.attention_blocks import local_positions
 from distrain.parallel.compress import CommStats
 from distrain.parallel.context import attend_local
 from distrain.parallel.device import DistContext
-from distrain.parallel.model import build_parallel_model
+from distrain.parallel.parallelize import parallelize
 from distrain.torch_compat import canonical_name
 
 WORLD = 4
@@ -142,7 +142,7 @@ def _layout_parity(rank: int, parallel: dict, batch, want_loss, want_grads) -> d
     ctx = DistContext(
         rank=rank, local_rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo"
     )
-    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+    model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
     rows = GLOBAL // dims.dp_size
     mine = slice(dp_mesh.get_local_rank() * rows, (dp_mesh.get_local_rank() + 1) * rows)
     batches = list(zip(*(t[mine].split(MICRO) for t in batch), strict=True))

@@ -26,7 +26,7 @@ from distrain.config.schema import Config
 from distrain.models.registry import model_family, register_family
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
-from distrain.parallel.model import build_parallel_model
+from distrain.parallel.parallelize import parallelize
 
 WORLD_SIZE = 2
 SEED = 5
@@ -101,7 +101,7 @@ def _parallel(rank: int, tp: int, pp: int, ac: str) -> list[float]:
         device=torch.device("cpu"),
         backend="gloo",
     )
-    model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+    model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dp_rank, rows = dp_mesh.get_local_rank(), GLOBAL_BATCH // dims.dp_size
     result = []

@@ -24,7 +24,7 @@ from distrain.models.registry import family_of_preset, model_args
 from distrain.optim.builder import build_optimizer
 from distrain.optim.onebit_zero import OneBitZeroAdam
 from distrain.parallel.compress import CommStats
-from distrain.parallel.model import build_parallel_model
+from distrain.parallel.parallelize import parallelize
 from distrain.plan import built_rows, memory, search
 from distrain.plan.answer import text
 from distrain.plan.build_results import MemoryEstimate
@@ -62,7 +62,7 @@ def measured_one_rank(cfg: Config):
     """The same step on real tensors, in a real 1-process gloo group."""
     with one_rank_group(cfg) as (plan, ctx, mesh, dp_mesh):
         torch.manual_seed(0)
-        model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+        model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
         optimizers = [build_optimizer(part, cfg.optim, spec=GPT_SPEC) for part in model.parts]
         return measure_step(model, optimizers, cfg.training.seq_len, ctx.device)
 

@@ -5,7 +5,7 @@ that the planner reads without importing torch's pipelining); this module owns h
 module is cut from the meta-device model (`split_model`, by what the family's spec names as its
 blocks and its first- and last-stage submodules). `PipelineRunner` then drives the stages of one
 rank with `torch.distributed.pipelining`. Materializing, seeded init and data-parallel
-wrapping of the stage modules stay with the caller (parallel/model.py), in the usual order.
+wrapping of the stage modules stay with the caller (parallel/parallelize.py), in the usual order.
 
 Stage placement is loop-style for every schedule: rank r holds stages r, r + pp, r + 2 pp, ...
 "zero_bubble" is `ScheduleInterleavedZeroBubble` (ZB1P) rather than `ScheduleZBVZeroBubble`,

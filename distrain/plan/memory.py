@@ -1,6 +1,6 @@
 """Per-rank memory of one layout, measured on the real build without real memory.
 
-The model is built by `build_parallel_model` (the code training uses: the same pipeline split,
+The model is built by `parallelize` (the code training uses: the same pipeline split,
 tensor parallel plan, activation checkpointing, DDP/FSDP2 wrapping) and trained for a step under
 `FakeTensorMode` (tensors carry shapes, no storage) and torch's fake process group of the planned
 world size (collectives return at once). `LiveBytes` counts the storage of every tensor the step
@@ -50,7 +50,8 @@ from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.local import local_tensor
-from distrain.parallel.model import ParallelModel, build_parallel_model
+from distrain.parallel.model import ParallelModel
+from distrain.parallel.parallelize import parallelize
 from distrain.parallel.run_plan import RunPlan
 from distrain.plan.build_results import MOMENTS, MemoryEstimate
 from distrain.torch_compat import (
@@ -280,7 +281,7 @@ def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEst
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         # Before the fake mode: a DeviceMesh reads its rank map, which that mode leaves without
-        # values (build_parallel_model's ep_mesh).
+        # values (parallelize's ep_mesh).
         ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         with torch.device("meta"):
             meta_model = plan.spec.build(plan.model)
@@ -293,7 +294,7 @@ def _fake_step(plan, mesh, dp_mesh, ctx, meta_model, ep_mesh) -> MemoryEstimate:
     slope) and the optimizer step; every pipeline micro-batch of the schedule is in flight
     together (the worst stage)."""
     cfg, dims = plan.config, plan.dims
-    model = build_parallel_model(
+    model = parallelize(
         plan, mesh, dp_mesh, ctx, CommStats(), meta_model=meta_model, ep_mesh=ep_mesh
     )
     optimizers = [

@@ -3,7 +3,7 @@
 A pipeline schedule's `PipelineStage` objects do not build under `FakeTensorMode`, and the
 schedule is not needed to know what a stage holds: each stage module this rank owns is cut by
 `split_model` (the code training uses) from the meta-device model, laid out by the same function
-`build_parallel_model` lays its parts out with (`lay_out_parts`: tensor parallel, activation
+`parallelize` lays its parts out with (`lay_out_parts`: tensor parallel, activation
 checkpointing, FSDP2), materialized
 as fake tensors, and stepped with as many microbatches in flight as the schedule keeps at its
 peak, counted by memory.py's `LiveBytes`:
@@ -29,7 +29,7 @@ from distrain.config.schema import Config
 from distrain.family.spec import ModelSpec
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
-from distrain.parallel.model import cut_stages, lay_out_parts
+from distrain.parallel.parallelize import cut_stages, lay_out_parts
 from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.build_results import PipelineMemory, in_flight
 from distrain.plan.memory import (
@@ -56,7 +56,7 @@ def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> 
         raise NotImplementedError("the planner does not yet plan pipelines with cp")
     with fake_world(world_size, rank):
         mesh, _ = dims.build_mesh("cpu")
-        # Made before the fake mode, as the world mesh (build_parallel_model's ep_mesh).
+        # Made before the fake mode, as the world mesh (parallelize's ep_mesh).
         ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None
         pp_rank = mesh["pp"].get_local_rank()
         with torch.device("meta"):

@@ -4,7 +4,7 @@ overhead and collective latency, not FLOPs, decide the step (timing.py's FLOP mo
 clusters).
 
 - compute: one process runs this rank's real training step (the model built by
-  `build_parallel_model`, forward and backward over its micro-batches, gradient clipping, the
+  `parallelize`, forward and backward over its micro-batches, gradient clipping, the
   optimizer step) under torch's fake process group of the planned world size, whose collectives
   return at once: the median of a few timed steps is the rank's compute with communication free.
   DDP cannot run on the fake group (its reducer needs a collective's result), so a DDP rank is
@@ -47,7 +47,7 @@ from distrain.parallel.comm_record import Collective, RecordCollectives
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext
 from distrain.parallel.grad_norm import clip_grad_norm
-from distrain.parallel.model import build_parallel_model
+from distrain.parallel.parallelize import parallelize
 from distrain.parallel.run_plan import RunPlan
 from distrain.plan.collectives import KINDS, LinkCost
 from distrain.plan.memory import fake_world, planned_run
@@ -171,7 +171,7 @@ def _probe_fake_world(plan: RunPlan, world_size: int, repeats: int) -> Probe:
         )
         mesh, dp_mesh = dims.build_mesh("cpu")
         torch.manual_seed(t.seed)
-        model = build_parallel_model(plan, mesh, dp_mesh, ctx, CommStats())
+        model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
         optimizers = [
             build_optimizer(part, cfg.optim, spec=plan.spec, dp_group=dp_mesh.get_group())
             for part in model.parts

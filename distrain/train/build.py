@@ -41,7 +41,8 @@ from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.device import DistContext, host_group
 from distrain.parallel.mesh import ParallelDims, site_group
-from distrain.parallel.model import ParallelModel, build_parallel_model
+from distrain.parallel.model import ParallelModel
+from distrain.parallel.parallelize import parallelize
 from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.scaler import AgreedGradScaler
 from distrain.train import autobatch
@@ -76,7 +77,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     eval_sets = build_eval_sets(cfg.data, t.seq_len, vocab_size=vocab_size)
 
     comm_stats = CommStats()
-    model = build_parallel_model(plan, mesh, dp_mesh, ctx, comm_stats)
+    model = parallelize(plan, mesh, dp_mesh, ctx, comm_stats)
     timeout_s = cfg.comm.collective_timeout_s
     site = site_group(mesh, timeout_s=timeout_s) if dims.diloco else None
     optimizers = build_optimizers(
