@@ -44,7 +44,9 @@ def test_another_model_is_refused_before_any_worker_starts(tmp_path):
 
     generated = run_cli("generate", "--run-dir", str(run), "--max-new-tokens", "4")
     assert generated.returncode == 0, generated.stderr
-    exported = run_cli("export", str(run), "--format", "torch-export", "--out", str(tmp_path / "out.pt2"))
+    exported = run_cli(
+        "export", str(run), "--format", "torch-export", "--out", str(tmp_path / "out.pt2")
+    )
     assert exported.returncode == 0, exported.stderr
 
 

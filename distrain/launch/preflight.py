@@ -6,10 +6,11 @@ directory can take files (a probe file written and deleted), an object-store URL
 installed, and so is each configured experiment tracker's library; replica groups' run secret
 file is a private regular file of a usable length; a local checkpoint location holds a committed
 checkpoint when --resume asks for one and belongs to no other run; a local
-checkpoint.resume_from that the run would start from is a committed checkpoint folder; the
-checkpoint the run would resume (its own newest, or checkpoint.resume_from's) holds the configured
-model (family and tensor shapes, as its manifest records them), and a `model.init_from` Hugging
-Face folder that the run would start from holds readable weights (models/hf_files.py).
+checkpoint.resume_from that the run would start from is a committed checkpoint folder. Which
+checkpoint a start would resume (`resumed_checkpoint`) and whether it holds the configured model
+(`check_resume_model`, family and tensor shapes as its manifest records them) are here too; the
+CLI calls them with the configured model's record (cli._check_model), as models/ sits beside
+launch/.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -43,8 +44,6 @@ from distrain.data.tokfile import check_tokenizer, read_sidecar
 from distrain.errors import ConfigError, MissingInput
 from distrain.ft.network import read_secret
 from distrain.launch.rundir import run_id
-from distrain.models.hf_files import check_weights, hf_dir
-from distrain.models.registry import model_record
 from distrain.observe.trackers import check_trackers_installed
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
@@ -101,11 +100,6 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
     check_resume_from(cfg)
-    resumed = resumed_checkpoint(cfg)
-    if resumed is not None:
-        check_resume_model(cfg, *resumed)
-    elif cfg.model.init_from:
-        noted(lambda: check_weights(hf_dir(cfg.model.init_from)))
 
 
 def _readable_here(path: str) -> bool:
@@ -170,15 +164,15 @@ def resumed_checkpoint(cfg: Config) -> tuple[Entry, str] | None:
     return (found[0], "checkpoint.resume_from's checkpoint") if found else None
 
 
-def check_resume_model(cfg: Config, entry: Entry, which: str) -> None:
-    """The checkpoint `entry` that the start would resume holds the configured model: the same
-    family and the same tensor shapes, as its manifest records them (a checkpoint saved before
-    manifests recorded the model is left to the workers' load). A difference is refused in one
-    line naming both models, before any worker starts."""
+def check_resume_model(cfg: Config, entry: Entry, which: str, wanted: dict[str, Any]) -> None:
+    """The checkpoint `entry` that the start would resume holds the configured model, `wanted`
+    (models/registry.model_record): the same family and the same tensor shapes, as its manifest
+    records them (a checkpoint saved before manifests recorded the model is left to the workers'
+    load). A difference is refused in one line naming both models, before any worker starts.
+    The CLI makes `wanted` (the model families sit beside launch/, not below it)."""
     saved = entry.manifest.get("model")
     if not isinstance(saved, dict) or not isinstance(saved.get("tensors"), dict):
         return
-    wanted = model_record(cfg.model)
     difference = _model_difference(saved, wanted)
     if difference is None:
         return
