@@ -26,7 +26,7 @@ from distrain.config.args import (
     train_parser,
 )
 from distrain.config.schema import Config
-from distrain.errors import ConfigError, DistrainError
+from distrain.errors import ConfigError, DistrainError, MissingInput
 from distrain.version import version
 
 CHECKPOINT_DIR_HELP = (
@@ -74,6 +74,7 @@ def cmd_train(argv: list[str]) -> None:
     # rendezvous; the workers check the rules that need it then.
     _validate(cfg, plan.world_size)
     preflight(cfg)
+    _check_model(cfg)
     if ns.resume_from is not None and ns.resume_from.isdigit():
         _rewind(cfg, int(ns.resume_from))
     check_resume_sites(cfg)
@@ -114,6 +115,7 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     absent: list[str] = []
     layout = _validate(cfg, world_size, absent=absent)
     preflight(cfg, absent=absent)
+    _check_model(cfg, absent=absent)
     print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
     print(f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}")
     if layout.dims is not None:
@@ -130,6 +132,28 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     )
     for note in absent:
         print(f"  not checked (absent here): {note}")
+
+
+def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
+    """Before any worker starts: the checkpoint the start would resume holds the configured
+    model (launch/preflight.py compares it with the manifest's record); a start from a
+    `model.init_from` folder finds its weights readable (models/hf_files.py). With `absent`
+    (`train --check`), a Hugging Face folder that is not here is noted instead."""
+    from distrain.launch.preflight import check_resume_model, resumed_checkpoint
+    from distrain.models.hf_files import check_weights, hf_dir
+    from distrain.models.registry import model_record
+
+    try:
+        resumed = resumed_checkpoint(cfg)
+        if resumed is not None:
+            check_resume_model(cfg, *resumed, wanted=model_record(cfg.model))
+        elif cfg.model.init_from:
+            check_weights(hf_dir(cfg.model.init_from))
+    except MissingInput as e:
+        if absent is None:
+            raise
+        if str(e) not in absent:
+            absent.append(str(e))
 
 
 def _rewind(cfg: Config, step: int) -> None:

@@ -10,9 +10,10 @@ Protocol (the same for a local folder and an object store):
 2. when its part is written, each rank records the size and SHA-256 of the files it wrote in a
    small `rank<N>.json` beside them;
 3. rank 0, once every rank's record is there, writes MANIFEST.json (files, sizes, checksums,
-   step, kind, world size, layout, the state's notes, versions) last and atomically. Only then
-   does the checkpoint exist for resume, and only then does retention delete older temporary
-   checkpoints.
+   step, kind, world size, layout, the state's notes, the model it holds (family, preset,
+   arguments, tensor shapes; absent from older checkpoints), versions) last and atomically. Only
+   then does the checkpoint exist for resume, and only then does retention delete older
+   temporary checkpoints.
 Every manifest names the run that wrote it (rundir.run_id); a run resumes only its own
 checkpoints, and claims its checkpoint location (OWNER.json, ownership.py) so that a second run
 sent there by mistake is refused before its first step rather than deleting the first one's
@@ -152,11 +153,15 @@ class Checkpointer:
         on_failure: Callable[[int, str], None] | None = None,
         on_saved: Callable[[SaveRecord], None] | None = None,
         before_commit: Callable[[int, str], None] | None = None,
+        model: dict[str, Any] | None = None,
     ):
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {async_mode!r}")
         self.storage, self.layout, self.async_mode = storage, layout, async_mode
         self.run_id, self.log = run_id, logger
+        self.model = model
+        """The manifest's "model" (models/registry.model_record): what the launcher compares
+        with the configured model before resuming; None records nothing."""
         self.retention = Retention(
             storage, run_id=run_id, keep_temporary=keep_temporary, logger=logger
         )
@@ -426,6 +431,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "layout": self.layout,
             "notes": job.notes,
+            "model": self.model,
             "distrain_version": version(),
             "torch_version": torch.__version__,
             "time": time.time(),

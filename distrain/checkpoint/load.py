@@ -1,6 +1,8 @@
 """Loading a checkpoint safely: DCP's metadata is decoded by metadata.py's restricted
 unpickler and byte entries by `torch.load(weights_only=True)`, so a checkpoint can never run code;
-a failed load is one line naming the checkpoint and the first rank's cause."""
+a failed load is one line naming the checkpoint and the first rank's cause: a model that
+disagrees with what the checkpoint's metadata declares (a tensor of another shape, or none) is a
+mismatch, never called damage."""
 
 from __future__ import annotations
 
@@ -90,6 +92,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+_MODEL_MISMATCH = "Size mismatch between saved"
+_MISSING_TENSOR = "Missing key in checkpoint state_dict"
+"""How DCP's planner says that a tensor of the state to load has another shape in the
+checkpoint's metadata, or none there."""
+
+
 class SavedLayoutAware(Stateful):
     """A checkpoint part whose entries to load depend on the layout that saved them: given the
     checkpoint's manifest (its `layout`, ParallelDims.describe, and `notes`) before DCP asks it
@@ -121,6 +129,15 @@ def load(
     except (Exception, CheckpointException) as e:
         if reader.refused is not None:
             raise CheckpointError(str(reader.refused)) from e
+        cause = root_cause(e)
+        if _MODEL_MISMATCH in cause or _MISSING_TENSOR in cause:
+            # What the checkpoint's own metadata declares disagrees with the model to load: the
+            # checkpoint holds another model, which is no damage.
+            raise CheckpointError(
+                f"checkpoint {storage.url_of(path)} holds another model than the configured one "
+                f"(a mismatch, not damage: {cause}); train it with the config it was saved with "
+                "(the run's config.toml), or use another --run-dir for this model"
+            ) from e
         raise CheckpointError(
             f"checkpoint {storage.url_of(path)} is corrupt or unreadable ({root_cause(e)}); "
             "delete it or resume from an earlier one"

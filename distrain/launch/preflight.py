@@ -6,7 +6,11 @@ directory can take files (a probe file written and deleted), an object-store URL
 installed, and so is each configured experiment tracker's library; replica groups' run secret
 file is a private regular file of a usable length; a local checkpoint location holds a committed
 checkpoint when --resume asks for one and belongs to no other run; a local
-checkpoint.resume_from that the run would start from is a committed checkpoint folder.
+checkpoint.resume_from that the run would start from is a committed checkpoint folder. Which
+checkpoint a start would resume (`resumed_checkpoint`) and whether it holds the configured model
+(`check_resume_model`, family and tensor shapes as its manifest records them) are here too; the
+CLI calls them with the configured model's record (cli._check_model), as models/ sits beside
+launch/.
 
 Cheap means no data is read (a corpus may be gigabytes) and nothing is left behind: a folder
 that does not exist yet is not created, its nearest existing parent is probed instead. Reading the
@@ -21,13 +25,15 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from fsspec.core import split_protocol
 from fsspec.registry import get_filesystem_class, known_implementations
 
 from distrain.checkpoint.checkpointer import checkpoint_storage
-from distrain.checkpoint.manifest import MANIFEST, committed, resume_from_step
+from distrain.checkpoint.manifest import MANIFEST, Entry, committed, resume_from_step, step_name
 from distrain.checkpoint.ownership import owner_problem
+from distrain.checkpoint.storage import Storage
 from distrain.config.schema import Config, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.dataset import check_split
@@ -138,6 +144,70 @@ def check_resume_from(cfg: Config) -> None:
             f"checkpoint.resume_from = {location!r}: no committed checkpoint there (no "
             f"{MANIFEST}); give a step folder that `distrain status` lists as committed"
         )
+
+
+def resumed_checkpoint(cfg: Config) -> tuple[Entry, str] | None:
+    """The committed checkpoint a start would resume, as far as a local folder tells, and how
+    to name it: the run's own newest (its run id's), else checkpoint.resume_from's. None when
+    the run starts from scratch, or its checkpoints are not local (the workers check those)."""
+    if not _is_local(cfg.checkpoint.dir):
+        return None
+    own = run_id(Path(cfg.run.dir), create=False)
+    entries = [e for e in committed(checkpoint_storage(cfg)) if e.manifest.get("run_id") == own]
+    if entries:
+        return entries[-1], "this run dir's checkpoint"
+    location = cfg.checkpoint.resume_from
+    if not location or not _is_local(location):
+        return None
+    parent, step = resume_from_step(location)
+    found = [e for e in committed(Storage(parent)) if e.step == step]
+    return (found[0], "checkpoint.resume_from's checkpoint") if found else None
+
+
+def check_resume_model(cfg: Config, entry: Entry, which: str, wanted: dict[str, Any]) -> None:
+    """The checkpoint `entry` that the start would resume holds the configured model, `wanted`
+    (models/registry.model_record): the same family and the same tensor shapes, as its manifest
+    records them (a checkpoint saved before manifests recorded the model is left to the workers'
+    load). A difference is refused in one line naming both models, before any worker starts.
+    The CLI makes `wanted` (the model families sit beside launch/, not below it)."""
+    saved = entry.manifest.get("model")
+    if not isinstance(saved, dict) or not isinstance(saved.get("tensors"), dict):
+        return
+    difference = _model_difference(saved, wanted)
+    if difference is None:
+        return
+    own_config = Path(cfg.run.dir) / "config.toml"
+    way_out = (
+        f"use another --run-dir, or the run's own config ({own_config})"
+        if which.startswith("this run") and own_config.is_file()
+        else "use another --run-dir, or a checkpoint of the configured model"
+    )
+    raise ConfigError(
+        f"model: {which} {step_name(entry.step)} holds {_describe(saved)}, the config asks for "
+        f"{_describe(wanted)}{difference}; {way_out}"
+    )
+
+
+def _describe(record: dict[str, Any]) -> str:
+    family, preset = str(record.get("family"))[:40], str(record.get("preset"))[:40]
+    return f"a {family} {preset!r} model ({str(record.get('summary'))[:200]})"
+
+
+def _model_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
+    """None when `saved` and `wanted` are one model (family and every tensor's shape); else ""
+    where their summaries tell them apart, or the first tensor that does."""
+    if saved.get("family") != wanted["family"]:
+        return ""
+    tensors = saved["tensors"]
+    if tensors == wanted["tensors"]:
+        return None
+    if saved.get("summary") != wanted["summary"]:
+        return ""
+    for name in sorted(set(tensors) | set(wanted["tensors"])):
+        have, want = tensors.get(name), wanted["tensors"].get(name)
+        if have != want:
+            return f" (tensor {str(name)[:100]}: {str(have)[:40]} saved, {want} configured)"
+    return None
 
 
 def check_eval_set(name: str, path: str) -> None:

@@ -17,7 +17,8 @@ host networking), cannot be checked from here, so the error names it and the fil
 checkpoint location shared by mistake never mixes two runs.
 
 `StartFootprint` notes which run-dir entries exist before a start so that a start that fails
-(e.g. `--resume` without a checkpoint) removes only what it created.
+(e.g. `--resume` without a checkpoint) removes only what it created, and puts back the run's
+config.toml that the start rewrote.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from distrain.errors import DistrainError
-from distrain.files import write_new
+from distrain.files import write_atomic, write_new
 
 LOCK_NAME = "run.lock"
 # Set by launchers for their workers, to the lock file's path, when a launcher of the job (node
@@ -278,12 +279,27 @@ class StartFootprint:
                 run_dir / RUN_ID_NAME,
             ]
         self._new = [p for p in mine if not p.exists()]
+        self._config = run_dir / "config.toml"
+        self._previous_config = (
+            self._config.read_bytes() if rank == 0 and self._config.is_file() else None
+        )
         # Directories shared by the ranks (the default checkpoint dir, which rank 0 probes before
         # the first step, among them): removed only when empty, by whichever rank is last.
         shared = ("logs", "heartbeat", "flight", "checkpoints")
         self._new_dirs = [d for d in (*(run_dir / n for n in shared), run_dir) if not d.exists()]
 
+    def restore_config(self) -> None:
+        """Put back the config.toml this start found (a start that never trained changes
+        nothing in the run dir it did not create, whatever ended it)."""
+        if self._previous_config is None:
+            return
+        with contextlib.suppress(OSError):
+            if self._config.read_bytes() == self._previous_config:
+                return
+        write_atomic(self._config, self._previous_config)
+
     def remove(self) -> None:
+        self.restore_config()
         for path in self._new:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

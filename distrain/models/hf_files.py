@@ -99,6 +99,92 @@ def safe_open() -> Any:
 
 def weight_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
+    index = _index(path)
+    if index is not None:
+        return index
+    single = _single_file(path)
+    with safe_open()(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (safetensors' own limit): a larger length is damage."""
+
+
+def check_weights(path: Path) -> None:
+    """The launcher's check of a `model.init_from` folder, before any worker starts: it holds
+    weights (model.safetensors, or an index naming files that are there), each file's header
+    parses, names the tensors the index gives it, and declares exactly the file's size (a
+    truncated download is refused). Only the headers are read, never the tensors."""
+    index = _index(path)
+    if index is None:
+        files = {_single_file(path): set[str]()}
+    else:
+        files = {}
+        for name, file in index.items():
+            files.setdefault(file, set()).add(name)
+    for file, names in sorted(files.items()):
+        where = f"model.init_from: {file}"
+        if not file.is_file():
+            raise ConfigError(
+                f"{where} is missing ({path / INDEX_FILE} names it); download the folder again"
+            )
+        problem = header_problem(file)
+        if problem is None:
+            missing = names - set(read_header(file)[0])
+            if missing:
+                problem = f"lacks the tensor {sorted(missing)[0][:100]!r} that the index names"
+        if problem is not None:
+            raise ConfigError(
+                f"{where} is not a complete safetensors file ({problem}); download it again, "
+                "or export the folder again"
+            )
+
+
+def read_header(file: Path) -> tuple[dict[str, Any], int]:
+    """The tensors a safetensors file declares (name -> dtype, shape, data_offsets), from its
+    header: 8 bytes of little-endian length, then that many bytes of JSON; and the number of
+    bytes after the header. Raises ValueError naming what is wrong."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{size} bytes, shorter than a header")
+        length = int.from_bytes(prefix, "little")
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"its header declares {length} bytes, the file has {size}")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, size - 8 - length
+
+
+def header_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file, or None: its header is unreadable, or its
+    tensors' data_offsets do not cover exactly the bytes after the header."""
+    try:
+        header, data = read_header(file)
+    except (OSError, ValueError) as e:  # json's errors are ValueErrors
+        return str(e).splitlines()[0][:200] if isinstance(e, ValueError) else e.strerror
+    end = 0
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            return f"tensor {str(name)[:100]!r} has no valid data_offsets"
+        end = max(end, offsets[1])
+    if data != end:
+        return f"its header declares {end} bytes of tensors, the file holds {data}"
+    return None
+
+
+def _index(path: Path) -> dict[str, Path] | None:
+    """HF tensor name -> file, from the folder's safetensors index; None without one."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -115,11 +201,15 @@ def weight_files(path: Path) -> dict[str, Path]:
                 f"model.init_from: {index} names {outside[0][:100]!r}, not a file in {path}"
             )
         return {name: path / file for name, file in files.items()}
+    return None
+
+
+def _single_file(path: Path) -> Path:
+    """The folder's model.safetensors, which a folder without an index must hold."""
     single = path / SINGLE_FILE
     if not single.is_file():
         raise ConfigError(
             f"model.init_from: no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors "
-            "checkpoints are read: they cannot run code)"
+            "checkpoints are read: they cannot run code); point it at a folder with its weights"
         )
-    with safe_open()(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    return single

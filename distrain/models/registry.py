@@ -10,6 +10,7 @@ first, names its spec in its distribution's `distrain.model_families` entry poin
 from __future__ import annotations
 
 import dataclasses
+import json
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -122,6 +123,25 @@ def family_of_preset(preset: str) -> str | None:
 def model_shape(cfg: ModelConfig) -> ModelShape:
     """The sizes of the model `cfg` describes (`model_args`' model)."""
     return model_family(cfg.family).shape(model_args(cfg))
+
+
+def model_record(cfg: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the model it holds (its "model"): the family, the
+    preset, the one-line summary (`ModelSpec.describe`), the resolved arguments, and every
+    tensor's shape, which the launcher compares with the configured model before a resume
+    (launch/preflight.py). Built on the meta device: nothing is allocated."""
+    spec = model_family(cfg.family)
+    args = model_args(cfg)
+    with torch.device("meta"):
+        model = spec.build(args)
+    resolved = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else repr(args)
+    return {
+        "family": spec.name,
+        "preset": cfg.preset,
+        "summary": spec.describe(args),
+        "args": json.loads(json.dumps(resolved, default=str)),
+        "tensors": {name: list(t.shape) for name, t in model.state_dict().items()},
+    }
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

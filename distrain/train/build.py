@@ -28,6 +28,7 @@ from distrain.data.sources import build_mixture
 from distrain.ft.replica_groups import ReplicaGroups
 from distrain.launch.preempt import StopAgreement, StopSignals
 from distrain.launch.rundir import run_id
+from distrain.models.registry import model_record
 from distrain.observe import heartbeat
 from distrain.observe.health import LossSpikes, NonFiniteGuard
 from distrain.observe.metrics import MetricsWriter
@@ -297,6 +298,7 @@ def _checkpointer(
         collective_timeout_s=c.collective_timeout_s,
         on_saved=checkpoint_settled,
         before_commit=faults.before_commit,
+        model=model_record(cfg.model),
     )
 
 

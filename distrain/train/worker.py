@@ -40,7 +40,7 @@ def run_training(cfg: Config) -> None:
     footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
     ctx = init_distributed(cfg.run.device, timeout_s=cfg.comm.collective_timeout_s)
     lock = logger = trainer = watchdog = None
-    failed_start = ended_well = False
+    failed_start = ended_well = wrote_config = False
     try:
         lock = lock_for_worker(run_dir, ctx.rank)
         if ctx.world_size > 1:
@@ -50,6 +50,7 @@ def run_training(cfg: Config) -> None:
         if ctx.rank == 0:
             changed = _changes_since_last_start(run_dir / "config.toml", cfg)
             write_toml(cfg, run_dir / "config.toml")
+            wrote_config = True
         logger = setup_logging(run_dir, ctx.rank)
         if changed:
             logger.info(
@@ -95,10 +96,13 @@ def run_training(cfg: Config) -> None:
             trainer.close()
         if logger is not None:
             close_logging(logger)
+        never_trained = trainer is None or not trainer.started
         del trainer
         teardown(synchronize=ended_well)
         if failed_start:
             footprint.remove()
+        elif wrote_config and not ended_well and never_trained:
+            footprint.restore_config()  # whatever ended a start that never trained
         if lock is not None:
             lock.release()
 
