@@ -2,11 +2,14 @@
 exchange that must fail, in-process (the end-to-end attacks with torchft's own Manager are in
 tests/test_replica_attacks.py).
 
-- the live state is fetched only with a MAC of the run secret over (step, a fresh nonce, the
-  body) and read with `weights_only=True`, then held to this rank's exact schema: a peer
-  serving a pickle that calls `os.system` (torchft's default transport, or one that speaks
-  distrain's protocol) runs nothing;
-- a request for the state without the secret is refused (the weights are not served);
+- the live state is fetched only from an address signed for this rank's counterpart, with a
+  request MAC bound to the serving group, rank, step and a nonce never used before, and comes
+  back encrypted under a key of that request; it is read with `weights_only=True`, then held
+  to this rank's exact schema: a peer serving a pickle that calls `os.system` (torchft's default
+  transport, or one that speaks distrain's protocol) runs nothing;
+- a request for the state without the secret, a captured request sent again, one meant for
+  another server, and an address planted by a relay are each refused; a host on the path reads
+  only ciphertext;
 - each step's slots name every member's group, step and gradient norm under a MAC: a member
   without the secret, outside the configured groups, a second "group 1", a peer at another
   step, and a gradient 1000x the others' are each refused;
@@ -16,12 +19,12 @@ tests/test_replica_attacks.py).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
 import pickle
 import re
+import secrets
 import socket
 import stat
 import threading
@@ -37,7 +40,7 @@ from helpers import cli_in_process
 
 from distrain.errors import ConfigError
 from distrain.ft.network import read_secret, secret_needed
-from distrain.ft.transport import AUTH_HEADER, NONCE_HEADER, StateTransport
+from distrain.ft.transport import AUTH_HEADER, NONCE_HEADER, StateTransport, seal, unseal
 from distrain.ft.trust import (
     SLOT_SIZE,
     PeerRefused,
@@ -61,11 +64,19 @@ def _state(step: int = 7) -> dict:
 
 
 def _transport(
-    secret: bytes = SECRET, *, bind: str = "127.0.0.1", timeout: timedelta = TIMEOUT
+    secret: bytes = SECRET,
+    *,
+    group: int = 0,
+    rank: int = 0,
+    bind: str = "127.0.0.1",
+    timeout: timedelta = TIMEOUT,
 ) -> StateTransport:
+    """A rank's transport: by default rank 0 of group 0 (the serving side in these tests)."""
     return StateTransport(
         bind=bind,
         secret=secret,
+        group=group,
+        rank=rank,
         timeout=timeout,
         local_state=_state,
         step_of=lambda s: int(s["trainer"]["step"]),
@@ -88,7 +99,8 @@ class _Payload:
 
 @pytest.fixture
 def pair():
-    server, client = _transport(), _transport()
+    """Rank 0 of group 0 serving, rank 0 of group 1 (its counterpart) fetching."""
+    server, client = _transport(), _transport(group=1)
     yield server, client
     server.shutdown()
     client.shutdown()
@@ -97,7 +109,7 @@ def pair():
 def test_the_live_state_round_trips_between_groups_that_share_the_secret(pair):
     _, client = pair
     # The server waits this long for a step it has not staged, then answers 409.
-    server = _transport(timeout=timedelta(seconds=0.5))
+    server = _transport(group=2, timeout=timedelta(seconds=0.5))
     try:
         server.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
         got = client.recv_checkpoint(0, server.metadata(), 7, TIMEOUT)
@@ -114,17 +126,41 @@ def test_the_live_state_round_trips_between_groups_that_share_the_secret(pair):
 def test_a_request_without_the_secret_is_not_served_the_weights(pair, caplog):
     server, _ = pair
     server.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
-    intruder = _transport(b"not-the-run-secret-0123456789")
+    intruder = _transport(b"not-the-run-secret-0123456789", group=1)
     try:
-        with caplog.at_level(logging.WARNING), pytest.raises(PeerRefused, match="HTTP 403"):
+        # The intruder cannot even check the address's signature; with it taken as given, the
+        # server refuses its request.
+        with pytest.raises(PeerRefused, match="not signed with the run secret"):
             intruder.recv_checkpoint(0, server.metadata(), 7, TIMEOUT)
+        nonce = "cd" * 32
+        forged = mac(b"not-the-run-secret-0123456789", "state-request", 0, 0, 7, nonce).hex()
+        with caplog.at_level(logging.WARNING), pytest.raises(urllib.error.HTTPError) as error:
+            _get(server, 7, nonce, forged)
+        assert error.value.code == 403
     finally:
         intruder.shutdown()
     assert "did not prove the run secret" in caplog.text
     # torchft's own client (its HTTPTransport's URL scheme) gets nothing either.
     with pytest.raises(urllib.error.HTTPError) as error:
-        urllib.request.urlopen(f"{server.metadata()}checkpoint/7/full", timeout=5)
+        urllib.request.urlopen(f"{_base(server)}checkpoint/7/full", timeout=5)
     assert error.value.code == 403
+
+
+def _base(transport) -> str:
+    """The http://host:port/ of a transport's published (signed) address."""
+    return transport.metadata().partition("#")[0]
+
+
+def _get(server, step: int, nonce: str, auth: str) -> bytes:
+    request = urllib.request.Request(
+        f"{_base(server)}state/{step}", headers={NONCE_HEADER: nonce, AUTH_HEADER: auth}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read()
+
+
+def _request_auth(step: int, nonce: str, *, group: int = 0, rank: int = 0) -> str:
+    return mac(SECRET, "state-request", group, rank, step, nonce).hex()
 
 
 def test_torchfts_default_transport_serving_a_pickle_runs_nothing(tmp_path):
@@ -135,31 +171,39 @@ def test_torchfts_default_transport_serving_a_pickle_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     evil = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
     evil.send_checkpoint([0], 7, _staged({"x": _Payload(marker)}), TIMEOUT)
-    client = _transport(b"")
+    client = _transport(b"", group=1)
+    # The address as the attacker would publish it without a secret to know: signed under b"".
+    address = _signed(b"", evil.metadata())
     try:
         with pytest.raises(PeerRefused, match="not a distrain group"):
-            client.recv_checkpoint(0, evil.metadata(), 7, TIMEOUT)
+            client.recv_checkpoint(0, address, 7, TIMEOUT)
     finally:
         client.shutdown()
         evil.shutdown(wait=False)
     assert not marker.exists()
 
 
-class _ProtocolSpeakingAttacker:
-    """An HTTP server that answers every request for the state with `body` and a MAC of it under
-    the secret it knows (distrain's protocol, as an attacker would write it)."""
+def _signed(secret: bytes, base: str, *, group: int = 0, rank: int = 0) -> str:
+    """`base` published as the state address of `group`'s `rank`, signed under `secret`."""
+    return f"{base}#{group}.{rank}.{mac(secret, 'state-address', group, rank, base).hex()}"
 
-    def __init__(self, secret: bytes, body: bytes, *, response_mac=None):
+
+class _ProtocolSpeakingAttacker:
+    """An HTTP server that answers every request for the state with `body`, sealed under the
+    secret it knows as group 0's rank 0 (distrain's protocol, as an attacker would write it),
+    or with `sealed` as it is (a body recorded elsewhere)."""
+
+    def __init__(self, secret: bytes, body: bytes = b"", *, sealed: bytes | None = None):
+        self.secret = secret
+
         def answer(handler: BaseHTTPRequestHandler) -> None:
             step = int(handler.path.rsplit("/", 1)[1])
             nonce = handler.headers.get(NONCE_HEADER, "")
-            digest = hashlib.sha256(body).hexdigest()
-            auth = response_mac or mac(secret, "state", step, nonce, digest).hex()
+            out = sealed if sealed is not None else seal(secret, 0, 0, step, nonce, body)
             handler.send_response(200)
-            handler.send_header(AUTH_HEADER, auth)
-            handler.send_header("Content-Length", str(len(body)))
+            handler.send_header("Content-Length", str(len(out)))
             handler.end_headers()
-            handler.wfile.write(body)
+            handler.wfile.write(out)
 
         handler = type(
             "Handler",
@@ -170,7 +214,8 @@ class _ProtocolSpeakingAttacker:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def metadata(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/"
+        """Its address, signed under the secret it knows."""
+        return _signed(self.secret, f"http://127.0.0.1:{self._server.server_address[1]}/")
 
     def shutdown(self) -> None:
         self._server.shutdown()
@@ -183,9 +228,9 @@ def test_a_pickle_of_objects_in_distrains_protocol_runs_nothing(tmp_path, secret
     weights_only loader refuses the pickle. With one, the MAC refuses it before it is read."""
     marker = tmp_path / "pwned"
     evil = _ProtocolSpeakingAttacker(secret, pickle.dumps(_staged({"x": _Payload(marker)})))
-    client = _transport(b"" if not secret else SECRET)
+    client = _transport(b"" if not secret else SECRET, group=1)
     try:
-        expected = "is not data" if not secret else "did not prove the run secret"
+        expected = "is not data" if not secret else "not signed with the run secret"
         with pytest.raises(PeerRefused, match=expected):
             client.recv_checkpoint(0, evil.metadata(), 7, TIMEOUT)
     finally:
@@ -233,7 +278,7 @@ def _with(**changes) -> dict:
 )
 def test_a_state_that_is_not_this_ranks_schema_is_refused(body, expected):
     evil = _ProtocolSpeakingAttacker(SECRET, body)
-    client = _transport()
+    client = _transport(group=1)
     try:
         with pytest.raises(PeerRefused, match=re.escape(expected)):
             client.recv_checkpoint(0, evil.metadata(), 7, TIMEOUT)
@@ -243,22 +288,101 @@ def test_a_state_that_is_not_this_ranks_schema_is_refused(body, expected):
 
 
 def test_a_response_replayed_for_another_nonce_is_refused(pair):
-    """A recorded response (the right body, its MAC for an earlier request) does not verify."""
+    """A recorded response (the right body, sealed for an earlier request) does not open."""
     server, client = pair
     server.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
     nonce = "ab" * 32
-    request = urllib.request.Request(
-        f"{server.metadata()}state/7",
-        headers={NONCE_HEADER: nonce, AUTH_HEADER: mac(SECRET, "state-request", 7, nonce).hex()},
-    )
-    with urllib.request.urlopen(request, timeout=5) as response:
-        recorded = (response.read(), response.headers[AUTH_HEADER])
-    replayer = _ProtocolSpeakingAttacker(SECRET, recorded[0], response_mac=recorded[1])
+    recorded = _get(server, 7, nonce, _request_auth(7, nonce))
+    replayer = _ProtocolSpeakingAttacker(SECRET, sealed=recorded)
     try:
         with pytest.raises(PeerRefused, match="did not prove the run secret"):
             client.recv_checkpoint(0, replayer.metadata(), 7, TIMEOUT)
     finally:
         replayer.shutdown()
+
+
+def test_a_captured_request_sent_again_is_refused(pair):
+    """The review's replay: the same request (nonce and MAC) served twice. The second is 403."""
+    server, _ = pair
+    server.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
+    nonce = "ef" * 32
+    _get(server, 7, nonce, _request_auth(7, nonce))
+    with pytest.raises(urllib.error.HTTPError) as error:
+        _get(server, 7, nonce, _request_auth(7, nonce))
+    assert error.value.code == 403
+
+
+def test_a_request_proven_for_another_rank_is_refused(pair):
+    """A request MAC names the rank it is for: one that opens group 0's rank 0 (made as the
+    code makes it) is refused by group 2's rank 0 and by group 0's rank 1, which serve too."""
+    server, client = pair
+    others = [_transport(group=2), _transport(rank=1)]
+    try:
+        for transport in (server, *others):
+            transport.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
+        for other in others:
+            nonce = secrets.token_hex(32)
+            auth = client._request_mac(0, 0, 7, nonce).hex()
+            with pytest.raises(urllib.error.HTTPError) as error:
+                _get(other, 7, nonce, auth)
+            assert error.value.code == 403
+            assert _get(server, 7, nonce, auth)  # the rank it was made for serves it
+    finally:
+        for other in others:
+            other.shutdown()
+
+
+def test_what_travels_is_ciphertext_a_host_on_the_path_cannot_read(pair):
+    """A host between the groups (a relay that forwards the request unchanged, as in the
+    review) holds only the sealed body: not torch.save's bytes, no tensor's bytes in it, and it
+    opens only under the request's key."""
+    server, _ = pair
+    state = _state()
+    state["model"]["w"] = torch.full((64, 64), 1.2345)  # a run of bytes easy to spot
+    server.send_checkpoint([1], 7, _staged(state), TIMEOUT)
+    nonce = secrets.token_hex(32)
+    sealed = _get(server, 7, nonce, _request_auth(7, nonce))
+    plain = state["model"]["w"].numpy().tobytes()
+    assert plain[:256] not in sealed and not sealed.startswith(b"PK")
+    with pytest.raises(Exception):  # noqa: B017 (any failure to read it will do)
+        torch.load(io.BytesIO(sealed), weights_only=True)
+    opened = torch.load(io.BytesIO(unseal(SECRET, 0, 0, 7, nonce, sealed)), weights_only=True)
+    assert torch.equal(opened["user"]["distrain"]["model"]["w"], state["model"]["w"])
+
+
+def test_an_address_planted_by_a_relay_is_refused_before_any_request(pair):
+    """The review's theft: an intruder overwrote a survivor's published state address (a
+    Quorum call to its manager server) with its own relay's. The relay's address carries no
+    signature of the run secret (nor can an old one be moved to it), so the rejoining rank
+    refuses it and sends the relay nothing."""
+    server, client = pair
+    server.send_checkpoint([1], 7, _staged(_state()), TIMEOUT)
+    seen: list[str] = []
+
+    def relay(handler: BaseHTTPRequestHandler) -> None:
+        seen.append(handler.path)
+        handler.send_error(502)
+
+    proxy = ThreadingHTTPServer(
+        ("127.0.0.1", 0),
+        type("Relay", (BaseHTTPRequestHandler,), {"do_GET": relay, "log_message": lambda *a: None}),
+    )
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    relay_base = f"http://127.0.0.1:{proxy.server_address[1]}/"
+    signature = server.metadata().partition("#")[2]
+    try:
+        for planted in (relay_base, f"{relay_base}#{signature}", _signed(b"guess", relay_base)):
+            with pytest.raises(PeerRefused, match="not signed with the run secret"):
+                client.recv_checkpoint(0, planted, 7, TIMEOUT)
+        # A genuine address, but of a rank that is not this one's counterpart.
+        with pytest.raises(PeerRefused, match="not the counterpart"):
+            client.recv_checkpoint(0, _signed(SECRET, relay_base, group=0, rank=1), 7, TIMEOUT)
+        with pytest.raises(PeerRefused, match="not the counterpart"):
+            client.recv_checkpoint(0, _signed(SECRET, relay_base, group=1), 7, TIMEOUT)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert seen == []
 
 
 # --- a step's slots -----------------------------------------------------------------------------
@@ -368,7 +492,7 @@ def test_the_state_server_listens_on_the_bind_address_only():
     assert default_bind("http://127.0.0.1:29510") == "127.0.0.1"
     server = _transport()
     try:
-        port = int(server.metadata().rsplit(":", 1)[1].strip("/"))
+        port = int(_base(server).rsplit(":", 1)[1].strip("/"))
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         other = _other_local_address()
         if other is not None:

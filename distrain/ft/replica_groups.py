@@ -17,7 +17,8 @@ torchft's protocol); after backward each group votes to commit.
   boundary and fetches the live state from a healthy group: each rank's model and optimizer
   shards (its counterpart holds the same ones), the loader position, the RNG states and the
   step, over distrain's own transport (transport.py: tensors and integers only,
-  authenticated by the run secret, checked against this rank's own schema; never a pickle).
+  authenticated and encrypted under the run secret, checked against this rank's own schema;
+  never a pickle).
 - **Trust**: every step's exchange carries each group's proof of the run secret and its
   gradient norm (trust.py); a member that fails it is named and the step is committed
   by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
@@ -224,6 +225,8 @@ class ReplicaGroups:
         self.transport = StateTransport(
             bind=bind,
             secret=self.secret,
+            group=cfg.group,
+            rank=ctx.rank,
             timeout=timedelta(seconds=cfg.timeout_s),
             local_state=lambda: self._state(),  # type: ignore[misc] (set by serve)
             step_of=lambda state: int(state["trainer"]["step"]),
