@@ -51,17 +51,17 @@ from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.staging import Stager
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
 from distrain.checkpoint.writer_process import OffloadedWriter, WriterProcess
-from distrain.config.schema import Config
+from distrain.config.schema import CheckpointConfig, Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
 
 
-def checkpoint_storage(cfg: Config) -> Storage:
-    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default.
-    The bytes it moves are progress for the hang watchdog."""
+def checkpoint_storage(checkpoint: CheckpointConfig, run_dir: str) -> Storage:
+    """Where the checkpoints of the run in `run_dir` live: checkpoint.dir, or
+    <run_dir>/checkpoints by default. The bytes it moves are progress for the hang watchdog."""
     return Storage(
-        cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
-        retry_s=cfg.checkpoint.storage_retry_s,
+        checkpoint.dir or str(Path(run_dir) / "checkpoints"),
+        retry_s=checkpoint.storage_retry_s,
         on_progress=heartbeat.moved,
     )
 

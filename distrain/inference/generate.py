@@ -28,7 +28,7 @@ def load_model(
     config_path = run_config_file(run_dir)
     cfg = load_config(str(config_path))
     cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
-    storage = checkpoint_storage(cfg)
+    storage = checkpoint_storage(cfg.checkpoint, cfg.run.dir)
     checkpointer = Checkpointer(
         storage,
         run_id=run_id(run_dir, create=False),

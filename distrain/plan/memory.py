@@ -326,9 +326,15 @@ def with_outer_step(
     at_rest = found.params + found.optimizer
     # Its first outer step is not the run's last (which would take every fragment at once).
     steps = cfg.diloco.inner_steps + 1
-    first_steps = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps))
     with LiveBytes(at_rest) as live:
-        outer = outer_optimizer(first_steps, plan.dims, mesh, model)
+        outer = outer_optimizer(
+            cfg.diloco,
+            plan.dims,
+            mesh,
+            model,
+            total_steps=steps,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        )
         outer.after_step(cfg.diloco.inner_steps)
     held = live.live - at_rest
     return dataclasses.replace(

@@ -113,7 +113,16 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         plan.batch.micro,
     )
 
-    outer = outer_optimizer(cfg, dims, mesh, model) if dims.diloco else None
+    outer = None
+    if dims.diloco:
+        outer = outer_optimizer(
+            cfg.diloco,
+            dims,
+            mesh,
+            model,
+            total_steps=t.steps,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        )
     faults = FaultInjection(cfg.debug, rank=ctx.rank, logger=logger)
     checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
     nonfinite = NonFiniteGuard(
@@ -283,7 +292,7 @@ def _checkpointer(
 
     c = cfg.checkpoint
     return Checkpointer(
-        checkpoint_storage(cfg),
+        checkpoint_storage(c, cfg.run.dir),
         run_id=run_id(run_dir),
         resume_from=c.resume_from,
         layout=dims.describe(),
