@@ -35,7 +35,7 @@ from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
 from distrain.observe.stragglers import Stragglers
-from distrain.observe.trackers import Trackers
+from distrain.observe.trackers import Trackers, flat_params
 from distrain.optim.builder import build_optimizers
 from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
@@ -84,7 +84,11 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     optimizers, gradient_plan = build_optimizers(
         model.parts, cfg.optim, plan.spec, dims, mesh, dp_mesh, comm_stats, site=site
     )
-    trackers = Trackers(cfg, run_dir, logger) if ctx.rank == 0 else None
+    trackers = None
+    if ctx.rank == 0:
+        trackers = Trackers(
+            cfg.metrics, run_dir, logger, params=flat_params(cfg), total_steps=t.steps
+        )
     metrics = MetricsWriter(
         run_dir,
         enabled=ctx.rank == 0,
