@@ -126,7 +126,14 @@ def _memory_rows(base: Config, layouts: list[Candidate]) -> list[dict[str, Any]]
         row: dict[str, Any] = {"preset": base.model.preset, "layout": dataclasses.asdict(c)}
         row["diloco"] = base.diloco.inner_steps
         try:
-            modelled = modelled_row(cfg, WORLD, coefficients_of)
+            modelled = modelled_row(
+                WORLD,
+                coefficients_of,
+                model=cfg.model,
+                parallel=cfg.parallel,
+                training=cfg.training,
+                optim=cfg.optim,
+            )
             built = memory_row(cfg, WORLD, cache, exhaustive=True)
         except Exception as error:  # noqa: BLE001 - a layout the planner cannot price is a row
             row["error"] = one_line(error)

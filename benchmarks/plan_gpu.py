@@ -159,7 +159,14 @@ def compare(args: argparse.Namespace) -> None:
                 coefficients[preset, family] = calibrate_family(base, family, build)
             return coefficients[preset, family]
 
-        modelled = modelled_row(cfg, 1, coefficients_of)["peak"]
+        modelled = modelled_row(
+            1,
+            coefficients_of,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )["peak"]
         built = memory_row(cfg, 1, cache, exhaustive=True)["peak"]
         row.update(modelled_peak=modelled, built_peak=built)
         row["modelled_error"] = modelled / m["allocated_peak"] - 1

@@ -160,7 +160,14 @@ def _modelled_and_built(base: Config, c: Candidate) -> tuple[dict, dict]:
             coefficients[f] = calibrate_family(base, f, lambda cf, n: memory_of(cf, n, cache))
         return coefficients[f]
 
-    modelled = modelled_row(cfg, world, family)
+    modelled = modelled_row(
+        world,
+        family,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        training=cfg.training,
+        optim=cfg.optim,
+    )
     return modelled, memory_row(cfg, world, cache, exhaustive=True)
 
 

@@ -68,7 +68,20 @@ def modelled_and_built():
     for shard, tp, pp, stage, ac, mb in LAYOUTS:
         c = Candidate(1, shard, tp, pp, stage, ac, mb)
         cfg = candidate_config(base, c)
-        rows.append((c, modelled_row(cfg, WORLD, coefficients_of), memory_row(cfg, WORLD, cache)))
+        rows.append(
+            (
+                c,
+                modelled_row(
+                    WORLD,
+                    coefficients_of,
+                    model=cfg.model,
+                    parallel=cfg.parallel,
+                    training=cfg.training,
+                    optim=cfg.optim,
+                ),
+                memory_row(cfg, WORLD, cache),
+            )
+        )
     return rows
 
 
@@ -103,7 +116,14 @@ def modelled_and_built_peaks(
     found = []
     for layout in [Candidate(1, *layout) for layout in layouts] + list(candidates):
         cfg = candidate_config(base, layout)
-        modelled = modelled_row(cfg, WORLD, coefficients_of)
+        modelled = modelled_row(
+            WORLD,
+            coefficients_of,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )
         built = memory_row(cfg, WORLD, cache, exhaustive=True)
         found.append(
             (layout, modelled, built) if rows else (layout, modelled["peak"], built["peak"])
@@ -148,7 +168,14 @@ def test_a_peak_whose_moment_changes_with_depth_is_priced_at_the_full_depth():
     coefficients_of, coefficients = calibrated(base, cache)
 
     cfg = candidate_config(base, Candidate(1, 4, 1, 1, 2, "none", 1))
-    modelled = modelled_row(cfg, WORLD, coefficients_of)
+    modelled = modelled_row(
+        WORLD,
+        coefficients_of,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        training=cfg.training,
+        optim=cfg.optim,
+    )
     verified = built_row(cfg, WORLD, cache)
     full = memory_row(cfg, WORLD, cache, exhaustive=True)
     assert modelled["peak"] == pytest.approx(full["peak"], rel=0.01)
@@ -197,7 +224,17 @@ def test_an_uncalibrated_model_would_miss():
         return dataclasses.replace(got, builds=(shallow, shallow), states=(got.states[0],) * 2)
 
     built = memory_row(cfg, WORLD, cache)
-    assert modelled_row(cfg, WORLD, no_blocks)["peak"] < 0.9 * built["peak"]
+    assert (
+        modelled_row(
+            WORLD,
+            no_blocks,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )["peak"]
+        < 0.9 * built["peak"]
+    )
 
 
 def two_hosts(bits_per_s: float) -> Cluster:

@@ -169,7 +169,7 @@ def test_a_parameter_table_is_kept_and_read_back_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
     store, cfg = BuildStore(tmp_path / "builds"), small_config()
     cfg.model.tie_embeddings = True
-    model = model_of(cfg)
+    model = model_of(cfg.model)
     parameter_table.load(model, store)
     made = parameter_table.table(model)
     assert counted.runs == 1 and len(list(store.directory.iterdir())) == 1
@@ -182,7 +182,7 @@ def test_a_parameter_table_is_kept_and_read_back_whole(tmp_path, monkeypatch):
     parameter_table.load(model, store)
     assert parameter_table.table(model) == made and counted.runs == 1
     cfg.model.n_layers = 9
-    parameter_table.load(model_of(cfg), store)
+    parameter_table.load(model_of(cfg.model), store)
     assert counted.runs == 2 and len(list(store.directory.iterdir())) == 2
 
 
@@ -219,7 +219,7 @@ def test_a_planted_parameter_table_is_a_miss_never_a_result(tmp_path, monkeypatc
     replaced by the real table."""
     monkeypatch.setattr(parameter_table, "_TABLES", {})
     monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
-    store, model = BuildStore(tmp_path / "builds"), model_of(small_config())
+    store, model = BuildStore(tmp_path / "builds"), model_of(small_config().model)
     parameter_table.load(model, store)
     real = parameter_table.table(model)
     (path,) = store.directory.iterdir()

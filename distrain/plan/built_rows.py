@@ -98,7 +98,7 @@ def _memory_of(
             params = validate(cfg, None).family_model.num_params()
             optimizer = held_state_bytes(params, world_size)
         elif p.zero_stage == 1:
-            optimizer = math.ceil(optimizer * zero1_largest_share(cfg, world_size))
+            optimizer = math.ceil(optimizer * zero1_largest_share(cfg.model, world_size))
         return dataclasses.replace(base, optimizer=optimizer)
     if p.zero_stage == 1:
         zero0 = dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=0))
@@ -125,7 +125,7 @@ def memory_row(
     if p.pp == 1:
         mem = memory_of(cfg, world_size, cache, exhaustive=exhaustive, store=store)
         if accumulating is None:
-            accumulating = accumulates(cfg, world_size)
+            accumulating = accumulates(cfg.training, cfg.parallel, world_size)
         return {
             "params": mem.params,
             "grads": mem.grads,
@@ -217,7 +217,10 @@ def built_row(
     # The steepest moment on its own line too (memory_model.Coefficients._scaled says why).
     shallow = tuple(memory_of(with_depth(cfg, n), world_size, cache, store=store) for n in depths)
     deep = at_depth(shallow, depths, n_layers)
-    mb, accumulating = cfg.training.micro_batch_size, accumulates(cfg, world_size)
+    mb, accumulating = (
+        cfg.training.micro_batch_size,
+        accumulates(cfg.training, cfg.parallel, world_size),
+    )
 
     def activations(row: dict[str, int], accumulating: bool) -> int:
         steep = deep.steep_fwd_bwd(mb, accumulating=accumulating) - deep.params - deep.grads
@@ -239,7 +242,7 @@ def built_depths(cfg: Config) -> tuple[int, ...]:
     pipeline stage; () when the model is no deeper (then built whole)."""
     p = cfg.parallel
     per_stage = p.pp * p.pp_stages_per_rank
-    low, high = (per_stage * d for d in calibration_depths(family_of(cfg)))
+    low, high = (per_stage * d for d in calibration_depths(family_of(p, cfg.training)))
     return () if validate(cfg, None).shape.n_layers <= high else (low, high)
 
 

@@ -285,7 +285,7 @@ def plan(
         pool = Pool(max(1, workers - 1), preload=PRELOAD)
     else:
         workers = pool.workers + 1
-    if workers > 1 and (store is None or not stored(model_of(base), store)):
+    if workers > 1 and (store is None or not stored(model_of(base.model), store)):
         pool.start_soon()  # a model not planned here before: every build is to be made
     try:
         layouts = timed_layouts(
@@ -296,7 +296,7 @@ def plan(
             stages=stages,
             checkpointing=checkpointing,
         )
-        load(model_of(base), store)  # the parameter table: read from the store, not built
+        load(model_of(base.model), store)  # the parameter table: read from the store, not built
     except BaseException:
         if own:
             pool.close()
@@ -329,7 +329,7 @@ def plan(
         def calibrated() -> Coefficients:
             builds = calibration_builds(base, family)
             for cfg, _ in builds:  # the shallow models' tables too
-                load(model_of(cfg), store)
+                load(model_of(cfg.model), store)
             if shared is not None:
                 at = met.index(family) + 1 if family in met else len(met)
                 after = [c for f in met[at : at + workers - 1] for c in calibration_calls(f)]
@@ -369,11 +369,22 @@ def plan(
             try:
                 if exhaustive:
                     memory = built(cfg)
-                elif sum((floor := states_floor(cfg, world)).values()) > capacity:
+                elif (
+                    sum((floor := states_floor(cfg.model, cfg.parallel, cfg.optim, world)).values())
+                    > capacity
+                ):
                     memory, source = floor, "model"
                 else:
                     needed.add(family)  # not None: the floor fits
-                    memory, source = modelled_row(cfg, world, coefficients_of), "model"
+                    memory = modelled_row(
+                        world,
+                        coefficients_of,
+                        model=cfg.model,
+                        parallel=cfg.parallel,
+                        training=cfg.training,
+                        optim=cfg.optim,
+                    )
+                    source = "model"
                     peak = memory["peak"]
                     if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
                         memory, source = built(cfg), "fake build"
@@ -447,8 +458,8 @@ def _family_needed(cfg: Config, world_size: int, capacity: float) -> Family | No
     """The family the memory model prices `cfg` with; None when its model states alone exceed
     `capacity` (no family needed) or cannot be counted (its row reports why)."""
     try:
-        if sum(states_floor(cfg, world_size).values()) <= capacity:
-            return calibrated_family(cfg)
+        if sum(states_floor(cfg.model, cfg.parallel, cfg.optim, world_size).values()) <= capacity:
+            return calibrated_family(cfg.parallel, cfg.training)
     except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
         return None
     return None
