@@ -24,7 +24,7 @@ fastest few are built (search.py):
   none/DDP, FSDP2 without or with resharding after forward, activation checkpointing, cp and
   ep degrees) by two fake builds of the planned model at its real width and 2 and 3 blocks (3
   and 4 under FSDP2 resharding with full checkpointing: `calibration_depths`; world: tp x cp,
-  x2 under FSDP2, x 2 ep under ep: `calibration_layout`), which
+  x2 under FSDP2, x 2 ep under ep: `calibration_builds`), which
   hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
   full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch is kept
   within the gradients' bytes of the held peak: `Coefficients.above_states`); every
@@ -50,9 +50,11 @@ from distrain.family.spec import FamilyModel, ModelShape
 from distrain.models.registry import model_args, model_family
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.build_results import MemoryEstimate, accumulates, in_flight
 from distrain.plan.parameter_table import table
+from distrain.plan.planned import planned_run, replanned
 
 FP32 = 4
 CALIBRATION_DEPTHS = (2, 3)
@@ -265,16 +267,17 @@ def states_floor(
     return {"params": states.params, "grads": states.grads, "optimizer": moments}
 
 
-def with_depth(cfg: Config, n_layers: int) -> Config:
-    """`cfg` with a model of `n_layers` blocks (the rest of its shape as planned)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+def with_depth(plan: RunPlan, n_layers: int) -> RunPlan:
+    """The layout `plan` with a model of `n_layers` blocks (the rest of its shape as planned)."""
+    return replanned(plan, model=dataclasses.replace(plan.config.model, n_layers=n_layers))
 
 
-def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
-    """The smallest layout of `family` (tp x cp ranks, x2 data-parallel shards under FSDP2, no
-    pp; under DiLoCo, x2 sites of those, whose outer state is then in the build; under ep, 2 x
-    ep data-parallel ranks, so that FSDP2 gathers the experts over 2 as it does over more), one
-    sample per data-parallel rank, and its world size."""
+def calibration_builds(base: Config, family: Family) -> list[RunPlan]:
+    """The family's two fake builds, made from the config `base` (the plan's; the layout rules
+    checked): its smallest layout (tp x cp ranks, x2 data-parallel shards under FSDP2, no pp;
+    under DiLoCo, x2 sites of those, whose outer state is then in the build; under ep, 2 x ep
+    data-parallel ranks, so that FSDP2 gathers the experts over 2 as it does over more), one
+    sample per data-parallel rank, at each of its `calibration_depths`."""
     plain = family.wrapper == "plain"
     sites = 2 if base.diloco.inner_steps > 0 else 1
     replicate = 2 * family.ep if plain and family.ep > 1 else sites
@@ -299,11 +302,17 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
             global_batch_size=dp,
             activation_checkpointing=family.activation_checkpointing,
         ),
-        # Replica groups are priced as HSDP over the groups (search.candidate_config): the
+        # Replica groups are priced as HSDP over the groups (search.candidate_plan): the
         # calibration is one group's layout.
         fault_tolerance=dataclasses.replace(base.fault_tolerance, replica_groups=0),
     )
-    return cfg, family.tp * family.cp * dp
+    world = family.tp * family.cp * dp
+    return [
+        planned_run(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n)), world
+        )
+        for n in calibration_depths(family)
+    ]
 
 
 def calibration_depths(family: Family) -> tuple[int, int]:
@@ -323,22 +332,14 @@ def calibration_depths(family: Family) -> tuple[int, int]:
     return low, high
 
 
-def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
-    """(config, world size) of the family's two fake builds: its smallest layout at each of
-    its `calibration_depths`."""
-    cfg, world = calibration_layout(base, family)
-    return [(with_depth(cfg, n), world) for n in calibration_depths(family)]
-
-
 def calibrate_family(
-    base: Config, family: Family, measure: Callable[[Config, int], MemoryEstimate]
+    family: Family, builds: list[RunPlan], measure: Callable[[RunPlan], MemoryEstimate]
 ) -> Coefficients:
-    """The family's coefficients from its `calibration_builds`: `measure(cfg, world)` is
-    memory.py's estimate (through the search's caches)."""
-    cfg, world = calibration_layout(base, family)
+    """The family's coefficients from its `calibration_builds`: `measure(plan)` is memory.py's
+    estimate (through the search's caches)."""
     low, high = calibration_depths(family)
-    one, two = (measure(*b) for b in calibration_builds(base, family))
-    states = [model_states(with_depth(cfg, n).model, cfg.parallel, world) for n in (low, high)]
+    one, two = (measure(b) for b in builds)
+    states = [model_states(b.config.model, b.config.parallel, b.dims.world_size) for b in builds]
     step_extra = max(0, one.opt_step_peak - one.model_states)
     return Coefficients(
         depths=(low, high),
@@ -418,7 +419,7 @@ def _model_states(
     spec = model.spec
     blocks, first, last = _stage_parts(model.shape, p, pp_rank)
     held = {str(i) for i in blocks}
-    # The search's only HSDP: DiLoCo's sites, and replica groups (search.candidate_config).
+    # The search's only HSDP: DiLoCo's sites, and replica groups (search.candidate_plan).
     replicas = max(1, p.dp_replicate)
     # FSDP2's shard axis: dp_shard (x cp: world // (tp x pp x replicas) counts both).
     shard = world_size // (p.tp * p.pp * replicas) if p.zero_stage >= 2 else 1
