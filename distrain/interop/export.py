@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from distrain.checkpoint.checkpointer import checkpoint_storage, read_checkpoints_of
+from distrain.checkpoint.checkpointer import read_checkpoints_of
 from distrain.checkpoint.load import _safe_reader, load
 from distrain.checkpoint.manifest import Entry, committed, verify
 from distrain.checkpoint.storage import Storage
@@ -54,16 +54,16 @@ TOKENIZER_FILES = (
 )
 
 
-def _run_config(run_dir: Path, checkpoint_dir: str | None) -> Config:
+def _run_config(run_dir: Path, checkpoint_dir: str | None) -> tuple[Config, Storage]:
+    """The config of the run in `run_dir` and the storage its checkpoints are read from."""
     cfg = load_config(str(run_config_file(run_dir)))
-    cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
-    return cfg
+    return cfg, read_checkpoints_of(cfg.checkpoint, run_dir, checkpoint_dir)
 
 
-def _checkpoint(storage: Storage, run_dir: str, step: int | None) -> Entry:
+def _checkpoint(storage: Storage, run_dir: Path, step: int | None) -> Entry:
     """The newest committed checkpoint in `storage` of the run in `run_dir` (or the one of
     `step`), verified against its manifest."""
-    own = run_id(Path(run_dir), create=False)
+    own = run_id(run_dir, create=False)
     entries = [e for e in committed(storage) if e.manifest.get("run_id") == own]
     if step is not None:
         entries = [e for e in entries if e.step == step]
@@ -167,7 +167,7 @@ def export_hf(
     checkpoint_dir: str | None = None,
 ) -> Path:
     """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
-    cfg = _run_config(run_dir, checkpoint_dir)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
     family = model_family(cfg.model.family)
     if family.hf is None:
         raise ConfigError(
@@ -176,8 +176,7 @@ def export_hf(
         )
     args = model_args(cfg.model)
     specs = family.hf.tensors(args)
-    storage = checkpoint_storage(cfg.checkpoint, cfg.run.dir)
-    entry = _checkpoint(storage, cfg.run.dir, step)
+    entry = _checkpoint(storage, run_dir, step)
     metadata = _safe_reader(storage, entry.path).read_metadata()
     prefix = MODEL_KEY + "."
     shapes = {
@@ -263,12 +262,12 @@ def load_run_model(
     run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
 ) -> tuple[nn.Module, int]:
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
-    cfg = _run_config(run_dir, checkpoint_dir)
-    return _model_at(cfg.model, checkpoint_storage(cfg.checkpoint, cfg.run.dir), cfg.run.dir, step)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
+    return _model_at(cfg.model, storage, run_dir, step)
 
 
 def _model_at(
-    model_cfg: ModelConfig, storage: Storage, run_dir: str, step: int | None
+    model_cfg: ModelConfig, storage: Storage, run_dir: Path, step: int | None
 ) -> tuple[nn.Module, int]:
     """The model of `model_cfg` at the run's newest (or `step`'s) checkpoint in `storage`."""
     entry = _checkpoint(storage, run_dir, step)
@@ -286,9 +285,8 @@ def export_program(
 ) -> Path:
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
-    cfg = _run_config(run_dir, checkpoint_dir)
-    storage = checkpoint_storage(cfg.checkpoint, cfg.run.dir)
-    model, _ = _model_at(cfg.model, storage, cfg.run.dir, step)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
+    model, _ = _model_at(cfg.model, storage, run_dir, step)
     max_seq_len = model_shape(cfg.model).max_seq_len
     seq = min(max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)
