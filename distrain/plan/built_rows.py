@@ -236,15 +236,15 @@ def built_depths(p: ParallelConfig, t: TrainingConfig, n_layers: int) -> tuple[i
 
 
 def _memory_key(plan: RunPlan) -> tuple:
-    """The key of memory_of's builds in plan's cache (the memory model's calibration builds are
-    shallower than the model: its depth is in it)."""
+    """The key of memory_of's builds in search.plan's cache (the memory model's calibration
+    builds are shallower than the model: its depth is in it)."""
     p, t = plan.config.parallel, plan.config.training
     key = (p.tp, p.pp, p.zero_stage, p.dp_replicate, p.dp_shard, t.activation_checkpointing)
     return (*key, p.cp, p.cp_method, p.ep, plan.config.model.n_layers)
 
 
 def _pipeline_key(plan: RunPlan) -> tuple:
-    """The key of a pipeline's memory_row in plan's cache."""
+    """The key of a pipeline's memory_row in search.plan's cache."""
     p, t = plan.config.parallel, plan.config.training
     key = ("pp", p.tp, p.pp, p.pp_schedule, p.zero_stage, p.dp_replicate, p.dp_shard, p.ep)
     return (*key, t.micro_batch_size, t.activation_checkpointing, plan.config.model.n_layers)
