@@ -44,6 +44,7 @@ from pathlib import Path
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
 from distrain.plan.memory import estimate_memory
+from distrain.plan.planned import planned_run
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 GIB = 2**30
@@ -57,7 +58,7 @@ def llama3_8b(efficiency: float) -> dict[str, float]:
     t.seq_len, t.global_batch_size, t.micro_batch_size = 8192, 16, 2
     t.precision, t.activation_checkpointing, t.ac_every_layers = "bf16", "selective", 2
     cfg.parallel.zero_stage = 3
-    mem = estimate_memory(cfg, 8)
+    mem = estimate_memory(planned_run(cfg, 8))
     cluster = Cluster(
         nodes=1,
         gpus_per_node=8,

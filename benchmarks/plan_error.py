@@ -33,11 +33,10 @@ from plan import SPEED_ARGS, SPEED_PRESETS, timed_run
 
 from distrain.config.schema import Config
 from distrain.errors import ConfigError
-from distrain.layout.rules import validate
 from distrain.models.registry import family_of_preset
 from distrain.plan.built_rows import memory_of, memory_row
-from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, one_line
+from distrain.plan.memory_model import calibrate_family, calibration_builds, modelled_row
+from distrain.plan.search import candidate_plan, one_line
 from distrain.plan.timing import Candidate
 
 WORLD = 4
@@ -112,22 +111,30 @@ def _memory_rows(base: Config, layouts: list[Candidate]) -> list[dict[str, Any]]
 
     def coefficients_of(family):  # noqa: ANN001, ANN202
         if family not in coefficients:
-            measure = lambda cfg, world: memory_of(cfg, world, cache)  # noqa: E731
-            coefficients[family] = calibrate_family(base, family, measure)
+            measure = lambda run: memory_of(run, cache)  # noqa: E731
+            builds = calibration_builds(base, family)
+            coefficients[family] = calibrate_family(family, builds, measure)
         return coefficients[family]
 
     found = []
     for c in layouts:
-        cfg = candidate_config(base, c)
         try:
-            validate(cfg, WORLD)
+            run = candidate_plan(base, c, WORLD)
         except ConfigError:
             continue
+        cfg = run.config
         row: dict[str, Any] = {"preset": base.model.preset, "layout": dataclasses.asdict(c)}
         row["diloco"] = base.diloco.inner_steps
         try:
-            modelled = modelled_row(cfg, WORLD, coefficients_of)
-            built = memory_row(cfg, WORLD, cache, exhaustive=True)
+            modelled = modelled_row(
+                WORLD,
+                coefficients_of,
+                model=cfg.model,
+                parallel=cfg.parallel,
+                training=cfg.training,
+                optim=cfg.optim,
+            )
+            built = memory_row(run, cache, exhaustive=True)
         except Exception as error:  # noqa: BLE001 - a layout the planner cannot price is a row
             row["error"] = one_line(error)
         else:

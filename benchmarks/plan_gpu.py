@@ -34,8 +34,8 @@ from harness import bench_config, is_worker, launch_self, worker_session, write_
 from distrain.config.schema import Config
 from distrain.models.registry import family_of_preset
 from distrain.plan.built_rows import memory_of, memory_row
-from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config
+from distrain.plan.memory_model import calibrate_family, calibration_builds, modelled_row
+from distrain.plan.search import candidate_plan
 from distrain.plan.timing import Candidate
 from distrain.train.build import build_trainer
 
@@ -150,17 +150,26 @@ def compare(args: argparse.Namespace) -> None:
         preset, ac, mb = m["preset"], m["checkpointing"], m["micro_batch_size"]
         base = row_config("unused", preset, ac, mb, seq_len, 1)
         base.run.device = "cpu"
-        cfg = candidate_config(base, Candidate(1, 1, 1, 1, 0, ac, mb))
+        run = candidate_plan(base, Candidate(1, 1, 1, 1, 0, ac, mb), 1)
+        cfg = run.config
         cache = caches.setdefault(preset, {})
 
         def coefficients_of(family, preset=preset, base=base, cache=cache):  # noqa: ANN001, ANN202
             if (preset, family) not in coefficients:
-                build = lambda c, world: memory_of(c, world, cache)  # noqa: E731
-                coefficients[preset, family] = calibrate_family(base, family, build)
+                build = lambda b: memory_of(b, cache)  # noqa: E731
+                builds = calibration_builds(base, family)
+                coefficients[preset, family] = calibrate_family(family, builds, build)
             return coefficients[preset, family]
 
-        modelled = modelled_row(cfg, 1, coefficients_of)["peak"]
-        built = memory_row(cfg, 1, cache, exhaustive=True)["peak"]
+        modelled = modelled_row(
+            1,
+            coefficients_of,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )["peak"]
+        built = memory_row(run, cache, exhaustive=True)["peak"]
         row.update(modelled_peak=modelled, built_peak=built)
         row["modelled_error"] = modelled / m["allocated_peak"] - 1
         row["built_error"] = built / m["allocated_peak"] - 1

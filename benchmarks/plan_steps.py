@@ -44,6 +44,7 @@ from distrain.config.schema import Config
 from distrain.config.schema import validate as validate_config
 from distrain.plan.memory import held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
+from distrain.plan.planned import planned_run
 
 LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
     ("1 rank", 1, {}),
@@ -175,9 +176,9 @@ def side(out: Path, steps: int) -> None:
         del trainer
     # The 1-rank layout probed here, alone; the 2-rank ones by 2 processes at once, as the
     # machine runs their 2 ranks (probe_together).
-    found = {name: dataclasses.asdict(probe(layout_config(par), 1, repeats=3))}
+    found = {name: dataclasses.asdict(probe(planned_run(layout_config(par), 1), repeats=3))}
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    jobs = [(layout_config(par), world) for _, world, par in LAYOUTS if world == 2]
+    jobs = [planned_run(layout_config(par), world) for _, world, par in LAYOUTS if world == 2]
     together = probe_together(jobs, 2, repeats=3)
     names = [name for name, world, _ in LAYOUTS if world == 2]
     found.update({n: dataclasses.asdict(p) for n, p in zip(names, together, strict=True)})
@@ -228,10 +229,10 @@ def predict(found: dict[str, Any], costs: dict) -> dict[str, dict[str, Any]]:
             times.append(predicted_time(p, costs, tokens_per_step=tokens).step_s)
         state = None
         if cfg.parallel.pp == 1:
-            mem = memory_of(cfg, world, cache)
+            mem = memory_of(planned_run(cfg, world), cache)
             state = mem.params + mem.optimizer
         else:
-            pm = estimate_pipeline_memory(cfg, world, rank=0)
+            pm = estimate_pipeline_memory(planned_run(cfg, world), rank=0)
             state = pm.params + pm.optimizer
         predicted[name] = {
             "step_s": statistics.median(times),

@@ -77,12 +77,12 @@ def cmd_train(argv: list[str]) -> None:
     _check_model(cfg)
     if ns.resume_from is not None and ns.resume_from.isdigit():
         _rewind(cfg, int(ns.resume_from))
-    check_resume_sites(cfg)
+    check_resume_sites(cfg.diloco, cfg.parallel.dp_replicate, cfg.checkpoint, cfg.run.dir)
     launch(
         plan,
         strip_launch_options(argv),
         run_dir=cfg.run.dir,
-        checkpoints=checkpoint_storage(cfg),
+        checkpoints=checkpoint_storage(cfg.checkpoint, cfg.run.dir),
     )
 
 
@@ -166,7 +166,7 @@ def _rewind(cfg: Config, step: int) -> None:
     run_dir = Path(cfg.run.dir)
     lock = RunDirLock(run_dir).acquire() if run_dir.is_dir() else None
     try:
-        removed = rewind(checkpoint_storage(cfg), step)
+        removed = rewind(checkpoint_storage(cfg.checkpoint, cfg.run.dir), step)
     finally:
         if lock is not None:
             lock.release()

@@ -284,3 +284,18 @@ def small_cluster(gpus: int, memory_bytes: float):  # -> distrain.plan.timing.Cl
         intra_bw=1e9,
         inter_bw=1e8,
     )
+
+
+def layouts_of(cfg: Config, cluster: Any, **kwargs: Any) -> list:
+    """search.candidates of `cfg` on `cluster`: its model's shape, global batch and replica
+    groups (`kwargs`: the stages and checkpointing searched)."""
+    from distrain.plan.memory_model import model_of
+    from distrain.plan.search import candidates
+
+    return candidates(
+        model_of(cfg.model).shape,
+        cluster,
+        global_batch=cfg.training.global_batch_size,
+        replica_groups=cfg.fault_tolerance.replica_groups,
+        **kwargs,
+    )

@@ -39,7 +39,8 @@ from distrain.plan.command import (
     progress_printer,
 )
 from distrain.plan.memory import estimate_memory, fake_world, measure_step
-from distrain.plan.memory_model import zero1_largest_share
+from distrain.plan.memory_model import model_of, zero1_largest_share
+from distrain.plan.planned import planned_run
 from distrain.plan.search import plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +71,7 @@ def measured_one_rank(cfg: Config):
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_one_rank_memory_predicted_matches_measured(ac):
     cfg = tiny_config(ac=ac)
-    predicted = estimate_memory(cfg, 1)
+    predicted = estimate_memory(planned_run(cfg, 1))
     measured = measured_one_rank(cfg)
     for kind in ("params", "grads", "optimizer"):
         assert getattr(predicted, kind) == pytest.approx(getattr(measured, kind), rel=0.05)
@@ -92,13 +93,13 @@ def test_mixed_precision_is_planned_as_its_real_step(precision):
     fp32's."""
     cfg = tiny_config()
     cfg.training.precision = precision
-    predicted, measured = estimate_memory(cfg, 1), measured_one_rank(cfg)
+    predicted, measured = estimate_memory(planned_run(cfg, 1)), measured_one_rank(cfg)
     for kind in ("params", "grads", "optimizer"):
         assert getattr(predicted, kind) == pytest.approx(getattr(measured, kind), rel=0.05)
     for mb, accumulating in itertools.product((1, 4), (False, True)):
         got, want = (m.activations(mb, accumulating=accumulating) for m in (predicted, measured))
         assert got == pytest.approx(want, rel=0.05)
-    fp32 = estimate_memory(tiny_config(), 1)
+    fp32 = estimate_memory(planned_run(tiny_config(), 1))
     assert predicted.activations(1, accumulating=False) != fp32.activations(1, accumulating=False)
 
 
@@ -111,7 +112,7 @@ def test_preset_activation_memory_predicted_matches_measured(preset, ac):
     cfg = tiny_config(ac=ac)
     cfg.model.preset = preset
     cfg.model.dim = cfg.model.n_layers = cfg.model.n_heads = cfg.model.ffn_dim = None
-    predicted = estimate_memory(cfg, 1)
+    predicted = estimate_memory(planned_run(cfg, 1))
     measured = measured_one_rank(cfg)
     for mb, accumulating in itertools.product((1, 4), (False, True)):
         got, want = (m.activations(mb, accumulating=accumulating) for m in (predicted, measured))
@@ -124,7 +125,7 @@ def test_onebit_adam_is_planned_like_its_real_step():
     step must see its value (it once failed on a data-dependent fake tensor)."""
     cfg = tiny_config()
     cfg.optim.name = "onebit_adam"
-    predicted = estimate_memory(cfg, 1)
+    predicted = estimate_memory(planned_run(cfg, 1))
     measured = measured_one_rank(cfg)
     for kind in ("params", "grads", "optimizer"):
         assert getattr(predicted, kind) == pytest.approx(getattr(measured, kind), rel=0.05)
@@ -136,7 +137,7 @@ def test_onebit_adam_under_zero_is_planned_as_its_optimizer_holds(stage):
     on rank 0 of 2 (torch's fake process group: the collectives return at once)."""
     cfg = tiny_config(stage=stage, world_size=2)
     cfg.optim.name = "onebit_adam"
-    planned = memory_of(cfg, 2, {})
+    planned = memory_of(planned_run(cfg, 2), {})
     model = Decoder(model_args(cfg.model))
     with fake_world(2):
         optimizer = OneBitZeroAdam(
@@ -170,7 +171,7 @@ def test_tp_by_fsdp_is_planned():
     parameter finds its coordinate with nonzero). training.compile's "auto" is planned eager."""
     cfg = tiny_config(stage=3, world_size=4)
     cfg.parallel.tp = 2
-    mem = estimate_memory(cfg, 4)
+    mem = estimate_memory(planned_run(cfg, 4))
     want = zero_theory(num_params(model_args(cfg.model)), 3, 4)
     # 5%: AdamW's step scalars, and the norms each tp rank holds whole.
     for kind, value in want.items():
@@ -187,16 +188,16 @@ def test_tp_with_sequence_parallel_halves_the_activations_per_sample():
     cfg = tiny_config()
     cfg.training.seq_len = 256
     cfg.training.global_batch_size = 2
-    alone = estimate_memory(cfg, 1).per_sample
+    alone = estimate_memory(planned_run(cfg, 1)).per_sample
     cfg.parallel.tp = 2
-    split = estimate_memory(cfg, 2).per_sample
+    split = estimate_memory(planned_run(cfg, 2)).per_sample
     # Measured 0.51 (0.34 with the DTensor ops unseen): small tensors are whole on each rank.
     assert 0.45 < split / alone < 0.6, (split, alone)
 
 
 def test_checkpointing_saves_activation_memory():
-    full = estimate_memory(tiny_config(ac="full"), 1)
-    none = estimate_memory(tiny_config(ac="none"), 1)
+    full = estimate_memory(planned_run(tiny_config(ac="full"), 1))
+    none = estimate_memory(planned_run(tiny_config(ac="none"), 1))
     assert full.per_sample < none.per_sample * 0.8
 
 
@@ -218,7 +219,7 @@ def held_passes(monkeypatch, cfg: Config, world_size: int) -> tuple[MemoryEstima
         return estimate
 
     monkeypatch.setattr(memory, "measure_step", and_held)
-    return memory.estimate_memory(cfg, world_size), held
+    return memory.estimate_memory(planned_run(cfg, world_size)), held
 
 
 @pytest.mark.parametrize(
@@ -301,14 +302,14 @@ def test_diloco_outer_state_and_step_are_planned():
     half the parameters with 2 fragments): held too."""
     cfg = tiny_config(stage=2, world_size=4)
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard = 2, 2
-    alone = estimate_memory(cfg, 4)
+    alone = estimate_memory(planned_run(cfg, 4))
     cfg.diloco.inner_steps = 4
-    outer = estimate_memory(cfg, 4)
+    outer = estimate_memory(planned_run(cfg, 4))
     assert outer.optimizer - alone.optimizer == pytest.approx(2 * alone.params, abs=8)
     assert outer.opt_step_peak > alone.opt_step_peak + 2 * alone.params
     assert outer.peak(1, accumulating=False) > alone.peak(1, accumulating=False)
     cfg.diloco.overlap_steps, cfg.diloco.fragments = 1, 2
-    in_flight = estimate_memory(cfg, 4)
+    in_flight = estimate_memory(planned_run(cfg, 4))
     assert in_flight.optimizer - outer.optimizer == pytest.approx(alone.params, rel=0.05)
 
 
@@ -330,11 +331,11 @@ def test_model_states_follow_zero_paper(world_size):
     cache: dict = {}
     for stage in (0, 1, 2, 3):
         cfg = tiny_config(stage=stage, world_size=world_size)
-        mem = memory_of(cfg, world_size, cache)
+        mem = memory_of(planned_run(cfg, world_size), cache)
         psi = num_params(model_args(cfg.model))
         want = zero_theory(psi, stage, world_size)
         if stage == 1:
-            share = zero1_largest_share(cfg, world_size)
+            share = zero1_largest_share(cfg.model, world_size)
             assert 1 / world_size < share < 1.3 / world_size
             want["optimizer"] *= world_size * share
         if stage == 2:
@@ -377,7 +378,7 @@ def test_model_states_match_benchmark_measurement_at_2_and_4_ranks(tmp_path):
         n = row["world_size"]
         cfg = tiny_config(stage=row["zero_stage"], world_size=n)
         cfg.model.dim = cfg.model.n_layers = cfg.model.n_heads = cfg.model.ffn_dim = None
-        mem = memory_of(cfg, n, {})
+        mem = memory_of(planned_run(cfg, n), {})
         for kind in ("params", "grads", "optimizer"):
             assert getattr(mem, kind) == pytest.approx(row[kind], rel=0.05), (row, kind)
 
@@ -518,9 +519,9 @@ def fast_plan():
     calibrated = []
     real = search.calibrate_family
 
-    def recorded(base, family, measure):
+    def recorded(family, builds, measure):
         calibrated.append(family)
-        return real(base, family, measure)
+        return real(family, builds, measure)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(search, "calibrate_family", recorded)
@@ -576,7 +577,7 @@ def lazy_plans():
     for name, shown, workers in (("full", None, 1), ("lazy", SHOWN, 1), ("pooled", SHOWN, 2)):
         families, builds = [], []
         with pytest.MonkeyPatch.context() as patch:
-            calibrated = recording(search.calibrate_family, families, 1)
+            calibrated = recording(search.calibrate_family, families, 0)
             patch.setattr(search, "calibrate_family", calibrated)
             for kind in ("estimate_memory", "estimate_pipeline_memory"):
                 patch.setattr(built_rows, kind, recording(getattr(built_rows, kind), builds))
@@ -623,10 +624,14 @@ def test_the_lazy_search_shows_the_rows_of_the_full_one(lazy_plans):
     cfg, cluster = eight_blocks(), small_cluster(4, 9e5)
     said = {}
     for name, rows in (("full", full), ("lazy", lazy)):
-        advised = search.with_advice(rows, cfg, cluster, bytes_per_value=4)
-        said[name] = text(advised, cfg, cluster, top=SHOWN, precision_given=True, latency_s=1e-4)
+        advice = dict(training=cfg.training, diloco=cfg.diloco, bytes_per_value=4)
+        advised = search.with_advice(rows, model_of(cfg.model), cluster, **advice)
+        sections = dict(model=cfg.model, training=cfg.training, parallel=cfg.parallel)
+        said[name] = text(
+            advised, cluster, **sections, top=SHOWN, precision_given=True, latency_s=1e-4
+        )
         assert search.to_json(advised, SHOWN) == search.to_json(
-            search.with_advice(full, cfg, cluster, bytes_per_value=4), SHOWN
+            search.with_advice(full, model_of(cfg.model), cluster, **advice), SHOWN
         )
     note = f"{len(unpriced)} slower layouts not priced: the rows shown did not need their"
     assert note in said["lazy"] and "not priced" not in said["full"]
@@ -649,10 +654,10 @@ def test_calibration_workers_plan_as_the_planning_process(lazy_plans):
 def test_a_layout_that_cannot_be_built_is_a_row_with_the_reason(monkeypatch):
     built = built_rows.estimate_memory
 
-    def fails_under_tp(cfg, world_size, **kwargs):
-        if cfg.parallel.tp > 1:
+    def fails_under_tp(run, **kwargs):
+        if run.config.parallel.tp > 1:
             raise RuntimeError("no kernel for this\nsecond line")
-        return built(cfg, world_size, **kwargs)
+        return built(run, **kwargs)
 
     monkeypatch.setattr(built_rows, "estimate_memory", fails_under_tp)
     cfg = tiny_config(world_size=2)

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import layouts_of
 
 from distrain.layout.rules import validate
 from distrain.plan.answer import (
@@ -22,7 +23,7 @@ from distrain.plan.answer import (
 )
 from distrain.plan.comm_advice import TOLERANCE
 from distrain.plan.command import base_config, cluster_of, parse, plan_command
-from distrain.plan.search import PlanRow, candidates, with_advice
+from distrain.plan.search import PlanRow, with_advice
 from distrain.plan.timing import Candidate, step_time
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "choosing-a-layout.md"
@@ -64,11 +65,12 @@ def priced(argv: list[str], *, fits: bool = True):
             fits,
             "" if fits else "peak 1.0 GiB > 0.5 GiB per device",
         )  # fmt: skip
-        for c in candidates(cfg, cluster)
+        for c in layouts_of(cfg, cluster)
         if c.micro_batch_size <= 16
     ]
     rows.sort(key=lambda r: r.time.step_s)
-    return cfg, cluster, with_advice(rows, cfg, cluster, bytes_per_value=4)
+    advice = dict(training=t, diloco=cfg.diloco, bytes_per_value=4)
+    return cfg, cluster, with_advice(rows, model, cluster, **advice)
 
 
 def test_at_100_mbit_the_plan_splits_the_model_across_the_link_and_advises_diloco_for_dp():
@@ -88,7 +90,7 @@ def test_at_100_mbit_the_plan_splits_the_model_across_the_link_and_advises_diloc
     assert best.time.step_s <= (1 + TOLERANCE) * fastest.step_s
     assert dp.communication.recommended.step_s > best.time.step_s
 
-    said = "\n".join(recommendation(rows, cfg, cluster))
+    said = "\n".join(recommendation(rows, cfg.parallel, cluster))
     assert "  layout:        pp2, ZeRO-0, no activation checkpointing (row 1)" in said
     assert "  communication: none to choose\n" in said
     assert "no data-parallel group" in said
@@ -104,7 +106,8 @@ def test_the_answer_fits_in_width_and_names_the_first_row():
     marked in the methods table; --wide prints the full table instead."""
     argv = "--preset 1b --nodes 4 --gpus-per-node 8 --seq-len 2048 --global-batch 512".split()
     cfg, cluster, rows = priced(argv)
-    said = text(rows, cfg, cluster, top=10, precision_given=False, latency_s=1e-4)
+    sections = dict(model=cfg.model, training=cfg.training, parallel=cfg.parallel)
+    said = text(rows, cluster, **sections, top=10, precision_given=False, latency_s=1e-4)
     lines = said.splitlines()
     assert max(len(line) for line in lines) <= WIDTH
     assert lines[1] == "  model        gpt 1b, 1.04B parameters, fp32 (the config's; --precision)"
@@ -128,7 +131,8 @@ def test_the_answer_fits_in_width_and_names_the_first_row():
         str(c.micro_batch_size),
     ]  # fmt: skip
 
-    wide = text(rows, cfg, cluster, top=10, precision_given=True, latency_s=1e-4, wide=True)
+    sections = dict(model=cfg.model, training=cfg.training, parallel=cfg.parallel)
+    wide = text(rows, cluster, **sections, top=10, precision_given=True, latency_s=1e-4, wide=True)
     assert "dp_rep dp_shd" in wide and max(len(line) for line in wide.splitlines()) > WIDTH
     assert "fp32 (the config's" not in wide
 
@@ -139,14 +143,14 @@ def test_layout_names_and_a_plan_without_a_fit():
     assert layout_name(Candidate(1, 1, 1, 1, 0, "none", 1)) == "1 device"
     cfg, cluster, rows = priced(SLOW_LINK, fits=False)
     assert all(r.communication is None for r in rows)
-    assert recommendation(rows, cfg, cluster) == [
+    assert recommendation(rows, cfg.parallel, cluster) == [
         "no layout fits: the fastest one's peak 1.0 GiB > 0.5 GiB per device; add devices or "
         "memory, or shrink"
     ]
     assert methods_table(rows, cluster) == []
     one = "--preset tiny --nodes 1 --gpus-per-node 1 --seq-len 32 --global-batch 2".split()
     cfg, cluster, rows = priced(one)
-    said = recommendation(rows, cfg, cluster)
+    said = recommendation(rows, cfg.parallel, cluster)
     assert "  layout:        1 device, ZeRO-0, no activation checkpointing (row 1)" in said
     assert " " * 17 + "why: no data-parallel group: one device" in said
     assert methods_table(rows, cluster) == []
@@ -172,7 +176,8 @@ def test_the_question_says_how_an_moe_models_routed_rows_are_priced(preset, said
     capacity lets a router send it, or a balanced router when dropless (which a trained router
     can exceed); a dense model's has no such line."""
     ns = parse(["--preset", preset, "--gpus-per-node", "8", "--gpu-memory", "80GB"])
-    lines = question(base_config(ns), cluster_of(ns), precision_given=True, latency_s=1e-5)
+    cfg = base_config(ns)
+    lines = question(cfg.model, cfg.training, cluster_of(ns), precision_given=True, latency_s=1e-5)
     experts = [line for line in lines if line.startswith("  experts")]
     if said is None:
         assert experts == []
@@ -186,10 +191,10 @@ def test_the_question_names_a_calibrated_concurrency():
     named in the question; a GPU cluster's full overlap is not."""
     ns = parse(["--preset", "tiny", "--gpus-per-node", "2", "--peak", "100G"])
     cfg, cluster = base_config(ns), cluster_of(ns)
-    said = question(cfg, cluster, precision_given=True, latency_s=1e-5)
+    said = question(cfg.model, cfg.training, cluster, precision_given=True, latency_s=1e-5)
     assert not any(line.startswith("  overlap") for line in said)
     slowed = dataclasses.replace(cluster, concurrency=0.3)
-    lines = question(cfg, slowed, precision_given=True, latency_s=1e-5)
+    lines = question(cfg.model, cfg.training, slowed, precision_given=True, latency_s=1e-5)
     overlap = [line for line in lines if line.startswith("  overlap")]
     assert overlap == [
         "  overlap      a collective progresses 30% as fast while its rank computes (calibrated)"

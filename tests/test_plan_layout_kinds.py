@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import process_group, real_step_memory
+from helpers import layouts_of, process_group, real_step_memory
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
@@ -23,8 +23,9 @@ from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory import (
     estimate_memory,
 )
-from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config, candidates, plan
+from distrain.plan.memory_model import calibrate_family, calibration_builds, modelled_row
+from distrain.plan.planned import planned_run
+from distrain.plan.search import candidate_plan, plan
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 
@@ -113,16 +114,16 @@ def test_fake_build_of_cp_and_ep_matches_real_ranks(real_ranks):
     for rank in (0, 1):
         measured = real_ranks[rank]
         for name, make in REAL_CASES.items():
-            planned = estimate_memory(make(), 2, rank=rank)
+            planned = estimate_memory(planned_run(make(), 2), rank=rank)
             got = measured[name]
             for kind in ("params", "grads", "optimizer"):
                 assert getattr(planned, kind) == pytest.approx(got[kind], rel=0.05), (name, kind)
             predicted = planned.activations(MICRO_BATCH, accumulating=False)
             assert predicted == pytest.approx(got["activations"], rel=0.05), (name, rank, got)
     # ep splits the experts: a rank holds less than without it, and cp less activation.
-    whole = estimate_memory(moe_config(zero_stage=0), 1)
+    whole = estimate_memory(planned_run(moe_config(zero_stage=0), 1))
     assert measured["ep2 zero0"]["params"] < 0.7 * whole.params
-    alone = estimate_memory(dense_config(zero_stage=0), 1)
+    alone = estimate_memory(planned_run(dense_config(zero_stage=0), 1))
     cp_activations = measured["cp2 ring zero2"]["activations"]
     assert cp_activations < 0.7 * alone.activations(MICRO_BATCH, accumulating=False)
 
@@ -134,12 +135,13 @@ def test_an_ep_rank_is_priced_for_the_most_rows_its_capacity_lets_a_router_send(
     2 real ranks whose router sends every copy to rank 0's experts, rank 0's activations are
     within 5% of it, and over 1.2 x the price of a balanced router (the dropless price)."""
     rank0 = real_ranks[0]["ep2 skewed"]
-    planned = estimate_memory(skewed_config(), 2, rank=0)
+    planned = estimate_memory(planned_run(skewed_config(), 2), rank=0)
     worst = planned.activations(MICRO_BATCH, accumulating=False)
     assert worst == pytest.approx(rank0["activations"], rel=0.05), rank0
     dropless = skewed_config()
     dropless.model.moe.capacity_factor = 0.0
-    balanced = estimate_memory(dropless, 2, rank=0).activations(MICRO_BATCH, accumulating=False)
+    balanced = estimate_memory(planned_run(dropless, 2), rank=0)
+    balanced = balanced.activations(MICRO_BATCH, accumulating=False)
     assert rank0["activations"] > 1.2 * balanced, (rank0, balanced)
     # Rank 1's experts receive nothing: below the balanced price.
     assert real_ranks[1]["ep2 skewed"]["activations"] < balanced
@@ -147,16 +149,25 @@ def test_an_ep_rank_is_priced_for_the_most_rows_its_capacity_lets_a_router_send(
 
 def _modelled_and_built(base: Config, c: Candidate) -> tuple[dict, dict]:
     world = c.dp * c.tp * c.cp * c.pp
-    cfg, cache = candidate_config(base, c), {}
+    run, cache = candidate_plan(base, c, world), {}
+    cfg = run.config
     coefficients = {}
 
     def family(f):
         if f not in coefficients:
-            coefficients[f] = calibrate_family(base, f, lambda cf, n: memory_of(cf, n, cache))
+            builds = calibration_builds(base, f)
+            coefficients[f] = calibrate_family(f, builds, lambda b: memory_of(b, cache))
         return coefficients[f]
 
-    modelled = modelled_row(cfg, world, family)
-    return modelled, memory_row(cfg, world, cache, exhaustive=True)
+    modelled = modelled_row(
+        world,
+        family,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        training=cfg.training,
+        optim=cfg.optim,
+    )
+    return modelled, memory_row(run, cache, exhaustive=True)
 
 
 MODEL_ROWS = [
@@ -190,7 +201,7 @@ def test_search_lists_cp_for_dense_and_ep_for_moe_models():
     cluster = Cluster(1, 8, 80e9, 1e12, 0.5, 100e9, 10e9)
     dense, moe = dense_config(), moe_config()
     dense.training.global_batch_size = moe.training.global_batch_size = 16
-    dense, moe = candidates(dense, cluster), candidates(moe, cluster)
+    dense, moe = layouts_of(dense, cluster), layouts_of(moe, cluster)
     assert {c.cp for c in dense} == {1, 2, 4, 8}
     assert {c.ep for c in dense} == {1}
     assert {c.ep for c in moe} == {1, 2, 4, 8}
@@ -260,9 +271,9 @@ def test_fake_cp_attention_runs_the_largest_blocks_for_the_same_peak(monkeypatch
     cfg = dense_config(cp=2, cp_method=method, zero_stage=2)
     cfg.model.n_layers, cfg.training.seq_len = 1, 4096
     cfg.model.max_seq_len = 4096
-    reduced = estimate_memory(cfg, 2)
+    reduced = estimate_memory(planned_run(cfg, 2))
     monkeypatch.setattr(attention_blocks, "_blocks_to_run", lambda plan, q: plan)
-    assert estimate_memory(cfg, 2) == reduced
+    assert estimate_memory(planned_run(cfg, 2)) == reduced
 
 
 def replica_group_config() -> Config:
@@ -276,7 +287,7 @@ def replica_group_config() -> Config:
 def test_search_lists_replica_groups_as_fsdp_groups():
     """Under fault_tolerance.replica_groups = 2 on 8 devices every layout is 2 groups of 4
     ranks, FSDP2 (ZeRO-2/3) inside each (one data-parallel rank too), without cp or ep."""
-    rows = candidates(replica_group_config(), Cluster(2, 4, 80e9, 1e12, 0.5, 100e9, 1e9))
+    rows = layouts_of(replica_group_config(), Cluster(2, 4, 80e9, 1e12, 0.5, 100e9, 1e9))
     assert rows and {(c.groups, c.dp_replicate) for c in rows} == {(2, 2)}
     assert {c.zero_stage for c in rows} == {2, 3}
     assert {c.dp_shard for c in rows} == {1, 2, 4}
@@ -290,13 +301,13 @@ def test_replica_groups_are_priced_as_one_group(stage, ac):
     rules, which refuse dp_replicate beside replica groups): every figure equals, to the byte,
     the build of one group on its own ranks."""
     c = Candidate(2, 2, 1, 1, stage, ac, 2, groups=2)
-    stand_in = candidate_config(replica_group_config(), c)
+    stand_in = candidate_plan(replica_group_config(), c, 4)
     group = dataclasses.replace(
-        stand_in,
-        parallel=dataclasses.replace(stand_in.parallel, dp_replicate=1, dp_shard=2),
-        training=dataclasses.replace(stand_in.training, global_batch_size=8),
+        stand_in.config,
+        parallel=dataclasses.replace(stand_in.config.parallel, dp_replicate=1, dp_shard=2),
+        training=dataclasses.replace(stand_in.config.training, global_batch_size=8),
     )
-    assert estimate_memory(stand_in, 4) == estimate_memory(group, 2)
+    assert estimate_memory(stand_in) == estimate_memory(planned_run(group, 2))
 
 
 def test_replica_groups_exchange_and_answer():
@@ -316,6 +327,6 @@ def test_replica_groups_exchange_and_answer():
     grads = best.memory["grads"]
     held = sum(best.memory[k] for k in ("params", "grads", "optimizer"))
     assert best.candidate.groups == 2 and best.memory["peak"] >= held + 2 * grads
-    text = "\n".join(recommendation(rows, cfg, cluster))
+    text = "\n".join(recommendation(rows, cfg.parallel, cluster))
     assert "[fault_tolerance] replica_groups = 2 (a torchrun each, of 1 rank)" in text
     assert "dp_replicate" not in text

@@ -14,8 +14,8 @@ from distrain.models.gpt.spec import GPT_SPEC
 from distrain.plan.built_rows import built_row, memory_of, memory_row
 from distrain.plan.comm_advice import advise, predict_methods
 from distrain.plan.command import cluster_of, link_bandwidth, parse
-from distrain.plan.memory_model import calibrate_family, modelled_row
-from distrain.plan.search import candidate_config
+from distrain.plan.memory_model import calibrate_family, calibration_builds, modelled_row
+from distrain.plan.search import candidate_plan
 from distrain.plan.timing import Candidate, Cluster, step_time
 
 WORLD = 4
@@ -51,9 +51,8 @@ def calibrated(base: Config, cache: dict):
 
     def coefficients_of(family):
         if family not in coefficients:
-            coefficients[family] = calibrate_family(
-                base, family, lambda cfg, world: memory_of(cfg, world, cache)
-            )
+            builds = calibration_builds(base, family)
+            coefficients[family] = calibrate_family(family, builds, lambda b: memory_of(b, cache))
         return coefficients[family]
 
     return coefficients_of, coefficients
@@ -67,8 +66,22 @@ def modelled_and_built():
     rows = []
     for shard, tp, pp, stage, ac, mb in LAYOUTS:
         c = Candidate(1, shard, tp, pp, stage, ac, mb)
-        cfg = candidate_config(base, c)
-        rows.append((c, modelled_row(cfg, WORLD, coefficients_of), memory_row(cfg, WORLD, cache)))
+        run = candidate_plan(base, c, WORLD)
+        cfg = run.config
+        rows.append(
+            (
+                c,
+                modelled_row(
+                    WORLD,
+                    coefficients_of,
+                    model=cfg.model,
+                    parallel=cfg.parallel,
+                    training=cfg.training,
+                    optim=cfg.optim,
+                ),
+                memory_row(run, cache),
+            )
+        )
     return rows
 
 
@@ -102,9 +115,17 @@ def modelled_and_built_peaks(
     coefficients_of, _ = calibrated(base, cache)
     found = []
     for layout in [Candidate(1, *layout) for layout in layouts] + list(candidates):
-        cfg = candidate_config(base, layout)
-        modelled = modelled_row(cfg, WORLD, coefficients_of)
-        built = memory_row(cfg, WORLD, cache, exhaustive=True)
+        run = candidate_plan(base, layout, WORLD)
+        cfg = run.config
+        modelled = modelled_row(
+            WORLD,
+            coefficients_of,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )
+        built = memory_row(run, cache, exhaustive=True)
         found.append(
             (layout, modelled, built) if rows else (layout, modelled["peak"], built["peak"])
         )
@@ -147,10 +168,18 @@ def test_a_peak_whose_moment_changes_with_depth_is_priced_at_the_full_depth():
     cache = {}
     coefficients_of, coefficients = calibrated(base, cache)
 
-    cfg = candidate_config(base, Candidate(1, 4, 1, 1, 2, "none", 1))
-    modelled = modelled_row(cfg, WORLD, coefficients_of)
-    verified = built_row(cfg, WORLD, cache)
-    full = memory_row(cfg, WORLD, cache, exhaustive=True)
+    run = candidate_plan(base, Candidate(1, 4, 1, 1, 2, "none", 1), WORLD)
+    cfg = run.config
+    modelled = modelled_row(
+        WORLD,
+        coefficients_of,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        training=cfg.training,
+        optim=cfg.optim,
+    )
+    verified = built_row(run, cache)
+    full = memory_row(run, cache, exhaustive=True)
     assert modelled["peak"] == pytest.approx(full["peak"], rel=0.01)
     assert verified["peak"] == pytest.approx(full["peak"], rel=0.01)
     (c,) = coefficients.values()
@@ -187,17 +216,29 @@ def test_an_uncalibrated_model_would_miss():
     micro-batch is far off."""
     base, cache = base_config(), {}
     c = Candidate(1, 4, 1, 1, 0, "none", 4)
-    cfg = candidate_config(base, c)
+    run = candidate_plan(base, c, WORLD)
+    cfg = run.config
 
     def no_blocks(family):
         import dataclasses
 
-        got = calibrate_family(base, family, lambda cfg, world: memory_of(cfg, world, cache))
+        builds = calibration_builds(base, family)
+        got = calibrate_family(family, builds, lambda b: memory_of(b, cache))
         shallow, _ = got.builds
         return dataclasses.replace(got, builds=(shallow, shallow), states=(got.states[0],) * 2)
 
-    built = memory_row(cfg, WORLD, cache)
-    assert modelled_row(cfg, WORLD, no_blocks)["peak"] < 0.9 * built["peak"]
+    built = memory_row(run, cache)
+    assert (
+        modelled_row(
+            WORLD,
+            no_blocks,
+            model=cfg.model,
+            parallel=cfg.parallel,
+            training=cfg.training,
+            optim=cfg.optim,
+        )["peak"]
+        < 0.9 * built["peak"]
+    )
 
 
 def two_hosts(bits_per_s: float) -> Cluster:

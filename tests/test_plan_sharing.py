@@ -25,6 +25,7 @@ from distrain.plan.build_sharing import SharedBuilds, make_claimed
 from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import memory_of
+from distrain.plan.planned import planned_run
 from distrain.plan.search import plan
 
 LIMIT_S = 60
@@ -40,7 +41,13 @@ def small_config(n_layers: int = 2) -> Config:
 
 
 def calls(*depths: int) -> list:
-    return [(memory_of, small_config(n), 1) for n in depths]
+    """memory_of of small_config(n) on one rank (micro-batch 1) for each depth n."""
+    found = []
+    for n in depths:
+        cfg = small_config(n)
+        cfg.training.micro_batch_size = 1
+        found.append((memory_of, planned_run(cfg, 1)))
+    return found
 
 
 def claimant(claims: Path, call) -> subprocess.Popen:
@@ -76,9 +83,9 @@ def counted(monkeypatch) -> list:
     """The fake builds made in this process, by depth."""
     made, real = [], built_rows.estimate_memory
 
-    def estimate(cfg, world_size, **kwargs):
-        made.append(cfg.model.n_layers)
-        return real(cfg, world_size, **kwargs)
+    def estimate(run, **kwargs):
+        made.append(run.config.model.n_layers)
+        return real(run, **kwargs)
 
     monkeypatch.setattr(built_rows, "estimate_memory", estimate)
     return made
@@ -117,7 +124,7 @@ def test_a_build_whose_claimant_is_killed_is_not_waited_for(shared, monkeypatch)
     other.wait(LIMIT_S)
     waiting.join(LIMIT_S)
     assert not waiting.is_alive() and made == []
-    memory_of(call[1], 1, cache, store=shared.store)
+    memory_of(call[1], cache, store=shared.store)
     assert made == [2]
 
 
@@ -133,7 +140,7 @@ def test_builds_sent_ahead_are_made_by_a_worker_and_read_back_here(shared, monke
     cache: dict = {}
     shared.now(ahead, cache)
     for call in ahead:
-        assert isinstance(memory_of(call[1], 1, cache, store=shared.store), MemoryEstimate)
+        assert isinstance(memory_of(call[1], cache, store=shared.store), MemoryEstimate)
     assert made == []  # every one read back from the worker's
 
 
@@ -145,7 +152,7 @@ def test_a_build_sent_after_the_plan_is_done_is_not_made(tmp_path, monkeypatch):
         claims = str(shared.claims)
         (call,) = calls(2)
         shared.close()
-        make_claimed("memory_of", call[1], 1, store, claims)
+        make_claimed("memory_of", call[1], store, claims)
     assert made == [] and not store.directory.exists()
 
 

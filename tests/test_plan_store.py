@@ -11,11 +11,13 @@ import pytest
 from helpers import small_cluster
 
 from distrain.config.schema import Config
+from distrain.parallel.run_plan import RunPlan
 from distrain.plan import build_store, built_rows, parameter_table, search
 from distrain.plan.build_results import MemoryEstimate
 from distrain.plan.build_store import BuildStore
 from distrain.plan.memory_model import model_of
 from distrain.plan.parameter_table import ParameterTable
+from distrain.plan.planned import planned_run
 from distrain.plan.search import plan
 
 
@@ -34,12 +36,20 @@ class Counted:
     def __init__(self):
         self.runs = 0
 
-    def __call__(self, cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
+    def __call__(self, run: RunPlan, *, rank: int = 0) -> MemoryEstimate:
         self.runs += 1
-        return MemoryEstimate(world_size, rank, cfg.model.n_layers, *range(4, 17))
+        return MemoryEstimate(run.dims.world_size, rank, run.config.model.n_layers, *range(4, 17))
 
 
 FIELDS = [f.name for f in dataclasses.fields(MemoryEstimate)]
+
+
+def planned(world_size: int, cfg: Config | None = None) -> RunPlan:
+    """The run of `cfg` (small_config() at micro-batch 1) on `world_size` ranks."""
+    if cfg is None:
+        cfg = small_config()
+        cfg.training.micro_batch_size = 1
+    return planned_run(cfg, world_size)
 
 
 def stored(**changes) -> str:
@@ -49,37 +59,39 @@ def stored(**changes) -> str:
 
 
 def test_a_stored_build_is_read_back_and_anything_it_depends_on_misses(tmp_path, monkeypatch):
-    store, estimate, cfg = BuildStore(tmp_path / "builds"), Counted(), small_config()
-    first = store.build(estimate, MemoryEstimate, cfg, 4)
+    store, estimate, run = BuildStore(tmp_path / "builds"), Counted(), planned(4)
+    first = store.build(estimate, MemoryEstimate, run)
     assert estimate.runs == 1 and len(list(store.directory.iterdir())) == 1
-    assert store.build(estimate, MemoryEstimate, cfg, 4) == first and estimate.runs == 1
-    assert store.has(MemoryEstimate, cfg, 4)
+    assert store.build(estimate, MemoryEstimate, run) == first and estimate.runs == 1
+    assert store.has(MemoryEstimate, run)
+    cfg = run.config
     deeper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=9))
-    misses = [(deeper, 4, 0), (cfg, 8, 0), (cfg, 4, 1)]
-    for n, (other, world, rank) in enumerate(misses, 2):
-        assert not store.has(MemoryEstimate, other, world, rank)
-        found = store.build(estimate, MemoryEstimate, other, world, rank=rank)
-        assert found == estimate(other, world, rank=rank)
+    misses = [(planned(4, deeper), 0), (planned(8), 0), (run, 1)]
+    for n, (other, rank) in enumerate(misses, 2):
+        assert not store.has(MemoryEstimate, other, rank)
+        found = store.build(estimate, MemoryEstimate, other, rank=rank)
+        assert found == estimate(other, rank=rank)
         assert estimate.runs == 2 * n - 1  # one run stored, one to compare with
     # Other code (torch or distrain changed): every stored build is a miss.
     monkeypatch.setattr(build_store, "code_digest", lambda: "another version")
-    assert not store.has(MemoryEstimate, cfg, 4)
+    assert not store.has(MemoryEstimate, run)
 
 
 def test_an_unreadable_file_is_built_again_and_a_failed_build_is_not_stored(tmp_path):
-    store, estimate, cfg = BuildStore(tmp_path), Counted(), small_config()
-    store.path(MemoryEstimate, cfg, 2).write_text("{half a fi")
-    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    store, estimate, run = BuildStore(tmp_path), Counted(), planned(2)
+    store.path(MemoryEstimate, run).write_text("{half a fi")
+    assert store.build(estimate, MemoryEstimate, run) == estimate(run)
     assert estimate.runs == 2
-    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    assert store.build(estimate, MemoryEstimate, run) == estimate(run)
     assert estimate.runs == 3  # read back this time
 
-    def fails(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
+    def fails(run: RunPlan, *, rank: int = 0) -> MemoryEstimate:
         raise RuntimeError("no kernel")
 
+    failing = planned(1)
     with pytest.raises(RuntimeError, match="no kernel"):
-        store.build(fails, MemoryEstimate, cfg, 3)
-    assert not store.has(MemoryEstimate, cfg, 3)
+        store.build(fails, MemoryEstimate, failing)
+    assert not store.has(MemoryEstimate, failing)
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -100,19 +112,19 @@ def test_a_planted_cache_file_is_a_miss_never_a_result(tmp_path, planted):
     build), a missing or extra field, a value that is not an integer, an oversized file or one
     nested past the reader's recursion is built again, and the planted file replaced by the
     real build."""
-    store, estimate, cfg = BuildStore(tmp_path / "builds"), Counted(), small_config()
+    store, estimate, run = BuildStore(tmp_path / "builds"), Counted(), planned(2)
     store.directory.mkdir()
-    path = store.path(MemoryEstimate, cfg, 2)
+    path = store.path(MemoryEstimate, run)
     if planted == "symlink":
         elsewhere = tmp_path / "elsewhere.json"
         elsewhere.write_text(stored())
         path.symlink_to(elsewhere)
     else:
         path.write_text(planted)
-    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    assert store.build(estimate, MemoryEstimate, run) == estimate(run)
     assert estimate.runs == 2
     assert not path.is_symlink()
-    assert store.build(estimate, MemoryEstimate, cfg, 2) == estimate(cfg, 2)
+    assert store.build(estimate, MemoryEstimate, run) == estimate(run)
     assert estimate.runs == 3  # the real build, read back
 
 
@@ -169,7 +181,7 @@ def test_a_parameter_table_is_kept_and_read_back_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
     store, cfg = BuildStore(tmp_path / "builds"), small_config()
     cfg.model.tie_embeddings = True
-    model = model_of(cfg)
+    model = model_of(cfg.model)
     parameter_table.load(model, store)
     made = parameter_table.table(model)
     assert counted.runs == 1 and len(list(store.directory.iterdir())) == 1
@@ -182,7 +194,7 @@ def test_a_parameter_table_is_kept_and_read_back_whole(tmp_path, monkeypatch):
     parameter_table.load(model, store)
     assert parameter_table.table(model) == made and counted.runs == 1
     cfg.model.n_layers = 9
-    parameter_table.load(model_of(cfg), store)
+    parameter_table.load(model_of(cfg.model), store)
     assert counted.runs == 2 and len(list(store.directory.iterdir())) == 2
 
 
@@ -219,7 +231,7 @@ def test_a_planted_parameter_table_is_a_miss_never_a_result(tmp_path, monkeypatc
     replaced by the real table."""
     monkeypatch.setattr(parameter_table, "_TABLES", {})
     monkeypatch.setattr(parameter_table, "_built", counted := CountedTable())
-    store, model = BuildStore(tmp_path / "builds"), model_of(small_config())
+    store, model = BuildStore(tmp_path / "builds"), model_of(small_config().model)
     parameter_table.load(model, store)
     real = parameter_table.table(model)
     (path,) = store.directory.iterdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import process_group, real_step_memory
+from helpers import layouts_of, process_group, real_step_memory
 
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
@@ -21,8 +21,8 @@ from distrain.plan.calibrate import calibrate, collective_costs, load_calibratio
 from distrain.plan.collectives import KINDS, LinkCost, fit
 from distrain.plan.command import cluster_of, parse
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
+from distrain.plan.planned import planned_run
 from distrain.plan.probe import Collective, Probe, predicted_time, probe, probe_together
-from distrain.plan.search import candidates
 from distrain.plan.timing import Cluster
 
 
@@ -105,7 +105,7 @@ def test_zero3_probe_records_fsdp_traffic_of_the_model_bytes():
     """Under ZeRO-3 every parameter is all-gathered for forward and again for backward in each
     micro-batch, and its gradient reduce-scattered once per step (the last micro-batch)."""
     cfg = tiny_config(zero_stage=3)
-    found = probe(cfg, 2, repeats=1)
+    found = probe(planned_run(cfg, 2), repeats=1)
     param_bytes = 4 * num_params(model_args(cfg.model))
     micro_batches = 2  # global 4 / dp 2 / micro-batch 1
     gathered = sum(c.nbytes for c in found.collectives if c.kind == "all_gather")
@@ -122,7 +122,7 @@ def test_tp_probe_records_functional_collectives_on_their_group():
     all-reduces one activation [micro-batch, seq, dim] per block twice in forward (attention and
     MLP outputs) and twice in backward (their inputs' gradients), in each micro-batch."""
     cfg = tiny_config(tp=2)
-    found = probe(cfg, 2, repeats=1)
+    found = probe(planned_run(cfg, 2), repeats=1)
     activation = 4 * cfg.training.micro_batch_size * cfg.training.seq_len * cfg.model.dim
     micro_batches = 4  # global 4 / micro-batch 1
     reduced = [c for c in found.collectives if c.kind == "all_reduce" and c.nbytes == activation]
@@ -135,7 +135,7 @@ def test_tp_probe_records_functional_collectives_on_their_group():
 def test_ddp_probe_counts_one_all_reduce_per_bucket():
     cfg = tiny_config()
     cfg.comm.bucket_cap_mb = 0.25
-    found = probe(cfg, 2, repeats=1)
+    found = probe(planned_run(cfg, 2), repeats=1)
     grad_bytes = 4 * num_params(model_args(cfg.model))
     buckets = [c for c in found.collectives if c.kind == "all_reduce" and c.nbytes > 4]
     assert sum(c.nbytes for c in buckets) == grad_bytes
@@ -146,10 +146,10 @@ def test_ddp_probe_counts_one_all_reduce_per_bucket():
 def test_probe_together_times_each_layout_in_several_processes():
     """Two processes probe the same layouts at once (as a machine's two ranks run); each
     layout comes back with the collectives the in-process probe records."""
-    jobs = [(tiny_config(zero_stage=3), 2), (tiny_config(), 1)]
+    jobs = [planned_run(tiny_config(zero_stage=3), 2), planned_run(tiny_config(), 1)]
     together = probe_together(jobs, 2, repeats=1)
-    for (cfg, world), found in zip(jobs, together, strict=True):
-        alone = probe(cfg, world, repeats=1)
+    for run, found in zip(jobs, together, strict=True):
+        alone = probe(run, repeats=1)
         assert found.collectives == alone.collectives
         assert found.compute_s > 0
 
@@ -205,7 +205,7 @@ def test_pipeline_memory_predicted_matches_a_real_schedule(tmp_path):
     for rank in (0, 1):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for schedule in SCHEDULES:
-            planned = estimate_pipeline_memory(pipeline_config(schedule), 2, rank=rank)
+            planned = estimate_pipeline_memory(planned_run(pipeline_config(schedule), 2), rank=rank)
             got = measured[schedule]
             for kind in ("params", "grads", "optimizer"):
                 assert getattr(planned, kind) == pytest.approx(got[kind], rel=0.05), (
@@ -244,9 +244,10 @@ def test_search_plans_pipeline_layouts_at_their_worst_rank():
         intra_bw=1e9,
         inter_bw=1e9,
     )
-    found = candidates(cfg, cluster, stages=(0,), checkpointing=("none",))
+    found = layouts_of(cfg, cluster, stages=(0,), checkpointing=("none",))
     assert {c.pp for c in found} == {1, 2}
-    ranks = [estimate_pipeline_memory(cfg, 2, rank=r) for r in (0, 1)]
-    row = memory_row(cfg, 2, {})
+    run = planned_run(cfg, 2)
+    ranks = [estimate_pipeline_memory(run, rank=r) for r in (0, 1)]
+    row = memory_row(run, {})
     assert row["peak"] == max(m.peak for m in ranks)
     assert row["peak"] > row["params"] + row["grads"] + row["optimizer"]

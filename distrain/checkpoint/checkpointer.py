@@ -51,31 +51,31 @@ from distrain.checkpoint.save_attempt import Attempt, disk_full, mb_text
 from distrain.checkpoint.staging import Stager
 from distrain.checkpoint.storage import HashingWriter, Storage, StorageError, one_line
 from distrain.checkpoint.writer_process import OffloadedWriter, WriterProcess
-from distrain.config.schema import Config
+from distrain.config.schema import CheckpointConfig
 from distrain.errors import CheckpointError, ConfigError
 from distrain.observe import heartbeat
 from distrain.version import version
 
 
-def checkpoint_storage(cfg: Config) -> Storage:
-    """Where a run's checkpoints live: checkpoint.dir, or <run_dir>/checkpoints by default.
-    The bytes it moves are progress for the hang watchdog."""
+def checkpoint_storage(checkpoint: CheckpointConfig, run_dir: str) -> Storage:
+    """Where the checkpoints of the run in `run_dir` live: checkpoint.dir, or
+    <run_dir>/checkpoints by default. The bytes it moves are progress for the hang watchdog."""
     return Storage(
-        cfg.checkpoint.dir or str(Path(cfg.run.dir) / "checkpoints"),
-        retry_s=cfg.checkpoint.storage_retry_s,
+        checkpoint.dir or str(Path(run_dir) / "checkpoints"),
+        retry_s=checkpoint.storage_retry_s,
         on_progress=heartbeat.moved,
     )
 
 
-def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) -> Config:
-    """`cfg` (a run folder's config.toml) pointed at where a reading command (generate, export)
-    takes the run's checkpoints from: `checkpoint_dir` when given, else the run's own location,
-    which must lie inside the run folder. A run folder is data that anyone may have written: a
-    checkpoint.dir elsewhere (another folder, a bucket) is read only when the user names it.
-    `cfg` itself is not changed."""
-    # The run may have moved since it was trained.
-    run = dataclasses.replace(cfg.run, dir=str(run_dir))
-    named = cfg.checkpoint.dir if checkpoint_dir is None else checkpoint_dir
+def read_checkpoints_of(
+    checkpoint: CheckpointConfig, run_dir: Path, checkpoint_dir: str | None
+) -> Storage:
+    """Where a reading command (generate, export) takes the checkpoints of the run in `run_dir`
+    from (`checkpoint`: the checkpoint section of its config.toml): `checkpoint_dir` when given,
+    else the run's own location, which must lie inside the run folder. A run folder is data that
+    anyone may have written: a checkpoint.dir elsewhere (another folder, a bucket) is read only
+    when the user names it."""
+    named = checkpoint.dir if checkpoint_dir is None else checkpoint_dir
     outside = named and (
         "://" in named or not Path(named).resolve().is_relative_to(run_dir.resolve())
     )
@@ -84,8 +84,8 @@ def read_checkpoints_of(cfg: Config, run_dir: Path, checkpoint_dir: str | None) 
             f"{run_dir / 'config.toml'} keeps checkpoints at {named[:200]!r}, outside the run "
             f"folder; pass --checkpoint-dir {named[:200]!r} to read them there"
         )
-    checkpoint = dataclasses.replace(cfg.checkpoint, dir=named)
-    return dataclasses.replace(cfg, run=run, checkpoint=checkpoint)
+    # The run may have moved since it was trained: its folder is `run_dir`, not its run.dir.
+    return checkpoint_storage(dataclasses.replace(checkpoint, dir=named), str(run_dir))
 
 
 ASYNC_MODES = ("off", "thread", "process")

@@ -31,7 +31,7 @@ from distrain.interop.export import load_run_model
 from distrain.models.registry import model_shape
 from distrain.observe.logs import LOGGER_NAME
 from distrain.observe.metrics import MetricsWriter
-from distrain.observe.trackers import Trackers
+from distrain.observe.trackers import Trackers, flat_params
 
 EVAL_DIR = "eval"
 
@@ -130,6 +130,12 @@ def run_eval(
     )
     writer.log(row)
     writer.close()
-    trackers = Trackers(cfg, Path(run_dir), logging.getLogger(LOGGER_NAME))
+    trackers = Trackers(
+        cfg.metrics,
+        Path(run_dir),
+        logging.getLogger(LOGGER_NAME),
+        params=flat_params(cfg),
+        total_steps=cfg.training.steps,
+    )
     trackers.send_results(row, path)
     return path, row

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_storage, read_checkpoints_of
+from distrain.checkpoint.checkpointer import Checkpointer, read_checkpoints_of
 from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
@@ -27,8 +27,7 @@ def load_model(
     (`checkpoint_dir`: where the checkpoints are, when not in the run folder)."""
     config_path = run_config_file(run_dir)
     cfg = load_config(str(config_path))
-    cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
-    storage = checkpoint_storage(cfg)
+    storage = read_checkpoints_of(cfg.checkpoint, run_dir, checkpoint_dir)
     checkpointer = Checkpointer(
         storage,
         run_id=run_id(run_dir, create=False),

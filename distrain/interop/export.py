@@ -25,11 +25,12 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from distrain.checkpoint.checkpointer import checkpoint_storage, read_checkpoints_of
+from distrain.checkpoint.checkpointer import read_checkpoints_of
 from distrain.checkpoint.load import _safe_reader, load
 from distrain.checkpoint.manifest import Entry, committed, verify
+from distrain.checkpoint.storage import Storage
 from distrain.config.io import load_config, run_config_file
-from distrain.config.schema import Config
+from distrain.config.schema import Config, DataConfig, ModelConfig
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
@@ -53,16 +54,16 @@ TOKENIZER_FILES = (
 )
 
 
-def _run_config(run_dir: Path, checkpoint_dir: str | None) -> Config:
+def _run_config(run_dir: Path, checkpoint_dir: str | None) -> tuple[Config, Storage]:
+    """The config of the run in `run_dir` and the storage its checkpoints are read from."""
     cfg = load_config(str(run_config_file(run_dir)))
-    cfg = read_checkpoints_of(cfg, run_dir, checkpoint_dir)
-    return cfg
+    return cfg, read_checkpoints_of(cfg.checkpoint, run_dir, checkpoint_dir)
 
 
-def _checkpoint(cfg: Config, step: int | None) -> Entry:
-    """The newest committed checkpoint (or the one of `step`), verified against its manifest."""
-    storage = checkpoint_storage(cfg)
-    own = run_id(Path(cfg.run.dir), create=False)
+def _checkpoint(storage: Storage, run_dir: Path, step: int | None) -> Entry:
+    """The newest committed checkpoint in `storage` of the run in `run_dir` (or the one of
+    `step`), verified against its manifest."""
+    own = run_id(run_dir, create=False)
     entries = [e for e in committed(storage) if e.manifest.get("run_id") == own]
     if step is not None:
         entries = [e for e in entries if e.step == step]
@@ -78,10 +79,10 @@ def _checkpoint(cfg: Config, step: int | None) -> Entry:
     return entry
 
 
-def _quiet_load(cfg: Config, entry: Entry, state: dict[str, Any]) -> None:
+def _quiet_load(storage: Storage, entry: Entry, state: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended
         warnings.simplefilter("ignore", UserWarning)
-        load(checkpoint_storage(cfg), entry.path, state, partial=True)
+        load(storage, entry.path, state, partial=True)
 
 
 def _header(specs: list[tuple[HfTensor, list[int]]], dtype: torch.dtype) -> bytes:
@@ -166,7 +167,7 @@ def export_hf(
     checkpoint_dir: str | None = None,
 ) -> Path:
     """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
-    cfg = _run_config(run_dir, checkpoint_dir)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
     family = model_family(cfg.model.family)
     if family.hf is None:
         raise ConfigError(
@@ -175,8 +176,8 @@ def export_hf(
         )
     args = model_args(cfg.model)
     specs = family.hf.tensors(args)
-    entry = _checkpoint(cfg, step)
-    metadata = _safe_reader(checkpoint_storage(cfg), entry.path).read_metadata()
+    entry = _checkpoint(storage, run_dir, step)
+    metadata = _safe_reader(storage, entry.path).read_metadata()
     prefix = MODEL_KEY + "."
     shapes = {
         key[len(prefix) :]: list(meta.size)
@@ -198,7 +199,7 @@ def export_hf(
             f.write(_header(shard, torch_dtype))
             for group in _read_groups([spec for spec, _ in shard], shapes):
                 tensors = {n: torch.empty(shapes[n]) for spec in group for n in spec.names}
-                _quiet_load(cfg, entry, {MODEL_KEY: tensors})
+                _quiet_load(storage, entry, {MODEL_KEY: tensors})
                 for spec in group:
                     value = spec.to_hf([tensors[n] for n in spec.names]).to(torch_dtype)
                     _write_tensor(f, value)
@@ -210,20 +211,22 @@ def export_hf(
     (out_dir / "config.json").write_text(
         json.dumps(family.hf.config(args, dtype=torch_dtype), indent=2)
     )
-    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
-    _copy_tokenizer(cfg, out_dir)
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(_generation_config(cfg.data), indent=2)
+    )
+    _copy_tokenizer(cfg.data, out_dir)
     return out_dir
 
 
-def _tokenizer_spec(cfg: Config) -> str:
+def _tokenizer_spec(data: DataConfig) -> str:
     """The run's tokenizer setting; runs from before `data.tokenizer` existed used bytes."""
-    return str(getattr(cfg.data, "tokenizer", "bytes"))
+    return str(getattr(data, "tokenizer", "bytes"))
 
 
-def _generation_config(cfg: Config) -> dict[str, Any]:
+def _generation_config(data: DataConfig) -> dict[str, Any]:
     """Sampling defaults; token ids come from the tokenizer, which the byte tokenizer lacks."""
     config: dict[str, Any] = {"do_sample": True, "temperature": 0.8, "top_k": 50}
-    spec = _tokenizer_spec(cfg)
+    spec = _tokenizer_spec(data)
     folder = hf_tokenizer_dir(spec)
     if folder is not None:
         tokenizer_config = folder / "tokenizer_config.json"
@@ -235,13 +238,13 @@ def _generation_config(cfg: Config) -> dict[str, Any]:
     return config
 
 
-def _copy_tokenizer(cfg: Config, out_dir: Path) -> None:
+def _copy_tokenizer(data: DataConfig, out_dir: Path) -> None:
     """A Hugging Face tokenizer's files go with the weights (`hf:DIR`, or `hf:FILE` for one
     tokenizer.json); byte and tiktoken tokenizers have no transformers files to copy. A lone
     tokenizer.json gets a tokenizer_config.json naming the generic fast tokenizer, so that
     AutoTokenizer encodes exactly as the tokenizer.json does (the model type's own tokenizer
     class would add its special tokens)."""
-    tokenizer = load_tokenizer(_tokenizer_spec(cfg))
+    tokenizer = load_tokenizer(_tokenizer_spec(data))
     if not isinstance(tokenizer, HFTokenizer):
         return
     shutil.copyfile(tokenizer.file, out_dir / HF_FILE)
@@ -259,15 +262,19 @@ def load_run_model(
     run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
 ) -> tuple[nn.Module, int]:
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
-    return _model_at(_run_config(run_dir, checkpoint_dir), step)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
+    return _model_at(cfg.model, storage, run_dir, step)
 
 
-def _model_at(cfg: Config, step: int | None) -> tuple[nn.Module, int]:
-    entry = _checkpoint(cfg, step)
-    model = build_model(cfg.model)
+def _model_at(
+    model_cfg: ModelConfig, storage: Storage, run_dir: Path, step: int | None
+) -> tuple[nn.Module, int]:
+    """The model of `model_cfg` at the run's newest (or `step`'s) checkpoint in `storage`."""
+    entry = _checkpoint(storage, run_dir, step)
+    model = build_model(model_cfg)
     model.to_empty(device="cpu")
     state = {MODEL_KEY: model.state_dict()}
-    _quiet_load(cfg, entry, state)
+    _quiet_load(storage, entry, state)
     model.load_state_dict(state[MODEL_KEY])
     logging.getLogger(LOGGER).info("export: loaded %s", entry.path)
     return model.eval(), entry.step
@@ -278,8 +285,8 @@ def export_program(
 ) -> Path:
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
-    cfg = _run_config(run_dir, checkpoint_dir)
-    model, _ = _model_at(cfg, step)
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
+    model, _ = _model_at(cfg.model, storage, run_dir, step)
     max_seq_len = model_shape(cfg.model).max_seq_len
     seq = min(max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)

@@ -95,7 +95,7 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     protocol, _ = split_protocol(cfg.checkpoint.dir)
     if protocol in _LOCAL_PROTOCOLS:
         field = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir (its checkpoints/ folder)"
-        check_writable(field, Path(checkpoint_storage(cfg).root))
+        check_writable(field, Path(checkpoint_storage(cfg.checkpoint, cfg.run.dir).root))
         check_checkpoint_location(cfg)
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
@@ -114,7 +114,7 @@ def check_checkpoint_location(cfg: Config) -> None:
     """A local checkpoint location: --resume finds a committed checkpoint in it, and no other
     run owns it (its OWNER.json names this run dir's run id, or nobody). The workers check
     again, and check an object store's location, which is not read here."""
-    storage = checkpoint_storage(cfg)
+    storage = checkpoint_storage(cfg.checkpoint, cfg.run.dir)
     if cfg.run.resume and not committed(storage):
         raise ConfigError(
             f"--resume: no complete checkpoint under {storage.url}; drop --resume to start a "
@@ -137,7 +137,7 @@ def check_resume_from(cfg: Config) -> None:
     protocol, path = split_protocol(location)
     if protocol not in _LOCAL_PROTOCOLS or own_protocol not in _LOCAL_PROTOCOLS:
         return
-    if committed(checkpoint_storage(cfg)):
+    if committed(checkpoint_storage(cfg.checkpoint, cfg.run.dir)):
         return  # the run resumes from its own checkpoints; resume_from is not read
     if not (Path(path) / MANIFEST).is_file():
         raise ConfigError(

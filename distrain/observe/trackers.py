@@ -312,14 +312,24 @@ def check_trackers_installed(metrics: MetricsConfig) -> None:
 
 
 class Trackers:
-    """The trackers `cfg.metrics` asks for, as one sink of rank 0's metrics writer: each row to
-    every tracker; at the end summary.json (the last value of every metric and the step it
-    was logged at) and a plot of the curves, sent with config.toml as the run's artifacts."""
+    """The trackers `metrics` asks for, as one sink of rank 0's metrics writer: each row to
+    every tracker, which records the run's `params` (`flat_params`); at the end summary.json
+    (the last value of every metric and the step it was logged at) and a plot of the curves,
+    sent with config.toml as the run's artifacts. `total_steps`: training.steps (a run that
+    reached it is marked completed)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, logger: logging.Logger):
+    def __init__(
+        self,
+        metrics: MetricsConfig,
+        run_dir: Path,
+        logger: logging.Logger,
+        *,
+        params: dict[str, str],
+        total_steps: int,
+    ):
         self.run_dir = Path(run_dir)
-        self.total_steps = cfg.training.steps
-        self.timeout_s = cfg.metrics.tracker_close_timeout_s
+        self.total_steps = total_steps
+        self.timeout_s = metrics.tracker_close_timeout_s
         self.log = logger
         self.summary: dict[str, Any] = {}
         self.last_step = 0
@@ -327,11 +337,11 @@ class Trackers:
             BackgroundTracker(
                 backend,
                 run_dir=self.run_dir,
-                params=flat_params(cfg),
-                max_rows=cfg.metrics.tracker_queue_rows,
+                params=params,
+                max_rows=metrics.tracker_queue_rows,
                 logger=logger,
             )
-            for backend in _backends(cfg, self.run_dir)
+            for backend in _backends(metrics, self.run_dir)
         ]
 
     def __bool__(self) -> bool:
@@ -399,8 +409,7 @@ class Trackers:
         return write_plot([self.run_dir], make_dir(self.run_dir, PLOT_DIR) / PLOT_FILE), PLOT_DIR
 
 
-def _backends(cfg: Config, run_dir: Path) -> list[TrackerBackend]:
-    m = cfg.metrics
+def _backends(m: MetricsConfig, run_dir: Path) -> list[TrackerBackend]:
     name = run_dir.resolve().name
     backends: list[TrackerBackend] = []
     if m.mlflow.tracking_uri:

@@ -45,7 +45,6 @@ from distrain.parallel.local import copy_from_flat, local_tensor
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from distrain.config.schema import Config
     from distrain.parallel.mesh import ParallelDims
     from distrain.parallel.model import ParallelModel
 
@@ -338,18 +337,25 @@ class DiLoCo:
 
 
 def outer_optimizer(
-    cfg: Config, dims: ParallelDims, mesh: DeviceMesh, model: ParallelModel
+    diloco: DiLoCoConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    model: ParallelModel,
+    *,
+    total_steps: int,
+    bucket_cap_mb: float,
 ) -> DiLoCo:
     """DiLoCo's outer optimizer over this rank's shards of `model`, its sites the dp_replicate
-    axis of `mesh`, for training.steps inner steps."""
+    axis of `mesh`, for `total_steps` inner steps (training.steps); `bucket_cap_mb`:
+    comm.bucket_cap_mb."""
     sites = mesh["dp_replicate"]
     return DiLoCo(
         model.parts,
-        cfg.diloco,
+        diloco,
         sites=sites.get_group(),
         site=sites.get_local_rank(),
-        total_steps=cfg.training.steps,
+        total_steps=total_steps,
         holders=dims.world_size // dims.pp,
-        bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        bucket_cap_mb=bucket_cap_mb,
         counted_elsewhere=model.counted_elsewhere,
     )

@@ -11,7 +11,7 @@ from typing import Any
 from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.checkpoint.manifest import committed
 from distrain.checkpoint.storage import StorageError
-from distrain.config.schema import Config
+from distrain.config.schema import CheckpointConfig, DiLoCoConfig
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.rundir import run_id
 from distrain.parallel.mesh import ParallelDims
@@ -41,19 +41,23 @@ def site_change_problem(manifest: dict[str, Any], sites: int) -> str | None:
     )
 
 
-def check_resume_sites(cfg: Config) -> None:
-    """Under DiLoCo, the run's newest checkpoint (the one its workers will resume) can resume at
-    parallel.dp_replicate sites (`site_change_problem`). The workers apply the
-    same rule to the checkpoint they load (checkpoint.resume_from's, or an older one when the
-    newest is damaged); a storage that cannot be listed here is theirs to report."""
-    if cfg.diloco.inner_steps == 0 or cfg.parallel.dp_replicate < 1:
+def check_resume_sites(
+    diloco: DiLoCoConfig, dp_replicate: int, checkpoint: CheckpointConfig, run_dir: str
+) -> None:
+    """Under DiLoCo, the newest checkpoint of the run in `run_dir` (the one its workers will
+    resume) can resume at `dp_replicate` sites (parallel.dp_replicate: `site_change_problem`).
+    The workers apply the same rule to the checkpoint they load (checkpoint.resume_from's, or an
+    older one when the newest is damaged); a storage that cannot be listed here is theirs to
+    report."""
+    if diloco.inner_steps == 0 or dp_replicate < 1:
         return
-    own = run_id(Path(cfg.run.dir), create=False)
+    own = run_id(Path(run_dir), create=False)
     try:
-        entries = [e for e in committed(checkpoint_storage(cfg)) if e.manifest.get("run_id") == own]
+        storage = checkpoint_storage(checkpoint, run_dir)
+        entries = [e for e in committed(storage) if e.manifest.get("run_id") == own]
     except (StorageError, CheckpointError):
         return
     if entries:
-        problem = site_change_problem(entries[-1].manifest, cfg.parallel.dp_replicate)
+        problem = site_change_problem(entries[-1].manifest, dp_replicate)
         if problem is not None:
             raise ConfigError(problem)

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from distrain.plan import search
 from distrain.plan.comm_advice import TOLERANCE, CommAdvice, MethodPrediction
+from distrain.plan.memory_model import model_of
 from distrain.plan.search import GIB, NOT_PRICED, SOURCE_LABEL, PlanRow
 from distrain.plan.timing import Candidate, Cluster
 
 if TYPE_CHECKING:
-    from distrain.config.schema import Config, ParallelConfig
+    from distrain.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 
 WIDTH = 100
 INDENT = " " * 17
@@ -63,19 +64,22 @@ def _plural(n: int, word: str) -> str:
 
 
 def question(
-    cfg: Config, cluster: Cluster, *, precision_given: bool, latency_s: float
+    model: ModelConfig,
+    t: TrainingConfig,
+    cluster: Cluster,
+    *,
+    precision_given: bool,
+    latency_s: float,
 ) -> list[str]:
-    """The question the plan answers, as it read it: the model, the batch, the devices and their
-    memory, the links and the precision (said to be the config's when not given)."""
-    from distrain.layout.rules import validate
-
-    layout, t = validate(cfg, None), cfg.training
+    """The question the plan answers, as it read it: the model, the batch (`t`), the devices and
+    their memory, the links and the precision (said to be the config's when not given)."""
+    family = model_of(model)
     precision = t.precision if precision_given else f"{t.precision} (the config's; --precision)"
     devices = f"{_plural(cluster.nodes, 'node')} x {_plural(cluster.gpus_per_node, 'device')}"
     lines = [
         "plan for:",
-        f"  model        {layout.spec.name} {cfg.model.preset}, "
-        f"{_count(layout.family_model.num_params())} parameters, {precision}",
+        f"  model        {family.spec.name} {model.preset}, "
+        f"{_count(family.num_params())} parameters, {precision}",
         f"  batch        {t.global_batch_size} sequences x {t.seq_len} tokens per step",
         f"  devices      {devices} of {cluster.memory_bytes / GIB:.3g} GiB "
         f"({cluster.memory_bytes / 1e9:.3g} GB), {_rate(cluster.peak_flops, 'FLOP')} peak "
@@ -93,7 +97,7 @@ def question(
             f"  overlap      a collective progresses {cluster.concurrency:.0%} as fast while its "
             "rank computes (calibrated)"
         )
-    moe = layout.spec.moe_settings(layout.family_model.args)
+    moe = family.spec.moe_settings(family.args)
     if moe is not None:
         lines += _experts(moe)
     return lines
@@ -126,11 +130,11 @@ def _item(label: str, name: str, why: str, *settings: str) -> list[str]:
     return lines
 
 
-def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[str]:
+def recommendation(rows: list[PlanRow], parallel: ParallelConfig, cluster: Cluster) -> list[str]:
     """The layout, communication and micro-batch to use, one reason each: the layout with the
     fastest predicted step of those that fit (each priced with plain DDP/FSDP communication),
     the communication comm_advice.py recommends for it, and the micro-batch of that row; or why
-    none fits."""
+    none fits. `parallel`: the config's, whose settings the recommended layout keeps."""
     best = next((r for r in rows if r.fits), None)
     if best is None:
         reason = rows[0].reason if rows else "no layout is valid for this cluster"
@@ -138,7 +142,7 @@ def recommendation(rows: list[PlanRow], cfg: Config, cluster: Cluster) -> list[s
     c, peak = best.candidate, best.memory.get("peak", 0)
     checkpointing = "no" if c.activation_checkpointing == "none" else c.activation_checkpointing
     layout = f"{layout_name(c)}, ZeRO-{c.zero_stage}, {checkpointing} activation checkpointing"
-    p = search.candidate_config(cfg, c).parallel
+    p = search.candidate_parallel(parallel, c)
     return [
         "recommended:",
         *_item(
@@ -329,18 +333,21 @@ def methods_table(rows: list[PlanRow], cluster: Cluster) -> list[str]:
 
 def text(
     rows: list[PlanRow],
-    cfg: Config,
     cluster: Cluster,
     *,
+    model: ModelConfig,
+    training: TrainingConfig,
+    parallel: ParallelConfig,
     top: int,
     precision_given: bool,
     latency_s: float,
     wide: bool = False,
 ) -> str:
-    """The whole text answer (module docstring); `wide`: with search.table's every column."""
+    """The whole text answer (module docstring) for the config's `model`, `training` and
+    `parallel` sections; `wide`: with search.table's every column."""
     parts = [
-        question(cfg, cluster, precision_given=precision_given, latency_s=latency_s),
-        recommendation(rows, cfg, cluster),
+        question(model, training, cluster, precision_given=precision_given, latency_s=latency_s),
+        recommendation(rows, parallel, cluster),
         methods_table(rows, cluster),
         search.table(rows, top).splitlines() if wide else table(rows, top),
         unpriced(rows),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from distrain.config.schema import Config
+from distrain.config.schema import ParallelConfig, TrainingConfig
 from distrain.parallel.mesh import data_parallel_size
 
 MOMENTS = ("", "second_", "steep_")
@@ -104,12 +104,11 @@ def at_depth(
     )
 
 
-def accumulates(cfg: Config, world_size: int) -> bool:
-    """Whether a rank of `cfg` on `world_size` ranks runs more than one micro-batch a step (its
-    share of the global batch over the micro-batch), so that its later micro-batches hold the
-    gradients of the first."""
-    t = cfg.training
-    return t.global_batch_size // data_parallel_size(cfg.parallel, world_size) > t.micro_batch_size
+def accumulates(t: TrainingConfig, p: ParallelConfig, world_size: int) -> bool:
+    """Whether a rank training as `t` in the layout `p` on `world_size` ranks runs more than one
+    micro-batch a step (its share of the global batch over the micro-batch), so that its later
+    micro-batches hold the gradients of the first."""
+    return t.global_batch_size // data_parallel_size(p, world_size) > t.micro_batch_size
 
 
 @dataclass(frozen=True)

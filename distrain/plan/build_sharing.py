@@ -26,20 +26,20 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from distrain.config.schema import Config
 from distrain.launch.rundir import pid_alive
+from distrain.parallel.run_plan import RunPlan
 from distrain.plan.build_store import BuildStore
 from distrain.plan.build_workers import Pool
 from distrain.plan.built_rows import build_key, kept, memory_of, memory_row
 
-Call = tuple[Callable, Config, int]
-"""memory_of or memory_row, of a config on a world size."""
+Call = tuple[Callable, RunPlan]
+"""memory_of or memory_row, of a layout."""
 POLL_S = 0.01
 STOP = "stop"
 
 
-def _name(function: Callable, cfg: Config, world_size: int) -> str:
-    what = repr((function.__name__, build_key(function, cfg), world_size))
+def _name(function: Callable, plan: RunPlan) -> str:
+    what = repr((function.__name__, build_key(function, plan), plan.dims.world_size))
     return hashlib.sha256(what.encode()).hexdigest()
 
 
@@ -72,19 +72,17 @@ def _await(claims: Path, name: str) -> None:
         time.sleep(POLL_S)
 
 
-def make_claimed(
-    function: str, cfg: Config, world_size: int, store: BuildStore, claims: str
-) -> None:
-    """A worker's job: `function` (memory_of or memory_row) of `cfg`, its fake builds kept in
+def make_claimed(function: str, plan: RunPlan, store: BuildStore, claims: str) -> None:
+    """A worker's job: `function` (memory_of or memory_row) of `plan`, its fake builds kept in
     `store`, unless the plan is done or another process claimed it. One that fails is not
     kept: the planning process makes it again, and reports its error."""
     folder = Path(claims)
     made = {"memory_of": memory_of, "memory_row": memory_row}[function]
-    name = _name(made, cfg, world_size)
+    name = _name(made, plan)
     if (folder / STOP).exists() or not _claim(folder, name):
         return
     try:
-        made(cfg, world_size, {}, store=store)
+        made(plan, {}, store=store)
     except Exception:  # noqa: BLE001, S110 - not kept: the planning process builds it again
         pass
     finally:
@@ -107,31 +105,31 @@ class SharedBuilds:
         once they are started (`now` starts them: a plan that needs no build starts none)."""
         if not self.pool.started():
             return
-        for function, cfg, world_size in calls:
-            name = _name(function, cfg, world_size)
-            if name in self._sent or kept(function, cfg, world_size, self.store):
+        for function, plan in calls:
+            name = _name(function, plan)
+            if name in self._sent or kept(function, plan, self.store):
                 continue
             self._sent.add(name)
-            args = (function.__name__, cfg, world_size, self.store, str(self.claims))
+            args = (function.__name__, plan, self.store, str(self.claims))
             self.pool.submit_soon(make_claimed, args)
 
     def now(self, calls: list[Call], cache: dict, then: Iterable[Call] = ()) -> None:
         """Make the builds of `calls` not made yet: those no worker has begun here (into
         `cache` and the store), waiting for the others; the workers are sent them, then
         `then` (`ahead`). One that fails here is left for the caller's own call to report."""
-        todo = [c for c in calls if build_key(*c[:2]) not in cache and not kept(*c, self.store)]
+        todo = [c for c in calls if build_key(*c) not in cache and not kept(*c, self.store)]
         if todo:
             self.pool.start_soon()
         self.ahead(todo[1:])  # a free worker takes them
         self.ahead(then)
         begun = []
-        for function, cfg, world_size in todo:
-            name = _name(function, cfg, world_size)
+        for function, plan in todo:
+            name = _name(function, plan)
             if not _claim(self.claims, name):
                 begun.append(name)
                 continue
             try:
-                function(cfg, world_size, cache, store=self.store)
+                function(plan, cache, store=self.store)
             except Exception:  # noqa: BLE001, S110 - the caller's own call reports it
                 pass
             finally:

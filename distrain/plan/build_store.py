@@ -3,9 +3,10 @@ same model) reads them instead of building again.
 
 One JSON file per build under the planner's cache directory (calibrate.cache_dir()/builds),
 named by a digest of everything the build's result depends on: which build it is (the type of
-its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config, the
-world size and rank, torch's version, and the source of the distrain package (a changed model,
-layout or planner makes every older file a miss; nothing is ever read back for other code);
+its result: memory.py's MemoryEstimate, pipeline_memory.py's PipelineMemory), the whole config of
+its RunPlan (planned.py), the world size and rank, torch's version, and the source of the
+distrain package (a changed model, layout or planner makes every older file a miss; nothing is
+ever read back for other code);
 other builds (`keep`: parameter_table.py's meta build) name what they depend on themselves.
 A build that raises is not stored: the next plan tries it again. The cache is data another
 process could have written: a stored build is read only from a regular file (a symlink is not
@@ -30,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from distrain.config.schema import Config
+from distrain.parallel.run_plan import RunPlan
 
 Result = TypeVar("Result")
 MAX_FILE_BYTES = 4096
@@ -94,8 +95,9 @@ class BuildStore:
 
     directory: Path
 
-    def path(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> Path:
-        key = {"config": dataclasses.asdict(cfg), "world_size": world_size, "rank": rank}
+    def path(self, result_type: type, plan: RunPlan, rank: int = 0) -> Path:
+        world_size = plan.dims.world_size
+        key = {"config": dataclasses.asdict(plan.config), "world_size": world_size, "rank": rank}
         return self._path(result_type, key)
 
     def _path(self, result_type: type, key: dict) -> Path:
@@ -107,9 +109,9 @@ class BuildStore:
         text = json.dumps(what, sort_keys=True, default=str)
         return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
-    def has(self, result_type: type, cfg: Config, world_size: int, rank: int = 0) -> bool:
+    def has(self, result_type: type, plan: RunPlan, rank: int = 0) -> bool:
         """Whether `build` would read the build back (the same checks as its read)."""
-        return _holds(self.path(result_type, cfg, world_size, rank), result_type)
+        return _holds(self.path(result_type, plan, rank), result_type)
 
     def has_kept(self, result_type: type, key: dict) -> bool:
         """Whether `keep` would read the build of `key` back (the same checks as its read)."""
@@ -119,15 +121,14 @@ class BuildStore:
         self,
         estimate: Callable[..., Result],
         result_type: type[Result],
-        cfg: Config,
-        world_size: int,
+        plan: RunPlan,
         *,
         rank: int = 0,
     ) -> Result:
-        """`estimate(cfg, world_size, rank=rank)` (a fake build: a dataclass of ints), read from
-        its file when stored, else run and stored."""
-        path = self.path(result_type, cfg, world_size, rank)
-        return self._kept(path, result_type, lambda: estimate(cfg, world_size, rank=rank))
+        """`estimate(plan, rank=rank)` (a fake build: a dataclass of ints), read from its file
+        when stored, else run and stored."""
+        path = self.path(result_type, plan, rank)
+        return self._kept(path, result_type, lambda: estimate(plan, rank=rank))
 
     def keep(self, result_type: type[Result], key: dict, make: Callable[[], Result]) -> Result:
         """`make()`, a build of `result_type` whose result depends on `key` (JSON) and this
@@ -155,12 +156,11 @@ def build(
     store: BuildStore | None,
     estimate: Callable[..., Result],
     result_type: type[Result],
-    cfg: Config,
-    world_size: int,
+    plan: RunPlan,
     *,
     rank: int = 0,
 ) -> Result:
-    """`estimate(cfg, world_size, rank=rank)` through `store`, or run when there is none."""
+    """`estimate(plan, rank=rank)` through `store`, or run when there is none."""
     if store is None:
-        return estimate(cfg, world_size, rank=rank)
-    return store.build(estimate, result_type, cfg, world_size, rank=rank)
+        return estimate(plan, rank=rank)
+    return store.build(estimate, result_type, plan, rank=rank)

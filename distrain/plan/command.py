@@ -248,6 +248,7 @@ def plan_command(argv: list[str]) -> None:
     from distrain.plan.build_store import BuildStore
     from distrain.plan.build_workers import available_cores
     from distrain.plan.calibrate import cache_dir, calibrate
+    from distrain.plan.memory_model import model_of
     from distrain.plan.search import plan, to_json, with_advice
 
     if ns.calibrate:
@@ -285,13 +286,29 @@ def plan_command(argv: list[str]) -> None:
         store=BuildStore(cache_dir() / "builds"),
     )
     latency_s = ns.inter_node_latency_us * 1e-6
-    rows = with_advice(rows, cfg, cluster, bytes_per_value=bytes_per_value, latency_s=latency_s)
+    rows = with_advice(
+        rows,
+        model_of(cfg.model),
+        cluster,
+        training=cfg.training,
+        diloco=cfg.diloco,
+        bytes_per_value=bytes_per_value,
+        latency_s=latency_s,
+    )
     if ns.json:
         print(to_json(rows, ns.top))
         return
     given = ns.precision is not None
     print(
         text(
-            rows, cfg, cluster, top=ns.top, precision_given=given, latency_s=latency_s, wide=ns.wide
+            rows,
+            cluster,
+            model=cfg.model,
+            training=cfg.training,
+            parallel=cfg.parallel,
+            top=ns.top,
+            precision_given=given,
+            latency_s=latency_s,
+            wide=ns.wide,
         )
     )

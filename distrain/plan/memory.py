@@ -43,8 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distrain.config.schema import Config
-from distrain.layout.rules import validate
 from distrain.optim.builder import build_optimizer
 from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
@@ -54,6 +52,7 @@ from distrain.parallel.model import ParallelModel
 from distrain.parallel.parallelize import parallelize
 from distrain.parallel.run_plan import RunPlan
 from distrain.plan.build_results import MOMENTS, MemoryEstimate
+from distrain.plan.planned import replanned
 from distrain.torch_compat import (
     device_meshes_under_fake_mode,
     dtensor_storage,
@@ -243,39 +242,24 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         forget_dtensor_meshes()
 
 
-def planned_run(cfg: Config, world_size: int) -> RunPlan:
-    """The `RunPlan` a fake build of `cfg` on `world_size` ranks is made from (the layout rules
-    checked): training.precision "auto" is planned as bf16, what it becomes on the GPUs the
-    planner prices, and "auto" compile as this machine decides it (eager on CPU)."""
-    layout = validate(cfg, world_size)
-    if cfg.training.precision == "auto":
-        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="bf16"))
-    return RunPlan.decided(
-        cfg, spec=layout.spec, model=layout.model, dims=layout.dims, device=torch.device("cpu")
-    )
-
-
 def _tokens(rows: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
     return tokens, tokens
 
 
-def estimate_memory(cfg: Config, world_size: int, *, rank: int = 0) -> MemoryEstimate:
-    """Memory of rank `rank` when `cfg` trains on `world_size` ranks, from a fake step. The step
-    runs eager: compiled kernels cannot run on fake tensors (training.compile is planned as off,
-    whatever it says)."""
+def estimate_memory(plan: RunPlan, *, rank: int = 0) -> MemoryEstimate:
+    """Memory of rank `rank` of `plan`, from a fake step. The step runs eager: compiled kernels
+    cannot run on fake tensors (training.compile is planned as off, whatever it says)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cfg = dataclasses.replace(
-        cfg, training=dataclasses.replace(cfg.training, compile=False, micro_batch_size=1)
-    )
-    plan = planned_run(cfg, world_size)
+    training = dataclasses.replace(plan.config.training, compile=False, micro_batch_size=1)
+    plan = replanned(plan, training=training)
     dims = plan.dims
-    with fake_world(world_size, rank):
+    with fake_world(dims.world_size, rank):
         ctx = DistContext(
             rank=rank,
             local_rank=0,
-            world_size=world_size,
+            world_size=dims.world_size,
             device=torch.device("cpu"),
             backend="fake",
         )
@@ -327,9 +311,15 @@ def with_outer_step(
     at_rest = found.params + found.optimizer
     # Its first outer step is not the run's last (which would take every fragment at once).
     steps = cfg.diloco.inner_steps + 1
-    first_steps = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps))
     with LiveBytes(at_rest) as live:
-        outer = outer_optimizer(first_steps, plan.dims, mesh, model)
+        outer = outer_optimizer(
+            cfg.diloco,
+            plan.dims,
+            mesh,
+            model,
+            total_steps=steps,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        )
         outer.after_step(cfg.diloco.inner_steps)
     held = live.live - at_rest
     return dataclasses.replace(

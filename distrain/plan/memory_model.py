@@ -24,7 +24,7 @@ fastest few are built (search.py):
   none/DDP, FSDP2 without or with resharding after forward, activation checkpointing, cp and
   ep degrees) by two fake builds of the planned model at its real width and 2 and 3 blocks (3
   and 4 under FSDP2 resharding with full checkpointing: `calibration_depths`; world: tp x cp,
-  x2 under FSDP2, x 2 ep under ep: `calibration_layout`), which
+  x2 under FSDP2, x 2 ep under ep: `calibration_builds`), which
   hold exactly (the 7B ZeRO-3 step of 2, 8 and 32 blocks lies on one line to the byte; with
   full checkpointing, 3, 4 and 5 blocks do, 2 does not; a step's first micro-batch is kept
   within the gradients' bytes of the held peak: `Coefficients.above_states`); every
@@ -45,14 +45,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from distrain.config.schema import Config
+from distrain.config.schema import Config, ModelConfig, OptimConfig, ParallelConfig, TrainingConfig
 from distrain.family.spec import FamilyModel, ModelShape
-from distrain.layout.rules import validate
+from distrain.models.registry import model_args, model_family
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.stages import stage_ids_for_rank, stage_layer_ranges
 from distrain.plan.build_results import MemoryEstimate, accumulates, in_flight
 from distrain.plan.parameter_table import table
+from distrain.plan.planned import planned_run, replanned
 
 FP32 = 4
 CALIBRATION_DEPTHS = (2, 3)
@@ -217,60 +219,65 @@ class Coefficients:
         )
 
 
-def family_of(cfg: Config) -> Family:
-    p = cfg.parallel
+def family_of(p: ParallelConfig, t: TrainingConfig) -> Family:
+    """The family of the layout `p` training as `t` says (its checkpointing)."""
     if p.zero_stage <= 1:
         wrapper = "plain"
     else:
         wrapper = "fsdp_reshard" if p.zero_stage == 3 and p.pp == 1 else "fsdp"
-    t = cfg.training
     every = t.ac_every_layers if t.activation_checkpointing == "selective" else 1
     return Family(p.tp, wrapper, t.activation_checkpointing, every, cp=p.cp, ep=p.ep)
 
 
-def calibrated_family(cfg: Config) -> Family:
-    """The family whose calibration builds price `cfg`: its own, or under sequence parallelism
-    with tp above CALIBRATED_TP the tp = CALIBRATED_TP one (`coefficients_for`)."""
-    family = family_of(cfg)
-    if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
+def calibrated_family(p: ParallelConfig, t: TrainingConfig) -> Family:
+    """The family whose calibration builds price the layout `p`: its own, or under sequence
+    parallelism with tp above CALIBRATED_TP the tp = CALIBRATED_TP one (`coefficients_for`)."""
+    family = family_of(p, t)
+    if family.tp <= CALIBRATED_TP or not p.sequence_parallel:
         return family
     return dataclasses.replace(family, tp=CALIBRATED_TP)
 
 
-def coefficients_for(cfg: Config, coefficients: Callable[[Family], Coefficients]) -> Coefficients:
-    """The coefficients of `cfg`'s family. Under sequence parallelism with tp above
-    CALIBRATED_TP they are the tp = CALIBRATED_TP family's with the per-block and fixed terms
-    scaled by CALIBRATED_TP / tp (the 7B step's per-block activations: 45,120 bytes a token at
-    tp 2, 22,560 at tp 4), the constant per sample kept (it shrinks by 5% from tp 2 to 4)."""
-    family = family_of(cfg)
-    c = coefficients(calibrated_family(cfg))
-    if family.tp <= CALIBRATED_TP or not cfg.parallel.sequence_parallel:
+def coefficients_for(
+    p: ParallelConfig, t: TrainingConfig, coefficients: Callable[[Family], Coefficients]
+) -> Coefficients:
+    """The coefficients of the family of the layout `p` training as `t` says. Under sequence
+    parallelism with tp above CALIBRATED_TP they are the tp = CALIBRATED_TP family's with the
+    per-block and fixed terms scaled by CALIBRATED_TP / tp (the 7B step's per-block
+    activations: 45,120 bytes a token at tp 2, 22,560 at tp 4), the constant per sample kept (it
+    shrinks by 5% from tp 2 to 4)."""
+    family = family_of(p, t)
+    c = coefficients(calibrated_family(p, t))
+    if family.tp <= CALIBRATED_TP or not p.sequence_parallel:
         return c
     return dataclasses.replace(c, scale=CALIBRATED_TP / family.tp)
 
 
-def states_floor(cfg: Config, world_size: int) -> dict[str, int]:
-    """A lower bound of the model states that needs no calibration: parameters and gradients,
-    and AdamW's two fp32 moments per value (shared out over the data-parallel ranks under
-    ZeRO-1); its sum is a lower bound of the peak."""
-    p = cfg.parallel
-    states = model_states(cfg, world_size)
-    moments = 2 * states.params if cfg.optim.name == "adamw" else 0
+def states_floor(
+    model: ModelConfig, p: ParallelConfig, optim: OptimConfig, world_size: int
+) -> dict[str, int]:
+    """A lower bound of the model states of `model` laid out as `p` on `world_size` ranks that
+    needs no calibration: parameters and gradients, and AdamW's two fp32 moments per value
+    (shared out over the data-parallel ranks under ZeRO-1); its sum is a lower bound of the
+    peak."""
+    states = model_states(model, p, world_size)
+    moments = 2 * states.params if optim.name == "adamw" else 0
     if p.zero_stage == 1:
         moments //= world_size // (p.tp * p.pp)
     return {"params": states.params, "grads": states.grads, "optimizer": moments}
 
 
-def with_depth(cfg: Config, n_layers: int) -> Config:
-    """`cfg` with a model of `n_layers` blocks (the rest of its shape as planned)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+def with_depth(plan: RunPlan, n_layers: int) -> RunPlan:
+    """The layout `plan` with a model of `n_layers` blocks (the rest of its shape as planned)."""
+    return replanned(plan, model=dataclasses.replace(plan.config.model, n_layers=n_layers))
 
 
-def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
-    """The smallest layout of `family` (tp x cp ranks, x2 data-parallel shards under FSDP2, no
-    pp; under DiLoCo, x2 sites of those, whose outer state is then in the build; under ep, 2 x
-    ep data-parallel ranks, so that FSDP2 gathers the experts over 2 as it does over more), one
-    sample per data-parallel rank, and its world size."""
+def calibration_builds(base: Config, family: Family) -> list[RunPlan]:
+    """The family's two fake builds, made from the config `base` (the plan's; the layout rules
+    checked): its smallest layout (tp x cp ranks, x2 data-parallel shards under FSDP2, no pp;
+    under DiLoCo, x2 sites of those, whose outer state is then in the build; under ep, 2 x ep
+    data-parallel ranks, so that FSDP2 gathers the experts over 2 as it does over more), one
+    sample per data-parallel rank, at each of its `calibration_depths`."""
     plain = family.wrapper == "plain"
     sites = 2 if base.diloco.inner_steps > 0 else 1
     replicate = 2 * family.ep if plain and family.ep > 1 else sites
@@ -295,11 +302,17 @@ def calibration_layout(base: Config, family: Family) -> tuple[Config, int]:
             global_batch_size=dp,
             activation_checkpointing=family.activation_checkpointing,
         ),
-        # Replica groups are priced as HSDP over the groups (search.candidate_config): the
+        # Replica groups are priced as HSDP over the groups (search.candidate_plan): the
         # calibration is one group's layout.
         fault_tolerance=dataclasses.replace(base.fault_tolerance, replica_groups=0),
     )
-    return cfg, family.tp * family.cp * dp
+    world = family.tp * family.cp * dp
+    return [
+        planned_run(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n)), world
+        )
+        for n in calibration_depths(family)
+    ]
 
 
 def calibration_depths(family: Family) -> tuple[int, int]:
@@ -319,22 +332,14 @@ def calibration_depths(family: Family) -> tuple[int, int]:
     return low, high
 
 
-def calibration_builds(base: Config, family: Family) -> list[tuple[Config, int]]:
-    """(config, world size) of the family's two fake builds: its smallest layout at each of
-    its `calibration_depths`."""
-    cfg, world = calibration_layout(base, family)
-    return [(with_depth(cfg, n), world) for n in calibration_depths(family)]
-
-
 def calibrate_family(
-    base: Config, family: Family, measure: Callable[[Config, int], MemoryEstimate]
+    family: Family, builds: list[RunPlan], measure: Callable[[RunPlan], MemoryEstimate]
 ) -> Coefficients:
-    """The family's coefficients from its `calibration_builds`: `measure(cfg, world)` is
-    memory.py's estimate (through the search's caches)."""
-    cfg, world = calibration_layout(base, family)
+    """The family's coefficients from its `calibration_builds`: `measure(plan)` is memory.py's
+    estimate (through the search's caches)."""
     low, high = calibration_depths(family)
-    one, two = (measure(*b) for b in calibration_builds(base, family))
-    states = [model_states(with_depth(cfg, n), world) for n in (low, high)]
+    one, two = (measure(b) for b in builds)
+    states = [model_states(b.config.model, b.config.parallel, b.dims.world_size) for b in builds]
     step_extra = max(0, one.opt_step_peak - one.model_states)
     return Coefficients(
         depths=(low, high),
@@ -360,9 +365,10 @@ def _tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> list[in
     return dims
 
 
-def _stage_parts(shape: ModelShape, cfg: Config, pp_rank: int) -> tuple[list[int], bool, bool]:
+def _stage_parts(
+    shape: ModelShape, p: ParallelConfig, pp_rank: int
+) -> tuple[list[int], bool, bool]:
     """(block indices, holds the embedding, holds the head) of pp rank `pp_rank`."""
-    p = cfg.parallel
     if p.pp == 1:
         return list(range(shape.n_layers)), True, True
     stages = p.pp * p.pp_stages_per_rank
@@ -376,21 +382,23 @@ _STATES: dict[tuple, ModelStates] = {}
 _MODELS: dict[str, FamilyModel] = {}
 
 
-def model_of(cfg: Config) -> FamilyModel:
-    """The family model of `cfg.model`, resolved once per model config (the layout rules are
-    the caller's to check)."""
-    key = repr(cfg.model)
+def model_of(model: ModelConfig) -> FamilyModel:
+    """The family model of `model`, resolved once per model config (the layout rules are the
+    caller's to check)."""
+    key = repr(model)
     if key not in _MODELS:
-        _MODELS[key] = validate(cfg, None).family_model
+        _MODELS[key] = FamilyModel(model_family(model.family), model_args(model))
     return _MODELS[key]
 
 
-def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStates:
-    """Parameter and gradient bytes of the first rank of pipeline rank `pp_rank` (module
-    docstring); counted once per model and layout (a plan asks for each thousands of times)."""
-    p = cfg.parallel
+def model_states(
+    model: ModelConfig, p: ParallelConfig, world_size: int, *, pp_rank: int = 0
+) -> ModelStates:
+    """Parameter and gradient bytes of `model` on the first rank of pipeline rank `pp_rank` of
+    the layout `p` (module docstring); counted once per model and layout (a plan asks for each
+    thousands of times)."""
     key = (
-        repr(cfg.model),
+        repr(model),
         p.tp,
         p.pp,
         p.pp_stages_per_rank,
@@ -401,17 +409,17 @@ def model_states(cfg: Config, world_size: int, *, pp_rank: int = 0) -> ModelStat
     )
     key += (world_size, pp_rank)
     if key not in _STATES:
-        _STATES[key] = _model_states(cfg, world_size, pp_rank)
+        _STATES[key] = _model_states(model_of(model), p, world_size, pp_rank)
     return _STATES[key]
 
 
-def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
-    p = cfg.parallel
-    model = model_of(cfg)
+def _model_states(
+    model: FamilyModel, p: ParallelConfig, world_size: int, pp_rank: int
+) -> ModelStates:
     spec = model.spec
-    blocks, first, last = _stage_parts(model.shape, cfg, pp_rank)
+    blocks, first, last = _stage_parts(model.shape, p, pp_rank)
     held = {str(i) for i in blocks}
-    # The search's only HSDP: DiLoCo's sites, and replica groups (search.candidate_config).
+    # The search's only HSDP: DiLoCo's sites, and replica groups (search.candidate_plan).
     replicas = max(1, p.dp_replicate)
     # FSDP2's shard axis: dp_shard (x cp: world // (tp x pp x replicas) counts both).
     shard = world_size // (p.tp * p.pp * replicas) if p.zero_stage >= 2 else 1
@@ -442,28 +450,34 @@ def _model_states(cfg: Config, world_size: int, pp_rank: int) -> ModelStates:
     return ModelStates(params=params, grads=params, blocks=len(blocks), has_head=last)
 
 
-def optimizer_bytes(cfg: Config, world_size: int, states: ModelStates, c: Coefficients) -> int:
+def optimizer_bytes(
+    model: ModelConfig,
+    p: ParallelConfig,
+    optim: OptimConfig,
+    world_size: int,
+    states: ModelStates,
+    c: Coefficients,
+) -> int:
     """This rank's optimizer state: the family's bytes per parameter byte, shared out under
     ZeRO-1 and by 1-bit Adam's own chunking (as built_rows.memory_of plans the builds)."""
-    p = cfg.parallel
-    capability = optimizer_capability(cfg.optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
+    capability = optimizer_capability(optim, zero_stage=p.zero_stage, tp=p.tp, pp=p.pp)
     if capability.shards_state and p.tp == p.pp == 1 and world_size > 1:
-        return held_state_bytes(model_of(cfg).num_params(), world_size)
+        return held_state_bytes(model_of(model).num_params(), world_size)
     whole = states.params * c.optimizer_per_param_byte
     if p.zero_stage == 1 and world_size > 1:
         if p.tp == p.pp == 1:
-            return math.ceil(whole * zero1_largest_share(cfg, world_size))
+            return math.ceil(whole * zero1_largest_share(model, world_size))
         return math.ceil(whole / (world_size // (p.tp * p.pp)))
     return math.ceil(whole)
 
 
-def zero1_largest_share(cfg: Config, world_size: int) -> float:
-    """The share of the parameter values on the rank that ZeroRedundancyOptimizer gives the most
-    (its state follows them): torch's rule, group by group, each parameter, largest first, to
-    the rank holding the fewest values so far (the first such rank). Whole tensors: 4 ranks of
-    the `tiny` preset hold up to 1.075x an even share."""
+def zero1_largest_share(model: ModelConfig, world_size: int) -> float:
+    """The share of the parameter values of `model` on the rank that ZeroRedundancyOptimizer
+    gives the most (its state follows them): torch's rule, group by group, each parameter,
+    largest first, to the rank holding the fewest values so far (the first such rank). Whole
+    tensors: 4 ranks of the `tiny` preset hold up to 1.075x an even share."""
     held = [0] * world_size
-    for group in _group_sizes(cfg):
+    for group in _group_sizes(model):
         for numel in group:
             held[held.index(min(held))] += numel
     return max(held) / sum(held)
@@ -472,12 +486,12 @@ def zero1_largest_share(cfg: Config, world_size: int) -> float:
 _GROUPS: dict[tuple, list[list[int]]] = {}
 
 
-def _group_sizes(cfg: Config) -> list[list[int]]:
+def _group_sizes(model: ModelConfig) -> list[list[int]]:
     """Values of each parameter of each of the optimizer's groups (optim/builder.py's
     `param_groups`: decayed, then not), largest first; counted once per model."""
-    key = repr(cfg.model)
+    key = repr(model)
     if key not in _GROUPS:
-        unique = table(model_of(cfg)).unique()
+        unique = table(model_of(model)).unique()
         _GROUPS[key] = [
             sorted((math.prod(p.shape) for p in unique if p.decayed == decayed), reverse=True)
             for decayed in (True, False)
@@ -495,22 +509,29 @@ def with_replica_average(row: dict[str, int]) -> dict[str, int]:
 
 
 def modelled_row(
-    cfg: Config, world_size: int, coefficients: Callable[[Family], Coefficients]
+    world_size: int,
+    coefficients: Callable[[Family], Coefficients],
+    *,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    optim: OptimConfig,
 ) -> dict[str, int]:
-    """Bytes per rank of `cfg` on `world_size` ranks, the keys of built_rows.memory_row:
-    params, grads, optimizer, activations, peak. A pipeline: the largest peak of its ranks (the
-    first keeps the most microbatches in flight, the last the head, a middle one more blocks)."""
-    p, t = cfg.parallel, cfg.training
-    c = coefficients_for(cfg, coefficients)
+    """Bytes per rank of `model` laid out as `parallel` on `world_size` ranks, training as
+    `training` and `optim` say, the keys of built_rows.memory_row: params, grads, optimizer,
+    activations, peak. A pipeline: the largest peak of its ranks (the first keeps the most
+    microbatches in flight, the last the head, a middle one more blocks)."""
+    p, t = parallel, training
+    c = coefficients_for(p, t, coefficients)
     if p.pp == 1:
-        states = model_states(cfg, world_size)
-        optimizer = optimizer_bytes(cfg, world_size, states, c)
+        states = model_states(model, p, world_size)
+        optimizer = optimizer_bytes(model, p, optim, world_size, states, c)
         # ZeRO-1 without tp is planned from the ZeRO-0 build (built_rows.memory_of): its step's
         # peak holds all the state.
         step_optimizer = optimizer
         if p.zero_stage == 1 and p.tp == 1:
             step_optimizer = math.ceil(states.params * c.optimizer_per_param_byte)
-        mb, accumulating = t.micro_batch_size, accumulates(cfg, world_size)
+        mb, accumulating = t.micro_batch_size, accumulates(t, p, world_size)
         above = c.above_states(states.blocks, mb, accumulating=accumulating, grads=states.grads)
         fwd_bwd = states.params + states.grads + above
         at_rest = states.params + states.grads + optimizer
@@ -523,18 +544,25 @@ def modelled_row(
             "activations": max(0, round(above)),
             "peak": round(max(fwd_bwd + optimizer, step_peak, at_rest)),
         }
-    rows = [_pipeline_rank(cfg, world_size, r, c) for r in range(p.pp)]
+    rows = [_pipeline_rank(model, p, t, optim, world_size, r, c) for r in range(p.pp)]
     return max(rows, key=lambda r: r["peak"])
 
 
-def _pipeline_rank(cfg: Config, world_size: int, pp_rank: int, c: Coefficients) -> dict[str, Any]:
+def _pipeline_rank(
+    model: ModelConfig,
+    p: ParallelConfig,
+    t: TrainingConfig,
+    optim: OptimConfig,
+    world_size: int,
+    pp_rank: int,
+    c: Coefficients,
+) -> dict[str, Any]:
     """pp rank `pp_rank`: its stages' blocks with as many microbatches in flight as the
     schedule keeps, the head's cost per sample on the last stage only, and the receive buffers
     of pipeline_memory.py."""
-    p, t = cfg.parallel, cfg.training
-    dim = model_of(cfg).shape.dim
-    states = model_states(cfg, world_size, pp_rank=pp_rank)
-    optimizer = optimizer_bytes(cfg, world_size, states, c)
+    dim = model_of(model).shape.dim
+    states = model_states(model, p, world_size, pp_rank=pp_rank)
+    optimizer = optimizer_bytes(model, p, optim, world_size, states, c)
     local_batch = t.global_batch_size // data_parallel_size(p, world_size)
     microbatches = p.pp_microbatches if p.pp_microbatches > 0 else local_batch // t.micro_batch_size
     rows = local_batch // microbatches

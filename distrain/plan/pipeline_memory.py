@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distrain.config.schema import Config
 from distrain.family.spec import ModelSpec
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.compress import CommStats
 from distrain.parallel.parallelize import cut_stages, lay_out_parts
+from distrain.parallel.run_plan import RunPlan
 from distrain.parallel.tensor import tp_loss_context
 from distrain.plan.build_results import PipelineMemory, in_flight
 from distrain.plan.memory import (
@@ -38,23 +38,21 @@ from distrain.plan.memory import (
     grad_bytes,
     held_optimizer_state_bytes,
     local_bytes,
-    planned_run,
 )
 from distrain.torch_compat import device_meshes_under_fake_mode
 
 
-def estimate_pipeline_memory(cfg: Config, world_size: int, *, rank: int = 0) -> PipelineMemory:
-    """Memory of rank `rank` of a pp layout, from fake steps of its stage modules."""
+def estimate_pipeline_memory(plan: RunPlan, *, rank: int = 0) -> PipelineMemory:
+    """Memory of rank `rank` of the pp layout `plan`, from fake steps of its stage modules."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    plan = planned_run(cfg, world_size)
     cfg, dims, spec = plan.config, plan.dims, plan.spec
     p, t = cfg.parallel, cfg.training
     dim = spec.shape(plan.model).dim
     assert dims.pp > 1
     if dims.cp > 1:
         raise NotImplementedError("the planner does not yet plan pipelines with cp")
-    with fake_world(world_size, rank):
+    with fake_world(dims.world_size, rank):
         mesh, _ = dims.build_mesh("cpu")
         # Made before the fake mode, as the world mesh (parallelize's ep_mesh).
         ep_mesh = dims.build_ep_mesh("cpu") if dims.ep > 1 else None

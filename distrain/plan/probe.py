@@ -41,7 +41,6 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from distrain.config.schema import Config
 from distrain.optim.builder import build_optimizer
 from distrain.parallel.comm_record import Collective, RecordCollectives
 from distrain.parallel.compress import CommStats
@@ -50,7 +49,8 @@ from distrain.parallel.grad_norm import clip_grad_norm
 from distrain.parallel.parallelize import parallelize
 from distrain.parallel.run_plan import RunPlan
 from distrain.plan.collectives import KINDS, LinkCost
-from distrain.plan.memory import fake_world, planned_run
+from distrain.plan.memory import fake_world
+from distrain.plan.planned import replanned
 
 
 @dataclass(frozen=True)
@@ -89,27 +89,26 @@ def _median_time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(cfg: Config, world_size: int, *, threads: int = 1, repeats: int = 5) -> Probe:
-    """This layout's rank-0 step on this machine (see the module docstring). It runs on the
-    CPU, where training.compile "auto" means eager (memory.py's `planned_run`)."""
-    plan = planned_run(cfg, world_size)
-    cfg, dims = plan.config, plan.dims
+def probe(plan: RunPlan, *, threads: int = 1, repeats: int = 5) -> Probe:
+    """The rank-0 step of the layout `plan` on this machine (see the module docstring). It runs
+    on the CPU, where training.compile "auto" means eager (planned.py's `planned_run`)."""
+    dims = plan.dims
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if dims.pp > 1:
             return _probe_pipeline(plan, repeats)
         if dims.dp_wrapper == "ddp":
-            return _probe_ddp(cfg, world_size, dims.dp_size, repeats)
-        return _probe_fake_world(plan, world_size, repeats)
+            return _probe_ddp(plan, repeats)
+        return _probe_fake_world(plan, repeats)
     finally:
         torch.set_num_threads(previous)
 
 
 def probe_together(
-    jobs: list[tuple[Config, int]], processes: int, *, threads: int = 1, repeats: int = 5
+    jobs: list[RunPlan], processes: int, *, threads: int = 1, repeats: int = 5
 ) -> list[Probe]:
-    """`probe` of each (config, world size) as a machine running `processes` ranks sees it:
+    """`probe` of each layout of `jobs` as a machine running `processes` ranks sees it:
     `processes` fresh processes probe the same layouts at the same time (each keeps probing
     until all have finished, so none is timed alone), and each layout's compute is their mean.
     A rank shares the machine's caches, memory bandwidth and clock (on CPU, cores that may be
@@ -134,7 +133,7 @@ def probe_together(
 
 
 def _probe_child(
-    jobs: list[tuple[Config, int]],
+    jobs: list[RunPlan],
     threads: int,
     repeats: int,
     start: Any,
@@ -143,13 +142,13 @@ def _probe_child(
     processes: int,
 ) -> None:
     start.wait()
-    found = [probe(cfg, world, threads=threads, repeats=repeats) for cfg, world in jobs]
+    found = [probe(plan, threads=threads, repeats=repeats) for plan in jobs]
     with finished.get_lock():
         finished.value += 1
     queue.put(found)
     while finished.value < processes:  # company for the probes still being timed
-        for cfg, world in jobs:
-            probe(cfg, world, threads=threads, repeats=1)
+        for plan in jobs:
+            probe(plan, threads=threads, repeats=1)
             if finished.value >= processes:
                 break
 
@@ -162,9 +161,9 @@ def _mean_probe(probes: list[Probe]) -> Probe:
     )
 
 
-def _probe_fake_world(plan: RunPlan, world_size: int, repeats: int) -> Probe:
+def _probe_fake_world(plan: RunPlan, repeats: int) -> Probe:
     cfg, dims = plan.config, plan.dims
-    t = cfg.training
+    t, world_size = cfg.training, dims.world_size
     with fake_world(world_size):
         ctx = DistContext(
             rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"), backend="fake"
@@ -197,15 +196,18 @@ def _probe_fake_world(plan: RunPlan, world_size: int, repeats: int) -> Probe:
     return Probe(compute, tuple(c for c in recorded.found if c.kind in KINDS))
 
 
-def _probe_ddp(cfg: Config, world_size: int, dp: int, repeats: int) -> Probe:
+def _probe_ddp(plan: RunPlan, repeats: int) -> Probe:
+    """A DDP rank: its data-parallel share of the batch alone on one rank, with DDP's bucketed
+    all-reduces over the dp ranks."""
+    cfg, dp, world_size = plan.config, plan.dims.dp_size, plan.dims.world_size
     t = cfg.training
-    local = dataclasses.replace(
-        cfg,
+    alone_plan = replanned(
+        plan,
+        world_size=1,
         training=dataclasses.replace(t, global_batch_size=t.global_batch_size // dp),
         parallel=dataclasses.replace(cfg.parallel, zero_stage=0, dp_replicate=-1, dp_shard=-1),
     )
-    alone_plan = planned_run(local, 1)
-    alone = _probe_fake_world(alone_plan, 1, repeats)
+    alone = _probe_fake_world(alone_plan, repeats)
     with torch.device("meta"):
         model = alone_plan.spec.build(alone_plan.model)
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrain.config.schema import Config
+from distrain.config.schema import Config, DiLoCoConfig, ParallelConfig, TrainingConfig
 from distrain.errors import ConfigError
-from distrain.family.spec import ModelShape
+from distrain.family.spec import FamilyModel, ModelShape
 from distrain.layout.facts import divisors
 from distrain.layout.rules import validate
+from distrain.parallel.run_plan import RunPlan
 from distrain.plan.build_results import MemoryEstimate
 from distrain.plan.build_sharing import SharedBuilds
 from distrain.plan.build_store import BuildStore
@@ -55,6 +56,7 @@ from distrain.plan.memory_model import (
     with_replica_average,
 )
 from distrain.plan.parameter_table import load, stored
+from distrain.plan.planned import planned_run
 from distrain.plan.timing import Candidate, Cluster, StepTime, step_time
 
 GIB = 2**30
@@ -104,40 +106,47 @@ class PlanRow:
         }
 
 
-def candidate_config(base: Config, c: Candidate) -> Config:
+def candidate_parallel(p: ParallelConfig, c: Candidate) -> ParallelConfig:
+    """The parallel section of layout `c`: `p` with its degrees, schedule and ZeRO stage."""
+    return dataclasses.replace(
+        p,
+        dp_replicate=c.dp_replicate if c.zero_stage >= 2 else -1,
+        dp_shard=c.dp_shard if c.zero_stage >= 2 else -1,
+        tp=c.tp,
+        pp=c.pp,
+        pp_schedule=c.pp_schedule,
+        zero_stage=c.zero_stage,
+        cp=c.cp,
+        ep=c.ep,
+    )
+
+
+def candidate_plan(base: Config, c: Candidate, world_size: int) -> RunPlan:
+    """The run of layout `c` on `world_size` ranks, made from the config `base` (the plan's; the
+    layout rules checked)."""
     cfg = dataclasses.replace(
         base,
-        parallel=dataclasses.replace(
-            base.parallel,
-            dp_replicate=c.dp_replicate,
-            dp_shard=c.dp_shard if c.zero_stage >= 2 else -1,
-            tp=c.tp,
-            pp=c.pp,
-            pp_schedule=c.pp_schedule,
-            zero_stage=c.zero_stage,
-            cp=c.cp,
-            ep=c.ep,
-        ),
+        parallel=candidate_parallel(base.parallel, c),
         training=dataclasses.replace(
             base.training,
             micro_batch_size=c.micro_batch_size,
             activation_checkpointing=c.activation_checkpointing,
         ),
     )
-    if c.zero_stage <= 1:
-        cfg.parallel.dp_replicate = -1
     if c.groups:
         # Priced as HSDP over the groups: a rank holds the same shards and runs the same step;
         # the groups' own exchange is added by memory_model.with_replica_average and the
         # step-time model.
         cfg.fault_tolerance = dataclasses.replace(cfg.fault_tolerance, replica_groups=0)
-    return cfg
+    return planned_run(cfg, world_size)
 
 
 def candidates(
-    base: Config,
+    shape: ModelShape,
     cluster: Cluster,
     *,
+    global_batch: int,
+    replica_groups: int = 0,
     stages: tuple[int, ...] = STAGES,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
 ) -> list[Candidate]:
@@ -146,15 +155,16 @@ def candidates(
     of 2 up to the blocks) and the data-parallel rest, with ep (the expert counts dividing it)
     for an MoE model. cp is searched without pp (the planner's pipeline build has no sequence
     split) and under FSDP2 (ZeRO-2/3: the shard axis is dp_shard x cp, as torchtitan lays it
-    out), ep without ZeRO-1."""
-    world, t = cluster.world_size, base.training
-    shape = validate(base, None).shape
-    groups = base.fault_tolerance.replica_groups
+    out), ep without ZeRO-1. `global_batch`: training.global_batch_size; `replica_groups`:
+    fault_tolerance.replica_groups."""
+    world, groups = cluster.world_size, replica_groups
     found = []
     tp = 1
     while tp <= cluster.gpus_per_node and world % tp == 0:
         if groups:
-            found += _replica_group_layouts(base, world, tp, shape.n_layers, stages, checkpointing)
+            found += _replica_group_layouts(
+                groups, global_batch, world, tp, shape.n_layers, stages, checkpointing
+            )
             tp *= 2
             continue
         for cp in _context_degrees(shape, cluster.gpus_per_node // tp, world // tp):
@@ -166,7 +176,7 @@ def candidates(
                     kept = (0,) if dp * cp == 1 else _stages_searched(stages, cp, ep)
                     found += [
                         dataclasses.replace(c, cp=cp, ep=ep)
-                        for c in _data_parallel(dp, tp, pp, t, kept, checkpointing)
+                        for c in _data_parallel(dp, tp, pp, global_batch, kept, checkpointing)
                     ]
                 pp *= 2
         tp *= 2
@@ -174,17 +184,17 @@ def candidates(
 
 
 def _replica_group_layouts(
-    base: Config,
+    groups: int,
+    global_batch: int,
     world: int,
     tp: int,
     n_layers: int,
     stages: tuple[int, ...],
     checkpointing: tuple[str, ...],
 ) -> list[Candidate]:
-    """Under fault_tolerance.replica_groups = R: the layouts of R groups of world / R ranks,
-    each FSDP2 (ZeRO-2/3) over its data-parallel ranks (one rank too) with tp and pp, and no
-    cp, ep or further replication (what the layout rules allow a group)."""
-    groups, t = base.fault_tolerance.replica_groups, base.training
+    """Under fault_tolerance.replica_groups = R (`groups`): the layouts of R groups of world / R
+    ranks, each FSDP2 (ZeRO-2/3) over its data-parallel ranks (one rank too) with tp and pp, and
+    no cp, ep or further replication (what the layout rules allow a group)."""
     found = []
     pp = 1
     while world % (groups * tp * pp) == 0 and pp <= n_layers:
@@ -192,7 +202,7 @@ def _replica_group_layouts(
         dp = groups * shard
         for stage in (s for s in stages if s >= 2):
             for ac in checkpointing:
-                for mb in divisors(t.global_batch_size // dp):
+                for mb in divisors(global_batch // dp):
                     found.append(Candidate(groups, shard, tp, pp, stage, ac, mb, groups=groups))
         pp *= 2
     return found
@@ -223,7 +233,7 @@ def _data_parallel(
     dp: int,
     tp: int,
     pp: int,
-    t: Any,
+    global_batch: int,
     stages: tuple[int, ...],
     checkpointing: tuple[str, ...],
 ) -> list[Candidate]:
@@ -234,7 +244,7 @@ def _data_parallel(
             if stage >= 2 and shard == 1 and dp > 1:
                 continue
             for ac in checkpointing:
-                for mb in divisors(t.global_batch_size // dp if dp else 1):
+                for mb in divisors(global_batch // dp if dp else 1):
                     found.append(Candidate(replicate, shard, tp, pp, stage, ac, mb))
     return found
 
@@ -285,7 +295,7 @@ def plan(
         pool = Pool(max(1, workers - 1), preload=PRELOAD)
     else:
         workers = pool.workers + 1
-    if workers > 1 and (store is None or not stored(model_of(base), store)):
+    if workers > 1 and (store is None or not stored(model_of(base.model), store)):
         pool.start_soon()  # a model not planned here before: every build is to be made
     try:
         layouts = timed_layouts(
@@ -296,7 +306,7 @@ def plan(
             stages=stages,
             checkpointing=checkpointing,
         )
-        load(model_of(base), store)  # the parameter table: read from the store, not built
+        load(model_of(base.model), store)  # the parameter table: read from the store, not built
     except BaseException:
         if own:
             pool.close()
@@ -305,9 +315,22 @@ def plan(
     coefficients: dict = {}
     capacity = cluster.memory_bytes
     world = cluster.world_size
-    families = [] if exhaustive else [_family_needed(cfg, world, capacity) for _, cfg, _ in layouts]
+    families = [] if exhaustive else [_family_needed(run, capacity) for _, run, _ in layouts]
+
+    def calibration_calls(family: Family) -> list[tuple[Callable, RunPlan]]:
+        """memory_of of the family's calibration builds; none when they cannot be planned (its
+        own calibration reports why)."""
+        try:
+            return [(memory_of, b) for b in calibration_builds(base, family)]
+        except Exception:  # noqa: BLE001 - the family's rows report it (coefficients_of)
+            return []
+
     first = next((f for f in families if f is not None), None)
-    if workers > 1 and first is not None and not (store and _stored(store, base, first)):
+    if (
+        workers > 1
+        and first is not None
+        and not (store and _stored(store, calibration_calls(first)))
+    ):
         pool.start_soon()  # a cold plan: its workers import torch and the planner meanwhile
     if workers > 1 and store is None:
         scratch = tempfile.TemporaryDirectory(prefix="distrain-plan-")
@@ -319,39 +342,37 @@ def plan(
     shared = SharedBuilds(pool, store, discard=own) if workers > 1 and store else None
     met = list(dict.fromkeys(f for f in families if f is not None))  # in the walk's order
 
-    def calibration_calls(family: Family) -> list[tuple[Callable, Config, int]]:
-        return [(memory_of, *b) for b in calibration_builds(base, family)]
-
     def coefficients_of(family: Family) -> Coefficients:
-        def measure(cfg: Config, world_size: int) -> MemoryEstimate:
-            return memory_of(cfg, world_size, cache, store=store)
+        def measure(run: RunPlan) -> MemoryEstimate:
+            return memory_of(run, cache, store=store)
 
         def calibrated() -> Coefficients:
             builds = calibration_builds(base, family)
-            for cfg, _ in builds:  # the shallow models' tables too
-                load(model_of(cfg), store)
+            for run in builds:  # the shallow models' tables too
+                load(model_of(run.config.model), store)
             if shared is not None:
                 at = met.index(family) + 1 if family in met else len(met)
                 after = [c for f in met[at : at + workers - 1] for c in calibration_calls(f)]
                 shared.now(calibration_calls(family), cache, then=after)
-            return calibrate_family(base, family, measure)
+            return calibrate_family(family, builds, measure)
 
         return cached(coefficients, family, calibrated)
 
-    def built(cfg: Config) -> dict[str, int]:
+    def built(run: RunPlan) -> dict[str, int]:
         if exhaustive:
-            return memory_row(cfg, world, cache, exhaustive=True, store=store)
+            return memory_row(run, cache, exhaustive=True, store=store)
         if shared is not None:
-            depths = built_depths(cfg)
-            shared.now([(memory_row, with_depth(cfg, n), world) for n in depths], cache)
-        return built_row(cfg, world, cache, store=store)
+            n_layers = run.spec.shape(run.model).n_layers
+            depths = built_depths(run.config.parallel, run.config.training, n_layers)
+            shared.now([(memory_row, with_depth(run, n)) for n in depths], cache)
+        return built_row(run, cache, store=store)
 
     rows = []
     verified = fitting = failing = 0
     grouped = False  # a fitting row with a data-parallel group met
     needed: set[Family] = set()  # the families the layouts met before the shown rows were held
     with pool if own else contextlib.nullcontext(pool), shared or contextlib.nullcontext():
-        for done, (c, cfg, time) in enumerate(layouts, 1):
+        for done, (c, run, time) in enumerate(layouts, 1):
             held = (
                 shown is not None
                 and not exhaustive
@@ -365,18 +386,29 @@ def plan(
                 if progress is not None:
                     progress(done, len(layouts))
                 continue
-            source = "fake build"
+            source, cfg = "fake build", run.config
             try:
                 if exhaustive:
-                    memory = built(cfg)
-                elif sum((floor := states_floor(cfg, world)).values()) > capacity:
+                    memory = built(run)
+                elif (
+                    sum((floor := states_floor(cfg.model, cfg.parallel, cfg.optim, world)).values())
+                    > capacity
+                ):
                     memory, source = floor, "model"
                 else:
                     needed.add(family)  # not None: the floor fits
-                    memory, source = modelled_row(cfg, world, coefficients_of), "model"
+                    memory = modelled_row(
+                        world,
+                        coefficients_of,
+                        model=cfg.model,
+                        parallel=cfg.parallel,
+                        training=cfg.training,
+                        optim=cfg.optim,
+                    )
+                    source = "model"
                     peak = memory["peak"]
                     if verified < verify and peak <= capacity * (1 + MODEL_MARGIN):
-                        memory, source = built(cfg), "fake build"
+                        memory, source = built(run), "fake build"
             except Exception as error:  # noqa: BLE001 - a layout that cannot be built is a row
                 reason = f"not evaluated: {one_line(error)}"
                 rows.append(PlanRow(c, {}, time, False, reason, source))
@@ -413,21 +445,28 @@ def timed_layouts(
     max_micro_batch: int,
     stages: tuple[int, ...],
     checkpointing: tuple[str, ...],
-) -> list[tuple[Candidate, Config, StepTime]]:
-    """The valid candidates plan() searches, each with its config and step time, fastest
-    first."""
+) -> list[tuple[Candidate, RunPlan, StepTime]]:
+    """The valid candidates plan() searches, each with its run (`candidate_plan`) and step
+    time, fastest first."""
     model = validate(base, None).family_model
     layouts = []
     # HSDP is searched through its pure forms, but DiLoCo's sites are its replicas.
     hsdp = base.diloco.inner_steps > 0
-    for c in candidates(base, cluster, stages=stages, checkpointing=checkpointing):
+    found = candidates(
+        model.shape,
+        cluster,
+        global_batch=base.training.global_batch_size,
+        replica_groups=base.fault_tolerance.replica_groups,
+        stages=stages,
+        checkpointing=checkpointing,
+    )
+    for c in found:
         if c.micro_batch_size > max_micro_batch:
             continue
         if c.dp_replicate > 1 and c.dp_shard > 1 and not hsdp and not c.groups:
             continue
-        cfg = candidate_config(base, c)
         try:
-            validate(cfg, cluster.world_size)
+            run = candidate_plan(base, c, cluster.world_size)
         except ConfigError:
             continue
         time = step_time(
@@ -438,40 +477,44 @@ def timed_layouts(
             seq_len=base.training.seq_len,
             bytes_per_value=bytes_per_value,
         )
-        layouts.append((c, cfg, time))
+        layouts.append((c, run, time))
     layouts.sort(key=lambda layout: layout[2].step_s)
     return layouts
 
 
-def _family_needed(cfg: Config, world_size: int, capacity: float) -> Family | None:
-    """The family the memory model prices `cfg` with; None when its model states alone exceed
-    `capacity` (no family needed) or cannot be counted (its row reports why)."""
+def _family_needed(run: RunPlan, capacity: float) -> Family | None:
+    """The family the memory model prices the layout `run` with; None when its model states
+    alone exceed `capacity` (no family needed) or cannot be counted (its row reports why)."""
+    cfg = run.config
     try:
-        if sum(states_floor(cfg, world_size).values()) <= capacity:
-            return calibrated_family(cfg)
+        floor = states_floor(cfg.model, cfg.parallel, cfg.optim, run.dims.world_size)
+        if sum(floor.values()) <= capacity:
+            return calibrated_family(cfg.parallel, cfg.training)
     except Exception:  # noqa: BLE001 - the layout's own row reports it (plan)
         return None
     return None
 
 
-def _stored(store: BuildStore, base: Config, family: Family) -> bool:
-    return all(store.has(MemoryEstimate, *b) for b in calibration_builds(base, family))
+def _stored(store: BuildStore, calls: list[tuple[Callable, RunPlan]]) -> bool:
+    """Whether `store` keeps the builds of `calls` (a family's calibration; none: not)."""
+    return bool(calls) and all(store.has(MemoryEstimate, run) for _, run in calls)
 
 
 def with_advice(
     rows: list[PlanRow],
-    base: Config,
+    model: FamilyModel,
     cluster: Cluster,
     *,
+    training: TrainingConfig,
+    diloco: DiLoCoConfig,
     bytes_per_value: int,
     latency_s: float = DEFAULT_LATENCY_S,
     count: int = ADVISED,
 ) -> list[PlanRow]:
-    """`rows` with the communication advice of the first `count` that fit and have a
+    """`rows` of `model` with the communication advice of the first `count` that fit and have a
     data-parallel group (comm_advice.py; DiLoCo's H at most training.steps, its sync in
     diloco.sync_dtype). A layout without one (dp 1: tp x pp over every device) has no gradient
     exchange to choose a method for (`advisable`)."""
-    model = validate(base, None).family_model
     advised, out = 0, []
     for row in rows:
         if row.fits and advisable(row.candidate) and advised < count:
@@ -479,12 +522,12 @@ def with_advice(
                 row.candidate,
                 model,
                 cluster,
-                global_batch=base.training.global_batch_size,
-                seq_len=base.training.seq_len,
+                global_batch=training.global_batch_size,
+                seq_len=training.seq_len,
                 bytes_per_value=bytes_per_value,
                 latency_s=latency_s,
-                max_inner_steps=base.training.steps,
-                sync_dtype=base.diloco.sync_dtype,
+                max_inner_steps=training.steps,
+                sync_dtype=diloco.sync_dtype,
             )
             row = dataclasses.replace(row, communication=advice)
             advised += 1

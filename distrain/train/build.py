@@ -36,7 +36,7 @@ from distrain.observe.observer import StepObserver
 from distrain.observe.profiling import PhaseRanges, StepProfiler
 from distrain.observe.progress import Progress
 from distrain.observe.stragglers import Stragglers
-from distrain.observe.trackers import Trackers
+from distrain.observe.trackers import Trackers, flat_params
 from distrain.optim.builder import build_optimizers
 from distrain.optim.diloco import outer_optimizer
 from distrain.parallel.compress import CommStats
@@ -95,7 +95,11 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         site=site,
         logger=logger,
     )
-    trackers = Trackers(cfg, run_dir, logger) if ctx.rank == 0 else None
+    trackers = None
+    if ctx.rank == 0:
+        trackers = Trackers(
+            cfg.metrics, run_dir, logger, params=flat_params(cfg), total_steps=t.steps
+        )
     metrics = MetricsWriter(
         run_dir,
         enabled=ctx.rank == 0,
@@ -124,7 +128,16 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         plan.batch.micro,
     )
 
-    outer = outer_optimizer(cfg, dims, mesh, model) if dims.diloco else None
+    outer = None
+    if dims.diloco:
+        outer = outer_optimizer(
+            cfg.diloco,
+            dims,
+            mesh,
+            model,
+            total_steps=t.steps,
+            bucket_cap_mb=cfg.comm.bucket_cap_mb,
+        )
     faults = FaultInjection(cfg.debug, rank=ctx.rank, logger=logger)
     checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
     nonfinite = NonFiniteGuard(
@@ -286,7 +299,7 @@ def _checkpointer(
 
     c = cfg.checkpoint
     return Checkpointer(
-        checkpoint_storage(cfg),
+        checkpoint_storage(c, cfg.run.dir),
         run_id=run_id(run_dir),
         resume_from=c.resume_from,
         layout=dims.describe(),
