@@ -25,7 +25,7 @@ from distrain.config.args import (
     strip_launch_options,
     train_parser,
 )
-from distrain.config.schema import Config
+from distrain.config.schema import CheckpointConfig, Config
 from distrain.errors import ConfigError, DistrainError, MissingInput
 from distrain.version import version
 
@@ -36,10 +36,11 @@ CHECKPOINT_DIR_HELP = (
 RUN_DIR_HELP = "The run directory (the run's run.dir)."
 
 
-def default_nproc(cfg: Config) -> int:
+def default_nproc(device: str) -> int:
+    """Processes per node when --nproc is not given: every local GPU, else 2 (CPU)."""
     import torch
 
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
+    if device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 2
 
@@ -68,7 +69,7 @@ def cmd_train(argv: list[str]) -> None:
     from distrain.launch.torchrun import launch
     from distrain.optim.diloco_resume import check_resume_sites
 
-    plan = _launch_plan(ns, cfg)
+    plan = _launch_plan(ns, device=cfg.run.device, grace_s=cfg.checkpoint.preempt_grace_s)
     # Whatever depends only on the config and the world size fails here, once, in one line,
     # before any worker starts. With MIN < MAX nodes the world size is only known at each
     # rendezvous; the workers check the rules that need it then.
@@ -76,7 +77,7 @@ def cmd_train(argv: list[str]) -> None:
     preflight(cfg)
     _check_model(cfg)
     if ns.resume_from is not None and ns.resume_from.isdigit():
-        _rewind(cfg, int(ns.resume_from))
+        _rewind(cfg.checkpoint, cfg.run.dir, int(ns.resume_from))
     check_resume_sites(cfg.diloco, cfg.parallel.dp_replicate, cfg.checkpoint, cfg.run.dir)
     launch(
         plan,
@@ -86,17 +87,17 @@ def cmd_train(argv: list[str]) -> None:
     )
 
 
-def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
+def _launch_plan(ns: argparse.Namespace, *, device: str, grace_s: float):  # -> LaunchPlan
     from distrain.launch.torchrun import make_plan
 
     return make_plan(
-        ns.nproc if ns.nproc is not None else default_nproc(cfg),
+        ns.nproc if ns.nproc is not None else default_nproc(device),
         nnodes=ns.nnodes,
         node_rank=int_option("--node-rank", ns.node_rank),
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
-        grace_s=cfg.checkpoint.preempt_grace_s,
+        grace_s=grace_s,
     )
 
 
@@ -111,7 +112,10 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     for --world-size ranks (or those the launch options give); nothing is trained or written."""
     from distrain.launch.preflight import preflight
 
-    world_size = ns.world_size if ns.world_size is not None else _launch_plan(ns, cfg).world_size
+    world_size = ns.world_size
+    if world_size is None:
+        grace_s = cfg.checkpoint.preempt_grace_s
+        world_size = _launch_plan(ns, device=cfg.run.device, grace_s=grace_s).world_size
     absent: list[str] = []
     layout = _validate(cfg, world_size, absent=absent)
     preflight(cfg, absent=absent)
@@ -144,9 +148,9 @@ def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
     from distrain.models.registry import model_record
 
     try:
-        resumed = resumed_checkpoint(cfg)
+        resumed = resumed_checkpoint(cfg.checkpoint, cfg.run.dir)
         if resumed is not None:
-            check_resume_model(cfg, *resumed, wanted=model_record(cfg.model))
+            check_resume_model(cfg.run.dir, *resumed, wanted=model_record(cfg.model))
         elif cfg.model.init_from:
             check_weights(hf_dir(cfg.model.init_from))
     except MissingInput as e:
@@ -156,17 +160,17 @@ def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
             absent.append(str(e))
 
 
-def _rewind(cfg: Config, step: int) -> None:
+def _rewind(checkpoint: CheckpointConfig, run_dir_name: str, step: int) -> None:
     """`train --resume-from STEP`: delete this run's checkpoints newer than STEP so that the
     workers resume from it (and a restart later resumes from the run's own newest again)."""
     from distrain.checkpoint.checkpointer import checkpoint_storage
     from distrain.checkpoint.manifest import rewind
     from distrain.launch.rundir import RunDirLock
 
-    run_dir = Path(cfg.run.dir)
+    run_dir = Path(run_dir_name)
     lock = RunDirLock(run_dir).acquire() if run_dir.is_dir() else None
     try:
-        removed = rewind(checkpoint_storage(cfg.checkpoint, cfg.run.dir), step)
+        removed = rewind(checkpoint_storage(checkpoint, run_dir_name), step)
     finally:
         if lock is not None:
             lock.release()

@@ -34,7 +34,7 @@ from distrain.checkpoint.checkpointer import checkpoint_storage
 from distrain.checkpoint.manifest import MANIFEST, Entry, committed, resume_from_step, step_name
 from distrain.checkpoint.ownership import owner_problem
 from distrain.checkpoint.storage import Storage
-from distrain.config.schema import Config, source_names
+from distrain.config.schema import CheckpointConfig, Config, RunConfig, source_names
 from distrain.data.corpus import INDEX_NAME, is_sharded, is_token_data
 from distrain.data.dataset import check_split
 from distrain.data.documents import boundaries_file, no_boundaries_message
@@ -96,10 +96,10 @@ def preflight(cfg: Config, *, absent: list[str] | None = None) -> None:
     if protocol in _LOCAL_PROTOCOLS:
         field = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir (its checkpoints/ folder)"
         check_writable(field, Path(checkpoint_storage(cfg.checkpoint, cfg.run.dir).root))
-        check_checkpoint_location(cfg)
+        check_checkpoint_location(cfg.checkpoint, cfg.run)
     else:
         check_filesystem_installed("checkpoint.dir", cfg.checkpoint.dir, protocol)
-    check_resume_from(cfg)
+    check_resume_from(cfg.checkpoint, cfg.run.dir)
 
 
 def _readable_here(path: str) -> bool:
@@ -110,34 +110,34 @@ def _readable_here(path: str) -> bool:
     return _is_local(path) and Path(path).exists() and not is_sharded(path)
 
 
-def check_checkpoint_location(cfg: Config) -> None:
-    """A local checkpoint location: --resume finds a committed checkpoint in it, and no other
-    run owns it (its OWNER.json names this run dir's run id, or nobody). The workers check
-    again, and check an object store's location, which is not read here."""
-    storage = checkpoint_storage(cfg.checkpoint, cfg.run.dir)
-    if cfg.run.resume and not committed(storage):
+def check_checkpoint_location(checkpoint: CheckpointConfig, run: RunConfig) -> None:
+    """A local checkpoint location: --resume (run.resume) finds a committed checkpoint in it,
+    and no other run owns it (its OWNER.json names this run dir's run id, or nobody). The
+    workers check again, and check an object store's location, which is not read here."""
+    storage = checkpoint_storage(checkpoint, run.dir)
+    if run.resume and not committed(storage):
         raise ConfigError(
             f"--resume: no complete checkpoint under {storage.url}; drop --resume to start a "
             "new run"
         )
-    problem = owner_problem(storage, run_id(Path(cfg.run.dir), create=False))
+    problem = owner_problem(storage, run_id(Path(run.dir), create=False))
     if problem is not None:
         raise ConfigError(problem)
 
 
-def check_resume_from(cfg: Config) -> None:
+def check_resume_from(checkpoint: CheckpointConfig, run_dir: str) -> None:
     """checkpoint.resume_from names a step folder; a local one that the run would start from
     (the run has no committed checkpoint of its own, in a local checkpoint folder) holds a
     manifest, the mark of a committed checkpoint. The workers still verify what they load."""
-    location = cfg.checkpoint.resume_from
+    location = checkpoint.resume_from
     if not location:
         return
     resume_from_step(location)
-    own_protocol, _ = split_protocol(cfg.checkpoint.dir)
+    own_protocol, _ = split_protocol(checkpoint.dir)
     protocol, path = split_protocol(location)
     if protocol not in _LOCAL_PROTOCOLS or own_protocol not in _LOCAL_PROTOCOLS:
         return
-    if committed(checkpoint_storage(cfg.checkpoint, cfg.run.dir)):
+    if committed(checkpoint_storage(checkpoint, run_dir)):
         return  # the run resumes from its own checkpoints; resume_from is not read
     if not (Path(path) / MANIFEST).is_file():
         raise ConfigError(
@@ -146,17 +146,18 @@ def check_resume_from(cfg: Config) -> None:
         )
 
 
-def resumed_checkpoint(cfg: Config) -> tuple[Entry, str] | None:
+def resumed_checkpoint(checkpoint: CheckpointConfig, run_dir: str) -> tuple[Entry, str] | None:
     """The committed checkpoint a start would resume, as far as a local folder tells, and how
     to name it: the run's own newest (its run id's), else checkpoint.resume_from's. None when
     the run starts from scratch, or its checkpoints are not local (the workers check those)."""
-    if not _is_local(cfg.checkpoint.dir):
+    if not _is_local(checkpoint.dir):
         return None
-    own = run_id(Path(cfg.run.dir), create=False)
-    entries = [e for e in committed(checkpoint_storage(cfg)) if e.manifest.get("run_id") == own]
+    own = run_id(Path(run_dir), create=False)
+    storage = checkpoint_storage(checkpoint, run_dir)
+    entries = [e for e in committed(storage) if e.manifest.get("run_id") == own]
     if entries:
         return entries[-1], "this run dir's checkpoint"
-    location = cfg.checkpoint.resume_from
+    location = checkpoint.resume_from
     if not location or not _is_local(location):
         return None
     parent, step = resume_from_step(location)
@@ -164,7 +165,7 @@ def resumed_checkpoint(cfg: Config) -> tuple[Entry, str] | None:
     return (found[0], "checkpoint.resume_from's checkpoint") if found else None
 
 
-def check_resume_model(cfg: Config, entry: Entry, which: str, wanted: dict[str, Any]) -> None:
+def check_resume_model(run_dir: str, entry: Entry, which: str, wanted: dict[str, Any]) -> None:
     """The checkpoint `entry` that the start would resume holds the configured model, `wanted`
     (models/registry.model_record): the same family and the same tensor shapes, as its manifest
     records them (a checkpoint saved before manifests recorded the model is left to the workers'
@@ -176,7 +177,7 @@ def check_resume_model(cfg: Config, entry: Entry, which: str, wanted: dict[str, 
     difference = _model_difference(saved, wanted)
     if difference is None:
         return
-    own_config = Path(cfg.run.dir) / "config.toml"
+    own_config = Path(run_dir) / "config.toml"
     way_out = (
         f"use another --run-dir, or the run's own config ({own_config})"
         if which.startswith("this run") and own_config.is_file()

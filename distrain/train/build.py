@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.checkpoint.storage import Storage
-from distrain.config.schema import Config
+from distrain.config.schema import CheckpointConfig, Config
 from distrain.data import DistributedBatchLoader, build_eval_sets, check_data_skew
 from distrain.data.dataset import TokenDataset
 from distrain.data.shard_store import Call
@@ -139,7 +139,9 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
             bucket_cap_mb=cfg.comm.bucket_cap_mb,
         )
     faults = FaultInjection(cfg.debug, rank=ctx.rank, logger=logger)
-    checkpointer = _checkpointer(cfg, run_dir, dims, ctx, metrics, faults, logger)
+    checkpointer = _checkpointer(
+        cfg.checkpoint, run_dir, model_record(cfg.model), dims, ctx, metrics, faults, logger
+    )
     nonfinite = NonFiniteGuard(
         t.nonfinite, max_in_a_row=t.max_nonfinite_steps, rank=ctx.rank, world_size=ctx.world_size
     )
@@ -274,8 +276,9 @@ def _data(
 
 
 def _checkpointer(
-    cfg: Config,
+    checkpoint: CheckpointConfig,
     run_dir: Path,
+    model: dict[str, Any],
     dims: ParallelDims,
     ctx: DistContext,
     metrics: MetricsWriter,
@@ -284,7 +287,8 @@ def _checkpointer(
 ) -> Checkpointer:
     """The checkpointer of this run's checkpoint settings and storage; each settled save is a
     metrics row (checkpoint_stall_s, checkpoint_write_s, checkpoint_bytes; checkpoint_failed and
-    checkpoint_error for a failed one)."""
+    checkpoint_error for a failed one). `model`: what the manifests record of the model
+    (models/registry.model_record)."""
 
     def checkpoint_settled(record: SaveRecord) -> None:
         row: dict[str, Any] = {
@@ -297,9 +301,9 @@ def _checkpointer(
             row.update(checkpoint_failed=1, checkpoint_error=record.error)
         metrics.log(row)
 
-    c = cfg.checkpoint
+    c = checkpoint
     return Checkpointer(
-        checkpoint_storage(c, cfg.run.dir),
+        checkpoint_storage(c, str(run_dir)),
         run_id=run_id(run_dir),
         resume_from=c.resume_from,
         layout=dims.describe(),
@@ -311,7 +315,7 @@ def _checkpointer(
         collective_timeout_s=c.collective_timeout_s,
         on_saved=checkpoint_settled,
         before_commit=faults.before_commit,
-        model=model_record(cfg.model),
+        model=model,
     )
 
 
