@@ -36,8 +36,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def secret_needed(lighthouse: str) -> bool:
-    """A run whose lighthouse is not on a loopback address may span hosts: it needs a secret."""
+def secret_needed(lighthouse: str, bind: str = "") -> bool:
+    """A run needs a secret when any address its groups listen on or reach is not loopback: the
+    lighthouse's (groups may span hosts) or `bind` (fault_tolerance.bind, where each group's
+    manager server and live-state server listen; empty = the interface toward the lighthouse,
+    loopback exactly when the lighthouse is)."""
+    if bind and not is_loopback(bind.strip("[]")):
+        return True
     return not is_loopback(lighthouse_host(lighthouse)[0])
 
 
@@ -71,9 +76,16 @@ def read_secret(path: str) -> bytes:
     return secret
 
 
-def secret_missing(lighthouse: str) -> str:
-    """The one-line refusal of a run whose lighthouse may be reached from other hosts and that
-    has no run secret."""
+def secret_missing(lighthouse: str, bind: str = "") -> str:
+    """The one-line refusal of a run whose lighthouse or servers may be reached from other hosts
+    and that has no run secret."""
+    if is_loopback(lighthouse_host(lighthouse)[0]):
+        return (
+            f"fault_tolerance.bind = {bind!r} is not a loopback address, so every group's manager "
+            "and live-state servers answer other hosts: set fault_tolerance.secret_file to a file "
+            "holding a random secret (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`), or "
+            "bind = '127.0.0.1'"
+        )
     return (
         f"fault_tolerance.lighthouse = {lighthouse!r} is not on a loopback address, so replica "
         "groups may span hosts: set fault_tolerance.secret_file to a file holding the same "
