@@ -46,11 +46,10 @@ def secret_needed(lighthouse: str, bind: str = "") -> bool:
     return not is_loopback(lighthouse_host(lighthouse)[0])
 
 
-def read_secret(path: str) -> bytes:
-    """The run secret in `path` (surrounding whitespace stripped), or a one-line ConfigError: the
-    file must be a regular file (not a link), readable by its owner only, of at least
-    MIN_SECRET_BYTES bytes."""
-    field = "fault_tolerance.secret_file"
+def read_secret(path: str, field: str = "fault_tolerance.secret_file") -> bytes:
+    """The run secret in `path` (surrounding whitespace stripped), or a one-line ConfigError
+    naming `field`: the file must be a regular file (not a link), readable by its owner only, of
+    at least MIN_SECRET_BYTES bytes."""
     file = Path(path)
     try:
         info = file.lstat()
