@@ -6,6 +6,11 @@ must not make distrain write through it to another file.
   O_NOFOLLOW by `write_new`), then replace the target by rename, which replaces a symlink at the
   target rather than following it. Readers see the old file or the new one, never a part.
 - `write_new`: a file that must not exist yet (a lock's private file before its link).
+- `copy_file`: a file copied from a folder others may write (a tokenizer folder) into one
+  distrain writes: the source is opened with O_NOFOLLOW and must be a regular file (a link
+  there could point at a secret, a FIFO would hang), the copy is written as `write_atomic`
+  writes. Both take `mode` (default 0o644 less the umask), set on the open file before the
+  rename (an executable script: 0o755).
 - `write_with`: for a library that writes a file by name itself (torch's trace export): it
   writes into a fresh private folder beside the target, and the file is renamed over the target.
 - `open_append`, `open_new`: a log or a stream opened with O_NOFOLLOW.
@@ -23,6 +28,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -55,22 +61,55 @@ def _open(path: Path, flags: int) -> int:
         raise
 
 
-def write_new(path: str | Path, data: str | bytes) -> None:
-    """Create `path` holding `data` (text is UTF-8); refused when anything is there already."""
+def write_new(path: str | Path, data: str | bytes, *, mode: int | None = None) -> None:
+    """Create `path` holding `data` (text is UTF-8), with `mode` when given; refused when
+    anything is there already."""
     with os.fdopen(_open(Path(path), _CREATE | os.O_EXCL), "wb") as f:
+        if mode is not None:
+            os.fchmod(f.fileno(), mode)
         f.write(data.encode() if isinstance(data, str) else data)
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Replace `path` with `data` (text is UTF-8) through a fresh temporary file and a rename."""
+def write_atomic(path: str | Path, data: str | bytes, *, mode: int | None = None) -> None:
+    """Replace `path` with `data` (text is UTF-8), with `mode` when given, through a fresh
+    temporary file and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        write_new(tmp, data)
+        write_new(tmp, data, mode=mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_plain(path: str | Path) -> bytes:
+    """The bytes of `path`, refused in one line unless it is a regular file itself (not a
+    link, a FIFO, a device)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _not_copied(path) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _not_copied(path)
+        return f.read()
+
+
+def copy_file(source: str | Path, target: str | Path, *, mode: int | None = None) -> None:
+    """Copy `source`, which must be a regular file itself (`read_plain`), to `target` as
+    `write_atomic` writes (a link at `target` is replaced, not followed)."""
+    write_atomic(target, read_plain(source), mode=mode)
+
+
+def _not_copied(path: Path) -> SymlinkRefused:
+    return SymlinkRefused(
+        f"{path} is a symlink or not a regular file; distrain copies only regular files from "
+        "folders others may write: put the file itself there"
+    )
 
 
 def write_with(path: str | Path, write: Callable[[str], object]) -> None:

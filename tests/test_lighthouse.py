@@ -9,15 +9,22 @@ use this lighthouse through `distrain lighthouse`."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 
+import grpc
+
+from distrain.ft import lighthouse_server
 from distrain.ft import lighthouse_wire as wire
 from distrain.ft.lighthouse_server import Lighthouse, refuses_connection, serve
 from distrain.ft.quorum import QuorumState
+from distrain.ft.trust import proven_group, replica_id
+
+SECRET = b"a run secret of 32 bytes, random"
 
 
 def _member(rid: str, *, step: int = 0, address: str = "", shrink_only: bool = False):
@@ -119,15 +126,22 @@ def test_a_group_gone_is_left_out_at_once_and_groups_are_probed_only_while_a_quo
 
 
 @contextlib.contextmanager
-def _lighthouse(**kw) -> Iterator[str]:
-    kw = {"min_replicas": 1, "join_timeout_s": 30.0, "heartbeat_timeout_s": 30.0, "tick_s": 0.01}
+def _served(**kw) -> Iterator[tuple[str, Lighthouse]]:
+    kw = {"min_replicas": 1, "join_timeout_s": 30.0, "heartbeat_timeout_s": 30.0, "tick_s": 0.01,
+          **kw}  # fmt: skip
     lighthouse = Lighthouse(**kw)
     server, port = serve(lighthouse, "[::]:0")
     try:
-        yield f"http://localhost:{port}"
+        yield f"http://localhost:{port}", lighthouse
     finally:
         lighthouse.stop()
         server.stop(grace=None)
+
+
+@contextlib.contextmanager
+def _lighthouse(**kw) -> Iterator[str]:
+    with _served(**kw) as (address, _):
+        yield address
 
 
 def _closed_port() -> int:
@@ -264,3 +278,150 @@ def test_groups_that_die_together_leave_in_one_quorum_even_after_asking():
         assert _ids_of(results["a"]) == ["a", "b"] and _ids_of(results["b"]) == ["a", "b"]
     for s in sockets.values():
         s.close()
+
+
+# --- what a host that reaches the lighthouse can do: the attacks that fail ---------------------
+
+
+class _Raw:
+    """A gRPC client of the lighthouse that sends whatever it is given (torchft's client
+    checks nothing either)."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address.removeprefix("http://"))
+        self._quorum = self.channel.unary_unary(
+            f"/{wire.SERVICE}/Quorum",
+            request_serializer=wire.LighthouseQuorumRequest.SerializeToString,
+            response_deserializer=wire.LighthouseQuorumResponse.FromString,
+        )
+        self._heartbeat = self.channel.unary_unary(
+            f"/{wire.SERVICE}/Heartbeat",
+            request_serializer=wire.LighthouseHeartbeatRequest.SerializeToString,
+            response_deserializer=wire.LighthouseHeartbeatResponse.FromString,
+        )
+
+    def quorum(self, rid: str, address: str = "", timeout: float = 5.0, future: bool = False):
+        request = wire.LighthouseQuorumRequest(requester=_member(rid, address=address))
+        call = self._quorum.future if future else self._quorum
+        return call(request, timeout=timeout)
+
+    def heartbeat(self, rid: str, timeout: float = 5.0):
+        return self._heartbeat(wire.LighthouseHeartbeatRequest(replica_id=rid), timeout=timeout)
+
+    def code(self, call, *args, **kw):
+        try:
+            call(*args, **kw)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+def test_a_malformed_member_address_is_refused_and_no_probe_failure_stops_the_prober(
+    monkeypatch,
+):
+    """`http://[::1` as a member address killed the prober thread for good. It is refused for
+    that request; and a probe that raises (whatever the cause) stops no other probe."""
+    with _served() as (address, lighthouse):
+        raw = _Raw(address)
+        for bad in ("http://[::1", "http://h:99999", "ftp://h:1", "x" * 300):
+            assert raw.code(raw.quorum, "a", bad) == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert lighthouse.state.participants == {}
+        real = lighthouse_server.refuses_connection
+
+        def failing(address: str, *args: object) -> bool:
+            if "bad" in address:
+                raise ValueError("a probe that fails")
+            return real(address, *args)
+
+        monkeypatch.setattr(lighthouse_server, "refuses_connection", failing)
+        with lighthouse._lock:  # a group whose probe raises, and a dead one
+            lighthouse.state.request(_member("bad", address="http://bad:1"), time.monotonic())
+            closed = f"http://127.0.0.1:{_closed_port()}"
+            lighthouse.state.request(_member("dead", address=closed), time.monotonic())
+        for _ in range(100):
+            if "dead" in lighthouse.state.gone:
+                break
+            time.sleep(0.05)
+        assert "dead" in lighthouse.state.gone
+        time.sleep(0.3)  # probed again, failing again
+        assert lighthouse._threads[1].is_alive()
+        raw.channel.close()
+
+
+def test_a_flood_of_parked_quorum_requests_leaves_heartbeats_served():
+    """300 quorum requests that never get a quorum, over 8 connections, starved every honest
+    heartbeat (0 of 3 served in 8 s): now at most MAX_PARKED wait, the rest are refused at
+    once, and heartbeats are answered."""
+    with _served(min_replicas=1000) as (address, lighthouse):
+        floods = [_Raw(address) for _ in range(8)]
+        calls = [
+            floods[i % 8].quorum(f"x{i}", "http://127.0.0.1:1", timeout=20, future=True)
+            for i in range(300)
+        ]
+        time.sleep(1.0)
+        honest = _Raw(address)
+        start = time.monotonic()
+        for rid in "abc":
+            honest.heartbeat(rid, timeout=3)
+        assert time.monotonic() - start < 3
+        refused = [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(refused) >= 300 - lighthouse_server.MAX_PARKED
+        assert sum(lighthouse._parked.values()) <= lighthouse_server.MAX_PARKED
+        assert max(lighthouse._parked.values()) <= lighthouse_server.MAX_PARKED_PER_PEER
+        for call in calls:
+            call.cancel()
+        for client in [*floods, honest]:
+            client.channel.close()
+
+
+def test_ids_without_the_run_secrets_proof_are_not_counted_and_block_no_majority(caplog):
+    """3 ids that only heartbeat kept two real groups from any quorum ("no majority"): with the
+    run secret the lighthouse hears only ids that prove it; the others are refused, each
+    logged once."""
+    from torchft.coordination import LighthouseClient
+
+    alive = socket.socket()
+    alive.bind(("127.0.0.1", 0))
+    alive.listen()
+    up = f"http://127.0.0.1:{alive.getsockname()[1]}"
+    forged = replica_id(b"another secret, 32 bytes long...", 1) + ":uuid"
+    honest = {g: replica_id(SECRET, g) + ":uuid" for g in (0, 1)}
+    assert proven_group(SECRET, honest[1]) == 1 and proven_group(SECRET, forged) is None
+    tampered = honest[1].replace("group1", "group2")
+    caplog.set_level(logging.WARNING, logger="distrain.lighthouse")
+    with _served(secret=SECRET) as (address, lighthouse), contextlib.closing(alive):
+        raw = _Raw(address)
+        for rid in ("x1", "x2", "group3", forged, tampered, "x1"):
+            assert raw.code(raw.heartbeat, rid) == grpc.StatusCode.PERMISSION_DENIED
+        assert raw.code(raw.quorum, forged, up) == grpc.StatusCode.PERMISSION_DENIED
+        assert lighthouse.state.tracked() == 0
+        assert sum("x1" in r.getMessage() for r in caplog.records) == 1
+        client = LighthouseClient(address, timedelta(seconds=5))
+        results: dict = {}
+        for rid in honest.values():
+            client.heartbeat(rid)
+        threads = [_quorum_in_thread(client, results, rid, up, 0) for rid in honest.values()]
+        for t in threads:
+            t.join(timeout=30)
+        assert _ids_of(results[honest[0]]) == sorted(honest.values())
+        raw.channel.close()
+
+
+def test_huge_and_countless_ids_are_refused_and_the_ids_that_go_away_are_forgotten():
+    """4 MB replica ids grew the lighthouse from 40 to 638 MB, never freed: a request is at most
+    MAX_MESSAGE_BYTES, an id MAX_ID_CHARS, MAX_IDS ids are tracked at once, and an id that
+    stopped heartbeating is forgotten."""
+    with _served(heartbeat_timeout_s=0.5) as (address, lighthouse):
+        raw = _Raw(address)
+        assert raw.code(raw.heartbeat, "x" * 4_000_000) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert raw.code(raw.heartbeat, "x" * 200) == grpc.StatusCode.INVALID_ARGUMENT
+        assert lighthouse.state.tracked() == 0
+        codes = [raw.code(raw.heartbeat, f"{i:0100d}") for i in range(300)]
+        most = lighthouse_server.MAX_IDS
+        assert codes.count(grpc.StatusCode.OK) == most
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 300 - most
+        assert lighthouse.state.tracked() == most
+        time.sleep(0.6)  # they stop heartbeating: forgotten, their room free again
+        assert raw.code(raw.heartbeat, "a") == grpc.StatusCode.OK
+        assert lighthouse.state.tracked() == 1 and lighthouse._probed.keys() <= {"a"}
+        raw.channel.close()

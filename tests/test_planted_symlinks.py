@@ -301,3 +301,104 @@ def test_prepare_writes_through_no_planted_link(tmp_path, victim):
     prepare([str(text)], out=str(out), tokenizer="bytes", shard_tokens=1000)
     assert victim.read_text() == PRECIOUS
     assert not (out / "index.json").is_symlink() and (out / "index.json").stat().st_size > 0
+
+
+# --- the commands that write into a run dir, and export's copies ---------------------------------
+
+
+def test_slurm_script_replaces_a_planted_link_and_leaves_its_target_and_mode(tmp_path, victim):
+    """`distrain slurm`'s RUN/slurm.sbatch: was written through the link and the victim made 755."""
+    from distrain.launch.slurm import SCRIPT_NAME, SlurmJob, write_script
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim.chmod(0o600)
+    (run / SCRIPT_NAME).symlink_to(victim)
+    job = SlurmJob(
+        min_nodes=1, max_nodes=1, grace_s=90, run_dir=run, python="python3", train_argv=[]
+    )
+    path = write_script(job)
+    assert victim.read_text() == PRECIOUS and victim.stat().st_mode & 0o777 == 0o600
+    assert not path.is_symlink() and path.stat().st_mode & 0o777 == 0o755
+    assert path.read_text().startswith("#!")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of a family with a Hugging Face equivalent, with a checkpoint at its step 2."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train_in_process(run, **RUN, model__family="llama", model__preset="llama-tiny")
+    return run
+
+
+def test_eval_results_replace_a_planted_link_and_a_linked_eval_folder_is_refused(
+    trained, victim, victim_dir, monkeypatch
+):
+    """`distrain eval`'s RUN/eval/step-N.json (the harness itself stubbed: what is tested is
+    where its results go)."""
+    tasks = pytest.importorskip("lm_eval.tasks")
+    import lm_eval
+
+    from distrain.evaluate.downstream import run_eval
+
+    class Tasks:
+        all_tasks = ("fake",)
+
+        def __init__(self, **_: object) -> None:
+            pass
+
+    monkeypatch.setattr(tasks, "TaskManager", Tasks)
+    monkeypatch.setattr(
+        lm_eval, "simple_evaluate", lambda **_: {"results": {"fake": {"acc,none": 0.5}}}
+    )
+    eval_dir = trained / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "step-00000002.json").symlink_to(victim)
+    path, _ = run_eval(trained, tasks=["fake"])
+    assert path == eval_dir / "step-00000002.json"
+    assert victim.read_text() == PRECIOUS and not path.is_symlink()
+    assert '"fake"' in path.read_text()
+    for entry in eval_dir.iterdir():
+        entry.unlink()
+    eval_dir.rmdir()
+    eval_dir.symlink_to(victim_dir, target_is_directory=True)
+    with pytest.raises(SymlinkRefused) as info:
+        run_eval(trained, tasks=["fake"])
+    _one_line_refusal(info, "eval")
+    assert not any(victim_dir.iterdir())
+    eval_dir.unlink()
+
+
+@pytest.mark.parametrize("linked", ["special_tokens_map.json", "tokenizer.json"])
+def test_export_copies_no_tokenizer_file_that_is_a_link(trained, tmp_path, linked):
+    """`data.tokenizer = "hf:DIR"` whose DIR/<linked> is a link to a secret: the export stops in
+    one line naming it, and the secret is nowhere in the export."""
+    from distrain.interop.export import export_hf
+
+    secret = tmp_path / "secret.key"
+    secret.write_text("SECRET-KEY-MATERIAL")
+    secret.chmod(0o600)
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    bpe = Path(__file__).parent / "data" / "bpe-300.json"
+    (tokenizer / "tokenizer.json").write_bytes(bpe.read_bytes())
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    (tokenizer / linked).unlink(missing_ok=True)
+    (tokenizer / linked).symlink_to(secret)
+    if linked == "tokenizer.json":  # the tokenizer is read through the link: a real one there
+        secret.write_bytes(bpe.read_bytes() + b"\n" + b" " * 10 + b"\n")
+    config = trained / "config.toml"
+    original = config.read_text()
+    config.write_text(original.replace('tokenizer = "bytes"', f'tokenizer = "hf:{tokenizer}"'))
+    assert config.read_text() != original
+    out = tmp_path / "export"
+    try:
+        with pytest.raises(SymlinkRefused) as info:
+            export_hf(trained, out)
+    finally:
+        config.write_text(original)
+    message = str(info.value)
+    assert f"{linked} is a symlink or not a regular file" in message and "\n" not in message
+    secret_bytes = secret.read_bytes()
+    assert not any(p.read_bytes() == secret_bytes for p in out.rglob("*") if p.is_file())
+    assert not (out / linked).exists()

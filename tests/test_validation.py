@@ -224,6 +224,10 @@ CASES = [
      {**FT, "fault_tolerance.lighthouse": "http://lh.example:29510"}, 2,
      ["fault_tolerance.lighthouse = 'http://lh.example:29510' is not on a loopback address",
       "set fault_tolerance.secret_file"]),
+    # A loopback lighthouse with servers bound to every interface: they answer the network.
+    ("fault_tolerance_needs_secret", {**FT, "fault_tolerance.bind": "0.0.0.0"}, 2,
+     ["fault_tolerance.bind = '0.0.0.0' is not a loopback address",
+      "set fault_tolerance.secret_file", "or bind = '127.0.0.1'"]),
     ("batch_splits_over_survivors", {**FT, "training.global_batch_size": "4"}, 2,
      ["training.global_batch_size (4) cannot be split by 2 live replica group(s) of 2 "
       "data-parallel rank(s) in micro-batches of 2",

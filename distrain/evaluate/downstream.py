@@ -27,6 +27,7 @@ from distrain.checkpoint.manifest import step_name
 from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError, install_hint
+from distrain.files import make_dir, write_atomic
 from distrain.interop.export import load_run_model
 from distrain.models.registry import model_shape
 from distrain.observe.logs import LOGGER_NAME
@@ -121,9 +122,8 @@ def run_eval(
         "n-samples": out.get("n-samples", {}),
         "versions": out.get("versions", {}),
     }
-    path = Path(run_dir) / EVAL_DIR / f"{step_name(step)}.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    path = make_dir(run_dir, EVAL_DIR) / f"{step_name(step)}.json"
+    write_atomic(path, json.dumps(results, indent=1, default=str) + "\n")
     row = metrics_row(step, out["results"])
     writer = MetricsWriter(
         Path(run_dir), enabled=True, tensorboard=cfg.metrics.tensorboard, new_attempt=False

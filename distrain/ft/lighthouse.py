@@ -13,6 +13,11 @@
   `--join-timeout-s` (default: fault_tolerance.timeout_s's default, the time a collective
   between groups waits for a slow one).
 
+With `--secret-file` (the run's fault_tolerance.secret_file, same rules) only replica ids that
+carry a proof of the run secret (each group's, from ft/replica_groups.py) count towards a quorum
+or heartbeat; others are refused and logged once. Without it any host that reaches the port
+counts: bind it to loopback then.
+
 The quorum is checked every `--tick-ms`. torchft's own lighthouse (`torchft_lighthouse`) speaks
 the same protocol and works too, without the first rule: its heartbeat timeout is then both the
 wait after every kill and the CPU starvation that evicts a live group.
@@ -47,7 +52,16 @@ def lighthouse_parser() -> argparse.ArgumentParser:
         "--bind",
         default="[::]:29510",
         help="ADDRESS:PORT to listen on (port 0 = any free port). Bind it to the cluster's "
-        "private interface: every host that reaches it can join the quorum.",
+        "private interface; without --secret-file every host that reaches it can join the "
+        "quorum.",
+    )
+    parser.add_argument(
+        "--secret-file",
+        default="",
+        help="The run secret (the runs' fault_tolerance.secret_file: a regular file of at least "
+        "16 bytes, readable by its owner only): only replica groups whose id proves it count "
+        "towards a quorum; others are refused and logged once. Give it whenever --bind is not a "
+        "loopback address.",
     )
     parser.add_argument(
         "--heartbeat-timeout-ms",
@@ -84,6 +98,9 @@ def lighthouse_command(argv: list[str]) -> None:
     if ns.join_timeout_s <= 0:
         lighthouse_parser().error("--join-timeout-s must be positive")
     from distrain.ft.lighthouse_server import Lighthouse, serve
+    from distrain.ft.network import read_secret
+
+    secret = read_secret(ns.secret_file, "--secret-file") if ns.secret_file else b""
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s lighthouse %(levelname)s %(message)s"
@@ -93,6 +110,7 @@ def lighthouse_command(argv: list[str]) -> None:
         join_timeout_s=ns.join_timeout_s,
         heartbeat_timeout_s=ns.heartbeat_timeout_ms / 1000,
         tick_s=ns.tick_ms / 1000,
+        secret=secret,
     )
     try:
         server, port = serve(lighthouse, ns.bind)

@@ -36,16 +36,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def secret_needed(lighthouse: str) -> bool:
-    """A run whose lighthouse is not on a loopback address may span hosts: it needs a secret."""
+def secret_needed(lighthouse: str, bind: str = "") -> bool:
+    """A run needs a secret when any address its groups listen on or reach is not loopback: the
+    lighthouse's (groups may span hosts) or `bind` (fault_tolerance.bind, where each group's
+    manager server and live-state server listen; empty = the interface toward the lighthouse,
+    loopback exactly when the lighthouse is)."""
+    if bind and not is_loopback(bind.strip("[]")):
+        return True
     return not is_loopback(lighthouse_host(lighthouse)[0])
 
 
-def read_secret(path: str) -> bytes:
-    """The run secret in `path` (surrounding whitespace stripped), or a one-line ConfigError: the
-    file must be a regular file (not a link), readable by its owner only, of at least
-    MIN_SECRET_BYTES bytes."""
-    field = "fault_tolerance.secret_file"
+def read_secret(path: str, field: str = "fault_tolerance.secret_file") -> bytes:
+    """The run secret in `path` (surrounding whitespace stripped), or a one-line ConfigError
+    naming `field`: the file must be a regular file (not a link), readable by its owner only, of
+    at least MIN_SECRET_BYTES bytes."""
     file = Path(path)
     try:
         info = file.lstat()
@@ -71,9 +75,16 @@ def read_secret(path: str) -> bytes:
     return secret
 
 
-def secret_missing(lighthouse: str) -> str:
-    """The one-line refusal of a run whose lighthouse may be reached from other hosts and that
-    has no run secret."""
+def secret_missing(lighthouse: str, bind: str = "") -> str:
+    """The one-line refusal of a run whose lighthouse or servers may be reached from other hosts
+    and that has no run secret."""
+    if is_loopback(lighthouse_host(lighthouse)[0]):
+        return (
+            f"fault_tolerance.bind = {bind!r} is not a loopback address, so every group's manager "
+            "and live-state servers answer other hosts: set fault_tolerance.secret_file to a file "
+            "holding a random secret (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`), or "
+            "bind = '127.0.0.1'"
+        )
     return (
         f"fault_tolerance.lighthouse = {lighthouse!r} is not on a loopback address, so replica "
         "groups may span hosts: set fault_tolerance.secret_file to a file holding the same "

@@ -43,7 +43,8 @@ class QuorumState:
     participants: dict[str, Participant] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     """Every group's manager server address, from its quorum requests."""
-    gone: set[str] = field(default_factory=set)
+    gone: dict[str, float] = field(default_factory=dict)
+    """The groups found gone, by when (forgotten a heartbeat timeout later: `forget`)."""
     previous: list[Any] | None = None
     quorum_id: int = 0
 
@@ -57,12 +58,36 @@ class QuorumState:
             self.addresses[member.replica_id] = member.address
         self.participants[member.replica_id] = Participant(member, now)
 
-    def mark_gone(self, replica_id: str) -> None:
+    def mark_gone(self, replica_id: str, now: float = 0.0) -> None:
         """`replica_id`'s process is gone: left out from now on (a restarted group's manager
         has a replica id of its own)."""
-        self.gone.add(replica_id)
+        self.gone[replica_id] = now
         self.participants.pop(replica_id, None)
         self.heartbeats.pop(replica_id, None)
+
+    def tracked(self) -> int:
+        """The replica ids held in memory."""
+        return len(self.heartbeats.keys() | self.participants.keys() | self.gone.keys())
+
+    def knows(self, replica_id: str) -> bool:
+        return replica_id in self.heartbeats or replica_id in self.participants
+
+    def forget(self, now: float) -> set[str]:
+        """Drop every id that can no longer count (no heartbeat for the heartbeat timeout, not
+        waiting for a quorum; gone for a heartbeat timeout): their memory is freed. Returns
+        them."""
+        stale = {
+            rid
+            for rid, last in self.heartbeats.items()
+            if now - last >= self.heartbeat_timeout_s and rid not in self.participants
+        }
+        stale |= {rid for rid, when in self.gone.items() if now - when >= self.heartbeat_timeout_s}
+        for rid in stale:
+            self.heartbeats.pop(rid, None)
+            self.gone.pop(rid, None)
+        for rid in [r for r in self.addresses if not self.knows(r)]:
+            del self.addresses[rid]
+        return stale
 
     def healthy(self, now: float) -> set[str]:
         return {

@@ -58,6 +58,7 @@ from distrain.ft.trust import (
     advertised_host,
     check_slots,
     default_bind,
+    replica_id,
     slots,
     url_host,
 )
@@ -248,7 +249,9 @@ class ReplicaGroups:
                 lighthouse_addr=lighthouse,
                 hostname=advertised_host(bind),
                 checkpoint_transport=self.transport,
-                replica_id=f"group{cfg.group}",
+                # With a secret it carries a proof of it, checked by `distrain lighthouse
+                # --secret-file` (trust.replica_id).
+                replica_id=replica_id(self.secret, cfg.group),
                 # Every group seeds its model alike: nothing to copy before the first step.
                 init_sync=False,
                 heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),

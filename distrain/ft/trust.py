@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
+import secrets
 import socket
 import statistics
 from dataclasses import dataclass
@@ -83,6 +85,39 @@ def mac(secret: bytes, *parts: object) -> bytes:
 
 def same_mac(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
+
+
+# --- the replica id a group announces to the lighthouse ---------------------------------------
+
+_REPLICA_ID = re.compile(r"([0-9a-f]{12})-([0-9a-f]{32})-group([0-9]{1,6})")
+
+
+def _replica_proof(secret: bytes, group: int, nonce: str) -> str:
+    return mac(secret, "replica-id", group, nonce)[:16].hex()
+
+
+def replica_id(secret: bytes, group: int) -> str:
+    """The replica id group `group` gives torchft's manager: with a secret, `NONCE-PROOF-groupN`
+    (a random 48-bit nonce, a 128-bit HMAC of (group, nonce) under the secret), which a
+    lighthouse started with the same secret checks (`proven_group`); without one, `groupN`.
+    torchft appends `:UUID` and reads the group from the id's trailing digits, so the group
+    number stays last."""
+    if not secret:
+        return f"group{group}"
+    nonce = secrets.token_hex(6)
+    return f"{nonce}-{_replica_proof(secret, group, nonce)}-group{group}"
+
+
+def proven_group(secret: bytes, replica_id: str) -> int | None:
+    """The group whose proof of `secret` the lighthouse-facing `replica_id` (`replica_id(...)`,
+    then torchft's `:UUID`) carries; None when it carries none or a wrong one."""
+    head, _, tail = replica_id.partition(":")
+    match = _REPLICA_ID.fullmatch(head)
+    if match is None or len(tail) > 64:
+        return None
+    nonce, proof, group = match.groups()
+    expected = _replica_proof(secret, int(group), nonce)
+    return int(group) if same_mac(proof.encode(), expected.encode()) else None
 
 
 # --- the slots of a step's exchange ------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import struct
 import warnings
 from pathlib import Path
@@ -33,6 +32,7 @@ from distrain.config.io import load_config, run_config_file
 from distrain.config.schema import Config, DataConfig, ModelConfig
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
+from distrain.files import copy_file
 from distrain.launch.rundir import run_id
 from distrain.models.hf_files import INDEX_FILE, HfTensor
 from distrain.models.registry import build_model, model_args, model_family, model_shape
@@ -244,14 +244,19 @@ def _copy_tokenizer(data: DataConfig, out_dir: Path) -> None:
     tokenizer.json gets a tokenizer_config.json naming the generic fast tokenizer, so that
     AutoTokenizer encodes exactly as the tokenizer.json does (the model type's own tokenizer
     class would add its special tokens)."""
-    tokenizer = load_tokenizer(_tokenizer_spec(data))
+    spec = _tokenizer_spec(data)
+    tokenizer = load_tokenizer(spec)
     if not isinstance(tokenizer, HFTokenizer):
         return
-    shutil.copyfile(tokenizer.file, out_dir / HF_FILE)
-    if tokenizer.file.name == HF_FILE:  # in a tokenizer folder: its other files too
+    # The files by their names in the folder (tokenizer.file is resolved): each must be a
+    # regular file, not a link, which could point at a secret (copy_file refuses it).
+    named = Path(spec.partition(":")[2]).expanduser()
+    source = named / HF_FILE if named.is_dir() else tokenizer.file
+    copy_file(source, out_dir / HF_FILE)
+    if source.name == HF_FILE:  # in a tokenizer folder: its other files too
         for name in TOKENIZER_FILES:
-            if name != HF_FILE and (tokenizer.file.parent / name).is_file():
-                shutil.copyfile(tokenizer.file.parent / name, out_dir / name)
+            if name != HF_FILE and (source.parent / name).is_file():
+                copy_file(source.parent / name, out_dir / name)
     if not (out_dir / "tokenizer_config.json").is_file():
         (out_dir / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distrain.errors import ConfigError, DistrainError
+from distrain.files import write_atomic
 
 SCRIPT_NAME = "slurm.sbatch"
 # Options the script sets for each node's launcher from the allocation.
@@ -333,8 +334,9 @@ def sbatch_script(job: SlurmJob) -> str:
 def write_script(job: SlurmJob) -> Path:
     path = job.run_dir / SCRIPT_NAME
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(sbatch_script(job))
-    path.chmod(0o755)
+    # A fresh file renamed over the name (a link planted there is replaced, not followed),
+    # executable from its creation: no chmod by name, which would follow a link put back.
+    write_atomic(path, sbatch_script(job), mode=0o755)
     return path
 
 

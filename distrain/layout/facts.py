@@ -206,19 +206,20 @@ class Facts:
 
     @property
     def secret_missing(self) -> bool:
-        """Replica groups whose lighthouse is not on a loopback address (they may span hosts)
-        and no fault_tolerance.secret_file to authenticate them with."""
+        """Replica groups whose lighthouse or fault_tolerance.bind is not on a loopback address
+        (they may span hosts, their servers answer the network) and no fault_tolerance.
+        secret_file to authenticate them with."""
         ft = self.cfg.fault_tolerance
         return (
             bool(self.groups)
             and bool(self.lighthouse)
             and not ft.secret_file
-            and secret_needed(self.lighthouse)
+            and secret_needed(self.lighthouse, ft.bind)
         )
 
     @property
     def secret_missing_message(self) -> str:
-        return secret_missing(self.lighthouse)
+        return secret_missing(self.lighthouse, self.cfg.fault_tolerance.bind)
 
     @property
     def survivor_counts_not_splitting_batch(self) -> str:
