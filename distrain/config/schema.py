@@ -94,10 +94,12 @@ class MoEConfig:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     family: str = doc(
-        "gpt",
+        "",
         "The model family: its folder under distrain/models/ or one a plugin registers "
-        "(`distrain presets` lists them with their presets). The fields below apply to the "
-        "families that read them; setting one the family does not read is refused.",
+        "(`distrain presets` lists them with their presets). Empty = the family of "
+        "model.preset (gpt for the default preset, tiny); one that does not hold the preset is "
+        "refused. The fields below apply to the families that read them; setting one the "
+        "family does not read is refused.",
     )
     preset: str = doc("tiny", "Named model preset of the family (see `distrain presets`).")
     vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
