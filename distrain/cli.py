@@ -87,7 +87,10 @@ def cmd_train(argv: list[str]) -> None:
 
 
 def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
+    from distrain.ft.network import groups_on_this_host
     from distrain.launch.torchrun import make_plan
+
+    ft = cfg.fault_tolerance
 
     return make_plan(
         ns.nproc if ns.nproc is not None else default_nproc(cfg),
@@ -97,6 +100,7 @@ def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
         rdzv_id=ns.rdzv_id,
         max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
         grace_s=cfg.checkpoint.preempt_grace_s,
+        local_groups=groups_on_this_host(ft.replica_groups, ft.lighthouse),
     )
 
 
