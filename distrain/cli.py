@@ -69,7 +69,7 @@ def cmd_train(argv: list[str]) -> None:
     from distrain.launch.torchrun import launch
     from distrain.optim.diloco_resume import check_resume_sites
 
-    plan = _launch_plan(ns, device=cfg.run.device, grace_s=cfg.checkpoint.preempt_grace_s)
+    plan = _launch_plan(ns, cfg)
     # Whatever depends only on the config and the world size fails here, once, in one line,
     # before any worker starts. With MIN < MAX nodes the world size is only known at each
     # rendezvous; the workers check the rules that need it then.
@@ -87,17 +87,22 @@ def cmd_train(argv: list[str]) -> None:
     )
 
 
-def _launch_plan(ns: argparse.Namespace, *, device: str, grace_s: float):  # -> LaunchPlan
+def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
+    """The launch of this node's workers: --nproc or `default_nproc`, sized beside the replica
+    groups sharing this host."""
+    from distrain.ft.network import groups_on_this_host
     from distrain.launch.torchrun import make_plan
 
+    ft = cfg.fault_tolerance
     return make_plan(
-        ns.nproc if ns.nproc is not None else default_nproc(device),
+        ns.nproc if ns.nproc is not None else default_nproc(cfg.run.device),
         nnodes=ns.nnodes,
         node_rank=int_option("--node-rank", ns.node_rank),
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
-        grace_s=grace_s,
+        grace_s=cfg.checkpoint.preempt_grace_s,
+        local_groups=groups_on_this_host(ft.replica_groups, ft.lighthouse),
     )
 
 
@@ -112,10 +117,7 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
     for --world-size ranks (or those the launch options give); nothing is trained or written."""
     from distrain.launch.preflight import preflight
 
-    world_size = ns.world_size
-    if world_size is None:
-        grace_s = cfg.checkpoint.preempt_grace_s
-        world_size = _launch_plan(ns, device=cfg.run.device, grace_s=grace_s).world_size
+    world_size = ns.world_size if ns.world_size is not None else _launch_plan(ns, cfg).world_size
     absent: list[str] = []
     layout = _validate(cfg, world_size, absent=absent)
     preflight(cfg, absent=absent)

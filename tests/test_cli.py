@@ -23,7 +23,7 @@ from distrain.config.io import config_changes, default_config_toml, help_text, l
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.slurm import SlurmJob, sbatch_script
-from tests.helpers import cli_in_process
+from tests.helpers import cli_in_process, train_in_process
 
 
 def _lines(text: str) -> list[str]:
@@ -260,6 +260,26 @@ def test_check_prints_the_layout_and_trains_nothing(tmp_path, capsys):
     assert bad.returncode == 1 and "data-parallel size (3" in bad.stderr
     alone = cli_in_process(capsys, "train", "--world-size", "3")
     assert alone.returncode == 1 and "--world-size: only with --check" in alone.stderr
+
+
+def test_a_preset_alone_picks_its_family(tmp_path, capsys):
+    """--model.preset llama-tiny trains the llama family without --model.family (the check and
+    a run); an explicit family that does not hold the preset is one line with the fix."""
+    ok = cli_in_process(capsys, "train", "--check", "--model.preset", "llama-tiny")
+    assert ok.returncode == 0, ok.stderr
+    bad = cli_in_process(
+        capsys, "train", "--check", "--model.preset", "llama-tiny", "--model.family", "gpt"
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.strip().endswith(
+        "'llama-tiny' is a preset of model.family 'llama', not of model.family = 'gpt'; remove "
+        "model.family (the preset names its family) or set model.family = 'llama'"
+    )
+    assert len(bad.stderr.strip().splitlines()) == 1
+    run = tmp_path / "run"
+    rows = train_in_process(run, model__preset="llama-tiny", training__steps=2)
+    assert [r["step"] for r in rows if "loss" in r][-1] == 2
+    assert "model llama-tiny: " in (run / "logs" / "rank0.log").read_text()
 
 
 def _commit(root: Path, step: int, kind: str) -> None:

@@ -352,3 +352,32 @@ def test_data_set_smaller_than_a_global_batch_is_refused() -> None:
         "the data set is too small: the training split holds 6 sequences of 3 tokens, one global "
         "batch needs 16 (training.global_batch_size)"
     )
+
+
+def test_the_validation_set_spreads_over_the_whole_split() -> None:
+    """training.eval_batches picks its sequences evenly over the whole split, not its first
+    ones; "auto" takes the whole split where it is small (whole global batches) and at most
+    EVAL_TOKENS tokens of a large one; every data-parallel rank reads its share of that set."""
+    from distrain.data.loader import EVAL_TOKENS, val_sample
+
+    two = val_sample(100, num_batches=2, global_batch_size=4, seq_len=3)
+    assert two.tolist() == [0, 12, 25, 37, 50, 62, 75, 87]
+    assert val_sample(10, num_batches="auto", global_batch_size=4, seq_len=3).tolist() == [
+        0, 1, 2, 3, 5, 6, 7, 8,
+    ]  # fmt: skip
+    assert val_sample(3, num_batches="auto", global_batch_size=4, seq_len=3).tolist() == [
+        0, 1, 2, 0,
+    ]  # fmt: skip
+    large = val_sample(12_264, num_batches="auto", global_batch_size=32, seq_len=128)
+    assert len(large) * 128 == EVAL_TOKENS == 131_072
+    assert large[0] == 0 and large[-1] >= 12_264 - 12 and len(set(large.tolist())) == len(large)
+    assert np.all(np.diff(large) <= 12)  # no part of the split is left out
+    ds = _dataset(num_samples=100)
+    shards = [
+        val_batches(
+            ds, num_batches=2, global_batch_size=4, micro_batch_size=2, dp_rank=r, dp_size=2
+        )
+        for r in range(2)
+    ]
+    firsts = torch.cat([x for shard in shards for x, _ in shard])[:, 0]
+    assert firsts.tolist() == two.tolist()

@@ -311,3 +311,16 @@ def test_the_harness_finds_the_pages_commands():
     assert any("\\" not in s.text and "--rdzv-id" in s.text for s in SNIPPETS)
     assert not any(s.text.startswith("distrain's") for s in SNIPPETS)
     assert len(names) == len(SNIPPETS) > 40
+
+
+def test_the_hf_extra_holds_what_the_hugging_face_guide_uses():
+    """A library the Hugging Face guide calls (`transformers.AutoModelForCausalLM...` to check
+    an export) installs with the `[hf]` extra the guide installs."""
+    guide = (ROOT / "docs" / "guides" / "hugging-face.md").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    libraries = {Requirement(d).name for d in extras["dev"]}
+    used = {name for name in re.findall(r"`(\w+)\.", guide) if name in libraries}
+    assert "transformers" in used
+    assert used <= {Requirement(d).name for d in extras["hf"]}

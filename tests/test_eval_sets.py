@@ -63,6 +63,9 @@ def test_each_set_has_loss_perplexity_and_the_pass_its_time(single):
             assert 0 < loss < 10 and row[f"val/{name}/ppl"] == pytest.approx(math.exp(loss))
         assert row["val_ppl"] == pytest.approx(math.exp(row["val_loss"]))
         assert row["eval_s"] > 0
+        # The tokens each pass scored: whole global batches of 8 sequences of 64 tokens.
+        for key in ("val_tokens", "val/textwrap/tokens", "val/argparse/tokens"):
+            assert row[key] > 0 and row[key] % (8 * 64) == 0
     # Different text, different loss: each set is its own (not the held-out split again).
     assert len({round(rows[4][k], 6) for k in KEYS}) == 3
     assert rows[4]["val/textwrap/loss"] < rows[2]["val/textwrap/loss"]  # it learns

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -352,6 +353,14 @@ def references(hf_dirs, tmp_path_factory) -> dict[str, tuple[Path, dict[int, flo
         )
         out[family] = (run, losses(rows))
     return out
+
+
+def test_fine_tuning_logs_what_it_loaded(references, hf_dirs):
+    """Under model.init_from the model's log line names the family, the folder and the
+    parameter count, not the preset it ignores."""
+    run, _ = references["llama"]
+    log = (run / "logs" / "rank0.log").read_text()
+    assert re.search(rf"model llama from hf:{re.escape(str(hf_dirs['llama']))}: [0-9.]+M par", log)
 
 
 def _assert_export_matches(run: Path, out: Path, **options) -> None:

@@ -94,12 +94,32 @@ def test_model_overrides_and_errors():
     assert args.n_layers == 2 and args.max_seq_len == 2048
     with pytest.raises(ConfigError, match="model.preset: unknown preset 'huge'"):
         model_args(ModelConfig(preset="huge"))
-    # A preset of another family names the family to set; its own family takes it.
-    with pytest.raises(ConfigError, match="'llama-tiny' is a preset of model.family 'llama', not"):
-        model_args(ModelConfig(preset="llama-tiny"))
+    # A preset names its family; an explicit family that does not hold it is refused.
+    assert model_args(ModelConfig(preset="llama-tiny")).mlp == "swiglu"
     assert model_args(ModelConfig(family="llama", preset="llama-tiny")).mlp == "swiglu"
+    with pytest.raises(ConfigError, match="'llama-tiny' is a preset of model.family 'llama', not"):
+        model_args(ModelConfig(family="gpt", preset="llama-tiny"))
     # A family reads only its own fields: GPT-2's norm is its own.
     with pytest.raises(ConfigError, match="model.norm does not apply to model.family = 'gpt2'"):
         model_args(ModelConfig(family="gpt2", preset="gpt2-tiny", norm="rmsnorm"))
     with pytest.raises(ConfigError, match=r"model.dim \(100\) must be divisible by model.n_heads"):
         model_args(ModelConfig(dim=100, n_heads=3))
+
+
+def test_a_preset_names_its_family():
+    """model.preset alone picks its family (as `distrain plan --preset` does); an explicit
+    model.family that does not hold the preset is one line naming both and the fix."""
+    from distrain import load_config as api_load_config
+    from distrain.models.registry import family_name, model_shape
+
+    cfg = api_load_config(overrides={"model.preset": "llama-tiny"})
+    assert family_name(cfg.model) == "llama"
+    assert model_shape(cfg.model) == model_shape(ModelConfig(family="llama", preset="llama-tiny"))
+    assert family_name(ModelConfig()) == "gpt"  # the default preset, tiny, is gpt's
+    explicit = api_load_config(overrides={"model.preset": "llama-tiny", "model.family": "gpt"})
+    with pytest.raises(ConfigError) as refused:
+        model_args(explicit.model)
+    assert str(refused.value) == (
+        "model.preset: 'llama-tiny' is a preset of model.family 'llama', not of model.family = "
+        "'gpt'; remove model.family (the preset names its family) or set model.family = 'llama'"
+    )

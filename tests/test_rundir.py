@@ -39,7 +39,13 @@ from distrain.launch.rundir import (
     RunDirBusy,
     RunDirLock,
 )
-from distrain.launch.torchrun import launch, make_plan, torchrun_argv, worker_threads
+from distrain.launch.torchrun import (
+    launch,
+    make_plan,
+    torchrun_argv,
+    worker_env,
+    worker_threads,
+)
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.observe.metrics import MetricsWriter, read_metrics
 from distrain.observe.progress import Progress
@@ -495,6 +501,45 @@ def test_worker_threads_respect_the_user_and_share_the_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     assert worker_threads(2) == (max(1, cores // 2), f"{cores} cores / 2 workers")
     assert worker_threads(10 * cores)[0] == 1
+
+
+def test_replica_groups_on_one_host_share_its_cores(monkeypatch):
+    """3 replica groups of 2 workers on one host (a loopback lighthouse): each worker gets
+    cores // 6 threads, not cores // 2; groups that may be elsewhere count only their own
+    workers; OMP_NUM_THREADS still wins."""
+    import argparse
+
+    from distrain.cli import _launch_plan
+    from distrain.config.io import load_config
+    from distrain.ft.network import groups_on_this_host
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    assert groups_on_this_host(3, "http://localhost:29510") == 3
+    assert groups_on_this_host(3, "http://127.0.0.1:29510") == 3
+    assert groups_on_this_host(3, "http://10.1.2.3:29510") == 1
+    assert groups_on_this_host(0, "http://localhost:29510") == 1
+    assert groups_on_this_host(3, "") == 1
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://[::1]:29510")
+    assert groups_on_this_host(3, "") == 3
+    ns = argparse.Namespace(
+        nproc=2, nnodes=None, node_rank=None, rdzv_endpoint=None, rdzv_id=None, max_restarts=None
+    )
+    cfg = load_config(
+        None,
+        [("fault_tolerance.replica_groups", "3"), ("fault_tolerance.lighthouse", "localhost:1")],
+    )
+    plan = _launch_plan(ns, cfg)
+    assert plan.local_groups == 3
+    assert worker_threads(plan.nproc, plan.local_groups) == (
+        2,
+        "12 cores / 6 workers of 3 replica groups on this host",
+    )
+    assert worker_env(plan)["OMP_NUM_THREADS"] == "2"
+    assert worker_threads(2) == (6, "12 cores / 2 workers")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert worker_env(plan)["OMP_NUM_THREADS"] == "5"
 
 
 # -------------------------------------------------------------------------------- teardown

@@ -94,10 +94,12 @@ class MoEConfig:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     family: str = doc(
-        "gpt",
+        "",
         "The model family: its folder under distrain/models/ or one a plugin registers "
-        "(`distrain presets` lists them with their presets). The fields below apply to the "
-        "families that read them; setting one the family does not read is refused.",
+        "(`distrain presets` lists them with their presets). Empty = the family of "
+        "model.preset (gpt for the default preset, tiny); one that does not hold the preset is "
+        "refused. The fields below apply to the families that read them; setting one the "
+        "family does not read is refused.",
     )
     preset: str = doc("tiny", "Named model preset of the family (see `distrain presets`).")
     vocab_size: int | None = doc(None, "Override the preset's vocabulary size.", AT_LEAST_1)
@@ -241,8 +243,8 @@ class DataConfig:
     skew_action: Literal["warn", "error"] = doc("warn", "What a data-skew above max_skew does.")
     eval_sets: tuple[EvalSetConfig, ...] = doc(
         (),
-        "More validation sets, each evaluated like the held-out split (training.eval_batches "
-        "micro-batches per rank, its first sequences) at every validation pass: TOML "
+        "More validation sets, each evaluated like the held-out split (the same "
+        "training.eval_batches, spread over the set) at every validation pass: TOML "
         "[[data.eval_sets]] tables with name, path and optionally format, glob, max_bytes; on "
         "the command line NAME=PATH[,NAME=PATH...]. Read with data.tokenizer (a token file "
         "must be prepared with it) and data.token_dtype.",
@@ -324,10 +326,13 @@ class TrainingConfig:
     eval_interval_steps: int = doc(
         100, "Steps between validation passes (0 = only at the end).", AT_LEAST_0
     )
-    eval_batches: int = doc(
-        2,
-        "Global batches (training.global_batch_size sequences each) in a validation pass: the "
-        "same sequences on every layout and world size, so validation losses compare.",
+    eval_batches: int | Literal["auto"] = doc(
+        "auto",
+        "Global batches (training.global_batch_size sequences each) in a validation pass, spread "
+        "evenly over the whole validation split (all of it, wrapping, when it holds no more): "
+        "the same sequences at every pass, on every layout and world size, so validation "
+        "losses compare. auto = as many as the split holds, at most 131,072 tokens (1,024 "
+        "sequences of 128); the run logs the count, and val_tokens in each validation row.",
         AT_LEAST_1,
     )
     nonfinite: Literal["skip", "stop"] = doc(

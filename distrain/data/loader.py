@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Literal
 
 import numpy as np
 import torch
@@ -250,23 +251,50 @@ class DistributedBatchLoader:
             )
 
 
+EVAL_TOKENS = 1 << 17
+"""training.eval_batches = "auto": the most tokens a validation pass reads (131,072, 1,024
+sequences of 128 tokens), which bounds its cost on a large split."""
+
+
+def val_sample(
+    samples: int, *, num_batches: int | Literal["auto"], global_batch_size: int, seq_len: int
+) -> np.ndarray:
+    """The indices of the fixed validation set of a split of `samples` sequences:
+    num_batches * global_batch_size of them, spread evenly over the whole split (sample
+    floor(k * samples / count) for k < count), or the whole split in order, wrapping, when it
+    holds no more than that. num_batches = "auto" is as many whole global batches as the split
+    holds, at most EVAL_TOKENS tokens' worth (at least one batch). The set depends on neither the
+    layout nor the world size."""
+    if samples == 0:
+        raise DataError("the validation split has no samples; use more data or data.val_fraction")
+    if num_batches == "auto":
+        num_batches = max(1, min(samples, EVAL_TOKENS // seq_len) // global_batch_size)
+    count = num_batches * global_batch_size
+    if count >= samples:
+        return np.arange(count, dtype=np.int64) % samples
+    return np.arange(count, dtype=np.int64) * samples // count
+
+
 def val_batches(
     dataset: TokenDataset,
     *,
-    num_batches: int,
+    num_batches: int | Literal["auto"],
     global_batch_size: int,
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
 ) -> list[Batch]:
-    """This rank's share of a fixed validation set, in micro-batches: the first num_batches *
-    global_batch_size val samples in index order (wrapping when the split is smaller), each of
-    the dp_size ranks a contiguous 1/dp_size of them. The set depends on neither the layout
-    nor the world size, so every layout's validation loss (the sums over the ranks) is the
-    one-process loss over the same samples."""
-    if len(dataset) == 0:
-        raise DataError("the validation split has no samples; use more data or data.val_fraction")
-    share = num_batches * global_batch_size // dp_size
-    indices = np.arange(dp_rank * share, (dp_rank + 1) * share) % len(dataset)
+    """This rank's share of the fixed validation set of `dataset` (`val_sample`), in
+    micro-batches: each of the dp_size ranks a contiguous 1/dp_size of it. The set depends on
+    neither the layout nor the world size, so every layout's validation loss (the sums over the
+    ranks) is the one-process loss over the same samples."""
+    sample = val_sample(
+        len(dataset),
+        num_batches=num_batches,
+        global_batch_size=global_batch_size,
+        seq_len=dataset.seq_len,
+    )
+    share = len(sample) // dp_size
+    indices = sample[dp_rank * share : (dp_rank + 1) * share]
     m = micro_batch_size
     return [dataset.get_batch(indices[i : i + m]) for i in range(0, share, m)]

@@ -6,6 +6,7 @@ launcher refuses a bad setting before any worker starts and the workers read it 
 from __future__ import annotations
 
 import ipaddress
+import os
 import stat
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -44,6 +45,21 @@ def secret_needed(lighthouse: str, bind: str = "") -> bool:
     if bind and not is_loopback(bind.strip("[]")):
         return True
     return not is_loopback(lighthouse_host(lighthouse)[0])
+
+
+def groups_on_this_host(replica_groups: int, lighthouse: str) -> int:
+    """The replica groups (each its own torchrun) that share this host: all of
+    fault_tolerance.replica_groups where the lighthouse (`lighthouse`, or where empty the
+    TORCHFT_LIGHTHOUSE environment variable) is on a loopback address, which only groups on this
+    host reach; otherwise 1 (this group: where the others run is not known)."""
+    address = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if replica_groups < 2 or not address:
+        return 1
+    try:
+        host, _ = lighthouse_host(address)
+    except ConfigError:
+        return 1  # refused with its fix before launch (preflight, the workers)
+    return replica_groups if is_loopback(host) else 1
 
 
 def read_secret(path: str, field: str = "fault_tolerance.secret_file") -> bytes:

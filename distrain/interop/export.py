@@ -35,7 +35,13 @@ from distrain.errors import CheckpointError, ConfigError
 from distrain.files import copy_file
 from distrain.launch.rundir import run_id
 from distrain.models.hf_files import INDEX_FILE, HfTensor
-from distrain.models.registry import build_model, model_args, model_family, model_shape
+from distrain.models.registry import (
+    build_model,
+    family_name,
+    model_args,
+    model_family,
+    model_shape,
+)
 from distrain.observe.logs import LOGGER_NAME as LOGGER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -168,7 +174,7 @@ def export_hf(
 ) -> Path:
     """Write the run's checkpoint as a Hugging Face model folder; returns `out_dir`."""
     cfg, storage = _run_config(run_dir, checkpoint_dir)
-    family = model_family(cfg.model.family)
+    family = model_family(family_name(cfg.model))
     if family.hf is None:
         raise ConfigError(
             f"export: the {family.name!r} model family has no Hugging Face equivalent; "

@@ -74,6 +74,10 @@ class LaunchPlan:
     rdzv_id: str = field(default_factory=new_rdzv_id)
     grace_s: int = 120
     """How long a stop signal lets the workers run before the agent kills them."""
+    local_groups: int = 1
+    """Torchruns of this run on this host, each starting nproc workers: the replica groups that
+    share it (ft/network.py `groups_on_this_host`), else 1. The workers' threads share the
+    cores among all of them."""
 
     @property
     def world_size(self) -> int | None:
@@ -114,6 +118,7 @@ def make_plan(
     rdzv_id: str | None,
     max_restarts: int,
     grace_s: int = 120,
+    local_groups: int = 1,
 ) -> LaunchPlan:
     """Validate the launch options together; every error is one line naming the option."""
     if nproc < 1:
@@ -147,6 +152,7 @@ def make_plan(
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id or new_rdzv_id(),
         grace_s=grace_s,
+        local_groups=local_groups,
     )
 
 
@@ -182,22 +188,26 @@ def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
     ]
 
 
-def worker_threads(nproc: int) -> tuple[int, str]:
+def worker_threads(nproc: int, local_groups: int = 1) -> tuple[int, str]:
     """CPU threads per worker (torch's intra-op pool) and where the number comes from: the
-    user's OMP_NUM_THREADS if set, else this node's usable cores shared by its workers."""
+    user's OMP_NUM_THREADS if set, else this node's usable cores shared by every worker this
+    run starts on it: `nproc` per torchrun, of `local_groups` torchruns (replica groups on one
+    host)."""
     if "OMP_NUM_THREADS" in os.environ:
         text = os.environ["OMP_NUM_THREADS"]
         if not text.isdigit() or int(text) < 1:
             raise ConfigError(f"OMP_NUM_THREADS={text!r}: expected a positive integer, or unset it")
         return int(text), "OMP_NUM_THREADS from the environment"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // nproc), f"{cores} cores / {nproc} workers"
+    workers = nproc * local_groups
+    groups = f" of {local_groups} replica groups on this host" if local_groups > 1 else ""
+    return max(1, (cores or 1) // workers), f"{cores} cores / {workers} workers{groups}"
 
 
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
     """Environment the workers inherit from this process (torchrun's agent copies it), set only
     while the agent runs (`_environ`)."""
-    threads, why = worker_threads(plan.nproc)
+    threads, why = worker_threads(plan.nproc, plan.local_groups)
     print(f"[distrain] {threads} CPU thread(s) per worker ({why})", file=sys.stderr)
     # `python -m distrain.train` would put the working directory first on sys.path, so a folder
     # named distrain/ there (the parent of a clone, say) would shadow the package this launcher

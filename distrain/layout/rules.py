@@ -25,7 +25,7 @@ from distrain.data.corpus import is_token_data
 from distrain.errors import ConfigError, MissingInput
 from distrain.family.spec import FamilyModel, ModelShape, ModelSpec
 from distrain.layout.facts import Facts
-from distrain.models.registry import model_args, model_family
+from distrain.models.registry import family_name, model_args, model_family
 from distrain.parallel.device import CUDA_MISSING, device_type
 from distrain.parallel.mesh import ParallelDims
 
@@ -517,7 +517,7 @@ def validate(cfg: Config, world_size: int | None, *, absent: list[str] | None = 
     (`train --check`), a file the config names that is not there is noted in it instead of
     refused: a tokenizer's vocabulary is then not checked, and a model.init_from folder's shape
     is replaced by model.preset's."""
-    spec = model_family(cfg.model.family)
+    spec = model_family(family_name(cfg.model))
     try:
         args = model_args(cfg.model)
     except MissingInput as e:

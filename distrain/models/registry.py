@@ -91,9 +91,27 @@ def _fields_set(node: Any, prefix: str = "") -> list[str]:
 ALWAYS_READ = ("family", "preset", "init_from")
 
 
+DEFAULT_FAMILY = "gpt"
+"""The family of an empty model.family whose model.preset no family holds (its error then
+names the gpt presets)."""
+
+
+def family_name(cfg: ModelConfig) -> str:
+    """The model family `cfg` names: model.family, or where it is empty the family of
+    model.preset (`family_of_preset`, as `distrain plan --preset` picks it)."""
+    return cfg.family or family_of_preset(cfg.preset) or DEFAULT_FAMILY
+
+
+def resolved(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with model.family set (`family_name`)."""
+    return cfg if cfg.family else dataclasses.replace(cfg, family=family_name(cfg))
+
+
 def model_args(cfg: ModelConfig) -> Any:
     """The arguments of the model `cfg` ([model]) describes, from its family; a field set that
-    the family does not read is refused in one line."""
+    the family does not read is refused in one line, and so is an explicit model.family that
+    does not hold model.preset."""
+    cfg = resolved(cfg)
     spec = model_family(cfg.family)
     ignored = [
         name
@@ -107,10 +125,11 @@ def model_args(cfg: ModelConfig) -> Any:
             f"(that family reads {reads})"
         )
     owner = None if cfg.init_from or cfg.preset in spec.presets else family_of_preset(cfg.preset)
-    if owner:
+    if owner:  # only where model.family is set: empty, it is the preset's
         raise ConfigError(
             f"model.preset: {cfg.preset!r} is a preset of model.family {owner!r}, not of "
-            f"{spec.name!r}; set model.family = {owner!r}"
+            f"model.family = {spec.name!r}; remove model.family (the preset names its family) "
+            f"or set model.family = {owner!r}"
         )
     return spec.args_from_config(cfg)
 
@@ -122,7 +141,7 @@ def family_of_preset(preset: str) -> str | None:
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
     """The sizes of the model `cfg` describes (`model_args`' model)."""
-    return model_family(cfg.family).shape(model_args(cfg))
+    return model_family(family_name(cfg)).shape(model_args(cfg))
 
 
 def model_record(cfg: ModelConfig) -> dict[str, Any]:
@@ -130,7 +149,7 @@ def model_record(cfg: ModelConfig) -> dict[str, Any]:
     preset, the one-line summary (`ModelSpec.describe`), the resolved arguments, and every
     tensor's shape, which the launcher compares with the configured model before a resume
     (launch/preflight.py). Built on the meta device: nothing is allocated."""
-    spec = model_family(cfg.family)
+    spec = model_family(family_name(cfg))
     args = model_args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
@@ -146,7 +165,7 @@ def model_record(cfg: ModelConfig) -> dict[str, Any]:
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The plain model `cfg` describes, on the meta device (the caller gives it storage)."""
-    spec = model_family(cfg.family)
+    spec = model_family(family_name(cfg))
     args = model_args(cfg)
     with torch.device("meta"):
         return spec.build(args)

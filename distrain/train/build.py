@@ -119,9 +119,13 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
         )
         plan = plan.with_micro(choice.micro_batch_size)
         metrics.log(choice.metrics_row())
+    # The preset's name, or under model.init_from the family and the folder it loads.
+    named = cfg.model.preset
+    if cfg.model.init_from:
+        named = f"{plan.spec.name} from {cfg.model.init_from}"
     logger.info(
         "model %s: %.2fM parameters; layout %s; accumulation %d x micro-batch %d",
-        cfg.model.preset,
+        named,
         plan.spec.num_params(plan.model) / 1e6,
         dims.describe(),
         plan.batch.accumulation,

@@ -35,6 +35,7 @@ from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, val_batches
 from distrain.data.dataset import Batch
+from distrain.data.loader import val_sample
 from distrain.errors import CheckpointError
 from distrain.ft.replica_groups import ReplicaGroups, copy_into, transferable
 from distrain.launch.preempt import Preempted, StopAgreement, StopSignals, preempted_message
@@ -242,14 +243,27 @@ class Trainer:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return values / self.ctx.world_size
 
+    def eval_sequences(self, dataset: Dataset | None = None) -> int:
+        """How many sequences a validation pass of `dataset` (default: the validation split)
+        evaluates: training.eval_batches' set (data/loader.py `val_sample`)."""
+        return len(
+            val_sample(
+                len(self.val_set if dataset is None else dataset),
+                num_batches=self.cfg.training.eval_batches,
+                global_batch_size=self.plan.batch.global_batch,
+                seq_len=self.cfg.training.seq_len,
+            )
+        )
+
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None) -> float:
         """Mean loss over the targets of a fixed set of batches of `dataset` (default: the
         validation split); leaves the model in train mode.
 
-        The set is training.eval_batches global batches, the same sequences throughout the run
-        and on every layout; they are evaluated in micro-batches of the loader's current size,
-        which out-of-memory recovery may have halved."""
+        The set is training.eval_batches global batches spread over the whole split (`val_sample`;
+        "auto": as much of it as EVAL_TOKENS allows), the same sequences throughout the run and
+        on every layout; they are evaluated in micro-batches of the loader's current size, which
+        out-of-memory recovery may have halved."""
         self.model.train(False)
         batches = val_batches(
             self.val_set if dataset is None else dataset,
@@ -265,6 +279,23 @@ class Trainer:
         self.model.train(True)
         # Every tp and pp rank of a replica holds its replica's sums: the ratio is unchanged.
         return summed / targets
+
+    def _log_eval_size(self) -> None:
+        """One line per validation set: how many sequences and tokens a pass evaluates, of how
+        many the set holds."""
+        seq_len = self.cfg.training.seq_len
+        for name, dataset in {"validation split": self.val_set, **self.eval_sets}.items():
+            count, held = self.eval_sequences(dataset), len(dataset)
+            how = "all" if count == held else "all, wrapping" if count > held else "spread evenly"
+            self.log.info(
+                "validation: %s, %d of %d sequences of %d tokens (%s): val_tokens %d per pass",
+                name,
+                count,
+                held,
+                seq_len,
+                how,
+                count * seq_len,
+            )
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -288,6 +319,7 @@ class Trainer:
             )
             return
         self.started = True
+        self._log_eval_size()
         for observer in self.observers:
             observer.start(self.step)
         self.model.train(True)
@@ -350,15 +382,23 @@ class Trainer:
         )
 
     def _validation_pass(self, step: int) -> None:
-        """The validation split's loss and perplexity (val_loss, val_ppl), then each named
-        set's (val/NAME/loss, val/NAME/ppl), and the pass's wall time (eval_s): one row."""
+        """The validation split's loss, perplexity and tokens evaluated (val_loss, val_ppl,
+        val_tokens), then each named set's (val/NAME/loss, val/NAME/ppl, val/NAME/tokens), and
+        the pass's wall time (eval_s): one row."""
         start = time.perf_counter()
         val_loss = self.evaluate()
-        row = {"step": step, "val_loss": val_loss, "val_ppl": _perplexity(val_loss)}
+        seq_len = self.cfg.training.seq_len
+        row = {
+            "step": step,
+            "val_loss": val_loss,
+            "val_ppl": _perplexity(val_loss),
+            "val_tokens": self.eval_sequences() * seq_len,
+        }
         for name, dataset in self.eval_sets.items():
             loss = self.evaluate(dataset)
             row[f"val/{name}/loss"] = loss
             row[f"val/{name}/ppl"] = _perplexity(loss)
+            row[f"val/{name}/tokens"] = self.eval_sequences(dataset) * seq_len
         row["eval_s"] = time.perf_counter() - start
         self.metrics.log(row)
         named = "".join(f", {name} {row[f'val/{name}/loss']:.4f}" for name in self.eval_sets)
