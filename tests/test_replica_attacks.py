@@ -2,9 +2,9 @@
 joins a live replica group's lighthouse as "group1", without the run secret.
 
 - **ahead**: it claims step 1,000,000 and serves, on torchft's default transport, a state that
-  unpickles to `touch MARKER`. The live group tries to take that state, refuses it (the peer
-  does not speak distrain's authenticated protocol), never unpickles it, and after three refused
-  attempts stops with one line naming the refusal;
+  unpickles to `touch MARKER`. The live group tries to take that state, refuses it (the peer's
+  state address carries no signature of the run secret), never asks for it or unpickles it, and
+  after three refused attempts stops with one line naming the refusal;
 - **poison**: it joins at the live group's step (its own transport fabricates the heal) and
   adds gradients of 1000 and a loss of 0 to every exchange. The live group's slot check names
   the member that did not prove the secret (its slot reads as garbage: "group 1000") and
@@ -153,7 +153,8 @@ def _attacked(tmp_path, lighthouse: str, mode: str) -> tuple[int, str, list[dict
 @pytest.mark.parametrize(
     ("mode", "refusal"),
     [
-        ("ahead", "not a distrain group with this run's secret"),
+        # Its state address (torchft's transport's) carries no signature of the run secret.
+        ("ahead", "is not signed with the run secret"),
         # The poisoned exchange is refused; the attacker, which commits its own steps, is then
         # ahead, and its state is refused as in 'ahead'.
         ("poison", "calling itself group 1000) did not prove the run secret"),
