@@ -550,3 +550,94 @@ def test_tied_head_copy_keeps_its_optimizer_state_under_the_embedding_name():
     head_state.load_state_dict(saved)
     loaded = optimizers[1].state[head.output.weight]["exp_avg"]
     assert torch.equal(loaded, optimizers[0].state[whole.tok_emb.weight]["exp_avg"])
+
+
+# --- every rank agrees: a save failing on one non-zero rank, a damaged file in its share ------
+
+
+def _agreement_worker(rank: int, world: int, tmp_path) -> None:
+    torch.set_num_threads(1)  # all ranks share 2 cores
+    last = world - 1  # the rank that fails, and whose share of the files is damaged
+    # Ranks that disagree meet different collectives: a timeout fails the test, not a hang.
+    with process_group(rank, world, store_file=tmp_path / "store", timeout_s=60):
+        storage = Storage(str(tmp_path / "ckpt"))
+        ckpt = Checkpointer(
+            storage,
+            run_id="test",
+            layout=f"dp{world}",
+            async_mode="off",
+            keep_temporary=5,
+            logger=LOG,
+            collective_timeout_s=60,
+        )
+
+        def state(value: float) -> dict:
+            return {"model": {f"w{rank}": torch.full((16, 16), value)}}  # a file per rank
+
+        ckpt.save(1, state(1.0), permanent=False)
+        # Step 2: the last rank's files and record are written, but its storage reports the
+        # record's write as failed (an object store whose acknowledgement was lost): a save that
+        # failed on that rank alone, which every rank must settle as failed.
+        real_write = storage.write_text_atomic
+
+        def lost_acknowledgement(path, text):
+            real_write(path, text)
+            raise OSError("the acknowledgement of the write was lost")
+
+        if rank == last:
+            storage.write_text_atomic = lost_acknowledgement
+        failures: list[str] = []
+        ckpt.on_failure = lambda step, message: failures.append(message)
+        ckpt.save(2, state(2.0), permanent=False)
+        storage.write_text_atomic = real_write
+        report = {"failures": failures, "newest": ckpt.newest_committed}
+        (tmp_path / f"settled{rank}.json").write_text(json.dumps(report))
+
+        # Step 3 commits; then one of its files in the last rank's share of the verification
+        # is damaged. Only that rank finds the damage; every rank must resume step 1.
+        ckpt.save(3, state(3.0), permanent=False)
+        dist.barrier()
+        step3 = tmp_path / "ckpt" / "step-00000003"
+        names = sorted(json.loads((step3 / "MANIFEST.json").read_text())["files"])
+        damaged = names[last::world][0]
+        if rank == 0:
+            data = bytearray((step3 / damaged).read_bytes())
+            data[-1] ^= 0xFF
+            (step3 / damaged).write_bytes(bytes(data))
+        dist.barrier()
+        target = state(0.0)
+        restored = ckpt.restore_latest(target)
+        report = {
+            "damaged": damaged,
+            "restored": restored,
+            "value": float(target["model"][f"w{rank}"][0, 0]),
+        }
+        (tmp_path / f"restored{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_settles_a_save_and_picks_a_checkpoint_alike(tmp_path, world):
+    """A save that fails on the last rank only is failed on every rank (nobody commits it),
+    and a file damaged in the last rank's share of the verification makes every rank skip that
+    checkpoint: all resume the same, earlier step."""
+    try:
+        mp.spawn(_agreement_worker, args=(world, tmp_path), nprocs=world)
+        crashed = None
+    except mp.ProcessRaisedException as e:  # ranks that disagreed: their verdicts first
+        crashed = e
+    settled = [json.loads((tmp_path / f"settled{r}.json").read_text()) for r in range(world)]
+    for r, report in enumerate(settled):
+        assert report["newest"] == 1, (r, report)
+        assert len(report["failures"]) == 1, (r, report)
+        assert report["failures"][0].startswith("checkpoint step-00000002 not saved: "), r
+        assert f"failed on rank {world - 1} " in report["failures"][0], (r, report)
+    assert not (tmp_path / "ckpt" / "step-00000002").exists()
+    assert crashed is None, crashed
+
+    restored = [json.loads((tmp_path / f"restored{r}.json").read_text()) for r in range(world)]
+    # The damaged file is one that the last rank alone hashes.
+    assert restored[0]["damaged"].endswith(".distcp"), restored[0]
+    for r, report in enumerate(restored):
+        assert (report["restored"], report["value"]) == (1, 1.0), (r, report)

@@ -94,6 +94,27 @@ def test_fast_quorum_and_shrink_only_follow_torchft():
     assert _ids(s.compute(0.3)[0]) == ["a", "b"]  # shrink only: no newcomer
 
 
+def test_a_failed_commit_moves_the_quorum_id_with_the_same_members():
+    """torchft's rule: a member that reports failed commits (its last step's should_commit said
+    no) gets a new quorum id although the membership is the same, so every manager reconfigures
+    its process groups instead of reusing the ones the failure may have left broken."""
+    s = _state()
+    s.request(_member("a"), 0.0)
+    s.request(_member("b"), 0.0)
+    s.issue(s.compute(0.0)[0])
+    assert s.quorum_id == 1
+    s.request(_member("a", step=1), 0.1)
+    s.request(wire.QuorumMember(replica_id="b", step=1, commit_failures=1), 0.1)
+    members, why = s.compute(0.1)
+    assert _ids(members) == ["a", "b"] and why.startswith("fast quorum")
+    assert not s.issue(members)  # the same members...
+    assert s.quorum_id == 2  # ...and yet a new quorum id
+    # Commits that succeed again: the id stays.
+    s.request(_member("a", step=2), 0.2)
+    s.request(_member("b", step=2), 0.2)
+    assert not s.issue(s.compute(0.2)[0]) and s.quorum_id == 2
+
+
 def test_no_quorum_without_a_majority_of_the_heartbeating_groups():
     s = _state(join_timeout_s=0.0)
     for rid in ("a", "b", "c", "d"):

@@ -194,3 +194,77 @@ def test_every_schedule_matches_the_full_model(tmp_path):
     for rank in range(PP):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(results) == sorted(SCHEDULES)
+
+
+# --- a local batch that changes size: ParallelModel.fit_pipeline_batch ---------------------
+
+FIT_SEQ, FIT_GLOBAL, FIT_MICRO = 16, 4, 2
+
+
+def _fit_config():  # -> Config
+    from distrain.config.schema import Config
+
+    cfg = Config()
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
+        setattr(cfg.model, name, getattr(ARGS, name))
+    cfg.model.max_seq_len = FIT_SEQ
+    cfg.parallel.pp, cfg.parallel.pp_schedule = PP, "1f1b"
+    t = cfg.training
+    t.global_batch_size, t.micro_batch_size, t.seq_len = FIT_GLOBAL, FIT_MICRO, FIT_SEQ
+    t.precision, t.compile, t.seed = "fp32", False, SEED
+    return cfg
+
+
+def _fit_worker(rank: int, tmp_path: Path) -> None:
+    from helpers import plan_of
+
+    from distrain.models.decoder.model import summed_next_token_loss
+    from distrain.parallel.compress import CommStats
+    from distrain.parallel.device import DistContext
+    from distrain.parallel.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    with process_group(rank, PP, store_file=tmp_path / "store", timeout_s=60):
+        cfg = _fit_config()
+        plan = plan_of(cfg, PP)
+        mesh, dp_mesh = plan.dims.build_mesh("cpu")
+        ctx = DistContext(
+            rank=rank, local_rank=rank, world_size=PP, device=torch.device("cpu"), backend="gloo"
+        )
+        model = parallelize(plan, mesh, dp_mesh, ctx, CommStats())
+        reference = Decoder(ModelArgs(**{**ARGS.__dict__, "max_seq_len": FIT_SEQ}))
+        init_weights(reference, reference.args, SEED)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(ARGS.vocab_size, (2 * FIT_GLOBAL, FIT_SEQ + 1), generator=gen)
+        # The local batch as replica groups re-split it: whole, doubled (a group left), whole.
+        found: dict[str, list] = {"microbatches": [], "loss": []}
+        for rows in (FIT_GLOBAL, 2 * FIT_GLOBAL, FIT_GLOBAL):
+            inputs, targets = tokens[:rows, :-1], tokens[:rows, 1:]
+            if found["loss"]:  # the first batch sets the schedule
+                model.fit_pipeline_batch(rows)
+            found["microbatches"].append(model.runner.n_microbatches)
+            micro = list(zip(inputs.split(FIT_MICRO), targets.split(FIT_MICRO), strict=True))
+            try:
+                loss = model.forward_backward(micro, lambda x: x).item()
+            except ValueError as e:  # a schedule of the wrong batch shape refuses it
+                found["loss"].append(str(e))
+                continue
+            with torch.no_grad():
+                want = summed_next_token_loss(reference(inputs), targets) / targets.numel()
+            found["loss"].append((loss, want.item()))
+        (tmp_path / f"fit{rank}.json").write_text(json.dumps(found))
+
+
+@pytest.mark.slow
+def test_a_local_batch_that_changes_size_keeps_the_microbatch_and_the_loss(tmp_path):
+    """2 pp ranks, 1F1B: a local batch of 4 rows in 2 microbatches, then 8 (replica groups
+    re-split the global batch when a group leaves: ParallelModel.fit_pipeline_batch), then 4
+    again: the schedule runs 4 microbatches of the same size, then 2, and every step's loss is
+    the 1-process model's over the same rows (no optimizer step between: the same weights)."""
+    mp.spawn(_fit_worker, args=(tmp_path,), nprocs=PP, join=True)
+    for rank in range(PP):
+        found = json.loads((tmp_path / f"fit{rank}.json").read_text())
+        assert found["microbatches"] == [2, 4, 2], (rank, found)
+        for got in found["loss"]:
+            assert not isinstance(got, str), (rank, got)
+            assert got[0] == pytest.approx(got[1], rel=RTOL), (rank, found)
