@@ -94,7 +94,7 @@ def estimate_pipeline_memory(plan: RunPlan, *, rank: int = 0) -> PipelineMemory:
             if dims.zero_stage == 1:
                 # ZeroRedundancyOptimizer does not build on fake tensors: its state divided over
                 # the data-parallel ranks, as built_rows.memory_of plans ZeRO-1 without pp.
-                optimizer_bytes = -(-optimizer_bytes // (world_size // (dims.tp * dims.pp)))
+                optimizer_bytes = -(-optimizer_bytes // (dims.world_size // (dims.tp * dims.pp)))
     boundary = (
         rows * t.seq_len * dim * 4 // dims.tp
         if p.sequence_parallel
