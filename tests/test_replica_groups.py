@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -471,6 +472,70 @@ def _indices(loader: DistributedBatchLoader) -> list[int]:
     tells its sample)."""
     inputs = torch.cat([batch[0] for batch in loader.next_batch()])
     return (inputs[:, 0] // inputs.shape[1]).tolist()
+
+
+LIGHTHOUSE_STEPS = 16
+
+
+def _free_port() -> int:
+    """A port nothing listens on now: the lighthouse is started on it twice (killed, then
+    restarted on the same address, as an operator would)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_lighthouse_killed_and_restarted_ends_no_group_and_loses_no_step(tmp_path):
+    """The review's outage: `distrain lighthouse` SIGKILLed while two groups train and started
+    again on its address 5 s later. torchft's manager servers lose the quorum requests the dead
+    lighthouse held; the groups ask again every quorum_timeout_s / QUORUM_ATTEMPTS, the new
+    lighthouse answers, and both groups finish every step once, each loss the 1-process run's
+    (within FOUR_REL: the membership may change while the lighthouse is away)."""
+    fields = {**GROUP_FIELDS, "training__steps": LIGHTHOUSE_STEPS, "checkpoint__at_end": False}
+    fields |= {"fault_tolerance__quorum_timeout_s": 40, "debug__slow_ms": 300}
+    reference = tmp_path / "reference"
+    train_in_process(reference, **{**FIELDS, "training__steps": LIGHTHOUSE_STEPS})
+    address = f"127.0.0.1:{_free_port()}"
+
+    def lighthouse() -> subprocess.Popen:
+        command = [sys.executable, "-m", "distrain", "lighthouse", "--bind", address]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    server = lighthouse()
+    runs = [tmp_path / f"group{g}" for g in range(2)]
+    procs = [
+        start_train(
+            runs[g],
+            "--nproc",
+            "1",
+            **fields,
+            fault_tolerance__group=g,
+            fault_tolerance__lighthouse=f"http://{address}",
+        )
+        for g in range(2)
+    ]
+    try:
+        _wait(lambda: min(trained_step(r) for r in runs) >= 4, "step 4 in both groups", procs)
+        server.kill()  # SIGKILL
+        server.wait()
+        time.sleep(5)
+        server = lighthouse()
+        outputs = [proc.communicate(timeout=400) for proc in procs]
+    finally:
+        for proc in (*procs, server):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    assert "asking again" in outputs[0][1] + outputs[1][1]
+    want = losses(read_metrics(reference / "metrics.jsonl"))
+    got = losses(read_metrics(runs[0] / "metrics.jsonl", all_attempts=True))
+    assert sorted(got) == list(range(1, LIGHTHOUSE_STEPS + 1))
+    rows = read_metrics(runs[0] / "metrics.jsonl", all_attempts=True)
+    assert all(r.get("steps_lost", 0) == 0 for r in rows)
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= FOUR_REL * abs(want[step]), (step, loss, want[step])
 
 
 def test_replan_gives_the_survivors_exactly_the_global_batch():

@@ -69,6 +69,11 @@ T = TypeVar("T")
 
 _STORE_ADDRESS_BYTES = 256
 _GATHER_POLL_S = 0.05
+QUORUM_ATTEMPTS = 4
+"""A quorum request is sent again after fault_tolerance.quorum_timeout_s / QUORUM_ATTEMPTS: a
+lighthouse that died (SIGKILL, a host reboot) takes the requests it held with it, and torchft
+0.2.0's manager server does not send them to the lighthouse restarted (or replaced) on its
+address, but answers a new one through it."""
 REFUSALS_BEFORE_STOP = 3
 """Refused attempts in a row (a peer's state or slot not believed) after which a group stops."""
 
@@ -370,7 +375,7 @@ class ReplicaGroups:
         """Join the quorum for the step after `step` (which loads a peer's live state when this
         group is behind) and re-plan `loader` over the groups in it."""
         start = time.perf_counter()
-        self.manager.start_quorum()
+        self._start_quorum()
         participants = self.manager.num_participants()
         replica_rank = self.manager.participating_rank()
         if replica_rank is None:
@@ -420,6 +425,32 @@ class ReplicaGroups:
             dp_rank=replica_rank * self.dp_size + self.dp_rank,
             dp_size=participants * self.dp_size,
         )
+
+    def _start_quorum(self) -> None:
+        """torchft's quorum, asked again every quorum_timeout_s / QUORUM_ATTEMPTS until
+        fault_tolerance.quorum_timeout_s has passed: a lighthouse down for less than that, or
+        restarted, costs a wait and no step."""
+        total = self.cfg.quorum_timeout_s
+        deadline = time.monotonic() + total
+        while True:
+            left = deadline - time.monotonic()
+            attempt = timedelta(seconds=max(0.1, min(total / QUORUM_ATTEMPTS, left)))
+            try:
+                self.manager.start_quorum(timeout=attempt)
+                return
+            except TimeoutError as error:
+                # torchft 0.2.0 keeps the failed quorum's future and raises it again at the
+                # next start_quorum: this attempt is over, drop it.
+                self.manager._quorum_future = None
+                if time.monotonic() >= deadline:
+                    raise
+                self.log.warning(
+                    "replica groups: no quorum from the lighthouse in %.1fs (%s): asking again "
+                    "(fault_tolerance.quorum_timeout_s = %gs in all)",
+                    attempt.total_seconds(),
+                    str(error)[:100],
+                    total,
+                )
 
     def _check_restart_has_a_source(self, *, step: int) -> None:
         """A restarted group (torchrun's restart count > 0) at step 0, alone in its first quorum,
