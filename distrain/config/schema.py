@@ -711,8 +711,9 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = doc(
         120.0,
         "Seconds a group waits for the lighthouse to form a quorum (a group restarting after a "
-        "failure waits here until the others reach a step boundary); also how long the groups "
-        "of a new run wait for each other before step 1, after which those present start.",
+        "failure waits here until the others reach a step boundary), asking again every quarter "
+        "of it, so a lighthouse restarted within it costs no step; also how long the groups of "
+        "a new run wait for each other before step 1, after which those present start.",
         POSITIVE,
     )
     secret_file: str = doc(
