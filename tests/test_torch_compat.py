@@ -207,3 +207,13 @@ def test_default_stager_stages_again_and_again():
             assert int(staged["step"]) == int(value)
     finally:
         stager.close()
+
+
+def test_all_gather_single_and_reduce_scatter_single(one_rank):
+    x = torch.arange(6.0).reshape(2, 3)
+    out = torch.empty(2, 3)
+    torch_compat.all_gather_single(out, x)
+    assert torch.equal(out, x)
+    back = torch.empty(2, 3)
+    torch_compat.reduce_scatter_single(back, out)
+    assert torch.equal(back, x)
