@@ -27,6 +27,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distrain.version import check_torch
+
+# A torch outside the supported range is refused here, before any of it is used (one line).
+check_torch()
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from pathlib import Path

@@ -2,13 +2,17 @@
 
 torch does not promise these across releases (an underscore, or a module under `_`), so when a
 torch upgrade breaks one, this file and tests/test_torch_compat.py (one test each) are the
-places to look. CI runs torch 2.13, the version pyproject.toml allows; nothing here is checked
-on another.
+places to look. It is also the one place that knows how the supported torch releases
+(pyproject.toml: >=2.11,<2.15) differ: each difference below names the releases and the test
+that holds it. CI runs the whole suite on torch 2.13 and the compat suite (`pytest -m compat`,
+this file's tests among it) on 2.11 and 2.14, the ends of the range; 2.12 is not run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import os
 import sys
 import warnings
@@ -18,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from distrain.version import torch_release
 
 # Imported on first use (`from distrain.torch_compat import FsspecReader` works): DCP's fsspec
 # module pulls in fsspec and DCP, seconds of import that parallel/mesh.py's users should not pay.
@@ -160,3 +166,72 @@ def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as fake
 
     return fake(tensor)
+
+
+# --- differences between the supported releases ------------------------------------------------
+
+
+def ddp_without_forward_buffer_sync() -> dict[str, bool]:
+    """DistributedDataParallel's keyword arguments for "no buffer broadcast before each forward"
+    (buffers equal on every rank: a collective per step for nothing). torch 2.13 and 2.14 have
+    `forward_sync_buffers=False` and deprecate `broadcast_buffers=False` with a warning in every
+    log; torch 2.11 has only `broadcast_buffers` (which also skips the one broadcast at
+    construction: the buffers are equal anyway). Decided by DDP's own signature."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def torchrun_shutdown_timeout(seconds: int) -> list[str]:
+    """torchrun's option for how long its agent waits, after a stop signal, for the workers to
+    exit before it kills them (`--shutdown-timeout`, torch 2.13 and 2.14; decided by the field
+    of the same name in `torch.distributed.launcher.api.LaunchConfig`). torch 2.11's torchrun
+    has no such option: its agent waits a fixed 30 s there, so a preempt checkpoint must commit
+    within 30 s of the signal whatever `checkpoint.preempt_grace_s` says."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return [f"--shutdown-timeout={seconds}"]
+    return []
+
+
+# One tensor gathered from every rank into one (concatenated along dim 0), and its inverse: torch
+# 2.13 and 2.14 name them `all_gather_single` and `reduce_scatter_single` (and deprecate the old
+# names with a warning per call); torch 2.11 has only `all_gather_into_tensor` and
+# `reduce_scatter_tensor`, the same arguments. Decided by which name torch.distributed has.
+all_gather_single: Callable[..., Any] = getattr(
+    torch.distributed, "all_gather_single", None
+) or torch.distributed.all_gather_into_tensor
+reduce_scatter_single: Callable[..., Any] = getattr(
+    torch.distributed, "reduce_scatter_single", None
+) or torch.distributed.reduce_scatter_tensor
+
+
+# torch 2.11's DefaultStager closes its StateDictStager at the end of every stage() (emptying the
+# deep-copy dispatch table it stages with): a second stage() of the same stager raises
+# KeyError(<class 'type'>). torch 2.13 and 2.14 keep it open, with the host buffers, across
+# stages. 2.12 is not run in CI: it takes 2.11's path, correct on every release (a new stager
+# per copy only forgoes the buffers' reuse).
+_STAGER_STAGES_ONCE = torch_release() < (2, 13)
+
+
+class DefaultStager:
+    """DCP's DefaultStager (same StagingOptions), staging any number of times: on a torch
+    whose stager stages once (2.11), a new one per stage()."""
+
+    def __init__(self, options: Any):
+        from torch.distributed.checkpoint.staging import DefaultStager as Stager
+
+        self._make = lambda: Stager(options)
+        self._stager = self._make()
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        if _STAGER_STAGES_ONCE:
+            self._stager.close()
+            self._stager = self._make()
+        return self._stager.stage(state)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._stager.close()

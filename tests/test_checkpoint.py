@@ -29,6 +29,9 @@ from distrain.observe.metrics import read_metrics
 from distrain.optim.builder import build_optimizer
 from distrain.optim.state_dict import optimizer_state_dict
 
+# In the compat suite (.ci/run: also on the oldest and newest torch): checkpoint save and resume.
+pytestmark = pytest.mark.compat
+
 # Not under "distrain": setup_logging turns that logger's propagation off, hiding it from caplog.
 LOG = logging.getLogger("distrain_test.checkpoint")
 

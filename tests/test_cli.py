@@ -25,6 +25,9 @@ from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.slurm import SlurmJob, sbatch_script
 from tests.helpers import cli_in_process, train_in_process
 
+# In the compat suite (.ci/run: also on the oldest and newest torch): the CLI's refusals.
+pytestmark = pytest.mark.compat
+
 
 def _lines(text: str) -> list[str]:
     return text.strip().splitlines()

@@ -34,6 +34,9 @@ from distrain.models.llama.hf import pretrained_source
 from distrain.models.registry import model_args, model_family
 from distrain.observe.metrics import read_metrics
 
+# In the compat suite (.ci/run: also on the oldest and newest torch): the HF round trip.
+pytestmark = pytest.mark.compat
+
 transformers = pytest.importorskip("transformers")
 
 # Logits of the same fp32 weights through the same math; measured differences <= 5e-7.

@@ -330,8 +330,28 @@ def batched(batch_pool):
     return run_dir
 
 
+# The rows of the compat suite (.ci/run: also on the oldest and newest torch): DDP, ZeRO-1,
+# FSDP2, tp + sp with op-level selective recomputation, a pipeline, context and expert parallel.
+COMPAT_LAYOUTS = {
+    "dp2",
+    "zero1x2",
+    "zero3x2",
+    "tp2_sp_selective_op",
+    "pp2_1f1b",
+    "llama_cp2",
+    "mixtral_ep2_zero3x2",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(layout, marks=[pytest.mark.compat] if layout.name in COMPAT_LAYOUTS else [])
+        for layout in LAYOUTS
+    ],
+    ids=[layout.name for layout in LAYOUTS],
+)
 def test_layout_matches_single_process(layout, reference_rows, batched, request):
     rows = read_metrics(batched(request.node) / "metrics.jsonl")
     want = reference_rows(layout.model)
@@ -351,6 +371,7 @@ def test_moe_layout_matches_single_process(model, layout, moe_reference, batched
     assert_parity(losses(rows), moe_reference(model))
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_resume_across_layouts(references, tmp_path):
     """A tied-embedding model, tp2 -> dp2 (ZeRO-1) -> pp2 x dp2 (embedding and head on different
@@ -379,6 +400,7 @@ def test_resume_across_layouts(references, tmp_path):
 MIXTRAL = (("model__family", "mixtral"), ("model__preset", "mixtral-tiny"))
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "layout"),

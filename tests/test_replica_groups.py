@@ -191,6 +191,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     }
 
 
+@pytest.mark.compat
 def test_survivors_keep_their_processes(faulted):
     assert None not in faulted["survivors"]
     assert faulted["survivors_late"] == faulted["survivors"]
@@ -199,6 +200,7 @@ def test_survivors_keep_their_processes(faulted):
     assert "resumed from" not in (faulted["runs"][0] / "logs" / "rank0.log").read_text()
 
 
+@pytest.mark.compat
 def test_every_step_matches_the_uninterrupted_run(faulted, reference):
     want = losses(read_metrics(reference / "metrics.jsonl"))
     got0 = losses(read_metrics(faulted["runs"][0] / "metrics.jsonl"))
@@ -215,6 +217,7 @@ def test_every_step_matches_the_uninterrupted_run(faulted, reference):
             assert abs(loss - want[step]) <= REL * abs(want[step]), (step, loss, want[step])
 
 
+@pytest.mark.compat
 def test_final_weights_match_the_uninterrupted_run(faulted, reference, zero3_reference):
     want, same_layout = _final_weights(reference), _final_weights(zero3_reference)
     got, replacement = (_final_weights(run) for run in faulted["runs"])
@@ -234,6 +237,7 @@ def test_final_weights_match_the_uninterrupted_run(faulted, reference, zero3_ref
         assert err <= WEIGHTS_REL, (name, err)
 
 
+@pytest.mark.compat
 def test_membership_changes_are_metrics_rows(faulted):
     rows = metrics_rows(faulted["runs"][0])
     # The SIGKILL: the step in flight redone without group 1 or with its restarted processes.
@@ -561,6 +565,7 @@ def test_replan_gives_the_survivors_exactly_the_global_batch():
     assert sorted(survivors) == full
 
 
+@pytest.mark.compat
 def test_one_replica_group_is_refused_in_one_line(tmp_path):
     fields = {"run.dir": str(tmp_path), "fault_tolerance.replica_groups": "1"}
     with pytest.raises(ConfigError) as error:
@@ -570,6 +575,7 @@ def test_one_replica_group_is_refused_in_one_line(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("option", "value"),
     [("--heartbeat-timeout-ms", "0"), ("--join-timeout-s", "0"), ("--tick-ms", "-5")],

@@ -18,6 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distrain import torch_compat
 
+# In the compat suite (.ci/run: also on the oldest and newest torch): the private APIs.
+pytestmark = pytest.mark.compat
+
 
 @pytest.fixture
 def one_rank():
@@ -152,3 +155,65 @@ def test_nothing_imports_the_zero_module_or_dcp_fsspec_early():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --- differences between the supported torch releases (each test passes on 2.11, 2.13, 2.14) ---
+
+
+def test_ddp_without_forward_buffer_sync_is_accepted_without_a_warning(one_rank):
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = torch_compat.ddp_without_forward_buffer_sync()
+    model = nn.Linear(2, 2)
+    model.register_buffer("table", torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 2.13's deprecation of broadcast_buffers is an error
+        ddp = DistributedDataParallel(model, **kwargs)
+    (name,) = kwargs
+    assert getattr(ddp, name) is False
+    ddp(torch.ones(1, 2)).sum().backward()
+
+
+def test_torchrun_shutdown_timeout_is_an_option_this_torchrun_takes():
+    from torch.distributed.run import get_args_parser
+
+    extra = torch_compat.torchrun_shutdown_timeout(35)
+    args = get_args_parser().parse_args([*extra, "--standalone", "-m", "distrain.train"])
+    if extra:
+        assert args.shutdown_timeout == 35
+    else:  # torch 2.11: no such option, the agent's 30 s are fixed
+        assert torch_compat.torch_release() < (2, 13)
+
+
+def test_default_stager_stages_again_and_again():
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    stager = torch_compat.DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+    try:
+        for value in (1.0, 2.0, 3.0):
+            source = {"model": {"w": torch.full((4, 4), value)}, "step": torch.tensor(int(value))}
+            staged = stager.stage(source)
+            source["model"]["w"].zero_()  # the step may overwrite it once staged
+            assert torch.equal(staged["model"]["w"], torch.full((4, 4), value))
+            assert int(staged["step"]) == int(value)
+    finally:
+        stager.close()
+
+
+def test_all_gather_single_and_reduce_scatter_single(one_rank):
+    x = torch.arange(6.0).reshape(2, 3)
+    out = torch.empty(2, 3)
+    torch_compat.all_gather_single(out, x)
+    assert torch.equal(out, x)
+    back = torch.empty(2, 3)
+    torch_compat.reduce_scatter_single(back, out)
+    assert torch.equal(back, x)

@@ -25,6 +25,9 @@ from distrain.config.schema import Config, ConfigError, numeric_fields
 from distrain.layout.rules import RULES, LayoutError, validate
 from distrain.models.registry import register_family
 
+# In the compat suite (.ci/run: also on the oldest and newest torch): the CLI's refusals.
+pytestmark = pytest.mark.compat
+
 # A 300-token BPE (tokenizers' trainer on json/decoder.py of the stdlib), for the tokenizer rules.
 BPE_300 = Path(__file__).parent / "data" / "bpe-300.json"
 

@@ -2,15 +2,18 @@
 the training step may overwrite as soon as the copy is taken. On CUDA the copy goes to pinned
 memory (a fast device-to-host transfer); for a writer process it goes to shared memory. The
 buffers are kept from one save to the next (torch's DefaultStager keeps one copy per source
-storage), so many saves cost one copy's memory, not one per save. A shared copy holds one open
-file per tensor for as long as it is kept."""
+storage), so many saves cost one copy's memory, not one per save (torch 2.13 and 2.14; on
+2.11 each save makes its own copy, the last one freed with it: torch_compat.DefaultStager). A
+shared copy holds one open file per tensor for as long as it is kept."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+
+from distrain.torch_compat import DefaultStager
 
 
 class Stager:
@@ -29,7 +32,7 @@ class Stager:
         """A host copy of `state` (its Stateful entries by their state_dict), in the kept
         buffers: valid until the next call."""
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        return self._stager.stage(plain)  # type: ignore[return-value]
+        return self._stager.stage(plain)
 
     def close(self) -> None:
         """Free the kept buffers."""

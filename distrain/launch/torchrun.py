@@ -32,6 +32,7 @@ from distrain.launch.lifeline import LAUNCHER_PID_ENV
 from distrain.launch.preempt import EXIT_PREEMPTED, STOP_SIGNALS, launcher_outcome
 from distrain.launch.rundir import HELD_BY_LAUNCHER_ENV, LOCK_NAME, RunDirLock
 from distrain.launch.worker_errors import reported
+from distrain.torch_compat import torchrun_shutdown_timeout
 
 WORKER_MODULE = "distrain.train"
 # torchrun's c10d rendezvous waits this long for more nodes once MIN have joined (its default, 30 s,
@@ -181,7 +182,7 @@ def torchrun_argv(plan: LaunchPlan, worker_argv: list[str]) -> list[str]:
         f"--nproc-per-node={plan.nproc}",
         f"--max-restarts={plan.max_restarts}",
         f"--signals-to-handle={AGENT_SIGNALS}",
-        f"--shutdown-timeout={plan.grace_s + SHUTDOWN_MARGIN_S}",
+        *torchrun_shutdown_timeout(plan.grace_s + SHUTDOWN_MARGIN_S),
         "--module",
         WORKER_MODULE,
         *worker_argv,

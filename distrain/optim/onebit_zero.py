@@ -43,6 +43,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from distrain import torch_compat
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import (
     CommStats,
@@ -168,7 +169,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if self.world == 1:
             mine.copy_(flat)
         else:
-            dist.reduce_scatter_single(mine, flat, group=self.group)
+            torch_compat.reduce_scatter_single(mine, flat, group=self.group)
         mark.stop()
         self._count(wire_bytes("reduce_scatter", flat.nbytes, self.world), self.numel, mark)
         return mine.div_(self.world)
@@ -229,7 +230,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if self.world == 1:
             return mine
         full = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(full, mine.contiguous(), group=self.group)
+        torch_compat.all_gather_single(full, mine.contiguous(), group=self.group)
         return full
 
     def _counted_all_gather(self, mine: torch.Tensor) -> torch.Tensor:

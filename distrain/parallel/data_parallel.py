@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain import torch_compat
 from distrain.config.schema import CommConfig
 from distrain.parallel.compress import (
     CommStats,
@@ -45,10 +46,9 @@ def apply_ddp(
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,
         # Buffers (the rotary table, an MoE router's bias) are equal on every rank: broadcasting
-        # them before each forward would be a collective per step for nothing. (They are still
-        # broadcast once when DDP is built; `broadcast_buffers=False` would skip that too, but
-        # torch 2.13 deprecates it with a warning in every log.)
-        forward_sync_buffers=False,
+        # them before each forward would be a collective per step for nothing (the keyword
+        # differs between torch releases: torch_compat).
+        **torch_compat.ddp_without_forward_buffer_sync(),
     )
 
 
