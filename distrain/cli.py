@@ -315,6 +315,19 @@ def prepare_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--eos", help="A token appended after each document, e.g. <|endoftext|> (default: none)."
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="For conversations (JSONL with messages, or prompt and completion): a Jinja chat "
+        "template file to render them with (default: the --tokenizer folder's own).",
+    )
+    parser.add_argument(
+        "--loss-on",
+        choices=("assistant", "all"),
+        default="assistant",
+        help="For conversations: the tokens that count for the loss, the assistant's answers "
+        "(the completion) or all (default: assistant).",
+    )
     parser.add_argument("--workers", type=int, default=None, help="Processes (default: all cores).")
     return parser
 
@@ -334,6 +347,8 @@ def cmd_prepare(argv: list[str]) -> None:
         workers=ns.workers or os.cpu_count() or 1,
         progress=True,
         shard_tokens=ns.shard_tokens,
+        chat_template=ns.chat_template,
+        loss_on=ns.loss_on,
     )
     s = result.sidecar
     print(

@@ -4,7 +4,9 @@ named validation sets of data.eval_sets (each read whole).
 Splits are lists of (start, end) token ranges into the one corpus array, so a memory-mapped token
 file is never copied: samples are sliced out of it by index when a batch is built. The tokens are
 an array, or a sharded dataset's stream (sharded.py), which reads its windows itself. With
-data.document_masking a batch also carries the samples' document ids (data/documents.py).
+data.document_masking a batch also carries the samples' document ids (data/documents.py). A token
+file of conversations has a loss mask (tokfile.py): the targets it does not count are
+IGNORE_INDEX, which the loss and its divisor (the count of targets >= 0) skip on every layout.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence, Sized
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from distrain.config.schema import DataConfig
-from distrain.data.corpus import DataError, read_corpus
-from distrain.data.documents import DocumentIndex, document_index, packed_sample
+from distrain.data.corpus import DataError, is_sharded, is_token_data, read_corpus
+from distrain.data.documents import DocumentIndex, document_index, drop_uncounted, packed_sample
+from distrain.data.tokfile import read_loss_mask, read_sidecar
 
 Ranges = list[tuple[int, int]]
 Batch = tuple[torch.Tensor, ...]
@@ -73,12 +77,15 @@ class TokenDataset:
         seq_len: int,
         *,
         documents: DocumentIndex | None = None,
+        loss_mask: np.ndarray | None = None,
     ) -> None:
         if seq_len <= 0:
             raise ValueError(f"training.seq_len must be > 0, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.documents = documents
+        self.loss_mask = loss_mask
+        """One uint8 a token (1: it counts for the loss), None when every token counts."""
         counts = [max(0, (end - start - 1) // seq_len) for start, end in ranges]
         self._range_starts = np.array([start for start, _ in ranges], dtype=np.int64)
         # _offsets[r] is the index of range r's first sample; empty ranges repeat an offset.
@@ -105,6 +112,13 @@ class TokenDataset:
         offsets = np.arange(self.seq_len + 1, dtype=np.int64)
         return np.asarray(self.tokens[starts[:, None] + offsets], np.int64)
 
+    def counted(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """uint8 [len(indices), seq_len + 1]: the loss mask of the samples' windows."""
+        assert self.loss_mask is not None
+        starts = self._window_starts(indices)
+        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        return np.asarray(self.loss_mask[starts[:, None] + offsets], np.uint8)
+
     def __getitem__(self, index: int) -> np.ndarray:
         return self._windows(self._window_starts([index]))[0]
 
@@ -119,21 +133,40 @@ class TokenDataset:
         windows = self.windows(indices)
         if self.documents is not None:
             parts = packed_sample(windows, self.document_ids(indices, windows))
-            return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
-        tensor = torch.from_numpy(windows)
-        return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
+        else:
+            parts = (windows[:, :-1], windows[:, 1:].copy())
+        if self.loss_mask is not None:
+            drop_uncounted(parts[1], self.counted(indices))
+        return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+
+
+def loss_mask_of(cfg: DataConfig, path: str, field: str = "data.path") -> np.ndarray | None:
+    """The loss mask of the prepared token file `path` (conversations), None when it has none.
+    Conversations need data.document_masking: packed ones must not attend to each other."""
+    if path == "" or is_sharded(path) or not Path(path).is_file():
+        return None
+    mask = read_loss_mask(Path(path), read_sidecar(Path(path)))
+    if mask is not None and not cfg.document_masking:
+        raise DataError(
+            f"{field} {path!r} holds conversations (a loss mask from `distrain prepare`); set "
+            "data.document_masking = true, so that the conversations packed into a sequence do "
+            "not attend to each other"
+        )
+    return mask
 
 
 def build_datasets(
-    cfg: DataConfig, seq_len: int, *, vocab_size: int | None = None
+    cfg: DataConfig, seq_len: int, *, vocab_size: int | None = None, documents: bool = True
 ) -> tuple[TokenDataset, TokenDataset]:
     """(train, val) datasets of the configured corpus; both must hold at least one sample, and
-    with `vocab_size` every token id must be below it."""
+    with `vocab_size` every token id must be below it. `documents` False: without document ids
+    (for counting samples)."""
     tokens = read_corpus(cfg, vocab_size=vocab_size)
-    documents = document_index(cfg, len(tokens)) if cfg.document_masking else None
+    index = document_index(cfg, len(tokens)) if cfg.document_masking and documents else None
+    mask = loss_mask_of(cfg, cfg.path) if is_token_data(cfg) else None
     train_ranges, val_ranges = split_tokens(tokens, cfg.val_fraction)
-    train = TokenDataset(tokens, train_ranges, seq_len, documents=documents)
-    val = TokenDataset(tokens, val_ranges, seq_len, documents=documents)
+    train = TokenDataset(tokens, train_ranges, seq_len, documents=index, loss_mask=mask)
+    val = TokenDataset(tokens, val_ranges, seq_len, documents=index, loss_mask=mask)
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"corpus too small for seq_len {seq_len}: {len(tokens)} tokens give {len(train)} "
@@ -148,7 +181,7 @@ def check_split(cfg: DataConfig, seq_len: int, global_batch_size: int) -> None:
     workers read it; token files are memory-mapped) splits into samples for validation and at
     least one global batch for training (`build_datasets`' and the loader's refusals, raised
     here instead of in every worker)."""
-    train, _ = build_datasets(dataclasses.replace(cfg, document_masking=False), seq_len)
+    train, _ = build_datasets(cfg, seq_len, documents=False)
     if len(train) < global_batch_size:
         raise too_small_for_a_batch(len(train), seq_len, global_batch_size)
 

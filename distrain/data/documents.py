@@ -56,6 +56,13 @@ def packed_sample(windows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, ...
     return windows[:, :-1], targets, ids[:, :-1]
 
 
+def drop_uncounted(targets: np.ndarray, counted: np.ndarray) -> None:
+    """Make the targets [B, T] whose token does not count for the loss IGNORE_INDEX, in place:
+    `counted` [B, T + 1] is the windows' loss mask (a conversation's: 0 off the assistant's
+    answers), so target t, token t + 1 of its window, counts where counted[:, t + 1] does."""
+    targets[counted[:, 1:] == 0] = IGNORE_INDEX
+
+
 def boundaries_file(cfg: DataConfig) -> Path | None:
     """The DATA.bin.docs.npy beside a token-file data.path, None when there is none."""
     if not is_token_data(cfg):

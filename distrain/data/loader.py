@@ -28,7 +28,7 @@ import torch
 
 from distrain.data.corpus import DataError
 from distrain.data.dataset import Batch, TokenDataset, too_small_for_a_batch
-from distrain.data.documents import packed_sample
+from distrain.data.documents import drop_uncounted, packed_sample
 from distrain.data.mixture import Mixture
 from distrain.observe.logs import LOGGER_NAME
 
@@ -107,6 +107,8 @@ class DistributedBatchLoader:
         windows = np.empty((share, self.seq_len + 1), dtype=np.int64)
         masked = self.mixture.sources[0].dataset.documents is not None
         ids = np.empty_like(windows) if masked else None
+        weighed = any(s.dataset.loss_mask is not None for s in self.mixture.sources)
+        counted = np.ones(windows.shape, np.uint8) if weighed else None
         after = positions.copy()
         for s, source in enumerate(self.mixture.sources):
             taken = choice == s
@@ -119,7 +121,12 @@ class DistributedBatchLoader:
                 windows[rows] = source.dataset.windows(samples)
                 if ids is not None:
                     ids[rows] = source.dataset.document_ids(samples, windows[rows])
+                if counted is not None and source.dataset.loss_mask is not None:
+                    counted[rows] = source.dataset.counted(samples)
         parts = (windows[:, :-1], windows[:, 1:]) if ids is None else packed_sample(windows, ids)
+        if counted is not None:
+            parts = (parts[0], parts[1].copy(), *parts[2:])
+            drop_uncounted(parts[1], counted)
         # numpy copies and zero-copy tensors: no torch op runs on this (possibly background)
         # thread, whose intra-op threads would compete with the step's.
         return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts), after

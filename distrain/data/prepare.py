@@ -6,6 +6,10 @@ The inputs are cut into units of work (a text file, a newline-aligned byte range
 a row range of a dataset) in a fixed order; workers tokenize units and the parent writes their
 tokens in unit order, so the output does not depend on the number of processes. A text file is
 one document, as are a JSONL line's and a dataset row's `--field` text.
+
+JSONL of conversations (records with `messages`, or `prompt` and `completion`: chat.py) is
+rendered with the tokenizer folder's chat template, each conversation one document, and the loss
+mask (which tokens count for the loss) is written beside the tokens (DATA.bin.mask).
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ from typing import Any, Literal
 import numpy as np
 from tqdm import tqdm
 
+from distrain.data.chat import ChatRenderer, LossOn, is_conversation
 from distrain.data.corpus import INDEX_NAME
 from distrain.data.shard_writer import ShardWriter
 from distrain.data.shards import ShardIndex
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from distrain.data.tokfile import Sidecar, docs_path, sidecar_path, token_dtype, write_sidecar
+from distrain.data.tokfile import (
+    Sidecar,
+    docs_path,
+    mask_path,
+    sidecar_path,
+    token_dtype,
+    write_sidecar,
+)
 from distrain.errors import ConfigError
 from distrain.files import open_new, write_atomic
 
@@ -74,9 +86,13 @@ def prepare(
     workers: int = 1,
     progress: bool = False,
     shard_tokens: int = 0,
+    chat_template: str | None = None,
+    loss_on: LossOn = "assistant",
 ) -> Prepared:
     """Tokenize `inputs` into `out` (+ its sidecar and document boundaries), or with
-    `shard_tokens` > 0 into the dataset folder `out`; see the module doc."""
+    `shard_tokens` > 0 into the dataset folder `out`; see the module doc. Conversations are
+    rendered with `chat_template` (a file; default: the tokenizer folder's template), and the
+    tokens of `loss_on` count for the loss."""
     start_time = time.perf_counter()
     out_path = Path(out)
     if shard_tokens < 0:
@@ -99,17 +115,40 @@ def prepare(
     units = list(_units(inputs, out_path, field=field, glob=glob, split=split))
     if not units:
         raise ConfigError(f"no input documents found in {inputs} (--glob {glob!r})")
+    chat = _is_chat(units, field)
+    if chat_template is not None and not chat:
+        raise ConfigError(
+            f"--chat-template: the inputs are not conversations (JSONL records with "
+            f"'messages', or 'prompt' and 'completion', and no {field!r})"
+        )
+    if chat:
+        if shard_tokens:
+            raise ConfigError(
+                "--shard-tokens: conversations are prepared into one token file (DATA.bin, with "
+                "its loss mask); drop --shard-tokens"
+            )
+        if eos is not None:
+            raise ConfigError(
+                "--eos: conversations end with the chat template's own tokens; drop --eos"
+            )
+        if any(u.kind != "jsonl" for u in units):
+            raise ConfigError(
+                "prepare: conversations come from JSONL files only; prepare text and "
+                "conversations into separate token files"
+            )
+        ChatRenderer(tokenizer, chat_template, loss_on)  # its refusals, before any worker
     dtype = token_dtype(tok.vocab_size)
     # One process uses one core: --workers alone sets the parallelism (tokenizers' own thread
     # pool would otherwise also take every core, in each worker).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    setup = (tokenizer, field, eos_id, dtype.str)
+    setup = (tokenizer, field, eos_id, dtype.str, (chat_template, loss_on) if chat else None)
     if shard_tokens:
         return _prepare_shards(
             units, setup, tok, out_path, shard_tokens, eos_id, workers, progress, start_time
         )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
+    mask_tmp = mask_path(out_path).with_name(mask_path(out_path).name + ".tmp")
     lengths: list[np.ndarray] = []
     bar = tqdm(
         total=sum(u.weight for u in units),
@@ -120,20 +159,29 @@ def prepare(
     )
     num_tokens = 0
     try:
-        with open_new(tmp, "wb") as sink, bar:
+        with (
+            open_new(tmp, "wb") as sink,
+            open_new(mask_tmp, "wb") if chat else io.BytesIO() as mask_sink,
+            bar,
+        ):
             results = _results(units, setup, workers)
-            for unit, (tokens, doc_lengths) in zip(units, results, strict=True):
+            for unit, (tokens, doc_lengths, mask) in zip(units, results, strict=True):
                 tokens.tofile(sink)
+                if mask is not None:
+                    mask_sink.write(mask.tobytes())
                 lengths.append(doc_lengths)
                 num_tokens += tokens.size
                 bar.update(unit.weight)
                 bar.set_postfix(tokens=num_tokens, refresh=False)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        mask_tmp.unlink(missing_ok=True)
         raise
     doc_lengths = np.concatenate(lengths)
     boundaries = np.concatenate([[0], np.cumsum(doc_lengths, dtype=np.int64)])
     tmp.replace(out_path)
+    if chat:
+        mask_tmp.replace(mask_path(out_path))
     docs = io.BytesIO()
     np.save(docs, boundaries)
     write_atomic(docs_path(out_path), docs.getvalue())
@@ -145,6 +193,7 @@ def prepare(
         num_tokens=num_tokens,
         num_documents=int(doc_lengths.size),
         eos_id=eos_id,
+        loss_mask=mask_path(out_path).name if chat else None,
     )
     write_sidecar(out_path, sidecar)  # last: a token file with a sidecar is complete
     return Prepared(sidecar, time.perf_counter() - start_time)
@@ -152,7 +201,7 @@ def prepare(
 
 def _prepare_shards(
     units: list[Unit],
-    setup: tuple[str, str, int | None, str],
+    setup: tuple,
     tok: Tokenizer,
     out: Path,
     shard_tokens: int,
@@ -178,7 +227,7 @@ def _prepare_shards(
     try:
         with bar:
             results = _results(todo, setup, workers)
-            for i, (unit, (tokens, lengths)) in enumerate(zip(todo, results, strict=True)):
+            for i, (unit, (tokens, lengths, _)) in enumerate(zip(todo, results, strict=True)):
                 writer.add(writer.resume_unit + i, tokens, lengths)
                 bar.update(unit.weight)
     except BaseException:
@@ -208,8 +257,8 @@ def _prepare_shards(
 
 
 def _results(
-    units: list[Unit], setup: tuple[str, str, int | None, str], workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    units: list[Unit], setup: tuple, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     if workers == 1:
         _init_worker(*setup)
         yield from map(_tokenize_unit, units)
@@ -225,6 +274,25 @@ def _results(
 
 
 # --- the inputs, cut into units (parent) ---
+
+
+def _is_chat(units: list[Unit], field: str) -> bool:
+    """The inputs are conversations: the first record of the first JSONL input is one (and has
+    no `field`, which would make it a text record)."""
+    for unit in units:
+        if unit.kind != "jsonl":
+            continue
+        with open(unit.path, "rb") as f:
+            f.seek(unit.start)
+            for line in f:
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        return False  # the reader names the line
+                    return is_conversation(record) and field not in record
+        return False
+    return False
 
 
 def _units(inputs: list[str], out: Path, *, field: str, glob: str, split: str) -> Iterator[Unit]:
@@ -305,8 +373,11 @@ def _dataset_split(path: str, split: str) -> Any:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: str, field: str, eos_id: int | None, dtype: str) -> None:
+def _init_worker(
+    spec: str, field: str, eos_id: int | None, dtype: str, chat: tuple[str | None, LossOn] | None
+) -> None:
     _worker.update(
+        chat=None if chat is None else ChatRenderer(spec, *chat),
         tokenizer=load_tokenizer(spec, "--tokenizer"),
         field=field,
         eos_id=eos_id,
@@ -315,8 +386,11 @@ def _init_worker(spec: str, field: str, eos_id: int | None, dtype: str) -> None:
     )
 
 
-def _tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
-    """(the unit's tokens, one length per document), documents in input order."""
+def _tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(the unit's tokens, one length per document, the loss mask of conversations or None),
+    documents in input order."""
+    if _worker["chat"] is not None:
+        return _render_unit(unit)
     texts = _read_unit(unit)
     tok: Tokenizer = _worker["tokenizer"]
     ids = tok.encode_batch(texts) if not isinstance(tok, ByteTokenizer) else map(tok.encode, texts)
@@ -324,7 +398,29 @@ def _tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     docs = [np.asarray(doc + eos, dtype=_worker["dtype"]) for doc in ids]
     lengths = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
     tokens = np.concatenate(docs) if docs else np.zeros(0, _worker["dtype"])
-    return tokens, lengths
+    return tokens, lengths, None
+
+
+def _render_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    renderer: ChatRenderer = _worker["chat"]
+    ids: list[int] = []
+    mask: list[int] = []
+    lengths = []
+    for record, where in _jsonl_records(unit):
+        if not is_conversation(record):
+            raise ConfigError(
+                f"prepare: {unit.path}: {where} is no conversation (a record with 'messages', "
+                "or 'prompt' and 'completion'), as the first record is"
+            )
+        doc, doc_mask = renderer.render(record, f"{unit.path}: {where}")
+        ids += doc
+        mask += doc_mask
+        lengths.append(len(doc))
+    return (
+        np.asarray(ids, dtype=_worker["dtype"]),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(mask, dtype=np.uint8),
+    )
 
 
 def _read_unit(unit: Unit) -> list[str]:
@@ -340,12 +436,11 @@ def _read_unit(unit: Unit) -> list[str]:
     return [_as_text(v, unit.path, f"row {unit.start + i}") for i, v in enumerate(values)]
 
 
-def _read_jsonl(unit: Unit) -> list[str]:
-    field = _worker["field"]
+def _jsonl_records(unit: Unit) -> Iterator[tuple[Any, str]]:
+    """(record, where) of each non-blank line of a JSONL unit."""
     with open(unit.path, "rb") as f:
         f.seek(unit.start)
         data = f.read(unit.stop - unit.start)
-    texts = []
     offset = unit.start
     for line in data.splitlines(keepends=True):
         where = f"the line at byte {offset}"
@@ -356,6 +451,13 @@ def _read_jsonl(unit: Unit) -> list[str]:
             record = json.loads(line)
         except ValueError as e:
             raise ConfigError(f"prepare: {unit.path}: {where} is not JSON ({e})") from None
+        yield record, where
+
+
+def _read_jsonl(unit: Unit) -> list[str]:
+    field = _worker["field"]
+    texts = []
+    for record, where in _jsonl_records(unit):
         if not isinstance(record, dict) or field not in record:
             raise ConfigError(
                 f"--field {field!r}: {unit.path}: {where} has no such key; name the text field "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from distrain.config.schema import DataConfig, SourceConfig, source_names
 from distrain.data.corpus import DataError, check_token_ids, is_sharded, read_token_file
-from distrain.data.dataset import TokenDataset, build_datasets, split_tokens
+from distrain.data.dataset import TokenDataset, build_datasets, loss_mask_of, split_tokens
 from distrain.data.documents import DocumentIndex, document_index
 from distrain.data.mixture import Mixture, Source, salt
 from distrain.data.order import Permutation, ShardWindows
@@ -111,8 +111,9 @@ def _source(
         check_token_ids(array, vocab_size, field)
     train_ranges, val_ranges = split_tokens(array, cfg.val_fraction)
     documents = _documents(cfg, spec.path, array.size, field)
-    train = TokenDataset(array, train_ranges, seq_len, documents=documents)
-    val = TokenDataset(array, val_ranges, seq_len, documents=documents)
+    mask = loss_mask_of(cfg, spec.path, field)
+    train = TokenDataset(array, train_ranges, seq_len, documents=documents, loss_mask=mask)
+    val = TokenDataset(array, val_ranges, seq_len, documents=documents, loss_mask=mask)
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"{field}: {array.size} tokens give {len(train)} train and {len(val)} validation "

@@ -1,6 +1,8 @@
 """Prepared token files: DATA.bin (raw token ids, uint16 or uint32 by vocabulary size) beside
 DATA.bin.json, its sidecar (tokenizer, vocabulary size, token count, element type) and
 DATA.bin.docs.npy (int64 document boundaries: document i is tokens [docs[i], docs[i + 1])).
+Conversations (chat.py) also have DATA.bin.mask, named by the sidecar's `loss_mask`: one uint8 a
+token, 1 where the token counts for the loss (is a target), 0 where it does not.
 
 The sidecar is written last, so a token file with a sidecar is complete. Training reads the
 element type from it and refuses data prepared with another tokenizer than data.tokenizer.
@@ -31,6 +33,8 @@ class Sidecar:
     num_tokens: int
     num_documents: int
     eos_id: int | None = None
+    loss_mask: str | None = None
+    """The file name (beside the token file) of the loss mask, None when every token counts."""
     format: str = FORMAT
     version: int = VERSION
 
@@ -46,6 +50,10 @@ def sidecar_path(data: Path) -> Path:
 
 def docs_path(data: Path) -> Path:
     return data.with_name(data.name + ".docs.npy")
+
+
+def mask_path(data: Path) -> Path:
+    return data.with_name(data.name + ".mask")
 
 
 def write_sidecar(data: Path, sidecar: Sidecar) -> None:
@@ -83,3 +91,23 @@ def check_tokenizer(data: Path, sidecar: Sidecar, tokenizer: Tokenizer) -> None:
         f"{sidecar.vocab_size}) but data.tokenizer is {tokenizer.spec!r} (vocab "
         f"{tokenizer.vocab_size}); set data.tokenizer = {sidecar.tokenizer!r}"
     )
+
+
+def read_loss_mask(data: Path, sidecar: Sidecar | None) -> np.ndarray | None:
+    """The loss mask of token file `data` (a read-only uint8 memmap of num_tokens entries, 1 where
+    a token counts for the loss), None when its sidecar names none."""
+    if sidecar is None or sidecar.loss_mask is None:
+        return None
+    name = Path(sidecar.loss_mask).name  # beside the token file, never elsewhere
+    path = data.with_name(name)
+    size = path.stat().st_size if path.is_file() else -1
+    if size != sidecar.num_tokens:
+        found = "is missing" if size < 0 else f"holds {size} entries"
+        raise ConfigError(
+            f"data.path {str(data)!r}: its loss mask {str(path)!r} {found}, its sidecar says "
+            f"{sidecar.num_tokens} tokens; the files are incomplete or were changed: prepare "
+            "them again"
+        )
+    if size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
