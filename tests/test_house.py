@@ -8,7 +8,7 @@ a module, at module level, inside a function or under `if TYPE_CHECKING`. A func
 import still ties the two modules together (it only defers the tie to call time, and hides a
 circle rather than removing it), so circles and layers count it too. One exception: importing
 the package root itself (`import distrain`, for `__file__`) ties nothing, since
-its `__init__` imports no distrain module at module level (checked here) and runs before any
+its `__init__` imports only the version leaf at module level (checked here) and runs before any
 submodule anyway.
 """
 
@@ -33,8 +33,8 @@ ROOT_FILES = {
 # code: the comment says what pulls a component above the layer below it.
 LAYERS: dict[str, int] = {
     "errors": 0,  # the shared leaves: everyone's one-line errors and torch's API differences
-    "torch_compat": 0,
     "version": 0,  # what records or prints the version imports it, not the package root
+    "torch_compat": 1,  # its release checks read the version's torch range (version)
     "files": 1,  # writes that refuse planted symlinks raise a one-line error (errors)
     "config": 2,
     "family": 3,  # what a model family is to everyone else (its spec reads the [model] section)
@@ -148,9 +148,11 @@ def test_no_circle_of_imports_between_modules():
     assert _circles(_imports()) == []
 
 
-def test_the_package_root_imports_no_distrain_module_at_module_level():
-    # What lets every module `import distrain` for its version: the root binds names only.
-    assert _imports(module_level_only=True)["distrain"] == set()
+def test_the_package_root_imports_only_the_version_leaf_at_module_level():
+    # The root binds names, and refuses a torch outside the range (version.py, a leaf that
+    # imports nothing of distrain): importing it ties no component to another.
+    assert _imports(module_level_only=True)["distrain"] <= {"distrain.version"}
+    assert _imports()["distrain.version"] == set()
 
 
 def test_every_component_has_a_layer():

@@ -43,7 +43,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from distrain import torch_compat
 from distrain.parallel import comm_clock
 from distrain.parallel.compress import (
     CommStats,
@@ -54,6 +53,7 @@ from distrain.parallel.compress import (
     wire_bytes,
 )
 from distrain.parallel.grad_norm import clip_coefficient, clip_grad_norm
+from distrain.torch_compat import all_gather_single, reduce_scatter_single
 
 _ERROR_KEYS = ("worker_error", "server_error")
 _MISSING_GRADIENT = "1-bit Adam under ZeRO updates every parameter; a parameter got no gradient"
@@ -169,7 +169,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if self.world == 1:
             mine.copy_(flat)
         else:
-            torch_compat.reduce_scatter_single(mine, flat, group=self.group)
+            reduce_scatter_single(mine, flat, group=self.group)
         mark.stop()
         self._count(wire_bytes("reduce_scatter", flat.nbytes, self.world), self.numel, mark)
         return mine.div_(self.world)
@@ -230,7 +230,7 @@ class OneBitZeroAdam(torch.optim.Optimizer):
         if self.world == 1:
             return mine
         full = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        torch_compat.all_gather_single(full, mine.contiguous(), group=self.group)
+        all_gather_single(full, mine.contiguous(), group=self.group)
         return full
 
     def _counted_all_gather(self, mine: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from distrain import torch_compat
 from distrain.parallel.attention_blocks import (
     BLOCK,
     Block,
@@ -54,6 +53,7 @@ from distrain.parallel.attention_blocks import (
     work_dtype,
 )
 from distrain.parallel.ring_attention import RingAttention
+from distrain.torch_compat import all_gather_single, reduce_scatter_single
 
 
 def gathered_to_sequence(gathered: torch.Tensor, size: int) -> torch.Tensor:
@@ -151,13 +151,13 @@ class _GatherChunks(torch.autograd.Function):
         size = dist.get_world_size(group)
         # The concatenated [size x B, ...] output: gloo accepts no stacked [size, B, ...] one.
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        torch_compat.all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         local = grad.new_empty(grad.shape[1:])
-        torch_compat.reduce_scatter_single(local, grad.contiguous().flatten(0, 1), group=ctx.group)
+        reduce_scatter_single(local, grad.contiguous().flatten(0, 1), group=ctx.group)
         return local, None
 
 

@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain import torch_compat
 from distrain.config.schema import CommConfig
 from distrain.parallel.compress import (
     CommStats,
@@ -27,6 +26,7 @@ from distrain.parallel.compress import (
 )
 from distrain.parallel.experts import expert_modules
 from distrain.parallel.mesh import ParallelDims, node_groups
+from distrain.torch_compat import ddp_without_forward_buffer_sync
 
 
 def apply_ddp(
@@ -48,7 +48,7 @@ def apply_ddp(
         # Buffers (the rotary table, an MoE router's bias) are equal on every rank: broadcasting
         # them before each forward would be a collective per step for nothing (the keyword
         # differs between torch releases: torch_compat).
-        **torch_compat.ddp_without_forward_buffer_sync(),
+        **ddp_without_forward_buffer_sync(),
     )
 
 
