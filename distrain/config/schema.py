@@ -152,6 +152,31 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """LoRA fine-tuning (models/lora.py): rank 0 (the default) trains every weight."""
+
+    rank: int = doc(
+        0,
+        "Rank r of the low-rank adapters; 0 = off (full fine-tuning). > 0: the base weights "
+        "are frozen and only the adapters train (the optimizer and the checkpoint hold only "
+        "them; the base comes from model.init_from, or the seed, at each start).",
+        AT_LEAST_0,
+    )
+    alpha: float = doc(
+        16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.", POSITIVE
+    )
+    dropout: float = doc(
+        0.0, "Dropout on the adapters' input (0 = none; peft's lora_dropout).", BETA
+    )
+    target_modules: str = doc(
+        "q_proj,v_proj",
+        "Comma-separated linear layers to adapt, by module name or its last parts (peft's "
+        "target_modules): the family's Hugging Face names (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj) or distrain's (wq, wk, wv, wo, w_gate, w_up, w_down).",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class EvalSetConfig:
     """A named validation set evaluated at each validation pass besides the training data's
     own held-out split (`[[data.eval_sets]]` in TOML): read whole, with the run's tokenizer."""
@@ -746,6 +771,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     comm: CommConfig = field(default_factory=CommConfig)

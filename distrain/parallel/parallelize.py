@@ -1,7 +1,8 @@
 """Applying a parallel layout to a plain model, in one fixed order: `parallelize`, which returns
 the finished `ParallelModel` (model.py) of this rank.
 
-build on meta -> pipeline split (pp) -> context parallel (cp) -> tensor/sequence parallel (tp)
+build on meta -> pipeline split (pp) -> LoRA adapters (lora.rank > 0: models/lora.py) ->
+context parallel (cp) -> tensor/sequence parallel (tp)
 -> expert parallel (ep) -> activation checkpointing -> compile -> FSDP2 (ZeRO 2/3, and whenever
 tp/pp/ep is on) -> materialize + seeded init (identical values under every layout) -> DDP
 (ZeRO 0/1).
@@ -22,6 +23,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.errors import ConfigError
+from distrain.models.lora import (
+    apply_lora,
+    base_source,
+    init_lora,
+    lora_targets,
+    place_lora_under_tp,
+)
 from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from distrain.parallel.compile import apply_compile
 from distrain.parallel.compress import CommStats
@@ -58,7 +66,13 @@ def parallelize(
         with torch.device("meta"):
             meta_model = spec.build(plan.model)
     moe_settings = spec.moe_settings(plan.model)
+    lora = plan.config.lora
+    if lora.rank:
+        # Refused here, on the whole model, when a target names none of its linears.
+        lora_targets(meta_model, spec, plan.model, lora.target_modules)
     parts, stage_ids, num_stages, microbatches = cut_stages(meta_model, plan, mesh)
+    for part in parts:
+        apply_lora(part, spec, plan.model, lora, strict=False)
     if ep_mesh is None and dims.ep > 1:
         ep_mesh = dims.build_ep_mesh(device.type, timeout_s=comm.collective_timeout_s)
     # Whole-model compile only where nothing inside the model would be traced across blocks.
@@ -205,6 +219,7 @@ def _apply_layout(
         from distrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(part, mesh["tp"], sequence_parallel=p.sequence_parallel, spec=spec)
+        place_lora_under_tp(part)
     if ep_mesh is not None:
         from distrain.parallel.experts import apply_expert_parallel
 
@@ -225,7 +240,8 @@ def _materialize(parts: list[nn.Module], plan: RunPlan, device: torch.device) ->
                 f"model.init_from: the {spec.name!r} model family reads no pretrained weights; "
                 "remove model.init_from"
             )
-        source = spec.hf.source(plan.init_from, plan.model)
+        source = base_source(spec.hf.source(plan.init_from, plan.model))
     for part in parts:
         part.to_empty(device=device)
         spec.init_weights(part, plan.model, plan.training.seed, source=source)
+        init_lora(part, plan.training.seed)

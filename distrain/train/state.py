@@ -23,21 +23,31 @@ from distrain.errors import CheckpointError
 from distrain.optim.diloco import DiLoCo
 from distrain.optim.diloco_resume import site_change_problem
 from distrain.parallel.mesh import ParallelDims
+from distrain.torch_compat import canonical_name
 from distrain.train.rng import rng_state, set_rng_state
 
 
 class ModelState(Stateful):
-    """All model parts' weights under their original names, so any layout can load them."""
+    """All model parts' weights under their original names, so any layout can load them. Frozen
+    parameters (a LoRA run's base weights: lora.rank > 0) are left out: each start makes them
+    again from model.init_from (or the seed), so the checkpoint holds only what trains."""
 
     def __init__(self, parts: list[torch.nn.Module]):
         self.parts = parts
 
     def state_dict(self) -> dict:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        return {k: v for part in self.parts for k, v in _trained_state(part).items()}
 
     def load_state_dict(self, state: dict) -> None:
         for part in self.parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+def _trained_state(part: torch.nn.Module) -> dict:
+    """`part`'s model state dict without its frozen parameters."""
+    frozen = {canonical_name(n) for n, p in part.named_parameters() if not p.requires_grad}
+    state = get_model_state_dict(part)
+    return {k: v for k, v in state.items() if k not in frozen} if frozen else state
 
 
 class SiteState(SavedLayoutAware):
