@@ -440,17 +440,21 @@ EXPORT_SHARD_MB = 2048
 def export_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="distrain export",
-        description="A run's checkpoint as a Hugging Face model folder (transformers loads it) "
-        "or a torch.export program.",
+        description="A run's checkpoint as a Hugging Face model folder (transformers loads it; "
+        "a LoRA run's with its adapters merged), a PEFT adapter folder (a LoRA run's adapters, "
+        "which peft loads onto the base model) or a torch.export program.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     parser.add_argument(
         "--format",
-        choices=("hf", "torch-export"),
+        choices=("hf", "peft", "torch-export"),
         default="hf",
-        help="hf: a Hugging Face folder (safetensors); torch-export: a .pt2 program.",
+        help="hf: a Hugging Face folder (safetensors); peft: a LoRA run's adapter folder; "
+        "torch-export: a .pt2 program.",
     )
-    parser.add_argument("--out", required=True, help="Folder (hf) or .pt2 file (torch-export).")
+    parser.add_argument(
+        "--out", required=True, help="Folder (hf, peft) or .pt2 file (torch-export)."
+    )
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: newest).")
     parser.add_argument(
         "--dtype", choices=EXPORT_DTYPES, default="fp32", help="Weight type of an hf export."
@@ -467,7 +471,7 @@ def cmd_export(argv: list[str]) -> None:
     ns = parser.parse_args(argv)
     if ns.shard_mb <= 0:
         parser.error(f"--shard-mb must be > 0, got {ns.shard_mb}")
-    from distrain.interop.export import export_hf, export_program
+    from distrain.interop.export import export_hf, export_peft, export_program
 
     if ns.format == "hf":
         out = export_hf(
@@ -477,6 +481,10 @@ def cmd_export(argv: list[str]) -> None:
             dtype=ns.dtype,
             shard_mb=ns.shard_mb,
             checkpoint_dir=ns.checkpoint_dir,
+        )
+    elif ns.format == "peft":
+        out = export_peft(
+            Path(ns.run_dir), Path(ns.out), step=ns.step, checkpoint_dir=ns.checkpoint_dir
         )
     else:
         out = export_program(

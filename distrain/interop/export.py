@@ -1,4 +1,7 @@
-"""`distrain export`: a run's checkpoint as a Hugging Face model folder or a torch.export program.
+"""`distrain export`: a run's checkpoint as a Hugging Face model folder, a PEFT adapter folder (a
+LoRA run's) or a torch.export program. A LoRA run (lora.rank > 0) exports its base weights, made
+again from model.init_from (or the seed), with its adapters merged (hf), or its adapters alone
+(peft).
 
 The Hugging Face export streams: it reads the checkpoint's metadata (names, shapes), writes each
 safetensors shard's header from it, then loads tensors from the DCP checkpoint (whatever layout
@@ -29,12 +32,13 @@ from distrain.checkpoint.load import _safe_reader, load
 from distrain.checkpoint.manifest import Entry, committed, verify
 from distrain.checkpoint.storage import Storage
 from distrain.config.io import load_config, run_config_file
-from distrain.config.schema import Config, DataConfig, ModelConfig
+from distrain.config.schema import Config, DataConfig
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.files import copy_file
 from distrain.launch.rundir import run_id
 from distrain.models.hf_files import INDEX_FILE, HfTensor
+from distrain.models.lora import apply_lora, base_source, init_lora, merge_lora, peft_tensors
 from distrain.models.registry import (
     build_model,
     family_name,
@@ -181,6 +185,11 @@ def export_hf(
             "export a torch.export program instead (--format torch-export)"
         )
     args = model_args(cfg.model)
+    torch_dtype = DTYPES[dtype]
+    if cfg.lora.rank:  # the adapters merged into the base weights
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _export_merged(cfg, storage, run_dir, out_dir, step=step, dtype=torch_dtype)
+        return _finish_hf(cfg, family, args, out_dir, torch_dtype)
     specs = family.hf.tensors(args)
     entry = _checkpoint(storage, run_dir, step)
     metadata = _safe_reader(storage, entry.path).read_metadata()
@@ -193,7 +202,6 @@ def export_hf(
     missing = [n for s in specs for n in s.names if n not in shapes]
     if missing:
         raise CheckpointError(f"export: checkpoint {entry.path} lacks model tensors {missing[:3]}")
-    torch_dtype = DTYPES[dtype]
     out_dir.mkdir(parents=True, exist_ok=True)
 
     shards = _plan_shards(specs, shapes, torch_dtype, shard_mb * 2**20)
@@ -214,6 +222,13 @@ def export_hf(
     (out_dir / INDEX_FILE).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
+    return _finish_hf(cfg, family, args, out_dir, torch_dtype)
+
+
+def _finish_hf(
+    cfg: Config, family: Any, args: Any, out_dir: Path, torch_dtype: torch.dtype
+) -> Path:
+    """config.json, generation_config.json and the tokenizer's files of an hf export."""
     (out_dir / "config.json").write_text(
         json.dumps(family.hf.config(args, dtype=torch_dtype), indent=2)
     )
@@ -272,23 +287,110 @@ def _copy_tokenizer(data: DataConfig, out_dir: Path) -> None:
 def load_run_model(
     run_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
 ) -> tuple[nn.Module, int]:
-    """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step."""
+    """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step (a
+    LoRA run's with its adapters merged into the base weights)."""
     cfg, storage = _run_config(run_dir, checkpoint_dir)
-    return _model_at(cfg.model, storage, run_dir, step)
+    model, step_ = _model_at(cfg, storage, run_dir, step)
+    return (merge_lora(model) if cfg.lora.rank else model), step_
 
 
 def _model_at(
-    model_cfg: ModelConfig, storage: Storage, run_dir: Path, step: int | None
+    cfg: Config, storage: Storage, run_dir: Path, step: int | None
 ) -> tuple[nn.Module, int]:
-    """The model of `model_cfg` at the run's newest (or `step`'s) checkpoint in `storage`."""
+    """The model of `cfg` at the run's newest (or `step`'s) checkpoint in `storage`. A LoRA run's
+    checkpoint holds only its adapters: its base weights are made again as training made them
+    (model.init_from, or the seeded init), its adapters (`LoRALinear`s) loaded."""
     entry = _checkpoint(storage, run_dir, step)
+    model_cfg = cfg.model
     model = build_model(model_cfg)
-    model.to_empty(device="cpu")
-    state = {MODEL_KEY: model.state_dict()}
-    _quiet_load(storage, entry, state)
-    model.load_state_dict(state[MODEL_KEY])
+    if cfg.lora.rank:
+        family, args = model_family(family_name(model_cfg)), model_args(model_cfg)
+        apply_lora(model, family, args, cfg.lora)
+        model.to_empty(device="cpu")
+        source = None
+        if model_cfg.init_from:
+            assert family.hf is not None
+            source = base_source(family.hf.source(model_cfg.init_from, args))
+        family.init_weights(model, args, cfg.training.seed, source=source)
+        init_lora(model, cfg.training.seed)
+        state = {MODEL_KEY: {n: p.data for n, p in model.named_parameters() if p.requires_grad}}
+        _quiet_load(storage, entry, state)
+        model.load_state_dict(state[MODEL_KEY], strict=False)
+    else:
+        model.to_empty(device="cpu")
+        state = {MODEL_KEY: model.state_dict()}
+        _quiet_load(storage, entry, state)
+        model.load_state_dict(state[MODEL_KEY])
     logging.getLogger(LOGGER).info("export: loaded %s", entry.path)
     return model.eval(), entry.step
+
+
+def export_peft(
+    run_dir: Path, out_dir: Path, *, step: int | None = None, checkpoint_dir: str | None = None
+) -> Path:
+    """Write a LoRA run's adapters as a PEFT adapter folder (adapter_config.json and
+    adapter_model.safetensors under peft's key names), which
+    `peft.PeftModel.from_pretrained(<the model.init_from model>, out_dir)` loads; returns
+    `out_dir`."""
+    cfg, storage = _run_config(run_dir, checkpoint_dir)
+    if not cfg.lora.rank:
+        raise ConfigError(
+            "export --format peft: the run trained every weight (lora.rank = 0); export it "
+            "with --format hf"
+        )
+    family = model_family(family_name(cfg.model))
+    if family.hf is None:
+        raise ConfigError(f"export: the {family.name!r} model family has no Hugging Face names")
+    args = model_args(cfg.model)
+    model, _ = _model_at(cfg, storage, run_dir, step)
+    tensors, targets, fan_in_fan_out = peft_tensors(model, family, args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    base = cfg.model.init_from
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base[len("hf:") :] if base.startswith("hf:") else None,
+        "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha,
+        "lora_dropout": cfg.lora.dropout,
+        "target_modules": targets,
+        "fan_in_fan_out": fan_in_fan_out,
+        "bias": "none",
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def _export_merged(cfg: Config, storage: Storage, run_dir: Path, out_dir: Path, **how: Any) -> None:
+    """A LoRA run's model, adapters merged, as the safetensors file and index of a Hugging Face
+    folder (the model in memory: a fine-tuned one fits)."""
+    family = model_family(family_name(cfg.model))
+    assert family.hf is not None
+    model, _ = _model_at(cfg, storage, run_dir, how["step"])
+    state = {k: v.detach() for k, v in merge_lora(model).state_dict().items()}
+    specs = family.hf.tensors(model_args(cfg.model))
+    shapes = {n: list(state[n].shape) for s in specs for n in s.names}
+    ((shard,),) = [_plan_shards(specs, shapes, how["dtype"], float("inf"))]
+    name = "model-00001-of-00001.safetensors"
+    total = 0
+    with open(out_dir / name, "wb") as f:
+        f.write(_header(shard, how["dtype"]))
+        for spec, _ in shard:
+            value = spec.to_hf([state[n] for n in spec.names]).to(how["dtype"])
+            _write_tensor(f, value)
+            total += value.nbytes
+    weight_map = {spec.hf_name: name for spec, _ in shard}
+    (out_dir / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
 
 
 def export_program(
@@ -296,8 +398,8 @@ def export_program(
 ) -> Path:
     """Write a torch.export program of the run's model (token ids [B, T] -> logits [B, T, V])
     with dynamic batch size and sequence length up to max_seq_len; returns `out_file`."""
-    cfg, storage = _run_config(run_dir, checkpoint_dir)
-    model, _ = _model_at(cfg.model, storage, run_dir, step)
+    model, _ = load_run_model(run_dir, step=step, checkpoint_dir=checkpoint_dir)
+    cfg, _ = _run_config(run_dir, checkpoint_dir)
     max_seq_len = model_shape(cfg.model).max_seq_len
     seq = min(max_seq_len, 8)
     example = torch.zeros(2, seq, dtype=torch.long)

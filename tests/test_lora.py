@@ -1,0 +1,172 @@
+"""LoRA fine-tuning (models/lora.py, the [lora] section): a run trains only its adapters (the
+optimizer and the checkpoint hold nothing else), its adapters exported as a PEFT folder give
+transformers + peft distrain's logits, its merged export gives transformers them too, and a
+dp2 run has the 1-process run's losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import losses, train_cli, train_in_process
+from test_hf_interop import LOGIT_TOL, RUN, _hf_configs, _hf_logits, _tokens
+from test_parity import assert_parity
+
+from distrain.config.schema import ConfigError, LoRAConfig
+from distrain.interop.export import (
+    _model_at,
+    _run_config,
+    export_hf,
+    export_peft,
+    load_run_model,
+)
+from distrain.models.decoder.model import Decoder
+from distrain.models.lora import LoRALinear, apply_lora, lora_init_value
+from distrain.models.registry import model_args, model_family
+from distrain.observe.metrics import read_metrics
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ALL_LINEARS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+LORA = {
+    "lora__rank": 4,
+    "lora__alpha": 8.0,
+    "lora__target_modules": ALL_LINEARS,
+    # Large enough steps that the adapters move well away from their init (B = 0).
+    "optim__lr": 0.01,
+}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A saved random transformers Llama, every weight perturbed (as test_hf_interop's)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_configs()["llama"])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_run(llama_dir, tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """(run dir, losses) of a 1-process LoRA fine-tune of the transformers Llama."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    rows = train_in_process(
+        run, **RUN, **LORA, model__family="llama", model__init_from=f"hf:{llama_dir}"
+    )
+    return run, losses(rows)
+
+
+def _checkpoint_keys(run: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (step,) = sorted((run / "checkpoints").glob("step-*"))[-1:]
+    return list(FileSystemReader(str(step)).read_metadata().state_dict_metadata)
+
+
+def test_only_the_adapters_train_and_are_saved(lora_run):
+    """The checkpoint's model entries and the optimizer's moments are the adapters' alone (2 per
+    adapted linear: 7 linears x 2 blocks), and the adapters moved from their init."""
+    run, _ = lora_run
+    keys = _checkpoint_keys(run)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 2 * 7 * 2
+    assert all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), model_keys
+    moments = [k for k in keys if k.startswith("optim.") and "exp_avg" in k]
+    assert moments and all(".lora_" in k for k in moments), moments
+    cfg, storage = _run_config(run, None)
+    model, _ = _model_at(cfg, storage, run, None)
+    b = model.blocks["0"].attn.wq.lora_B
+    assert b.abs().max() > 1e-3
+
+
+def test_peft_adapter_gives_distrain_logits(lora_run, llama_dir, tmp_path):
+    run, _ = lora_run
+    out = export_peft(run, tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert sorted(config["target_modules"]) == sorted(ALL_LINEARS.split(","))
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, out).eval()
+    cfg, storage = _run_config(run, None)
+    model, _ = _model_at(cfg, storage, run, None)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens)
+        got = tuned(tokens).logits
+        with tuned.disable_adapter():
+            plain = tuned(tokens).logits
+    assert (plain - want).abs().max() > 1e-3  # the adapter changes the logits
+    print(f"peft vs distrain: max |logit difference| {(got - want).abs().max():.2e}")
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
+
+
+def test_merged_export_gives_distrain_logits(lora_run, llama_dir, tmp_path):
+    run, _ = lora_run
+    """transformers' logits of the merged export (W + scaling B A) equal distrain's of the
+    adapted model it trained; load_run_model gives the merged model too."""
+    out = export_hf(run, tmp_path / "hf")
+    merged, _ = load_run_model(run)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    cfg, storage = _run_config(run, None)
+    model, _ = _model_at(cfg, storage, run, None)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens)
+        torch.testing.assert_close(merged(tokens), want, rtol=0, atol=LOGIT_TOL)
+        got = _hf_logits(out, tokens)
+        print(f"merged vs distrain: max |logit difference| {(got - want).abs().max():.2e}")
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
+        assert (_hf_logits(llama_dir, tokens) - want).abs().max() > 1e-3
+
+
+def test_adapters_start_as_peft_makes_them():
+    """A is kaiming-uniform within peft's bound 1 / sqrt(in) and B is zero, so the adapted
+    model starts as the base model; the names' values differ from one another."""
+    a = lora_init_value("blocks.0.attn.wq.lora_A", torch.Size([4, 64]), seed=0)
+    assert a.abs().max() <= 1 / 8 and a.abs().max() > 0.1
+    assert not torch.equal(a, lora_init_value("blocks.0.attn.wk.lora_A", a.shape, seed=0))
+    assert not lora_init_value("blocks.0.attn.wq.lora_B", torch.Size([64, 4]), seed=0).any()
+
+
+def test_targets_by_hf_or_distrain_name_and_unknown_ones_refused():
+    spec = model_family("llama")
+    args = model_args(_model_config())
+    with torch.device("meta"):
+        model = Decoder(args)
+    cfg = LoRAConfig(rank=2, target_modules="self_attn.q_proj,wv")
+    assert apply_lora(model, spec, args, cfg) == [
+        f"blocks.{i}.attn.{w}" for i in range(args.n_layers) for w in ("wq", "wv")
+    ]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"blocks.{i}.attn.{w}.lora_{ab}"
+        for i in range(args.n_layers)
+        for w in ("wq", "wv")
+        for ab in "AB"
+    }
+    with torch.device("meta"):
+        model = Decoder(args)
+    with pytest.raises(ConfigError, match="lora.target_modules: qkv_proj names none"):
+        apply_lora(model, spec, args, LoRAConfig(rank=2, target_modules="q_proj,qkv_proj"))
+
+
+def _model_config():
+    from distrain.config.schema import ModelConfig
+
+    return ModelConfig(family="llama", preset="llama-tiny")
+
+
+@pytest.mark.slow
+def test_dp2_lora_matches_one_process(lora_run, llama_dir, tmp_path):
+    run = tmp_path / "dp2"
+    result = train_cli(
+        run, 2, **RUN, **LORA, model__family="llama", model__init_from=f"hf:{llama_dir}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_parity(losses(read_metrics(run / "metrics.jsonl")), lora_run[1])
