@@ -170,3 +170,57 @@ def test_dp2_lora_matches_one_process(lora_run, llama_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_parity(losses(read_metrics(run / "metrics.jsonl")), lora_run[1])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_adapters_sit_beside_tp_shards(sequence_parallel):
+    """Under tp's styles (here on a 1-rank mesh: the DTensor code paths, not the split), A and
+    B are placed as their base weight asks, the base stays frozen (sequence parallelism makes
+    new norm weights), and the logits and gradients are those of the plain adapted model."""
+    from helpers import process_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distrain.models.decoder.model import init_weights
+    from distrain.models.lora import frozen_names, init_lora, place_lora_under_tp
+    from distrain.parallel.tensor import apply_tensor_parallel
+
+    spec, args = model_family("llama"), model_args(_model_config())
+    cfg = LoRAConfig(rank=4, target_modules=ALL_LINEARS)
+    want_model = Decoder(args)
+    apply_lora(want_model, spec, args, cfg)
+    init_weights(want_model, args, 0)
+    init_lora(want_model, 0)
+    with torch.no_grad():
+        for name, p in want_model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_()
+    tokens = _tokens(seq=16)
+    with process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        with torch.device("meta"):
+            model = Decoder(args)
+        apply_lora(model, spec, args, cfg)
+        frozen = frozen_names(model)
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, spec=spec)
+        place_lora_under_tp(model, frozen)
+        model.to_empty(device="cpu")
+        init_weights(model, args, 0)
+        init_lora(model, 0)
+        wq, w_down = model.blocks["0"].attn.wq, model.blocks["0"].mlp.w_down
+        assert (wq.lora_A.placements, wq.lora_B.placements) == ((Replicate(),), (Shard(0),))
+        assert (w_down.lora_A.placements, w_down.lora_B.placements) == ((Shard(1),), (Replicate(),))
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), want_model.parameters(), strict=True):
+                if name.endswith("lora_B"):
+                    p.to_local().copy_(q)
+        got = model(tokens)
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        want = want_model(tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
+        got.sum().backward()
+        want.sum().backward()
+        trained = {n for n, p in model.named_parameters() if p.grad is not None}
+        assert trained == {n for n, p in want_model.named_parameters() if p.requires_grad}
+        grad = model.blocks["1"].mlp.w_down.lora_A.grad.full_tensor()
+        torch.testing.assert_close(grad, want_model.blocks["1"].mlp.w_down.lora_A.grad)

@@ -45,11 +45,15 @@ class LoRALinear(nn.Linear):
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     scaling: float
-    lora_dropout: nn.Module
+    # A probability, not an nn.Dropout submodule: torch's row-wise tensor-parallel style
+    # partitions every submodule of the linear as if it were one.
+    lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        low = F.linear(self.lora_dropout(x), self.lora_A)
+        if self.lora_dropout:
+            x = F.dropout(x, self.lora_dropout, self.training)
+        low = F.linear(x, self.lora_A)
         return out + F.linear(low, self.lora_B) * self.scaling
 
 
@@ -142,16 +146,26 @@ def apply_lora(
             torch.empty(linear.out_features, cfg.rank, device=device, dtype=dtype)
         )
         linear.scaling = cfg.alpha / cfg.rank
-        linear.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        linear.lora_dropout = cfg.dropout
     return paths
 
 
-def place_lora_under_tp(model: nn.Module) -> None:
-    """After tensor parallelism: A and B of each adapter whose base weight is sharded, laid out
-    so that B A x is computed as W x is (column-wise W [Shard(0)]: A replicated, B Shard(0);
-    row-wise W [Shard(1)]: A Shard(1), B replicated; its partial sums are reduced with W's)."""
+def frozen_names(model: nn.Module) -> set[str]:
+    """The canonical names of `model`'s frozen parameters."""
+    return {canonical_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def place_lora_under_tp(model: nn.Module, frozen: set[str]) -> None:
+    """After tensor parallelism: the parameters frozen before it (`frozen_names`) frozen again
+    (torch's sequence-parallel style makes new, trainable, norm weights), and A and B of each
+    adapter whose base weight is sharded laid out so that B A x is computed as W x is
+    (column-wise W [Shard(0)]: A replicated, B Shard(0); row-wise W [Shard(1)]: A Shard(1), B
+    replicated; its partial sums are reduced with W's)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+    for name, param in model.named_parameters():
+        if canonical_name(name) in frozen:
+            param.requires_grad_(False)
     for module in model.modules():
         if not isinstance(module, LoRALinear) or not isinstance(module.weight, DTensor):
             continue
@@ -163,8 +177,8 @@ def place_lora_under_tp(model: nn.Module) -> None:
         else:
             places = {"lora_A": Replicate(), "lora_B": Replicate()}
         for name, place in places.items():
-            param = getattr(module, name)
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            param = getattr(module, name)  # on the meta device: its values come at init
+            full = torch.empty(param.shape, dtype=param.dtype, device=module.weight.device)
             value = distribute_tensor(full, mesh, [place], src_data_rank=None)
             setattr(module, name, nn.Parameter(value, requires_grad=True))
 

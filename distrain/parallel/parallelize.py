@@ -26,6 +26,7 @@ from distrain.errors import ConfigError
 from distrain.models.lora import (
     apply_lora,
     base_source,
+    frozen_names,
     init_lora,
     lora_targets,
     place_lora_under_tp,
@@ -218,8 +219,9 @@ def _apply_layout(
     if dims.tp > 1:
         from distrain.parallel.tensor import apply_tensor_parallel
 
+        frozen = frozen_names(part)
         apply_tensor_parallel(part, mesh["tp"], sequence_parallel=p.sequence_parallel, spec=spec)
-        place_lora_under_tp(part)
+        place_lora_under_tp(part, frozen)
     if ep_mesh is not None:
         from distrain.parallel.experts import apply_expert_parallel
 
