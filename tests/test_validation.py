@@ -56,6 +56,8 @@ CASES = [
     ("sequence_parallel_needs_plan", {**RMLP, "parallel.tp": "2"}, 2,
      ["the 'residual_mlp' model family's tensor-parallel plan has no sequence-parallel variant",
       "set parallel.sequence_parallel = false"]),
+    ("lora_layouts_proven", {"lora.rank": "4", "parallel.tp": "2"}, 2,
+     ["lora.rank (4) trains with data parallelism", "tp 2", "use dp, or lora.rank = 0"]),
     ("cp_needs_attention", {**RMLP, "parallel.cp": "2"}, 2,
      ["parallel.cp (2): the 'residual_mlp' model family has no attention for context "
       "parallelism to split; set parallel.cp = 1"]),
