@@ -75,6 +75,7 @@ from harness import is_worker, launch_self, synchronize, worker_session, write_j
 from distrain.checkpoint.checkpointer import SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
+from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
 from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
@@ -112,12 +113,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="K: steps per baseline block")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated checkpoint.async_mode values to compare (off first: the reference)",
+    )
     parser.add_argument("--out", default="benchmarks/results/checkpoint.json", help="JSON output")
     # Set by the launcher for its workers: a directory every rank shares.
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     # Set for the run inside the network lab (--storage s3): the server's S3 endpoint.
     parser.add_argument("--endpoint-url", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.mode_list = tuple(args.modes.split(","))
+    if args.mode_list[0] != "off" or not set(args.mode_list) <= set(MODES):
+        parser.error(f"--modes {args.modes}: off first, then any of {', '.join(MODES[1:])}")
+    return args
 
 
 def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
@@ -125,6 +135,7 @@ def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
     cfg.run.dir = str(run_dir)
     cfg.run.device = args.device
     cfg.model.preset = args.preset
+    cfg.model.family = family_of_preset(args.preset) or cfg.model.family
     cfg.data.max_bytes = CORPUS_BYTES
     t = cfg.training
     t.micro_batch_size = args.micro_batch_size
@@ -288,7 +299,8 @@ def measure(
     sent on the link during the rounds."""
     trainers: dict[str, Trainer] = {}
     try:
-        for mode in MODES:
+        modes = args.mode_list
+        for mode in modes:
             cfg = make_config(args, mode, run_dir / mode)
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
             trainers[mode] = build_trainer(cfg, ctx, logger)
@@ -296,17 +308,17 @@ def measure(
         for trainer in trainers.values():
             train(trainer, args.warmup)
         sent_before = link_sent_bytes() if args.storage == "s3" else 0
-        rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+        rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for round_ in range(args.rounds):
-            order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
+            order = modes[round_ % len(modes) :] + modes[: round_ % len(modes)]
             for mode in order:
                 rounds[mode].append(time_round(trainers[mode], args.steps, records[mode]))
         sent = link_sent_bytes() - sent_before if args.storage == "s3" else None
         rows = [
             summarize(mode, rounds[mode], args.steps, checkpoint_bytes(trainers[mode]))
-            for mode in MODES
+            for mode in modes
         ]
-        rss = {mode: rss_over_saves(trainers[mode], args.rss_saves) for mode in MODES[1:]}
+        rss = {mode: rss_over_saves(trainers[mode], args.rss_saves) for mode in modes[1:]}
         return rows, rss, sent
     finally:
         for trainer in trainers.values():

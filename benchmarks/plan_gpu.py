@@ -11,7 +11,9 @@ Two halves, because the GPU machine and the planner's fake builds need not be th
 - `--compare MEASURED` (anywhere): prices every measured row as `distrain plan` does: the
   memory model (distrain/plan/memory_model.py, calibrated by its shallow fake builds) and the
   full fake build (`--exhaustive`), and writes each one's error against the GPU's peak
-  (predicted / measured - 1) to --out (default benchmarks/results/plan_gpu.json).
+  (predicted / measured - 1) to --out (default benchmarks/results/plan_gpu.json). A row without
+  `allocated_peak` (measured where there was no CUDA: benchmarks/gpu.sh --dry-run) is priced
+  only, its errors null.
 
     python3 benchmarks/plan_gpu.py --measure            # on the GPU machine
     python3 benchmarks/plan_gpu.py --compare benchmarks/results/plan_gpu-measured.json
@@ -171,6 +173,15 @@ def compare(args: argparse.Namespace) -> None:
         )["peak"]
         built = memory_row(run, cache, exhaustive=True)["peak"]
         row.update(modelled_peak=modelled, built_peak=built)
+        if "allocated_peak" not in m:
+            row.update(modelled_error=None, built_error=None)
+            print(
+                f"{preset:<11} ac {ac:<4} mb {mb}  no GPU peak  modelled "
+                f"{modelled / 2**30:7.2f} GiB  built {built / 2**30:7.2f} GiB",
+                flush=True,
+            )
+            rows.append(row)
+            continue
         row["modelled_error"] = modelled / m["allocated_peak"] - 1
         row["built_error"] = built / m["allocated_peak"] - 1
         print(
@@ -179,7 +190,7 @@ def compare(args: argparse.Namespace) -> None:
             flush=True,
         )
         rows.append(row)
-    errors = [abs(r["modelled_error"]) for r in rows if "modelled_error" in r]
+    errors = [abs(r["modelled_error"]) for r in rows if r.get("modelled_error") is not None]
     result = {
         "config": measured["config"],
         "measured_record": measured["record"],

@@ -33,6 +33,26 @@ def required() -> set[str]:
     return names
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--requires-only",
+        metavar="NAME",
+        help="run only the tests marked requires(NAME), e.g. cuda (benchmarks/gpu.sh)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    name = config.getoption("--requires-only")
+    if name is None:
+        return
+    if name not in CAPABILITIES:
+        raise pytest.UsageError(f"--requires-only {name}: choose from {', '.join(CAPABILITIES)}")
+    keep = [i for i in items if name in {m.args[0] for m in i.iter_markers("requires")}]
+    kept = set(keep)
+    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+    items[:] = keep
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

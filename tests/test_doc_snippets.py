@@ -57,13 +57,13 @@ COVERED = {
     "bash examples/mixture-resume.sh": "tests/test_examples.py::test_mixture_resume_script",
     "python -m pytest": ".ci/run (the README's test command)",
     "mkdocs build": "tests/test_docs.py::test_the_site_builds_strictly",
+    # Its --dry-run; the run itself needs a CUDA GPU.
+    "bash benchmarks/gpu.sh": "tests/test_gpu_script.py::test_gpu_dry_run_records_every_stage",
 }
 # Commands of other tools a page shows next to distrain's (nothing of distrain to check).
 OTHER_TOOLS = {"chmod", "export", "openssl", "wandb"}
 LAUNCHERS = {"torchrun", "srun"}
-COMMAND_START = re.compile(
-    r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl)\s"
-)
+COMMAND_START = re.compile(r"^(distrain|python3?|pip|torchrun|srun|bash|mkdocs|export|openssl)\s")
 
 
 @dataclass(frozen=True)
