@@ -47,7 +47,7 @@ from typing import Any
 
 from distrain.config.schema import Config, ModelConfig, OptimConfig, ParallelConfig, TrainingConfig
 from distrain.family.spec import FamilyModel, ModelShape
-from distrain.models.registry import model_args, model_family
+from distrain.models.registry import family_name, model_args, model_family
 from distrain.optim.capability import held_state_bytes, optimizer_capability
 from distrain.parallel.mesh import data_parallel_size
 from distrain.parallel.run_plan import RunPlan
@@ -387,7 +387,7 @@ def model_of(model: ModelConfig) -> FamilyModel:
     caller's to check)."""
     key = repr(model)
     if key not in _MODELS:
-        _MODELS[key] = FamilyModel(model_family(model.family), model_args(model))
+        _MODELS[key] = FamilyModel(model_family(family_name(model)), model_args(model))
     return _MODELS[key]
 
 
