@@ -80,14 +80,18 @@ def close_logging(logger: logging.Logger) -> None:
         handler.close()
         logger.removeHandler(handler)
     for name in LIBRARY_LOGGERS:
-        _drop_file_handlers(logging.getLogger(name))
+        library = logging.getLogger(name)
+        if _drop_file_handlers(library):
+            library.propagate = True  # as before setup_logging
 
 
-def _drop_file_handlers(library: logging.Logger) -> None:
-    """The rank-log handlers an earlier setup_logging gave a library logger, removed."""
-    for handler in list(library.handlers):
-        if isinstance(handler, _NoFollowFileHandler):
-            library.removeHandler(handler)
+def _drop_file_handlers(library: logging.Logger) -> bool:
+    """The rank-log handlers an earlier setup_logging gave a library logger, removed; whether
+    there were any."""
+    dropped = [h for h in library.handlers if isinstance(h, _NoFollowFileHandler)]
+    for handler in dropped:
+        library.removeHandler(handler)
+    return bool(dropped)
 
 
 @contextlib.contextmanager
