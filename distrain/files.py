@@ -6,6 +6,8 @@ must not make distrain write through it to another file.
   O_NOFOLLOW by `write_new`), then replace the target by rename, which replaces a symlink at the
   target rather than following it. Readers see the old file or the new one, never a part.
 - `write_new`: a file that must not exist yet (a lock's private file before its link).
+- `write_atomic_new`: as `write_atomic`, but the new file is linked in only where nothing is
+  there yet (an existing file, or a link, is refused, never replaced).
 - `copy_file`: a file copied from a folder others may write (a tokenizer folder) into one
   distrain writes: the source is opened with O_NOFOLLOW and must be a regular file (a link
   there could point at a secret, a FIFO would hang), the copy is written as `write_atomic`
@@ -81,6 +83,18 @@ def write_atomic(path: str | Path, data: str | bytes, *, mode: int | None = None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic_new(path: str | Path, data: str | bytes, *, mode: int | None = None) -> None:
+    """Create `path` holding `data`, whole or not at all (a temporary file as `write_atomic`
+    writes it, then a hard link at `path`); FileExistsError when anything is there already."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write_new(tmp, data, mode=mode)
+        os.link(tmp, path, follow_symlinks=False)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_plain(path: str | Path) -> bytes:

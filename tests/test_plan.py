@@ -651,6 +651,35 @@ def test_calibration_workers_plan_as_the_planning_process(lazy_plans):
     assert not [r.reason for r in pooled if r.reason.startswith("not evaluated")]
 
 
+def test_where_every_layout_fits_the_calibrations_are_bounded(monkeypatch):
+    """Where every layout fits (a small batch of short sequences on ample memory, as a 7B
+    question at the default batch on 64 devices of 80 GB), no row that does not fit is there to
+    find: the walk calibrates the families the fitting rows shown need and at most
+    FAILING_FAMILIES more, not every family (two fake builds each); the fake builds are those
+    calibrations' and the verified row's."""
+    cfg, cluster = eight_blocks(), small_cluster(4, 1e12)
+    cfg.model.family = family_of_preset(cfg.model.preset)
+    options = dict(stages=(0, 3), checkpointing=("none", "full"), max_micro_batch=1, verify=1)
+    families, builds = [], []
+    monkeypatch.setattr(
+        search, "calibrate_family", recording(search.calibrate_family, families, 0)
+    )
+    for kind in ("estimate_memory", "estimate_pipeline_memory"):
+        monkeypatch.setattr(built_rows, kind, recording(getattr(built_rows, kind), builds))
+    rows = plan(cfg, cluster, shown=2, **options)
+    assert all(r.fits for r in rows if r.memory_source != search.NOT_PRICED)
+    del options["verify"]
+    layouts = search.timed_layouts(cfg, cluster, bytes_per_value=4, **options)
+    walked = [search._family_needed(run, cluster.memory_bytes) for _, run, _ in layouts]
+    # Held once 2 rows fit, the first is built, and a fitting row with data parallelism is met.
+    held = max(2, 1 + next(i for i, (c, _, _) in enumerate(layouts) if search.advisable(c)))
+    bound = len(set(walked[:held])) + search.FAILING_FAMILIES
+    assert len(set(walked)) > bound  # every family: what the walk calibrated before the bound
+    assert len(families) == len(set(families)) <= bound
+    # Two builds per calibration, and the verified row's (its two depths and one rank's).
+    assert len(builds) <= 2 * bound + 3, len(builds)
+
+
 def test_a_layout_that_cannot_be_built_is_a_row_with_the_reason(monkeypatch):
     built = built_rows.estimate_memory
 

@@ -200,3 +200,22 @@ def test_the_question_names_a_calibrated_concurrency():
         "  overlap      a collective progresses 30% as fast while its rank computes (calibrated)"
     ]
     assert max(len(line) for line in lines) <= WIDTH
+
+
+def test_advice_that_needs_another_layout_states_it_as_an_alternative():
+    """Where DiLoCo (sites of FSDP2 shards, ZeRO-3) is advised for a ZeRO-0 layout, its set:
+    lines are the whole alternative [parallel] line, said to replace the layout's, never a
+    zero_stage beside the layout's that contradicts it."""
+    cfg, cluster, rows = priced(
+        "--preset tiny --nodes 2 --gpus-per-node 2 --gpu-memory 1GB".split()
+    )
+    assert rows[0].communication.recommended.method == "diloco"
+    assert rows[0].candidate.zero_stage == 0
+    said = "\n".join(recommendation(rows, cfg.parallel, cluster))
+    layout, communication = said.split("  communication: ")[0], said.split("  communication: ")[1]
+    assert "zero_stage = 0" in layout and "zero_stage = 3" not in layout
+    assert "parallel.zero_stage" not in said  # the contradicting fragment of before
+    sets = [line.split("set: ", 1)[1] for line in communication.splitlines() if "set: " in line]
+    assert sets[0].startswith("[parallel] dp_replicate = 2, dp_shard = 1, tp = 1, pp = 2")
+    assert sets[0].endswith("zero_stage = 3") and sets[1].startswith("[diloco] inner_steps = ")
+    assert "instead of the layout's [parallel] line" in " ".join(communication.split())

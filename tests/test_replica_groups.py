@@ -188,6 +188,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
         "rows_before_stop": rows_before_stop,
         "survivors": survivors,
         "survivors_late": survivors_late,
+        "console": err0,
     }
 
 
@@ -198,6 +199,18 @@ def test_survivors_keep_their_processes(faulted):
     rows = read_metrics(faulted["runs"][0] / "metrics.jsonl", all_attempts=True)
     assert not any("attempt" in r or "resumed_from" in r for r in rows)
     assert "resumed from" not in (faulted["runs"][0] / "logs" / "rank0.log").read_text()
+
+
+def test_the_survivors_console_has_one_line_per_event(faulted):
+    """torchft's tracebacks and gloo's raw errors of the kill and the hang stay in the rank
+    logs; the console says each loss once, in one line."""
+    console = faulted["console"]
+    for noise in ("Traceback", "GLHF", "Connection closed by peer", "torchft"):
+        assert noise not in console, console[-4000:]
+    assert "without group(s) [1]" in console, console[-4000:]
+    assert "not committed" not in console, console[-4000:]
+    # The details: in the rank's log.
+    assert "not committed" in (faulted["runs"][0] / "logs" / "rank0.log").read_text()
 
 
 @pytest.mark.compat

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distrain.checkpoint.group import CheckpointGroup
-from distrain.checkpoint.load import root_cause
+from distrain.checkpoint.load import root_cause, single_process
 from distrain.checkpoint.manifest import rank_record, step_name, write_manifest
 from distrain.checkpoint.ownership import claim, owner_problem
 from distrain.checkpoint.restore import Restorer
@@ -297,9 +297,13 @@ class Checkpointer:
             target = writer if self.async_mode != "process" else self._offloaded(writer, path)
             # One process: no collective at all (the default group may be NCCL's, which a
             # writer thread must not share with training).
-            dcp.save(
-                state, storage_writer=target, process_group=self.group, no_dist=self.group is None
-            )
+            with single_process(self.group is None):
+                dcp.save(
+                    state,
+                    storage_writer=target,
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
         except (Exception, CheckpointException) as e:
             error = e
         attempt = self._finish_part(path, writer, error)

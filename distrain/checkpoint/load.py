@@ -6,9 +6,11 @@ mismatch, never called damage."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -107,6 +109,24 @@ class SavedLayoutAware(Stateful):
     def saved_manifest(self, manifest: dict[str, Any]) -> None: ...
 
 
+NO_GROUP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+"""How DCP's save and load start the UserWarning they give when they run without a process
+group: in a 1-process run (the Python API's too) that is what distrain means to do."""
+
+
+@contextlib.contextmanager
+def single_process(deliberate: bool) -> Iterator[None]:
+    """Around one DCP save or load: its warning that it runs in a single process left out when
+    `deliberate` (distrain runs it without a group on purpose), that message only; every other
+    warning, and this one when not deliberate, as before."""
+    if not deliberate:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NO_GROUP_WARNING, category=UserWarning)
+        yield
+
+
 def load(
     storage: Storage,
     path: str,
@@ -117,13 +137,16 @@ def load(
 ) -> None:
     """Load the checkpoint at `path` into `state` in place (resharding to the current layout)."""
     reader = _safe_reader(storage, path)
+    # One process: distrain starts no group for it (parallel/device.py).
+    alone = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(allow_partial_load=partial),
-            process_group=process_group,
-        )
+        with single_process(alone):
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(allow_partial_load=partial),
+                process_group=process_group,
+            )
     # DCP wraps per-rank failures in CheckpointException (a BaseException); the cause is what the
     # user needs.
     except (Exception, CheckpointException) as e:

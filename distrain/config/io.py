@@ -19,7 +19,7 @@ import tomli_w
 
 from distrain.config.schema import Config, sections, validate
 from distrain.errors import ConfigError, UsageError
-from distrain.files import write_atomic
+from distrain.files import write_atomic, write_atomic_new
 
 
 def _describe(tp: Any) -> str:
@@ -272,8 +272,17 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_toml(cfg: Config, path: str | Path) -> None:
-    write_atomic(path, tomli_w.dumps(to_dict(cfg)))
+def write_toml(cfg: Config, path: str | Path, *, replace: bool = True) -> None:
+    """`cfg` as a TOML file at `path`, written whole or not at all; `replace=False`: a file
+    already there is refused (ConfigError), not replaced."""
+    text = tomli_w.dumps(to_dict(cfg))
+    if replace:
+        write_atomic(path, text)
+        return
+    try:
+        write_atomic_new(path, text)
+    except FileExistsError:
+        raise ConfigError(f"{path}: a file is there already; name a new one") from None
 
 
 WIDTH = 100

@@ -62,6 +62,7 @@ from distrain.ft.trust import (
     slots,
     url_host,
 )
+from distrain.observe.logs import FILE_ONLY
 from distrain.observe.metrics import MetricsWriter
 from distrain.parallel.device import DistContext, replica_process_group
 
@@ -546,7 +547,11 @@ class ReplicaGroups:
     def _step_failed(self, started: float, error: StepNotCommitted) -> None:
         """Note a failed attempt of the current step (started at `started`, perf_counter)."""
         self._failed.append((started, str(error)))
-        self.log.warning("step not committed by every replica group (%s): redoing it", error)
+        # The rank's log only: the collective's raw error (gloo's, every rank's copy); the
+        # console gets the event's one line once the step is done (_step_committed).
+        self.log.warning(
+            "step not committed by every replica group (%s): redoing it", error, extra=FILE_ONLY
+        )
 
     def _step_committed(self, step: int) -> None:
         """`step` committed: report the recovery if it took more than one attempt."""

@@ -232,26 +232,37 @@ def worker_env(plan: LaunchPlan) -> dict[str, str]:
     }
 
 
-def _quiet_agent() -> None:
+def _quiet_agent(restarts: int = 0) -> None:
     """Torchrun's agent (this process) logs a warning per worker it signals and per signal it
     gets, and an error for a worker that stopped with a preempt checkpoint (exit 75), all of
     which the launcher's own one-line outcome says better. Its errors about failed attempts
-    stay (they say why a restart happens), unless torchrun's LOGLEVEL asks for other levels."""
+    stay when the run may restart (they say why a restart happens); without restarts the
+    launcher's line says which ranks failed and why. All stay if torchrun's LOGLEVEL asks for
+    other levels."""
     if "LOGLEVEL" in os.environ:
         return
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             agent_logger = logging.getLogger(name)
             agent_logger.setLevel(logging.ERROR)
-            if not any(isinstance(f, _PreemptedIsNoFailure) for f in agent_logger.filters):
-                agent_logger.addFilter(_PreemptedIsNoFailure())
+            for f in [f for f in agent_logger.filters if isinstance(f, _AgentFailures)]:
+                agent_logger.removeFilter(f)
+            agent_logger.addFilter(_AgentFailures(restarts))
 
 
-class _PreemptedIsNoFailure(logging.Filter):
-    """Drops the agent's "failed (exitcode: 75)": that worker stopped as asked."""
+class _AgentFailures(logging.Filter):
+    """Drops the agent's "failed (exitcode: 75)" (that worker stopped as asked), and with no
+    restart to come its every "failed (exitcode: N)" (the launcher's line says it once)."""
+
+    def __init__(self, restarts: int):
+        super().__init__()
+        self.restarts = restarts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"(exitcode: {EXIT_PREEMPTED})" not in record.getMessage()
+        message = record.getMessage()
+        if not self.restarts and "failed (exitcode:" in message:
+            return False
+        return f"(exitcode: {EXIT_PREEMPTED})" not in message
 
 
 def _ignore_stop_signals() -> None:
@@ -286,7 +297,7 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
     torchrun's agent, which waits up to the grace period for them; the outcome is then read from
     `checkpoints`: `Preempted` (exit 75) if they committed a preempt checkpoint."""
     env = worker_env(plan)
-    _quiet_agent()
+    _quiet_agent(plan.max_restarts)
     started = time.time()
     # One launcher per job holds the run-dir lock, node 0's, and every launcher tells its
     # workers so. Without --node-rank in an elastic job node 0 is not known here: then the
@@ -309,7 +320,8 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
             # down die of it), so the checkpoint, not their exit codes, decides.
             _ignore_stop_signals()
             raise launcher_outcome(checkpoints, since=started, signum=None) from None
-        error = reported(e.failures)
+        logs = Path(run_dir) / "logs"
+        error = reported(e.failures, logs=str(logs))
         if error is not None:
             raise error from None
         failed = ", ".join(
@@ -317,11 +329,10 @@ def launch(plan: LaunchPlan, worker_argv: list[str], *, run_dir: str, checkpoint
             for rank, failure in sorted(e.failures.items())
         )
         attempts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
-        logs = Path(run_dir) / "logs"
-        where = f" and {logs}/rank<N>.log" if logs.is_dir() else ""
-        raise DistrainError(
-            f"worker(s) failed{attempts}: {failed}; see the error above{where}"
-        ) from None
+        # A worker's native stderr goes to its log (observe/logs.py), what it printed in Python
+        # to the console.
+        where = f"{logs}/rank<N>.log and the error above" if logs.is_dir() else "the error above"
+        raise DistrainError(f"worker(s) failed{attempts}: {failed}; see {where}") from None
     finally:
         if lock is not None:
             lock.release()

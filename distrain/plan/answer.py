@@ -6,6 +6,8 @@ layouts in a compact table. Every figure and column stays in `--json` (search.to
 
 from __future__ import annotations
 
+import copy
+import tomllib
 from dataclasses import replace
 from textwrap import wrap
 from typing import TYPE_CHECKING, Any
@@ -17,7 +19,7 @@ from distrain.plan.search import GIB, NOT_PRICED, SOURCE_LABEL, PlanRow
 from distrain.plan.timing import Candidate, Cluster
 
 if TYPE_CHECKING:
-    from distrain.config.schema import ModelConfig, ParallelConfig, TrainingConfig
+    from distrain.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 
 WIDTH = 100
 INDENT = " " * 17
@@ -153,7 +155,7 @@ def recommendation(rows: list[PlanRow], parallel: ParallelConfig, cluster: Clust
             *_parallel_lines(c, p),
             f'[training] activation_checkpointing = "{c.activation_checkpointing}"',
         ),
-        *_communication(best, cluster),
+        *_communication(best, cluster, p),
         *_item(
             "micro-batch",
             str(c.micro_batch_size),
@@ -184,7 +186,31 @@ def _count_of(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("s" if n != 1 else "")
 
 
-def _communication(best: PlanRow, cluster: Cluster) -> list[str]:
+def method_fields(m: MethodPrediction) -> dict[str, Any]:
+    """The config fields (dotted name -> value) of a method's settings ("a.b = v, c.d = w");
+    {} for plain communication, which sets nothing."""
+    if m.method == "plain":
+        return {}
+    fields = {}
+    for part in m.settings.split(", "):
+        name, _, value = part.partition(" = ")
+        fields[name] = tomllib.loads(f"v = {value}")["v"]
+    return fields
+
+
+def diloco_layout(c: Candidate, p: ParallelConfig, m: MethodPrediction) -> ParallelConfig | None:
+    """The parallel section DiLoCo's prediction `m` runs on for layout `c` (its parallel section
+    `p`): the same data-parallel ranks as parallel.dp_replicate sites of FSDP2 (ZeRO-3) shards;
+    None when that is `p` itself or the ranks do not split so."""
+    sites = method_fields(m).get("parallel.dp_replicate", 0)
+    if m.method != "diloco" or not sites or c.dp % sites:
+        return None
+    if p.zero_stage == 3 and p.dp_replicate == sites:
+        return None
+    return replace(p, dp_replicate=sites, dp_shard=c.dp // sites, zero_stage=3)
+
+
+def _communication(best: PlanRow, cluster: Cluster, p: ParallelConfig) -> list[str]:
     advice, c = best.communication, best.candidate
     if advice is None and c.groups:
         return _item(
@@ -208,7 +234,57 @@ def _communication(best: PlanRow, cluster: Cluster) -> list[str]:
         return _item("communication", "none to choose", f"no data-parallel group: {split}")
     chosen = advice.recommended
     settings = () if chosen.method == "plain" else (chosen.settings,)
+    own = diloco_layout(c, p, chosen)
+    if own is not None:
+        # DiLoCo runs on a layout of its own: stated as the alternative to the layout above,
+        # never as settings that contradict it.
+        return _item(
+            "communication",
+            method_label(chosen),
+            f"{method_reason(advice)}; on a layout of its own, its sites the data-parallel "
+            "replicas, FSDP2 (ZeRO-3) inside each: instead of the layout's [parallel] line",
+            *_parallel_lines(c, own),
+            f"[diloco] inner_steps = {chosen.inner_steps}",
+        )
     return _item("communication", method_label(chosen), method_reason(advice), *settings)
+
+
+def chosen_config(base: Config, rows: list[PlanRow]) -> tuple[Config, str]:
+    """The config of the recommendation (`recommendation`'s layout and micro-batch, with the
+    communication method when it runs on that layout) made from the config `base` the plan
+    priced (its model and batch), and a line saying what it holds; ConfigError when no layout
+    fits."""
+    from distrain.config.io import set_field
+    from distrain.errors import ConfigError
+
+    best = next((r for r in rows if r.fits), None)
+    if best is None:
+        raise ConfigError("no layout fits: there is no layout to write (see the answer)")
+    c = best.candidate
+    cfg = replace(
+        copy.deepcopy(base),
+        parallel=search.candidate_parallel(base.parallel, c),
+        training=replace(
+            base.training,
+            micro_batch_size=c.micro_batch_size,
+            activation_checkpointing=c.activation_checkpointing,
+        ),
+    )
+    if c.groups:
+        cfg.fault_tolerance = replace(cfg.fault_tolerance, replica_groups=c.groups)
+    held = f"layout {layout_name(c)} (row 1), ZeRO-{c.zero_stage}, micro-batch {c.micro_batch_size}"
+    advice = best.communication
+    if advice is None or advice.recommended.method == "plain":
+        return cfg, f"{held}, plain communication"
+    chosen = advice.recommended
+    if diloco_layout(c, search.candidate_parallel(base.parallel, c), chosen) is not None:
+        return cfg, (
+            f"{held}, plain communication (the advised {method_label(chosen)} runs on a layout "
+            "of its own: its set: lines above)"
+        )
+    for name, value in method_fields(chosen).items():
+        set_field(cfg, name, value, from_text=False)
+    return cfg, f"{held}, {method_label(chosen)}"
 
 
 def method_label(m: MethodPrediction) -> str:

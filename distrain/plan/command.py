@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -148,6 +149,13 @@ def parser() -> argparse.ArgumentParser:
         help="Processes making the fake builds at once: the planning process and workers - 1 "
         "build workers (default: the cores this process may use; 1: all in the planning process).",
     )
+    p.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="Also write the recommended layout, micro-batch and communication (when it runs on "
+        "that layout), with the config's model and batch, as a TOML config to FILE (a new "
+        "file) for `distrain train --config FILE`.",
+    )
     p.add_argument("--calibrate", action="store_true", help="Measure this machine and store it.")
     return p
 
@@ -266,6 +274,9 @@ def plan_command(argv: list[str]) -> None:
         return
     if ns.workers is not None and ns.workers < 1:
         raise ConfigError(f"--workers: {ns.workers} processes; give 1 or more")
+    if ns.write_config and os.path.lexists(ns.write_config):
+        # Before the plan, which may take minutes; the write refuses it again (a new file only).
+        raise ConfigError(f"--write-config {ns.write_config}: a file is there already")
     absent: list[str] = []
     cfg = base_config(ns, absent)
     for note in absent:
@@ -295,8 +306,21 @@ def plan_command(argv: list[str]) -> None:
         bytes_per_value=bytes_per_value,
         latency_s=latency_s,
     )
+    written = None
+    if ns.write_config:
+        from distrain.config.io import write_toml
+        from distrain.plan.answer import chosen_config
+
+        chosen, held = chosen_config(base_config(ns), rows)
+        write_toml(chosen, ns.write_config, replace=False)
+        written = (
+            f"wrote {ns.write_config}: {held}; check it with `distrain train --check --config "
+            f"{ns.write_config} --world-size {cluster.world_size}`"
+        )
     if ns.json:
         print(to_json(rows, ns.top))
+        if written:
+            print(written, file=sys.stderr)
         return
     given = ns.precision is not None
     print(
@@ -312,3 +336,5 @@ def plan_command(argv: list[str]) -> None:
             wide=ns.wide,
         )
     )
+    if written:
+        print(f"\n{written}")

@@ -71,6 +71,11 @@ ADVISED = 3
 MODEL_MARGIN = 0.15
 """A layout the model puts at most this far above the device's memory is built too when met
 before VERIFIED layouts fit (the model's error on small layouts: tests/test_plan_model.py)."""
+FAILING_FAMILIES = 2
+"""Memory model families a plan calibrates, once it holds the fitting rows an answer shows, to
+find the rows that do not fit: where nearly every layout fits (a small batch of short sequences
+on many devices) the walk would otherwise calibrate every family to find them, each two fake
+builds of the model's width (a 7B question at the default batch: every one of 30 families)."""
 NOT_PRICED = "not priced"
 """The memory source of a row plan() left unpriced: slower than every row shown, of a family
 not calibrated (plan's `shown`)."""
@@ -279,8 +284,11 @@ def plan(
     fastest fitting row with a data-parallel group, whose communication the answer advises, and
     the `verify` rows built), a later layout is still priced when its model states alone exceed
     the device or its family was needed before that point, and is otherwise a row NOT_PRICED,
-    ranked after every priced row. The rows (every one) are the same for any `workers` and
-    `store`, and the shown ones those of `shown=None`.
+    ranked after every priced row. The rows that do not fit are looked for in at most
+    FAILING_FAMILIES families more than the fitting rows needed (so the calibrations are
+    bounded where nearly every layout fits); then fewer than `shown` of them may be priced. The
+    rows (every one) are the same for any `workers` and `store`, and the shown ones those of
+    `shown=None` while that bound is not met.
 
     `workers` > 1: the fake builds are shared with `workers - 1` worker processes
     (build_workers.Pool, started first when a build is to be made: they import torch and the
@@ -371,14 +379,20 @@ def plan(
     verified = fitting = failing = 0
     grouped = False  # a fitting row with a data-parallel group met
     needed: set[Family] = set()  # the families the layouts met before the shown rows were held
+    failing_from: int | None = None  # how many were needed once the fitting rows were held
     with pool if own else contextlib.nullcontext(pool), shared or contextlib.nullcontext():
         for done, (c, run, time) in enumerate(layouts, 1):
-            held = (
+            fitting_held = (
                 shown is not None
                 and not exhaustive
-                and min(fitting, failing) >= shown
+                and fitting >= shown
                 and grouped
                 and verified >= verify
+            )
+            if fitting_held and failing_from is None:
+                failing_from = len(needed)
+            held = fitting_held and (
+                failing >= shown or len(needed) >= failing_from + FAILING_FAMILIES
             )
             family = None if exhaustive else families[done - 1]
             if held and family is not None and family not in needed:

@@ -4,6 +4,7 @@ Without a torchrun environment it trains in this one process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -16,12 +17,12 @@ from distrain.config.args import parse_train_args
 from distrain.config.io import config_changes, write_toml
 from distrain.config.schema import Config
 from distrain.errors import DistrainError
-from distrain.launch.lifeline import die_with_launcher
+from distrain.launch.lifeline import LAUNCHER_PID_ENV, die_with_launcher
 from distrain.launch.rundir import RunDirBusy, StartFootprint, lock_for_worker
 from distrain.launch.torchrun import under_torchrun
-from distrain.launch.worker_errors import report
+from distrain.launch.worker_errors import report, report_unexpected
 from distrain.observe import flight
-from distrain.observe.logs import FILE_ONLY, close_logging, setup_logging
+from distrain.observe.logs import FILE_ONLY, close_logging, native_stderr_to, setup_logging
 from distrain.observe.watchdog import start_watchdog
 from distrain.parallel.device import device_type, init_distributed, teardown
 from distrain.train.build import build_trainer
@@ -41,6 +42,7 @@ def run_training(cfg: Config) -> None:
     ctx = init_distributed(cfg.run.device, timeout_s=cfg.comm.collective_timeout_s)
     lock = logger = trainer = watchdog = None
     failed_start = ended_well = wrote_config = False
+    native = contextlib.ExitStack()
     try:
         lock = lock_for_worker(run_dir, ctx.rank)
         if ctx.world_size > 1:
@@ -52,6 +54,8 @@ def run_training(cfg: Config) -> None:
             write_toml(cfg, run_dir / "config.toml")
             wrote_config = True
         logger = setup_logging(run_dir, ctx.rank)
+        if LAUNCHER_PID_ENV in os.environ:  # `distrain train` started it: see observe/logs.py
+            native.enter_context(native_stderr_to(run_dir / "logs" / f"rank{ctx.rank}.log"))
         if changed:
             logger.info(
                 "config: %d field(s) changed since this run dir's previous start: %s",
@@ -87,6 +91,11 @@ def run_training(cfg: Config) -> None:
     except BaseException as e:
         if logger is not None:
             logger.error("unexpected error, traceback follows", exc_info=e, extra=FILE_ONLY)
+            # One line to the launcher now, before the teardown: the launcher names every rank
+            # that failed alike once, rather than each printing its traceback.
+            if isinstance(e, Exception) and report_unexpected(e):
+                with contextlib.suppress(AttributeError):
+                    e._distrain_reported = True  # type: ignore[attr-defined]
         _drop_frames(e)
         raise
     finally:
@@ -105,6 +114,7 @@ def run_training(cfg: Config) -> None:
             footprint.restore_config()  # whatever ended a start that never trained
         if lock is not None:
             lock.release()
+        native.close()
 
 
 def _changes_since_last_start(path: Path, cfg: Config) -> list[str]:
@@ -132,4 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         if not report(e):
             print(f"distrain: {e.label}: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        if getattr(e, "_distrain_reported", False):
+            return 1  # its line reached the launcher, its traceback the rank's log
+        raise
     return 0
