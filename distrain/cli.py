@@ -158,7 +158,7 @@ def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
     except MissingInput as e:
         if absent is None:
             raise
-        if str(e) not in absent:
+        if not any(note.startswith(str(e)) for note in absent):  # the rules may have said it
             absent.append(str(e))
 
 

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (models/lora.py, the [lora] section): a run trains only its adapters (the
+"""LoRA fine-tuning (parallel/lora.py, the [lora] section): a run trains only its adapters (the
 optimizer and the checkpoint hold nothing else), its adapters exported as a PEFT folder give
 transformers + peft distrain's logits, its merged export gives transformers them too, and a
 dp2 run has the 1-process run's losses."""
@@ -23,9 +23,9 @@ from distrain.interop.export import (
     load_run_model,
 )
 from distrain.models.decoder.model import Decoder
-from distrain.models.lora import LoRALinear, apply_lora, lora_init_value
 from distrain.models.registry import model_args, model_family
 from distrain.observe.metrics import read_metrics
+from distrain.parallel.lora import LoRALinear, apply_lora, lora_init_value
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -182,7 +182,7 @@ def test_adapters_sit_beside_tp_shards(sequence_parallel):
     from torch.distributed.tensor import Replicate, Shard
 
     from distrain.models.decoder.model import init_weights
-    from distrain.models.lora import frozen_names, init_lora, place_lora_under_tp
+    from distrain.parallel.lora import frozen_names, init_lora, place_lora_under_tp
     from distrain.parallel.tensor import apply_tensor_parallel
 
     spec, args = model_family("llama"), model_args(_model_config())

@@ -153,7 +153,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LoRAConfig:
-    """LoRA fine-tuning (models/lora.py): rank 0 (the default) trains every weight."""
+    """LoRA fine-tuning (parallel/lora.py): rank 0 (the default) trains every weight."""
 
     rank: int = doc(
         0,

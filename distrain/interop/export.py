@@ -38,7 +38,6 @@ from distrain.errors import CheckpointError, ConfigError
 from distrain.files import copy_file
 from distrain.launch.rundir import run_id
 from distrain.models.hf_files import INDEX_FILE, HfTensor
-from distrain.models.lora import apply_lora, base_source, init_lora, merge_lora, peft_tensors
 from distrain.models.registry import (
     build_model,
     family_name,
@@ -47,6 +46,7 @@ from distrain.models.registry import (
     model_shape,
 )
 from distrain.observe.logs import LOGGER_NAME as LOGGER
+from distrain.parallel.lora import apply_lora, base_source, init_lora, merge_lora, peft_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

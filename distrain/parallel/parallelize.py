@@ -1,7 +1,7 @@
 """Applying a parallel layout to a plain model, in one fixed order: `parallelize`, which returns
 the finished `ParallelModel` (model.py) of this rank.
 
-build on meta -> pipeline split (pp) -> LoRA adapters (lora.rank > 0: models/lora.py) ->
+build on meta -> pipeline split (pp) -> LoRA adapters (lora.rank > 0: parallel/lora.py) ->
 context parallel (cp) -> tensor/sequence parallel (tp)
 -> expert parallel (ep) -> activation checkpointing -> compile -> FSDP2 (ZeRO 2/3, and whenever
 tp/pp/ep is on) -> materialize + seeded init (identical values under every layout) -> DDP
@@ -23,7 +23,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.errors import ConfigError
-from distrain.models.lora import (
+from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from distrain.parallel.compile import apply_compile
+from distrain.parallel.compress import CommStats
+from distrain.parallel.context import apply_context_parallel
+from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, install_comm_hook
+from distrain.parallel.device import DistContext
+from distrain.parallel.lora import (
     apply_lora,
     base_source,
     frozen_names,
@@ -31,12 +37,6 @@ from distrain.models.lora import (
     lora_targets,
     place_lora_under_tp,
 )
-from distrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from distrain.parallel.compile import apply_compile
-from distrain.parallel.compress import CommStats
-from distrain.parallel.context import apply_context_parallel
-from distrain.parallel.data_parallel import apply_ddp, apply_fsdp, install_comm_hook
-from distrain.parallel.device import DistContext
 from distrain.parallel.mesh import embedding_group
 from distrain.parallel.model import DDPSettling, ParallelModel
 from distrain.parallel.moe_stats import MoEStats
