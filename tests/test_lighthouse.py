@@ -341,8 +341,9 @@ def test_a_malformed_member_address_is_refused_and_no_probe_failure_stops_the_pr
     monkeypatch,
 ):
     """`http://[::1` as a member address killed the prober thread for good. It is refused for
-    that request; and a probe that raises (whatever the cause) stops no other probe."""
-    with _served() as (address, lighthouse):
+    that request; and a probe that raises (whatever the cause) stops no other probe. The quorum
+    is held pending (3 groups needed) so that its members are probed, not issued a quorum."""
+    with _served(min_replicas=3) as (address, lighthouse):
         raw = _Raw(address)
         for bad in ("http://[::1", "http://h:99999", "ftp://h:1", "x" * 300):
             assert raw.code(raw.quorum, "a", bad) == grpc.StatusCode.INVALID_ARGUMENT, bad
