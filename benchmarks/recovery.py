@@ -46,6 +46,7 @@ Run from the repository root:
     python3 benchmarks/recovery.py --runs 5 --kill-step 9
     python3 benchmarks/recovery.py --paths restart      # or: inprocess
     python3 benchmarks/recovery.py --paths inprocess --heartbeat-ms 300,1000
+    python3 benchmarks/recovery.py --protection-only --out benchmarks/results/state_protection.json
 
 It prints a table (per run and the median) and writes JSON to --out
 (default benchmarks/results/recovery.json).
@@ -480,7 +481,17 @@ def main() -> None:
         help="Comma-separated lighthouse heartbeat timeouts for the in-process path, each its "
         "own column (default: distrain lighthouse's).",
     )
+    parser.add_argument(
+        "--protection-only",
+        action="store_true",
+        help="Only measure what sealing the live state costs (state_protection), no runs.",
+    )
     ns = parser.parse_args()
+    if ns.protection_only:
+        protection = state_protection()
+        print("live-state protection (MB/s):", protection)
+        write_json(ns.out, {"state_protection": protection, "torch": torch.__version__})
+        return
     if ns.kill_step < 2:
         parser.error("--kill-step must be >= 2 (a checkpoint must precede the kill)")
     beats = [int(b) for b in ns.heartbeat_ms.split(",")] if ns.heartbeat_ms else [None]
