@@ -184,7 +184,7 @@ class Trainer:
         heartbeat.mark("optimizer")
         self.faults.after_backward(step, self.model.parameters)
         if self.replicas is not None:
-            # Raises StepNotCommitted, gradients dropped, if some group failed: see `run`.
+            # Raises StepNotCommitted, gradients dropped, if some group failed: see `_next_step`.
             loss = self.replicas.average(loss, self.model.parameters)
         grad_norm = self.optimizers.unscale_and_clip()
         # Under fp16 the scaler skips a step whose (agreed) gradients overflowed.
