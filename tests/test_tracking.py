@@ -118,6 +118,7 @@ def test_wandb_offline_run_holds_config_history_and_files_and_resumes(reference,
     with pytest.raises(Exception, match="debug.fail_at_step"):
         train_in_process(run, **fields, debug__fail_at_step=6)
     run_id = read_ids(run)["wandb"]
+    time.sleep(1.1)  # W&B names an offline run's folder by its start second: one per attempt
     rows = train_in_process(run, **fields)
     assert read_ids(run)["wandb"] == run_id
     files = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
