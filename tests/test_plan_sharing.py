@@ -156,6 +156,31 @@ def test_a_build_sent_after_the_plan_is_done_is_not_made(tmp_path, monkeypatch):
     assert made == [] and not store.directory.exists()
 
 
+def test_a_worker_that_claims_as_the_plan_ends_builds_nothing(tmp_path, monkeypatch):
+    """The race CI met: a worker reads no stop file, the plan ends (`close` marks it and lists
+    the claims), then the worker claims. It builds nothing, and `close` removes the folder with
+    its late claim in it."""
+    made = counted(monkeypatch)
+    store = BuildStore(tmp_path / "builds")
+    with Pool(1) as pool:
+        shared = SharedBuilds(pool, store)
+        claims = shared.claims
+        (call,) = calls(2)
+        (claims / build_sharing.STOP).touch()  # close's first step, after the worker's check
+        checks = []  # the worker's first check saw no stop file
+
+        def stopped(folder: Path) -> bool:
+            checks.append(folder)
+            return len(checks) > 1 and real(folder)
+
+        real = build_sharing._stopped
+        monkeypatch.setattr(build_sharing, "_stopped", stopped)
+        make_claimed("memory_of", call[1], store, str(claims))
+        shared.close()
+    assert len(checks) == 2 and made == [] and not store.directory.exists()
+    assert not claims.exists() and not claims.with_name(claims.name + ".closed").exists()
+
+
 def test_a_plan_with_its_own_worker_answers_as_one_without_and_leaves_nothing(tmp_path):
     """Every row (memory, source, fit, reason, rank) equal to one process's; no claims folder
     nor worker process left afterwards."""

@@ -12,15 +12,18 @@ behind a build it does not need.
 A claim is a file made with O_EXCL in a directory of this plan's (the claimant's pid in it), a
 build's end a second file; a claimant that died without ending its build (a killed worker) is
 not waited for: the planning process's own call then makes it. When the plan is done
-(`close`), the builds still queued are dropped: a worker reads the stop file before it claims.
+(`close`), the builds still queued are dropped: a worker reads the stop file before it claims
+and again after, and builds only if the plan was not done by then.
 The builds are kept in the plan's BuildStore, which the planning process reads them back from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -55,6 +58,11 @@ def _claim(claims: Path, name: str) -> bool:
     return True
 
 
+def _stopped(claims: Path) -> bool:
+    """Whether the plan is done (`close` marked it, or moved the folder away)."""
+    return (claims / STOP).exists() or not claims.is_dir()
+
+
 def _end(claims: Path, name: str) -> None:
     with contextlib.suppress(FileNotFoundError):  # the plan is done
         (claims / f"{name}.done").touch()
@@ -79,10 +87,13 @@ def make_claimed(function: str, plan: RunPlan, store: BuildStore, claims: str) -
     folder = Path(claims)
     made = {"memory_of": memory_of, "memory_row": memory_row}[function]
     name = _name(made, plan)
-    if (folder / STOP).exists() or not _claim(folder, name):
+    if _stopped(folder) or not _claim(folder, name):
         return
     try:
-        made(plan, {}, store=store)
+        # Stopped between the check and the claim: `close` may have listed the claims before
+        # this one was made, and does not wait for it.
+        if not _stopped(folder):
+            made(plan, {}, store=store)
     except Exception:  # noqa: BLE001, S110 - not kept: the planning process builds it again
         pass
     finally:
@@ -96,8 +107,7 @@ class SharedBuilds:
         self.pool = pool
         self.store = store
         self.discard = discard
-        self._claims = tempfile.TemporaryDirectory(prefix="distrain-plan-claims-")
-        self.claims = Path(self._claims.name)
+        self.claims = Path(tempfile.mkdtemp(prefix="distrain-plan-claims-"))
         self._sent: set[str] = set()
 
     def ahead(self, calls: Iterable[Call]) -> None:
@@ -147,7 +157,16 @@ class SharedBuilds:
         for claim in self.claims.iterdir():
             if claim.name != STOP and not claim.name.endswith(".done"):
                 _await(self.claims, claim.name)
-        self._claims.cleanup()
+        # Moved away first: a worker that claims from now on finds no folder and builds nothing.
+        closed = self.claims.with_name(self.claims.name + ".closed")
+        self.claims.rename(closed)
+        while True:
+            try:
+                shutil.rmtree(closed)
+                return
+            except OSError as err:  # a claim made as the folder moved, ended at once
+                if err.errno != errno.ENOTEMPTY:
+                    raise
 
     def __enter__(self) -> SharedBuilds:
         return self
