@@ -344,6 +344,9 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         )
         survivor = worker_pid(procs[0].pid, 0, restart=0)
         victims = [worker_pid(procs[g].pid, 0, restart=0) for g in (2, 3)]
+        # Into step 4's paced data phase: killed before its quorum request reached the
+        # lighthouse, a group would leave between steps ("left the quorum"), not in a step.
+        time.sleep(FOUR_FIELDS["debug__slow_ms"] / 2000)
         # Their agents are held (SIGSTOP) until the survivors have redone the step without
         # them: a restart quicker than the survivors' new quorum would be taken into it, and
         # the step would be retried with groups 2 and 3 rather than redone without them.
