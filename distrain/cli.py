@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from distrain.config.args import (
     LAUNCH_OPTIONS,
@@ -25,7 +25,7 @@ from distrain.config.args import (
     strip_launch_options,
     train_parser,
 )
-from distrain.config.schema import CheckpointConfig, Config
+from distrain.config.schema import CheckpointConfig, Config, FaultToleranceConfig, ModelConfig
 from distrain.errors import ConfigError, DistrainError, MissingInput
 from distrain.version import version
 
@@ -62,20 +62,24 @@ def cmd_train(argv: list[str]) -> None:
     if ns.check:
         _check(ns, cfg)
         return
-    if _srun_task_per_process(ns, cfg):
+    if _srun_task_is_a_rank(ns):
+        from distrain.train.worker import run_training
+
+        run_training(cfg)
         return
     from distrain.checkpoint.checkpointer import checkpoint_storage
     from distrain.launch.preflight import preflight
     from distrain.launch.torchrun import launch
+    from distrain.layout.rules import validate
     from distrain.optim.diloco_resume import check_resume_sites
 
-    plan = _launch_plan(ns, cfg)
+    plan = _launch_plan(ns, cfg.run.device, cfg.checkpoint.preempt_grace_s, cfg.fault_tolerance)
     # Whatever depends only on the config and the world size fails here, once, in one line,
     # before any worker starts. With MIN < MAX nodes the world size is only known at each
     # rendezvous; the workers check the rules that need it then.
-    _validate(cfg, plan.world_size)
+    validate(cfg, plan.world_size)
     preflight(cfg)
-    _check_model(cfg)
+    _check_model(cfg.model, cfg.checkpoint, cfg.run.dir)
     if ns.resume_from is not None and ns.resume_from.isdigit():
         _rewind(cfg.checkpoint, cfg.run.dir, int(ns.resume_from))
     check_resume_sites(cfg.diloco, cfg.parallel.dp_replicate, cfg.checkpoint, cfg.run.dir)
@@ -87,41 +91,40 @@ def cmd_train(argv: list[str]) -> None:
     )
 
 
-def _launch_plan(ns: argparse.Namespace, cfg: Config):  # -> LaunchPlan
-    """The launch of this node's workers: --nproc or `default_nproc`, sized beside the replica
-    groups sharing this host."""
+def _launch_plan(
+    ns: argparse.Namespace, device: str, grace_s: float, ft: FaultToleranceConfig
+):  # -> LaunchPlan
+    """The launch of this node's workers: --nproc or `default_nproc` (for run.device), sized
+    beside the replica groups sharing this host; `grace_s`: checkpoint.preempt_grace_s."""
     from distrain.ft.network import groups_on_this_host
     from distrain.launch.torchrun import make_plan
 
-    ft = cfg.fault_tolerance
     return make_plan(
-        ns.nproc if ns.nproc is not None else default_nproc(cfg.run.device),
+        ns.nproc if ns.nproc is not None else default_nproc(device),
         nnodes=ns.nnodes,
         node_rank=int_option("--node-rank", ns.node_rank),
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
         max_restarts=int_option("--max-restarts", ns.max_restarts) or 0,
-        grace_s=cfg.checkpoint.preempt_grace_s,
+        grace_s=grace_s,
         local_groups=groups_on_this_host(ft.replica_groups, ft.lighthouse),
     )
-
-
-def _validate(cfg: Config, world_size: int | None, **options: Any):  # -> Layout
-    from distrain.layout.rules import validate
-
-    return validate(cfg, world_size, **options)
 
 
 def _check(ns: argparse.Namespace, cfg: Config) -> None:
     """`train --check`: the layout rules and the preflight checks, and the layout they resolve,
     for --world-size ranks (or those the launch options give); nothing is trained or written."""
     from distrain.launch.preflight import preflight
+    from distrain.layout.rules import validate
 
-    world_size = ns.world_size if ns.world_size is not None else _launch_plan(ns, cfg).world_size
+    world_size = ns.world_size
+    if world_size is None:
+        launch = (cfg.run.device, cfg.checkpoint.preempt_grace_s, cfg.fault_tolerance)
+        world_size = _launch_plan(ns, *launch).world_size
     absent: list[str] = []
-    layout = _validate(cfg, world_size, absent=absent)
+    layout = validate(cfg, world_size, absent=absent)
     preflight(cfg, absent=absent)
-    _check_model(cfg, absent=absent)
+    _check_model(cfg.model, cfg.checkpoint, cfg.run.dir, absent=absent)
     print(f"distrain: config ok for {world_size if world_size else 'an elastic'} rank(s)")
     print(f"  model: {layout.spec.name} {cfg.model.preset}, {layout.spec.describe(layout.model)}")
     if layout.dims is not None:
@@ -140,9 +143,12 @@ def _check(ns: argparse.Namespace, cfg: Config) -> None:
         print(f"  not checked (absent here): {note}")
 
 
-def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
-    """Before any worker starts: the checkpoint the start would resume holds the configured
-    model (launch/preflight.py compares it with the manifest's record); a start from a
+def _check_model(
+    model: ModelConfig, checkpoint: CheckpointConfig, run_dir: str, absent: list[str] | None = None
+) -> None:
+    """Before any worker starts: the checkpoint the start would resume (of `run_dir`, in
+    `checkpoint`'s storage) holds `model` (launch/preflight.py compares it with the manifest's
+    record); a start from a
     `model.init_from` folder finds its weights readable (models/hf_files.py). With `absent`
     (`train --check`), a Hugging Face folder that is not here is noted instead."""
     from distrain.launch.preflight import check_resume_model, resumed_checkpoint
@@ -150,11 +156,11 @@ def _check_model(cfg: Config, absent: list[str] | None = None) -> None:
     from distrain.models.registry import model_record
 
     try:
-        resumed = resumed_checkpoint(cfg.checkpoint, cfg.run.dir)
+        resumed = resumed_checkpoint(checkpoint, run_dir)
         if resumed is not None:
-            check_resume_model(cfg.run.dir, *resumed, wanted=model_record(cfg.model))
-        elif cfg.model.init_from:
-            check_weights(hf_dir(cfg.model.init_from))
+            check_resume_model(run_dir, *resumed, wanted=model_record(model))
+        elif model.init_from:
+            check_weights(hf_dir(model.init_from))
     except MissingInput as e:
         if absent is None:
             raise
@@ -183,17 +189,15 @@ def _rewind(checkpoint: CheckpointConfig, run_dir_name: str, step: int) -> None:
         )
 
 
-def _srun_task_per_process(ns: argparse.Namespace, cfg: Config) -> bool:
-    """Under `srun` without launcher options, each task is one rank (no torchrun): translate
-    SLURM_* into torch.distributed's variables, then train as a worker. False elsewhere."""
+def _srun_task_is_a_rank(ns: argparse.Namespace) -> bool:
+    """Under `srun` without launcher options, each task is one rank (no torchrun): SLURM_*
+    translated into torch.distributed's variables, True (the caller trains as a worker). False
+    elsewhere."""
     from distrain.launch.slurm import srun_task_env, under_srun
 
     if not under_srun() or any(getattr(ns, dest) is not None for dest in LAUNCH_OPTIONS.values()):
         return False
-    from distrain.train.worker import run_training
-
     os.environ.update(srun_task_env(os.environ))
-    run_training(cfg)
     return True
 
 

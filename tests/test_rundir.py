@@ -530,7 +530,7 @@ def test_replica_groups_on_one_host_share_its_cores(monkeypatch):
         None,
         [("fault_tolerance.replica_groups", "3"), ("fault_tolerance.lighthouse", "localhost:1")],
     )
-    plan = _launch_plan(ns, cfg)
+    plan = _launch_plan(ns, cfg.run.device, cfg.checkpoint.preempt_grace_s, cfg.fault_tolerance)
     assert plan.local_groups == 3
     assert worker_threads(plan.nproc, plan.local_groups) == (
         2,

@@ -360,11 +360,11 @@ def default_config_toml(skip: tuple[str, ...] = ("debug",)) -> str:
     return "\n".join(lines) + "\n"
 
 
-def config_changes(old: dict[str, Any], cfg: Config) -> list[str]:
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`name: old -> new` for every field whose value differs between `old` (a config.toml read
-    back) and `cfg`; a field missing from either side is None there."""
+    back) and `new` (`to_dict` of a config); a field missing from either side is None there."""
     before = dict(_flatten_table("", old))
-    after = dict(_flatten_table("", to_dict(cfg)))
+    after = dict(_flatten_table("", new))
     return [
         f"{name[1:]}: {before.get(name)!r} -> {after.get(name)!r}"
         for name in dict.fromkeys([*before, *after])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.config.args import parse_train_args
-from distrain.config.io import config_changes, write_toml
+from distrain.config.io import config_changes, to_dict, write_toml
 from distrain.config.schema import Config
 from distrain.errors import DistrainError
 from distrain.launch.lifeline import LAUNCHER_PID_ENV, die_with_launcher
@@ -50,7 +50,7 @@ def run_training(cfg: Config) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         changed = []
         if ctx.rank == 0:
-            changed = _changes_since_last_start(run_dir / "config.toml", cfg)
+            changed = _changes_since_last_start(run_dir / "config.toml", to_dict(cfg))
             write_toml(cfg, run_dir / "config.toml")
             wrote_config = True
         logger = setup_logging(run_dir, ctx.rank)
@@ -117,13 +117,13 @@ def run_training(cfg: Config) -> None:
         native.close()
 
 
-def _changes_since_last_start(path: Path, cfg: Config) -> list[str]:
-    """What `cfg` changes in the run dir's config.toml (none for a first start, or one that
-    cannot be read: it is rewritten anyway)."""
+def _changes_since_last_start(path: Path, now: dict) -> list[str]:
+    """What the config `now` (io.to_dict) changes in the run dir's config.toml (none for a
+    first start, or one that cannot be read: it is rewritten anyway)."""
     import tomllib
 
     try:
-        return config_changes(tomllib.loads(path.read_text()), cfg)
+        return config_changes(tomllib.loads(path.read_text()), now)
     except (OSError, ValueError):
         return []
 
