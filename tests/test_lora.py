@@ -81,7 +81,7 @@ def test_only_the_adapters_train_and_are_saved(lora_run):
     moments = [k for k in keys if k.startswith("optim.") and "exp_avg" in k]
     assert moments and all(".lora_" in k for k in moments), moments
     cfg, storage = _run_config(run, None)
-    model, _ = _model_at(cfg, storage, run, None)
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
     b = model.blocks["0"].attn.wq.lora_B
     assert b.abs().max() > 1e-3
 
@@ -95,7 +95,7 @@ def test_peft_adapter_gives_distrain_logits(lora_run, llama_dir, tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     tuned = peft.PeftModel.from_pretrained(base, out).eval()
     cfg, storage = _run_config(run, None)
-    model, _ = _model_at(cfg, storage, run, None)
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
     tokens = _tokens()
     with torch.no_grad():
         want = model(tokens)
@@ -115,7 +115,7 @@ def test_merged_export_gives_distrain_logits(lora_run, llama_dir, tmp_path):
     merged, _ = load_run_model(run)
     assert not any(isinstance(m, LoRALinear) for m in merged.modules())
     cfg, storage = _run_config(run, None)
-    model, _ = _model_at(cfg, storage, run, None)
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
     tokens = _tokens()
     with torch.no_grad():
         want = model(tokens)

@@ -32,7 +32,7 @@ from distrain.checkpoint.load import _safe_reader, load
 from distrain.checkpoint.manifest import Entry, committed, verify
 from distrain.checkpoint.storage import Storage
 from distrain.config.io import load_config, run_config_file
-from distrain.config.schema import Config, DataConfig
+from distrain.config.schema import Config, DataConfig, LoRAConfig, ModelConfig
 from distrain.data.tokenizer import HF_FILE, HFTokenizer, hf_tokenizer_dir, load_tokenizer
 from distrain.errors import CheckpointError, ConfigError
 from distrain.files import copy_file
@@ -189,7 +189,7 @@ def export_hf(
     if cfg.lora.rank:  # the adapters merged into the base weights
         out_dir.mkdir(parents=True, exist_ok=True)
         _export_merged(cfg, storage, run_dir, out_dir, step=step, dtype=torch_dtype)
-        return _finish_hf(cfg, family, args, out_dir, torch_dtype)
+        return _finish_hf(cfg.data, family, args, out_dir, torch_dtype)
     specs = family.hf.tensors(args)
     entry = _checkpoint(storage, run_dir, step)
     metadata = _safe_reader(storage, entry.path).read_metadata()
@@ -222,20 +222,20 @@ def export_hf(
     (out_dir / INDEX_FILE).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    return _finish_hf(cfg, family, args, out_dir, torch_dtype)
+    return _finish_hf(cfg.data, family, args, out_dir, torch_dtype)
 
 
 def _finish_hf(
-    cfg: Config, family: Any, args: Any, out_dir: Path, torch_dtype: torch.dtype
+    data: DataConfig, family: Any, args: Any, out_dir: Path, torch_dtype: torch.dtype
 ) -> Path:
     """config.json, generation_config.json and the tokenizer's files of an hf export."""
     (out_dir / "config.json").write_text(
         json.dumps(family.hf.config(args, dtype=torch_dtype), indent=2)
     )
     (out_dir / "generation_config.json").write_text(
-        json.dumps(_generation_config(cfg.data), indent=2)
+        json.dumps(_generation_config(data), indent=2)
     )
-    _copy_tokenizer(cfg.data, out_dir)
+    _copy_tokenizer(data, out_dir)
     return out_dir
 
 
@@ -290,29 +290,34 @@ def load_run_model(
     """The run's model on CPU in fp32 at its newest (or `step`'s) checkpoint, and the step (a
     LoRA run's with its adapters merged into the base weights)."""
     cfg, storage = _run_config(run_dir, checkpoint_dir)
-    model, step_ = _model_at(cfg, storage, run_dir, step)
+    model, step_ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run_dir, step)
     return (merge_lora(model) if cfg.lora.rank else model), step_
 
 
 def _model_at(
-    cfg: Config, storage: Storage, run_dir: Path, step: int | None
+    model_cfg: ModelConfig,
+    lora: LoRAConfig,
+    seed: int,
+    storage: Storage,
+    run_dir: Path,
+    step: int | None,
 ) -> tuple[nn.Module, int]:
-    """The model of `cfg` at the run's newest (or `step`'s) checkpoint in `storage`. A LoRA run's
-    checkpoint holds only its adapters: its base weights are made again as training made them
-    (model.init_from, or the seeded init), its adapters (`LoRALinear`s) loaded."""
+    """The model of `model_cfg` at the run's newest (or `step`'s) checkpoint in `storage`. A LoRA
+    run's checkpoint holds only its adapters: its base weights are made again as training made
+    them (model.init_from, or the init seeded with training.seed `seed`), its adapters
+    (`LoRALinear`s) loaded."""
     entry = _checkpoint(storage, run_dir, step)
-    model_cfg = cfg.model
     model = build_model(model_cfg)
-    if cfg.lora.rank:
+    if lora.rank:
         family, args = model_family(family_name(model_cfg)), model_args(model_cfg)
-        apply_lora(model, family, args, cfg.lora)
+        apply_lora(model, family, args, lora)
         model.to_empty(device="cpu")
         source = None
         if model_cfg.init_from:
             assert family.hf is not None
             source = base_source(family.hf.source(model_cfg.init_from, args))
-        family.init_weights(model, args, cfg.training.seed, source=source)
-        init_lora(model, cfg.training.seed)
+        family.init_weights(model, args, seed, source=source)
+        init_lora(model, seed)
         state = {MODEL_KEY: {n: p.data for n, p in model.named_parameters() if p.requires_grad}}
         _quiet_load(storage, entry, state)
         model.load_state_dict(state[MODEL_KEY], strict=False)
@@ -342,7 +347,7 @@ def export_peft(
     if family.hf is None:
         raise ConfigError(f"export: the {family.name!r} model family has no Hugging Face names")
     args = model_args(cfg.model)
-    model, _ = _model_at(cfg, storage, run_dir, step)
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run_dir, step)
     tensors, targets, fan_in_fan_out = peft_tensors(model, family, args)
     out_dir.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
@@ -374,7 +379,7 @@ def _export_merged(cfg: Config, storage: Storage, run_dir: Path, out_dir: Path, 
     folder (the model in memory: a fine-tuned one fits)."""
     family = model_family(family_name(cfg.model))
     assert family.hf is not None
-    model, _ = _model_at(cfg, storage, run_dir, how["step"])
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run_dir, how["step"])
     state = {k: v.detach() for k, v in merge_lora(model).state_dict().items()}
     specs = family.hf.tensors(model_args(cfg.model))
     shapes = {n: list(state[n].shape) for s in specs for n in s.names}
