@@ -2,7 +2,9 @@
 optimizer and the checkpoint hold nothing else), its adapters exported as a PEFT folder give
 transformers + peft distrain's logits, its merged export gives transformers them too, and the
 same fine-tune on 2 ranks under DDP, FSDP2 (ZeRO-2/3), tp (with and without sequence
-parallelism) and pp has the 1-process run's losses and trained adapters."""
+parallelism) and pp, and on 4 under ZeRO-3 x tp and tp x pp, has the 1-process run's losses
+and trained adapters, and a tp2 fine-tune SIGKILLed after a checkpoint resumes on 1 process
+with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, train_cli, train_in_process
+from helpers import losses, start_train, train_cli, train_in_process
 from test_hf_interop import LOGIT_TOL, RUN, _hf_configs, _hf_logits, _tokens
 from test_parity import assert_parity
+from test_resume_exact import _kill_when_logged
 
 from distrain.config.schema import ConfigError, LoRAConfig
 from distrain.interop.export import (
@@ -265,3 +268,35 @@ def test_adapters_sit_beside_tp_shards(sequence_parallel):
         assert trained == {n for n, p in want_model.named_parameters() if p.requires_grad}
         grad = model.blocks["1"].mlp.w_down.lora_A.grad.full_tensor()
         torch.testing.assert_close(grad, want_model.blocks["1"].mlp.w_down.lora_A.grad)
+
+
+@pytest.mark.slow
+def test_a_killed_tp2_fine_tune_resumes_on_one_process(llama_dir, tmp_path):
+    """A tp2 fine-tune checkpointing every 2 steps, its rank 1 SIGKILLed from outside once step
+    3 is logged (no restart: the job fails), resumes from its adapters' checkpoint (split by tp)
+    on 1 process, and its losses before and after the resume are the uninterrupted 1-process
+    run's (1e-5 relative, the parity bound: the steps before the kill ran under tp)."""
+    fields = {
+        **RUN,
+        **LORA,
+        "training__steps": 6,
+        "checkpoint__interval_steps": 2,
+        "model__family": "llama",
+        "model__init_from": f"hf:{llama_dir}",
+    }
+    want = losses(train_in_process(tmp_path / "uninterrupted", **fields))
+    run = tmp_path / "run"
+    agent = start_train(run, "--nproc", "2", **fields, parallel__tp=2)
+    try:
+        _kill_when_logged(agent, run, rank=1, after_step=3)
+        _, stderr = agent.communicate(timeout=300)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode != 0, stderr[-3000:]
+    rows = train_in_process(run, **fields)
+    (resumed,) = [r["resumed_from"] for r in rows if "resumed_from" in r]
+    assert resumed in (2, 4), rows
+    assert all(r.get("attempt") for r in rows if "loss" in r and r["step"] > resumed), rows
+    # The stitched curve: steps up to the checkpoint from the tp2 run, the rest resumed.
+    assert_parity(losses(rows), want)
