@@ -177,10 +177,12 @@ def _model_config():
     return ModelConfig(family="llama", preset="llama-tiny")
 
 
-# The layouts LoRA is proven under, (ranks, fields): each of DDP, FSDP2, tp and pp on 2 ranks,
-# and FSDP2 x tp and tp x pp on 4 (layout/rules.py's lora_layouts_proven admits them).
+# The layouts LoRA is proven under, (ranks, fields): each of DDP (ZeRO-0/1), FSDP2, tp and pp
+# on 2 ranks, and FSDP2 x tp and tp x pp on 4 (layout/rules.py's lora_layouts_proven admits
+# them).
 LORA_LAYOUTS = {
     "dp2": (2, {}),
+    "zero1x2": (2, {"parallel__zero_stage": 1}),
     "zero2x2": (2, {"parallel__zero_stage": 2}),
     "zero3x2": (2, {"parallel__zero_stage": 3}),
     "tp2": (2, {"parallel__tp": 2}),
