@@ -1,7 +1,10 @@
 """LoRA fine-tuning (parallel/lora.py, the [lora] section): a run trains only its adapters (the
 optimizer and the checkpoint hold nothing else), its adapters exported as a PEFT folder give
-transformers + peft distrain's logits, its merged export gives transformers them too, and a
-dp2 run has the 1-process run's losses."""
+transformers + peft distrain's logits, its merged export gives transformers them too, and the
+same fine-tune on 2 ranks under DDP, FSDP2 (ZeRO-2/3), tp (with and without sequence
+parallelism) and pp, and on 4 under ZeRO-3 x tp and tp x pp, has the 1-process run's losses
+and trained adapters, and a tp2 fine-tune SIGKILLed after a checkpoint resumes on 1 process
+with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, train_cli, train_in_process
+from helpers import losses, start_train, train_cli, train_in_process
 from test_hf_interop import LOGIT_TOL, RUN, _hf_configs, _hf_logits, _tokens
 from test_parity import assert_parity
+from test_resume_exact import _kill_when_logged
 
 from distrain.config.schema import ConfigError, LoRAConfig
 from distrain.interop.export import (
@@ -70,20 +74,31 @@ def _checkpoint_keys(run: Path) -> list[str]:
     return list(FileSystemReader(str(step)).read_metadata().state_dict_metadata)
 
 
-def test_only_the_adapters_train_and_are_saved(lora_run):
+def _assert_only_adapters_saved(run: Path) -> None:
     """The checkpoint's model entries and the optimizer's moments are the adapters' alone (2 per
-    adapted linear: 7 linears x 2 blocks), and the adapters moved from their init."""
-    run, _ = lora_run
+    adapted linear: 7 linears x 2 blocks)."""
     keys = _checkpoint_keys(run)
     model_keys = [k for k in keys if k.startswith("model.")]
     assert len(model_keys) == 2 * 7 * 2
     assert all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), model_keys
     moments = [k for k in keys if k.startswith("optim.") and "exp_avg" in k]
-    assert moments and all(".lora_" in k for k in moments), moments
+    assert len(moments) == 2 * len(model_keys), moments  # exp_avg and exp_avg_sq of each
+    assert all(".lora_" in k for k in moments), moments
+
+
+def _adapters(run: Path) -> dict[str, torch.Tensor]:
+    """The run's adapters at its newest checkpoint, as full tensors by name."""
     cfg, storage = _run_config(run, None)
     model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
-    b = model.blocks["0"].attn.wq.lora_B
-    assert b.abs().max() > 1e-3
+    return {n: p.detach() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+
+
+def test_only_the_adapters_train_and_are_saved(lora_run):
+    """Only the adapters are in the checkpoint and the optimizer, and they moved from their
+    init."""
+    run, _ = lora_run
+    _assert_only_adapters_saved(run)
+    assert _adapters(run)["blocks.0.attn.wq.lora_B"].abs().max() > 1e-3
 
 
 def test_peft_adapter_gives_distrain_logits(lora_run, llama_dir, tmp_path):
@@ -162,14 +177,45 @@ def _model_config():
     return ModelConfig(family="llama", preset="llama-tiny")
 
 
+# The layouts LoRA is proven under, (ranks, fields): each of DDP (ZeRO-0/1), FSDP2, tp and pp
+# on 2 ranks, and FSDP2 x tp and tp x pp on 4 (layout/rules.py's lora_layouts_proven admits
+# them).
+LORA_LAYOUTS = {
+    "dp2": (2, {}),
+    "zero1x2": (2, {"parallel__zero_stage": 1}),
+    "zero2x2": (2, {"parallel__zero_stage": 2}),
+    "zero3x2": (2, {"parallel__zero_stage": 3}),
+    "tp2": (2, {"parallel__tp": 2}),
+    "tp2_sp": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
+    "pp2": (2, {"parallel__pp": 2}),
+    "zero3x2_tp2": (4, {"parallel__zero_stage": 3, "parallel__tp": 2}),
+    "tp2_pp2": (4, {"parallel__tp": 2, "parallel__pp": 2}),
+}
+# Worst |adapter difference| from the 1-process run's after the 4 steps, measured 9e-8 (tp2;
+# 6e-8 under ZeRO-2/3, 0 under pp2; the adapters' largest entries are ~5e-3): row-parallel
+# partial sums and reduce-scatters add in another order. 1e-6 leaves 10x room. A real bug fails
+# the losses already: pp2 with rank 1's lora_B gradients dropped moved them by 5.7e-3 (ZeRO-3
+# with the same bug stops with an error).
+ADAPTER_ATOL = 1e-6
+
+
 @pytest.mark.slow
-def test_dp2_lora_matches_one_process(lora_run, llama_dir, tmp_path):
-    run = tmp_path / "dp2"
-    result = train_cli(
-        run, 2, **RUN, **LORA, model__family="llama", model__init_from=f"hf:{llama_dir}"
-    )
+@pytest.mark.parametrize("layout", LORA_LAYOUTS.values(), ids=LORA_LAYOUTS.keys())
+def test_lora_layout_matches_one_process(layout, lora_run, llama_dir, tmp_path):
+    """The 1-process fine-tune under another layout: the same losses (1e-5 relative, the parity
+    matrix's bound) and the same trained adapters, which alone are in the optimizer and the
+    checkpoint (under FSDP2 the frozen base is sharded beside them, under tp A and B sit beside
+    their base's shards, under pp each stage holds its blocks' adapters)."""
+    run, (nproc, fields) = tmp_path / "run", layout
+    llama = {"model__family": "llama", "model__init_from": f"hf:{llama_dir}"}
+    result = train_cli(run, nproc, **RUN, **LORA, **fields, **llama)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_parity(losses(read_metrics(run / "metrics.jsonl")), lora_run[1])
+    _assert_only_adapters_saved(run)
+    got, want = _adapters(run), _adapters(lora_run[0])
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=ADAPTER_ATOL, msg=name)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -224,3 +270,35 @@ def test_adapters_sit_beside_tp_shards(sequence_parallel):
         assert trained == {n for n, p in want_model.named_parameters() if p.requires_grad}
         grad = model.blocks["1"].mlp.w_down.lora_A.grad.full_tensor()
         torch.testing.assert_close(grad, want_model.blocks["1"].mlp.w_down.lora_A.grad)
+
+
+@pytest.mark.slow
+def test_a_killed_tp2_fine_tune_resumes_on_one_process(llama_dir, tmp_path):
+    """A tp2 fine-tune checkpointing every 2 steps, its rank 1 SIGKILLed from outside once step
+    3 is logged (no restart: the job fails), resumes from its adapters' checkpoint (split by tp)
+    on 1 process, and its losses before and after the resume are the uninterrupted 1-process
+    run's (1e-5 relative, the parity bound: the steps before the kill ran under tp)."""
+    fields = {
+        **RUN,
+        **LORA,
+        "training__steps": 6,
+        "checkpoint__interval_steps": 2,
+        "model__family": "llama",
+        "model__init_from": f"hf:{llama_dir}",
+    }
+    want = losses(train_in_process(tmp_path / "uninterrupted", **fields))
+    run = tmp_path / "run"
+    agent = start_train(run, "--nproc", "2", **fields, parallel__tp=2)
+    try:
+        _kill_when_logged(agent, run, rank=1, after_step=3)
+        _, stderr = agent.communicate(timeout=300)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode != 0, stderr[-3000:]
+    rows = train_in_process(run, **fields)
+    (resumed,) = [r["resumed_from"] for r in rows if "resumed_from" in r]
+    assert resumed in (2, 4), rows
+    assert all(r.get("attempt") for r in rows if "loss" in r and r["step"] > resumed), rows
+    # The stitched curve: steps up to the checkpoint from the tp2 run, the rest resumed.
+    assert_parity(losses(rows), want)

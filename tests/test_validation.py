@@ -56,8 +56,9 @@ CASES = [
     ("sequence_parallel_needs_plan", {**RMLP, "parallel.tp": "2"}, 2,
      ["the 'residual_mlp' model family's tensor-parallel plan has no sequence-parallel variant",
       "set parallel.sequence_parallel = false"]),
-    ("lora_layouts_proven", {"lora.rank": "4", "parallel.tp": "2"}, 2,
-     ["lora.rank (4) trains with data parallelism", "tp 2", "use dp, or lora.rank = 0"]),
+    ("lora_layouts_proven", {"lora.rank": "4", "parallel.cp": "2"}, 2,
+     ["lora.rank (4) trains under DDP, FSDP2", "cp 2, ep 1",
+      "set parallel.cp = 1 and parallel.ep = 1, or lora.rank = 0"]),
     ("cp_needs_attention", {**RMLP, "parallel.cp": "2"}, 2,
      ["parallel.cp (2): the 'residual_mlp' model family has no attention for context "
       "parallelism to split; set parallel.cp = 1"]),
@@ -384,6 +385,11 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ),
         ({"optim.name": "onebit_adam", "parallel.pp": "2"}, 4),
         ({"optim.name": "onebit_adam", "parallel.tp": "2", "parallel.pp": "2"}, 8),
+        # The layouts test_lora.py proves LoRA under.
+        ({"lora.rank": "4", "parallel.zero_stage": "3"}, 2),
+        ({"lora.rank": "4", "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 2),
+        ({"lora.rank": "4", "parallel.pp": "2"}, 2),
+        ({"lora.rank": "4", "parallel.tp": "2", "parallel.pp": "2"}, 4),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)

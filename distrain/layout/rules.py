@@ -226,10 +226,10 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "lora_layouts_proven",
         "config",
-        lambda f: f.cfg.lora.rank > 0 and (f.tp_pp > 1 or f.p.zero_stage >= 2 or f.p.cp > 1),
-        "lora.rank ({f.cfg.lora.rank}) trains with data parallelism (parallel.zero_stage 0 or 1, "
-        "no tp, pp or cp) until a parity test proves LoRA under the others (zero_stage "
-        "{f.p.zero_stage}, tp {f.p.tp}, pp {f.p.pp}, cp {f.p.cp}); use dp, or lora.rank = 0",
+        lambda f: f.cfg.lora.rank > 0 and (f.p.cp > 1 or f.p.ep > 1),
+        "lora.rank ({f.cfg.lora.rank}) trains under DDP, FSDP2 (any parallel.zero_stage), tp and "
+        "pp, not yet under context or expert parallelism (no parity test proves it: cp "
+        "{f.p.cp}, ep {f.p.ep}); set parallel.cp = 1 and parallel.ep = 1, or lora.rank = 0",
     ),
     Rule(
         "tp_splits_model",

@@ -173,7 +173,8 @@ def build_optimizer(
         weight_decay=groups[0]["weight_decay"],
         **options,
     )
-    zero.add_param_group(groups[1])
+    for group in groups[1:]:
+        zero.add_param_group(group)
     return zero
 
 

@@ -21,7 +21,9 @@ def param_groups(
     model: nn.Module, weight_decay: float, roles: ParamRoles | None = None
 ) -> list[dict]:
     """Decay matrices only: norms, biases and embedding tables (`roles.undecayed`, a head tied
-    to one too) stay undecayed (GPT-2 practice)."""
+    to one too) stay undecayed (GPT-2 practice). Frozen parameters are left out, and so is a
+    group they leave empty (a LoRA run's adapters are all matrices): torch's optimizer state
+    dict cannot load a group without parameters."""
     roles = roles or ParamRoles()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -31,7 +33,8 @@ def param_groups(
             no_decay.append(param)
         else:
             decay.append(param)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]

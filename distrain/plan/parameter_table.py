@@ -140,8 +140,8 @@ def _built(model: FamilyModel) -> ParameterTable:
     plan = spec.tensor_plan(built, False) if spec.tensor_plan else {}
     # What expert parallelism splits: each MoE layer's `experts` (parallel/experts.py).
     experts = {id(p) for layer in spec.moe_layers(built) for p in layer.experts.parameters()}
-    decay, _ = param_groups(built, 1.0, roles_of(built, spec))
-    decayed = {id(p) for p in decay["params"]}
+    groups = param_groups(built, 1.0, roles_of(built, spec))
+    decayed = {id(p) for group in groups if group["weight_decay"] for p in group["params"]}
     order: dict[int, int] = {}  # a tensor's identity: its first name's index
     return ParameterTable(
         tuple(
