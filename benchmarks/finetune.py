@@ -4,9 +4,9 @@ The script makes a small random Llama with transformers (`save_pretrained`, with
 and a ChatML chat template), writes chat conversations and prepares them with the folder's
 template, then runs `distrain train --model.init_from hf:FOLDER` as a user types it, once per
 mode (full: every weight trains; LoRA: rank 16, alpha 32 on q/k/v/o_proj, as
-docs/guides/fine-tuning.md) and layout (1 process, then 2 processes: dp2). The modes alternate
-within each layout (the first of the pair alternates between repetitions), so machine noise
-hits both alike. Per run:
+docs/guides/fine-tuning.md) and layout (1 process and 2 processes: dp2). Each repetition runs
+every layout, the two modes back to back (the first of the pair alternating between
+repetitions), so machine noise hits both modes alike. Per run:
 
 - tokens/s: the global batch's tokens over the median step time (metrics.jsonl's step_time_s,
   the slowest rank's) of the steps after --warmup;
@@ -19,7 +19,7 @@ And, in this process: the import of the folder (its config read, the model built
 device, materialized and filled from the safetensors: what each rank does at its start) against
 the seeded init of the same model, median of 3 after one untimed.
 
-    python3 benchmarks/finetune.py                 # 1 and 2 processes, 2 repetitions
+    python3 benchmarks/finetune.py                 # 1 and 2 processes, 3 repetitions
     python3 benchmarks/finetune.py --nprocs 1 --repeats 1
 
 Prints a table and writes JSON to --out (default benchmarks/results/finetune.json). On CPU the
@@ -72,7 +72,7 @@ MODEL = {
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nprocs", default="1,2", help="comma-separated process counts (dp)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode and layout")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode and layout")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -231,8 +231,8 @@ def main() -> None:
                 tokenizer=f"hf:{work / 'models' / 'llama'}", workers=1)  # fmt: skip
         imported = time_import(work / "models" / "llama")
         runs = []
-        for nproc in nprocs:
-            for rep in range(args.repeats):
+        for rep in range(args.repeats):
+            for nproc in nprocs:
                 order = ("full", "lora") if rep % 2 == 0 else ("lora", "full")
                 for mode in order:
                     runs.append(train_once(args, work, nproc, mode, rep))
