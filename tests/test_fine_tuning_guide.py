@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_chat import chat_tok, conversations  # noqa: F401  (chat_tok: the tokenizer fixture)
 from test_doc_snippets import ROOT, RUN_IN_ORDER, SNIPPETS
-from test_hf_interop import _hf_configs
+from test_hf_interop import LOGIT_TOL, _hf_configs
 
 from distrain.observe.metrics import read_metrics
 
@@ -79,3 +79,18 @@ def test_the_guide_runs_as_written(chat_tok, tmp_path):  # noqa: F811
     )
     assert adapter["r"] == 16 and adapter["lora_alpha"] == 32
     assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # peft's base model + adapter (the page's `peft.PeftModel.from_pretrained` line) and the
+    # merged export give the same logits, which the adapter moved away from the base's.
+    peft = pytest.importorskip("peft")
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tuned = peft.PeftModel.from_pretrained(
+            load(folder, dtype=torch.float32), tmp_path / "exported" / "chat-adapter"
+        ).eval()
+        got = tuned(tokens).logits
+        with tuned.disable_adapter():
+            base = tuned(tokens).logits
+        merged = load(tmp_path / "exported" / "chat", dtype=torch.float32).eval()(tokens).logits
+    torch.testing.assert_close(got, merged, rtol=0, atol=LOGIT_TOL)
+    assert (got - base).abs().max() > 1e-4
