@@ -324,14 +324,18 @@ def test_the_harness_finds_the_pages_commands():
     assert len(names) == len(SNIPPETS) > 40
 
 
-def test_the_hf_extra_holds_what_the_hugging_face_guide_uses():
-    """A library the Hugging Face guide calls (`transformers.AutoModelForCausalLM...` to check
-    an export) installs with the `[hf]` extra the guide installs."""
-    guide = (ROOT / "docs" / "guides" / "hugging-face.md").read_text()
+@pytest.mark.parametrize("guide", ["hugging-face.md", "fine-tuning.md"])
+def test_the_hf_extra_holds_what_the_hugging_face_guides_use(guide):
+    """A library the Hugging Face guides call (`transformers.AutoModelForCausalLM...` to check
+    an export, `peft.PeftModel...`, `from transformers import pipeline`) installs with the
+    `[hf]` extra the guides install."""
+    text = (ROOT / "docs" / "guides" / guide).read_text()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
     libraries = {Requirement(d).name for d in extras["dev"]}
-    used = {name for name in re.findall(r"`(\w+)\.", guide) if name in libraries}
+    named = re.findall(r"`(\w+)\.", text) + re.findall(r"from (\w+) import", text)
+    used = {name for name in named if name in libraries}
     assert "transformers" in used
     assert used <= {Requirement(d).name for d in extras["hf"]}
+    assert '-e ".[hf]"' in text
