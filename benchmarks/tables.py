@@ -769,7 +769,39 @@ def plan_error(d: dict[str, Any]) -> str:
     )
 
 
+def finetune(d: dict[str, Any]) -> str:
+    c, imp = d["config"], d["import"]
+    figures = (
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("peak RSS MiB", "peak_rss_mib", ".0f"),
+        ("time to first step s", "first_step_s", ".1f"),
+    )
+    rows = [
+        (
+            r["nproc"],
+            name,
+            span(r[f"full_{key}"], spec),
+            span(r[f"lora_{key}"], spec),
+            f"{r[f'ratio_{key}']:.2f}",
+        )
+        for r in d["rows"]
+        for name, key, spec in figures
+    ]
+    head = ("processes", "figure", "full", "LoRA", "LoRA / full")
+    return (
+        f"A transformers-made Llama of {c['params'] / 1e6:.1f}M parameters (LoRA trains "
+        f"{c['lora_trainable'] / 1e6:.2f}M: `{c['lora']}`), `distrain train` from its folder, "
+        f"batch {c['global_batch']} x {c['seq_len']} tokens, {c['steps']} steps ({c['warmup']} "
+        f"left out of tokens/s), {c['device']}, median [min-max] of {c['repeats']} runs:\n\n"
+        + table(head, rows)
+        + f"\n\nImport of the folder (in one process, median of 3): "
+        f"{span(imp['import_s'], '.2f')} s; the seeded init of the same model "
+        f"{span(imp['seeded_init_s'], '.2f')} s."
+    )
+
+
 RENDERERS: dict[str, Renderer] = {
+    "finetune": finetune,
     "plan_error": plan_error,
     "data": data,
     "faults": faults,

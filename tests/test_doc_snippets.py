@@ -20,8 +20,9 @@ What each kind of snippet must do (a snippet is a test case named `page:line`):
   give, or, for a pyproject.toml fragment, the entry-point group distrain reads;
 - a Python block: run, with `run_training` checking its config (`train --check`'s checks)
   instead of training.
-What is run elsewhere is named, not run twice (`COVERED`); commands of other tools are named
-too (`OTHER_TOOLS`): every snippet is one or the other, or the test fails.
+What is run elsewhere is named, not run twice (`COVERED`, and `RUN_IN_ORDER`: a page whose
+commands use each other's outputs, all run in order by the test it names); commands of other
+tools are named too (`OTHER_TOOLS`): every snippet is one or the other, or the test fails.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ COVERED = {
     "mkdocs build": "tests/test_docs.py::test_the_site_builds_strictly",
     # Its --dry-run; the run itself needs a CUDA GPU.
     "bash benchmarks/gpu.sh": "tests/test_gpu_script.py::test_gpu_dry_run_records_every_stage",
+}
+# Pages whose commands build on each other's outputs (a model folder, a run, an export): the
+# named test runs every command of the page, in order, as written, on files it makes; the
+# per-snippet checks above would find those outputs missing.
+RUN_IN_ORDER = {
+    "docs/guides/fine-tuning.md": "tests/test_fine_tuning_guide.py::test_the_guide_runs_as_written",
 }
 # Commands of other tools a page shows next to distrain's (nothing of distrain to check).
 OTHER_TOOLS = {"chmod", "export", "openssl", "wandb"}
@@ -292,6 +299,10 @@ def _check_python(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=lambda s: s.name)
 def test_snippet_runs_as_written(snippet, tmp_path, monkeypatch):
+    page = str(snippet.page.relative_to(ROOT))
+    if page in RUN_IN_ORDER:
+        assert (ROOT / RUN_IN_ORDER[page].split("::")[0]).is_file()
+        return  # run, in order, there
     monkeypatch.chdir(ROOT)
     if snippet.kind == "toml":
         _check_toml(snippet.text, tmp_path)
@@ -313,14 +324,18 @@ def test_the_harness_finds_the_pages_commands():
     assert len(names) == len(SNIPPETS) > 40
 
 
-def test_the_hf_extra_holds_what_the_hugging_face_guide_uses():
-    """A library the Hugging Face guide calls (`transformers.AutoModelForCausalLM...` to check
-    an export) installs with the `[hf]` extra the guide installs."""
-    guide = (ROOT / "docs" / "guides" / "hugging-face.md").read_text()
+@pytest.mark.parametrize("guide", ["hugging-face.md", "fine-tuning.md"])
+def test_the_hf_extra_holds_what_the_hugging_face_guides_use(guide):
+    """A library the Hugging Face guides call (`transformers.AutoModelForCausalLM...` to check
+    an export, `peft.PeftModel...`, `from transformers import pipeline`) installs with the
+    `[hf]` extra the guides install."""
+    text = (ROOT / "docs" / "guides" / guide).read_text()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
     libraries = {Requirement(d).name for d in extras["dev"]}
-    used = {name for name in re.findall(r"`(\w+)\.", guide) if name in libraries}
+    named = re.findall(r"`(\w+)\.", text) + re.findall(r"from (\w+) import", text)
+    used = {name for name in named if name in libraries}
     assert "transformers" in used
     assert used <= {Requirement(d).name for d in extras["hf"]}
+    assert '-e ".[hf]"' in text

@@ -53,10 +53,12 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 DEFAULT_SHARD_MB = 2048
 READ_BATCH_BYTES = 64 * 2**20
 MODEL_KEY = "model"  # the model's part of a training checkpoint (train/loop.py's state)
-# The files of a Hugging Face tokenizer folder that transformers reads.
+# The files of a Hugging Face tokenizer folder that transformers reads (save_pretrained writes
+# the chat template to chat_template.jinja, not into tokenizer_config.json).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
