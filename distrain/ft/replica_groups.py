@@ -34,12 +34,11 @@ after each step but the last.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -51,6 +50,7 @@ from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import DistrainError
 from distrain.ft.lighthouse import HEARTBEAT_INTERVAL_MS
+from distrain.ft.manager_front import ManagerTunnels, fronted_manager_servers
 from distrain.ft.network import read_secret
 from distrain.ft.trust import (
     PeerRefused,
@@ -60,7 +60,6 @@ from distrain.ft.trust import (
     default_bind,
     replica_id,
     slots,
-    url_host,
 )
 from distrain.observe.logs import FILE_ONLY
 from distrain.observe.metrics import MetricsWriter
@@ -137,25 +136,6 @@ def _cause(error: object) -> str:
     """What the failed step's error says, in one word: a hang (timeout) or a collective error."""
     text = str(error).lower()
     return "timeout" if "timeout" in text or "timed out" in text else "collective error"
-
-
-@contextlib.contextmanager
-def _manager_server_bound_to(address: str) -> Iterator[None]:
-    """torchft 0.2.0's Manager starts its manager server on `[::]` (every interface) with no
-    option to choose: while it is built, its ManagerServer is given `address` instead."""
-    import torchft.manager
-
-    original = torchft.manager.ManagerServer
-
-    def bound(**kwargs: Any) -> Any:
-        port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})
-
-    torchft.manager.ManagerServer = bound
-    try:
-        yield
-    finally:
-        torchft.manager.ManagerServer = original
 
 
 def _group_store(ctx: DistContext) -> tuple[str, int, dist.TCPStore | None]:
@@ -238,7 +218,12 @@ class ReplicaGroups:
             local_state=lambda: self._state(),  # type: ignore[misc] (set by serve)
             step_of=lambda state: int(state["trainer"]["step"]),
         )
-        with _manager_server_bound_to(bind):
+        # Every manager server is reached through a front that checks the run secret
+        # (manager_front.py): this process's clients through tunnels, its own server (rank 0)
+        # behind a front on `bind`.
+        self._tunnels = ManagerTunnels(self.secret)
+        self._tunnels.install()
+        with fronted_manager_servers(bind, secret=self.secret, group=cfg.group):
             self.manager = Manager(
                 pg=self._pg,
                 load_state_dict=None,
@@ -623,6 +608,7 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        self._tunnels.close()
 
 
 def _tensors(state: dict[str, Any]) -> Iterable[torch.Tensor]:
