@@ -35,6 +35,7 @@ from distrain.ft.manager_front import (
     fronted_manager_servers,
     offer_handshake,
 )
+from distrain.ft.trust import PeerRefused
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 REFUSED = "manager front of replica group 3 refused a connection from 127.0.0.1"
@@ -124,6 +125,35 @@ def test_a_tunnel_without_the_secret_is_refused_and_reaches_nothing(front, caplo
     assert refusals[0].startswith(REFUSED) and "did not prove the run secret" in refusals[0]
     tunnel_lines = [r.getMessage() for r in caplog.records if "was not reached" in r.getMessage()]
     assert len(tunnel_lines) == 1 and "do not prove the same run secret" in tunnel_lines[0]
+    with pytest.raises(PeerRefused, match="is not behind a manager front with this run's secret"):
+        ManagerTunnels(b"another secret, 32 bytes long...").tunnel_to(
+            f"http://{LOOPBACK}:{door.port}", 5
+        ).check()
+    ManagerTunnels(SECRET).tunnel_to(f"http://{LOOPBACK}:{door.port}", 5).check()
+
+
+def test_a_server_that_is_no_front_is_refused_at_its_first_bytes():
+    """torchft's own manager server opens with an HTTP/2 SETTINGS frame: a client is never
+    made for it."""
+
+    class Settings(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.sendall(bytes.fromhex("000012040000000000000400100000000500004000"))
+            self.request.recv(1)
+
+    server = socketserver.ThreadingTCPServer((LOOPBACK, 0), Settings)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        tunnel = ManagerTunnels(SECRET).tunnel_to(
+            f"http://{LOOPBACK}:{server.server_address[1]}", 5
+        )
+        with pytest.raises(PeerRefused, match="it is not a distrain manager front"):
+            tunnel.check()
+        assert time.monotonic() - started < 3
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class _Recorder:

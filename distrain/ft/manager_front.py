@@ -23,7 +23,10 @@ owns what stands in front of it and how torchft's clients get through:
 - **The clients** (`ManagerTunnels`): every ManagerClient torchft makes (to its own group's rank
   0, and to a recovering source's manager at quorum time) is given, instead of the address, a
   loopback listener of this process (`Tunnel`, one per remote front, reused) that carries each
-  connection through the handshake to that front.
+  connection through the handshake to that front. The client is made only once that front has
+  proved the secret: a recovery source the lighthouse names that is not a group of this run (a
+  bare torchft manager, another run's) is refused with `PeerRefused` before it is asked
+  anything.
 
 Only the rank's own messages to a manager server cross these threads (a few small ones per step,
 no tensor): nothing here waits on the device or on a collective.
@@ -51,7 +54,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from distrain.ft.trust import mac, same_mac
+from distrain.ft.trust import PeerRefused, mac, same_mac, url_host
+from distrain.observe.logs import FILE_ONLY
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,18 @@ def _receive(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+def _opens_with(sock: socket.socket, label: bytes) -> bool:
+    """Whether `sock`'s first bytes are `label`: False at the first byte that differs, so a
+    server that is not a front (torchft's own opens with HTTP/2 settings) is told at once."""
+    data = b""
+    while len(data) < len(label):
+        chunk = sock.recv(len(label) - len(data))
+        data += chunk
+        if not chunk or not label.startswith(data):
+            return False
+    return True
+
+
 def accept_handshake(sock: socket.socket, secret: bytes, group: int) -> SealedChannel | None:
     """The front's side of the handshake on `sock`: the sealed channel to a client that proved
     `secret`, None when the client closed before sending anything; HandshakeFailed says what
@@ -141,11 +157,11 @@ def accept_handshake(sock: socket.socket, secret: bytes, group: int) -> SealedCh
 def offer_handshake(sock: socket.socket, secret: bytes) -> SealedChannel:
     """The client's side of the handshake on `sock`: the sealed channel to a front that proved
     `secret`; HandshakeFailed says what went wrong."""
-    hello = _receive(sock, len(HELLO) + NONCE_BYTES + _GROUP.size)
-    if len(hello) < len(HELLO) + NONCE_BYTES + _GROUP.size or not hello.startswith(HELLO):
+    rest = _receive(sock, NONCE_BYTES + _GROUP.size) if _opens_with(sock, HELLO) else b""
+    if len(rest) < NONCE_BYTES + _GROUP.size:
         raise HandshakeFailed("it is not a distrain manager front")
-    server_nonce = hello[len(HELLO) : len(HELLO) + NONCE_BYTES]
-    (group,) = _GROUP.unpack(hello[len(HELLO) + NONCE_BYTES :])
+    server_nonce = rest[:NONCE_BYTES]
+    (group,) = _GROUP.unpack(rest[NONCE_BYTES:])
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(client_nonce + _proof(secret, "client", group, server_nonce, client_nonce))
     proof = _receive(sock, MAC_BYTES)
@@ -388,6 +404,7 @@ def fronted_manager_servers(bind: str, *, secret: bytes, group: int) -> Iterator
             "replica group %d's manager server answers only through its front at %s",
             group,
             address,
+            extra=FILE_ONLY,
         )
         return FrontedManagerServer(server, front)
 
@@ -412,19 +429,40 @@ class Tunnel:
         self.address = f"http://{LOOPBACK}:{self._server.server_address[1]}"
         self._thread = _serve(self._server, f"manager-tunnel-{remote[1]}")
 
-    def _handle(self, local: socket.socket, _peer: str) -> None:
-        try:
-            remote = socket.create_connection(self._remote, timeout=self._timeout_s)
-        except OSError:
-            return  # torchft's client sees its connection closed, and tells why it needed it
+    def _connect(self) -> SealedChannel:
+        """A sealed channel to the front; HandshakeFailed or OSError when there is none."""
+        remote = socket.create_connection(self._remote, timeout=self._timeout_s)
         try:
             remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            remote.settimeout(HANDSHAKE_TIMEOUT_S)
             channel = offer_handshake(remote, self._secret)
-        except (HandshakeFailed, OSError) as error:
-            self._refused(str(error) or type(error).__name__)
+        except BaseException:
             remote.close()
-            return
+            raise
         remote.settimeout(None)
+        return channel
+
+    def check(self) -> None:
+        """Raise PeerRefused unless the front proves the run secret (one handshake). A front
+        that cannot be reached is left to torchft's client to report."""
+        try:
+            self._connect().sock.close()
+        except HandshakeFailed as error:
+            host, port = self._remote
+            raise PeerRefused(
+                f"the manager server at {url_host(host)}:{port} is not behind a manager front "
+                f"with this run's secret: {error}"
+            ) from None
+        except OSError:
+            pass
+
+    def _handle(self, local: socket.socket, _peer: str) -> None:
+        try:
+            channel = self._connect()
+        except (HandshakeFailed, OSError) as error:
+            # torchft's client sees its connection closed, and tells why it needed it.
+            self._refused(str(error) or type(error).__name__)
+            return
         carry(local, channel, self._refused)
 
     def _refused(self, reason: str) -> None:
@@ -457,7 +495,11 @@ class ManagerTunnels:
         torchft.manager.ManagerClient = self._client
 
     def _client(self, addr: str, connect_timeout: timedelta) -> Any:
+        """torchft's ManagerClient for `addr`, through its tunnel, once the front there proved
+        the run secret: else PeerRefused, which torchft reports as the quorum's error (a
+        recovery source that is not a group of this run is a refused attempt)."""
         tunnel = self.tunnel_to(addr, connect_timeout.total_seconds())
+        tunnel.check()
         return self._original(tunnel.address, connect_timeout=connect_timeout)
 
     def tunnel_to(self, address: str, timeout_s: float) -> Tunnel:
