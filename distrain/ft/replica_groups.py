@@ -19,6 +19,9 @@ torchft's protocol); after backward each group votes to commit.
   step, over distrain's own transport (transport.py: tensors and integers only,
   authenticated and encrypted under the run secret, checked against this rank's own schema;
   never a pickle).
+- **Manager servers**: torchft's, in each group's rank 0, listens on loopback behind a front
+  that lets through only connections proving the run secret, and every client torchft makes
+  goes through a tunnel that proves it (manager_front.py).
 - **Trust**: every step's exchange carries each group's proof of the run secret and its
   gradient norm (trust.py); a member that fails it is named and the step is committed
   by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
