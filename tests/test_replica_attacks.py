@@ -2,28 +2,32 @@
 joins a live replica group's lighthouse as "group1", without the run secret.
 
 - **ahead**: it claims step 1,000,000 and serves, on torchft's default transport, a state that
-  unpickles to `touch MARKER`. The live group tries to take that state, refuses it (the peer's
-  state address carries no signature of the run secret), never asks for it or unpickles it, and
-  after three refused attempts stops with one line naming the refusal;
-- **poison**: it joins at the live group's step (its own transport fabricates the heal) and
-  adds gradients of 1000 and a loss of 0 to every exchange. The live group's slot check names
-  the member that did not prove the secret (its slot reads as garbage: "group 1000") and
-  commits no step with it; the attacker, having committed its own step, is then ahead, its
-  state is refused as above, and the group stops the same way.
+  unpickles to `touch MARKER`. The live group tries to take that state, refuses it (the
+  attacker's manager server is not behind a manager front that proves the run secret), never
+  asks for it or unpickles it, and after three refused attempts stops with one line naming the
+  refusal;
+- **poison**: it joins at the live group's step (its own transport fabricates the heal), to add
+  gradients of 1000 and a loss of 0 to every exchange. The live group finds its replica id
+  without a proof of the run secret in the quorum and refuses each attempt with it before the
+  exchange (nothing of it is averaged, and no attempt waits for it), and stops the same way;
+- **kill**: two groups train with the secret; a process without it sends torchft's `Kill` and a
+  forged `Quorum` (gRPC) to the manager address group 0 publishes. The manager front refuses the
+  connection in one line, both calls fail, and both groups finish the run.
 
-In both, MARKER never exists and every step the group logged is the 1-process run's (within
+In all, MARKER never exists and every step the group logged is the 1-process run's (within
 1e-6, relative): the attacker changed nothing it trained on.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from helpers import SMALL_RUN, losses, start_train, train_in_process
-from replica import running_lighthouse, secret_file, trained_step, wait_until
+from replica import metrics_rows, running_lighthouse, secret_file, trained_step, wait_until
 
 from distrain.config.io import load_config
 from distrain.ft.trust import SLOT_SIZE
@@ -153,11 +157,12 @@ def _attacked(tmp_path, lighthouse: str, mode: str) -> tuple[int, str, list[dict
 @pytest.mark.parametrize(
     ("mode", "refusal"),
     [
-        # Its state address (torchft's transport's) carries no signature of the run secret.
-        ("ahead", "is not signed with the run secret"),
-        # The poisoned exchange is refused; the attacker, which commits its own steps, is then
-        # ahead, and its state is refused as in 'ahead'.
-        ("poison", "calling itself group 1000) did not prove the run secret"),
+        # Its manager server (torchft's own, the recovery source the lighthouse names) is not
+        # behind a manager front that proves the run secret (manager_front.py).
+        ("ahead", "is not behind a manager front with this run's secret"),
+        # Its replica id in the quorum carries no proof of the run secret: each attempt with
+        # it is refused before the exchange.
+        ("poison", "(replica id 'group1:"),
     ],
 )
 def test_an_intruder_without_the_secret_runs_no_code_and_steers_nothing(
@@ -175,3 +180,89 @@ def test_an_intruder_without_the_secret_runs_no_code_and_steers_nothing(
     assert 3 <= len(trained) < STEPS
     for step, loss in trained.items():
         assert loss == pytest.approx(reference[step], rel=1e-6), (step, loss, reference[step])
+
+
+GRPC_ATTACKER = """
+import sys
+from urllib.parse import urlsplit
+
+import grpc
+
+target = urlsplit(sys.argv[1]).netloc
+# torchft.KillRequest{msg: "pwned"}; torchft.ManagerQuorumRequest{group_rank: 0, step: 5}
+for method, request in (("Kill", b"\\n\\x05pwned"), ("Quorum", b"\\x08\\x00\\x10\\x05")):
+    with grpc.insecure_channel(target) as channel:
+        try:
+            channel.unary_unary(f"/torchft.ManagerService/{method}")(request, timeout=5)
+            print(method, "answered")
+        except grpc.RpcError as error:
+            print(method, error.code().name)
+"""
+
+
+def _published_manager_address(run) -> str:
+    """The manager address group `run`'s rank 0 published (to the lighthouse and its store),
+    from its rank log."""
+    log = (run / "logs" / "rank0.log").read_text()
+    return re.search(r"answers only through its front at (\S+)", log).group(1)
+
+
+KILL_STEPS = 40
+
+
+def test_a_host_without_the_secret_cannot_end_a_group_through_its_manager_server(
+    tmp_path, lighthouse
+):
+    reference = losses(
+        train_in_process(tmp_path / "reference", **{**FIELDS, "training__steps": KILL_STEPS})
+    )
+    runs = [tmp_path / f"group{g}" for g in range(2)]
+    secret = secret_file(tmp_path)
+    procs = [
+        start_train(
+            runs[g],
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "0",
+            # Paced (100 ms a step): the attack comes while group 0 trains.
+            **{**GROUP_FIELDS, "debug__slow_ms": 100, "training__steps": KILL_STEPS},
+            fault_tolerance__group=g,
+            fault_tolerance__lighthouse=lighthouse,
+            fault_tolerance__secret_file=secret,
+        )
+        for g in range(2)
+    ]
+    try:
+        wait_until(lambda: trained_step(runs[0]) >= 3, "step 3 of group 0", procs, limit_s=240)
+        published = _published_manager_address(runs[0])
+        attack = subprocess.run(
+            [sys.executable, "-c", GRPC_ATTACKER, published],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert attack.stdout.split() == ["Kill", "UNAVAILABLE", "Quorum", "UNAVAILABLE"], attack
+        attacked_at = trained_step(runs[0])
+        errs = [proc.communicate(timeout=300)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert [proc.returncode for proc in procs] == [0, 0], errs[0][-3000:]
+    assert attacked_at < KILL_STEPS  # the attack came while group 0 trained
+    log = (runs[0] / "logs" / "rank0.log").read_text()
+    refusals = [
+        line for line in log.splitlines() if "manager front of replica group 0 refused" in line
+    ]
+    assert len(refusals) == 1, refusals
+    for run in runs:
+        rows = metrics_rows(run)
+        assert not [r for r in rows if r.get("replica_change") in ("lost", "refused")], rows
+        trained = losses(rows)
+        # Group 1 may have joined late (after quorum_timeout_s), with the live state.
+        assert sorted(trained)[-1] == KILL_STEPS
+        assert run == runs[1] or len(trained) == KILL_STEPS
+        for step, loss in trained.items():
+            assert loss == pytest.approx(reference[step], rel=1e-6), (step, loss, reference[step])

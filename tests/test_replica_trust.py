@@ -502,21 +502,6 @@ def test_the_state_server_listens_on_the_bind_address_only():
         server.shutdown()
 
 
-def test_the_manager_server_binds_the_address_given(monkeypatch):
-    """torchft 0.2.0's Manager hard-codes `[::]`: distrain's wrapper rewrites it."""
-    import torchft.manager
-
-    from distrain.ft.replica_groups import _manager_server_bound_to
-
-    seen = []
-    monkeypatch.setattr(torchft.manager, "ManagerServer", lambda **kw: seen.append(kw["bind"]))
-    with _manager_server_bound_to("10.1.2.3"):
-        torchft.manager.ManagerServer(bind="[::]:0", replica_id="g")
-    with _manager_server_bound_to("fe80::1"):
-        torchft.manager.ManagerServer(bind="[::]:29512", replica_id="g")
-    assert seen == ["10.1.2.3:0", "[fe80::1]:29512"]
-
-
 def _secret_file(path: Path, content: bytes, mode: int = 0o600) -> str:
     path.write_bytes(content)
     path.chmod(mode)

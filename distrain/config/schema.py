@@ -744,14 +744,15 @@ class FaultToleranceConfig:
     secret_file: str = doc(
         "",
         "File holding the run secret (at least 16 bytes, readable by its owner only), the same "
-        "on every host: every live-state transfer and every step's exchange between groups is "
-        "authenticated with it (HMAC-SHA256), so a host that reaches the lighthouse cannot join "
-        "the groups, read their state or steer their training. Required unless the lighthouse "
+        "on every host: every live-state transfer, every call to a group's manager server and "
+        "every step's exchange between groups is authenticated with it (HMAC-SHA256), so a host "
+        "that reaches the lighthouse or a group cannot join the groups, read their state, end "
+        "them or steer their training. Required unless the lighthouse "
         "is on a loopback address (every group on one host). See docs/security.md.",
     )
     bind: str = doc(
         "",
-        "Address this group's manager server and live-state server listen on (empty = the "
+        "Address this group's manager front and live-state server listen on (empty = the "
         "address of this host's interface toward the lighthouse, never every interface).",
     )
     peer_grad_norm_ratio: float = doc(

@@ -19,12 +19,16 @@ torchft's protocol); after backward each group votes to commit.
   step, over distrain's own transport (transport.py: tensors and integers only,
   authenticated and encrypted under the run secret, checked against this rank's own schema;
   never a pickle).
-- **Trust**: every step's exchange carries each group's proof of the run secret and its
-  gradient norm (trust.py); a member that fails it is named and the step is committed
-  by no honest group. After `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops
-  with one line (`ReplicaPeerRefused`) rather than train with a peer it cannot believe:
-  the lighthouse protocol carries no credential, so the lighthouse cannot keep an intruder
-  out of a quorum: it could stall, never steer, the run.
+- **Manager servers**: torchft's, in each group's rank 0, listens on loopback behind a front
+  that lets through only connections proving the run secret, and every client torchft makes
+  goes through a tunnel that proves it (manager_front.py).
+- **Trust**: each quorum's replica ids must carry a proof of the run secret (trust.replica_id;
+  a lighthouse started without the secret lets anyone into a quorum), and every step's
+  exchange carries each group's proof of the secret and its gradient norm (trust.py): a
+  member that fails either is named and the step is committed by no honest group. After
+  `REFUSALS_BEFORE_STOP` refused attempts in a row the group stops with one line
+  (`ReplicaPeerRefused`) rather than train with a peer it cannot believe: an intruder can
+  stop the run that way, never steer it.
 
 Every membership change is a metrics row (see `ReplicaGroups`). The trainer (train/loop.py)
 calls `begin` once, runs each step inside `until_committed` (which redoes it until every group
@@ -34,12 +38,11 @@ after each step but the last.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -51,6 +54,7 @@ from distrain.config.schema import FaultToleranceConfig
 from distrain.data.loader import DistributedBatchLoader
 from distrain.errors import DistrainError
 from distrain.ft.lighthouse import HEARTBEAT_INTERVAL_MS
+from distrain.ft.manager_front import ManagerTunnels, fronted_manager_servers
 from distrain.ft.network import read_secret
 from distrain.ft.trust import (
     PeerRefused,
@@ -58,9 +62,9 @@ from distrain.ft.trust import (
     advertised_host,
     check_slots,
     default_bind,
+    proven_group,
     replica_id,
     slots,
-    url_host,
 )
 from distrain.observe.logs import FILE_ONLY
 from distrain.observe.metrics import MetricsWriter
@@ -137,25 +141,6 @@ def _cause(error: object) -> str:
     """What the failed step's error says, in one word: a hang (timeout) or a collective error."""
     text = str(error).lower()
     return "timeout" if "timeout" in text or "timed out" in text else "collective error"
-
-
-@contextlib.contextmanager
-def _manager_server_bound_to(address: str) -> Iterator[None]:
-    """torchft 0.2.0's Manager starts its manager server on `[::]` (every interface) with no
-    option to choose: while it is built, its ManagerServer is given `address` instead."""
-    import torchft.manager
-
-    original = torchft.manager.ManagerServer
-
-    def bound(**kwargs: Any) -> Any:
-        port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})
-
-    torchft.manager.ManagerServer = bound
-    try:
-        yield
-    finally:
-        torchft.manager.ManagerServer = original
 
 
 def _group_store(ctx: DistContext) -> tuple[str, int, dist.TCPStore | None]:
@@ -238,7 +223,12 @@ class ReplicaGroups:
             local_state=lambda: self._state(),  # type: ignore[misc] (set by serve)
             step_of=lambda state: int(state["trainer"]["step"]),
         )
-        with _manager_server_bound_to(bind):
+        # Every manager server is reached through a front that checks the run secret
+        # (manager_front.py): this process's clients through tunnels, its own server (rank 0)
+        # behind a front on `bind`.
+        self._tunnels = ManagerTunnels(self.secret)
+        self._tunnels.install()
+        with fronted_manager_servers(bind, secret=self.secret, group=cfg.group):
             self.manager = Manager(
                 pg=self._pg,
                 load_state_dict=None,
@@ -262,6 +252,8 @@ class ReplicaGroups:
                 init_sync=False,
                 heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
             )
+        self._quorums = _QuorumIds(self.manager._client)
+        self.manager._client = self._quorums
         self.members: tuple[int, ...] = ()
         """The replica groups of the current quorum."""
         self.participants = 0
@@ -272,6 +264,8 @@ class ReplicaGroups:
         self._healed: tuple[float, int] | None = None
         self._refusals = 0
         """Attempts refused in a row (see REFUSALS_BEFORE_STOP)."""
+        self._unproven: list[str] = []
+        """The replica ids of the current quorum that carry no proof of the run secret."""
         self._step: Callable[[], int] = lambda: 0
         self._loader: DistributedBatchLoader | None = None
 
@@ -377,6 +371,7 @@ class ReplicaGroups:
         group is behind) and re-plan `loader` over the groups in it."""
         start = time.perf_counter()
         self._start_quorum()
+        self._unproven = _unproven(self.secret, self._quorums.replica_ids)
         participants = self.manager.num_participants()
         replica_rank = self.manager.participating_rank()
         if replica_rank is None:
@@ -501,6 +496,15 @@ class ReplicaGroups:
             loss=loss,
         )
         flat = torch.cat([flat_grads, loss.detach().reshape(1).float(), proof])
+        if self._unproven and self.manager.errored() is None:
+            # Refused before the exchange (torchft's allreduce is then a no-op): such a member
+            # may never send its part, and the step would wait out fault_tolerance.timeout_s.
+            refusal = (
+                f"a member of the quorum (replica id {self._unproven[0][:80]!r}) did not prove "
+                "the run secret"
+            )
+            self.log.error("replica groups: %s; the step is not committed", refusal)
+            self.manager.report_error(PeerRefused(refusal))
         self.manager.allreduce(flat).wait()
         if self.manager.errored() is None:
             # One small read to the host: should_commit below waits for the device anyway.
@@ -623,6 +627,32 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        self._tunnels.close()
+
+
+class _QuorumIds:
+    """torchft's client to this group's manager server, keeping the replica ids of the last
+    quorum it answered (torchft 0.2.0's Manager hands them to no one)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_ids: tuple[str, ...] = ()
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(**kwargs)
+        self.replica_ids = tuple(quorum.replica_ids)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _unproven(secret: bytes, replica_ids: Iterable[str]) -> list[str]:
+    """The ids among `replica_ids` that carry no proof of `secret` (none without a secret: the
+    rule table then allows only a loopback lighthouse)."""
+    if not secret:
+        return []
+    return [i for i in replica_ids if proven_group(secret, i) is None]
 
 
 def _tensors(state: dict[str, Any]) -> Iterable[torch.Tensor]:

@@ -16,8 +16,9 @@ a peer:
   `fault_tolerance.replica_groups` (or one already present), is at another step, or sends a
   non-finite or far larger gradient than the others (`fault_tolerance.peer_grad_norm_ratio`), is
   named and the step is not committed by any honest group: its gradients are never applied.
-- **Binding**: the manager server and the state transport listen on one address, by default
-  the one this host uses to reach the lighthouse (`default_bind`), not on every interface.
+- **Binding**: the manager front (manager_front.py: torchft's manager server itself listens on
+  loopback only) and the state transport listen on one address, by default the one this host
+  uses to reach the lighthouse (`default_bind`), not on every interface.
 
 Without a secret (allowed only with the lighthouse on a loopback address: every group on this
 host) the MACs are keyed with the empty string: they prove nothing, the schema and the sanity
