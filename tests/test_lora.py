@@ -3,17 +3,31 @@ optimizer and the checkpoint hold nothing else), its adapters exported as a PEFT
 transformers + peft distrain's logits, its merged export gives transformers them too, and the
 same fine-tune on 2 ranks under DDP, FSDP2 (ZeRO-2/3), tp (with and without sequence
 parallelism) and pp, and on 4 under ZeRO-3 x tp and tp x pp, has the 1-process run's losses
-and trained adapters, and a tp2 fine-tune SIGKILLed after a checkpoint resumes on 1 process
-with the uninterrupted run's losses."""
+and trained adapters, a tp2 fine-tune SIGKILLed after a checkpoint resumes on 1 process
+with the uninterrupted run's losses, and of a fine-tune on 2 replica groups one group's worker
+SIGKILLed mid-run rejoins with the survivor's adapters and moments (its base comes from
+model.init_from, not over the wire), no step lost, the 1-process losses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, start_train, train_cli, train_in_process
+from helpers import losses, start_train, train_cli, train_in_process, worker_pid
+from replica import (
+    check_killed_group_row,
+    metrics_rows,
+    running_lighthouse,
+    secret_file,
+    trained_step,
+    wait_until,
+)
 from test_hf_interop import LOGIT_TOL, RUN, _hf_configs, _hf_logits, _tokens
 from test_parity import assert_parity
 from test_resume_exact import _kill_when_logged
@@ -29,7 +43,8 @@ from distrain.interop.export import (
 from distrain.models.decoder.model import Decoder
 from distrain.models.registry import model_args, model_family
 from distrain.observe.metrics import read_metrics
-from distrain.parallel.lora import LoRALinear, apply_lora, lora_init_value
+from distrain.parallel.lora import LoRALinear, apply_lora, is_lora_param, lora_init_value
+from distrain.train.rng import rng_state
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -91,6 +106,13 @@ def _adapters(run: Path) -> dict[str, torch.Tensor]:
     cfg, storage = _run_config(run, None)
     model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
     return {n: p.detach() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+
+
+def _base_bytes(run: Path) -> int:
+    """The bytes of the run's frozen base weights (fp32)."""
+    cfg, storage = _run_config(run, None)
+    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run, None)
+    return sum(p.numel() * 4 for n, p in model.named_parameters() if not is_lora_param(n))
 
 
 def test_only_the_adapters_train_and_are_saved(lora_run):
@@ -302,3 +324,115 @@ def test_a_killed_tp2_fine_tune_resumes_on_one_process(llama_dir, tmp_path):
     assert all(r.get("attempt") for r in rows if "loss" in r and r["step"] > resumed), rows
     # The stitched curve: steps up to the checkpoint from the tp2 run, the rest resumed.
     assert_parity(losses(rows), want)
+
+
+# --- replica groups -----------------------------------------------------------------------------
+
+GROUP_STEPS = 24
+# Two groups of 1 rank each add their halves of the global batch in another order than the
+# 1-process run: test_replica_groups.py's bound for the same setting.
+GROUP_REL = 1e-6
+GROUP_FIELDS = {
+    **RUN,
+    **LORA,
+    "training__steps": GROUP_STEPS,
+    "training__deterministic": True,
+    "model__family": "llama",
+}
+# As test_replica_groups.py's GROUP_FIELDS: ZeRO-3 inside each group, a timeout above a rejoin's
+# load on a busy machine, paced steps so that group 0 still trains when group 1 is back.
+REPLICA_FIELDS = {
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 2,
+    "fault_tolerance__timeout_s": 6,
+    "comm__collective_timeout_s": 12,
+    "checkpoint__preempt_grace_s": 1,
+    "debug__slow_rank": 0,
+    "debug__slow_ms": 800,
+}
+
+
+@pytest.fixture(scope="module")
+def lora_groups(llama_dir, tmp_path_factory) -> dict:
+    """A LoRA fine-tune of the Llama on 2 replica groups of 1 rank (ZeRO-3), and the same
+    fine-tune uninterrupted on 1 process. Once both groups have logged step 3, group 1's worker
+    is SIGKILLed from outside; its torchrun restarts it and it rejoins with group 0's live
+    state. Group 0 is never touched."""
+    pytest.importorskip("torchft")
+    root = tmp_path_factory.mktemp("lora_groups")
+    fields = {**GROUP_FIELDS, "model__init_from": f"hf:{llama_dir}"}
+    reference = root / "reference"
+    train_in_process(reference, **fields)
+    runs = [root / f"group{g}" for g in range(2)]
+    secret = secret_file(root)
+    with running_lighthouse() as lighthouse:
+        procs = [
+            start_train(
+                runs[g],
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "2",
+                **fields,
+                **REPLICA_FIELDS,
+                fault_tolerance__group=g,
+                fault_tolerance__lighthouse=lighthouse,
+                fault_tolerance__secret_file=secret,
+            )
+            for g in range(2)
+        ]
+        try:
+            wait_until(
+                lambda: min(trained_step(r) for r in runs) >= 3, "step 3 in both groups", procs, 240
+            )
+            survivor = worker_pid(procs[0].pid, 0, restart=0)
+            os.kill(worker_pid(procs[1].pid, 0, restart=0), signal.SIGKILL)
+            _, err0 = procs[0].communicate(timeout=300)
+            # Group 1 trains the last steps beside group 0 and ends with it.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[1].communicate(timeout=60)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    assert procs[0].returncode == 0, err0[-4000:]
+    return {"runs": runs, "reference": reference, "survivor": survivor}
+
+
+@pytest.mark.slow
+def test_lora_replica_group_killed_rejoins_with_the_survivors_adapters(lora_groups):
+    """The survivor trains every step once without a restart, each loss the 1-process run's
+    (GROUP_REL); the killed group rejoins with a transfer of the adapters and their moments
+    only (the frozen base is made again from model.init_from), and logs every step after it
+    with the 1-process run's loss: the groups' mean, to which its half of the batch through its
+    own base weights and adapters contributes (a base or adapter unlike the survivor's moves it,
+    and both groups' updates); both groups end with bit-identical adapters, the 1-process
+    run's within ADAPTER_ATOL."""
+    (run0, run1), reference = lora_groups["runs"], lora_groups["reference"]
+    assert lora_groups["survivor"] is not None
+    rows0 = read_metrics(run0 / "metrics.jsonl", all_attempts=True)
+    assert not any("attempt" in r or "resumed_from" in r for r in rows0)
+    assert [r["step"] for r in rows0 if "loss" in r] == list(range(1, GROUP_STEPS + 1))
+    check_killed_group_row(metrics_rows(run0), ranks_lost="1")
+    want = losses(read_metrics(reference / "metrics.jsonl"))
+    rows1 = read_metrics(run1 / "metrics.jsonl", all_attempts=True)
+    (rejoined, *_) = [r for r in metrics_rows(run1) if r.get("replica_change") == "rejoined"]
+    # Steps group 1 trained after taking the live state: every one up to the end.
+    after = {r["step"]: r["loss"] for r in rows1 if "loss" in r and r["step"] > rejoined["step"]}
+    assert sorted(after) == list(range(rejoined["step"] + 1, GROUP_STEPS + 1)), rejoined
+    for got in (losses(rows0), after):
+        for step, loss in got.items():
+            assert abs(loss - want[step]) <= GROUP_REL * abs(want[step]), (step, loss, want[step])
+    got, replacement, one = _adapters(run0), _adapters(run1), _adapters(reference)
+    assert got.keys() == replacement.keys() == one.keys()
+    for name in one:
+        assert torch.equal(replacement[name], got[name]), name
+        torch.testing.assert_close(got[name], one[name], rtol=0, atol=ADAPTER_ATOL, msg=name)
+    # What went over the wire, to the byte: the adapters, Adam's two moments and step count of
+    # each, the RNG states, the loader position and the trainer's step; not the frozen base.
+    adapter_bytes = sum(t.numel() * t.element_size() for t in one.values())
+    rng_bytes = sum(t.numel() * t.element_size() for t in rng_state().values())
+    counters = 4 * len(one) + rng_bytes + 8 + 8  # Adam's fp32 steps; int64 position and step
+    assert rejoined["state_mb"] * 2**20 == 3 * adapter_bytes + counters, rejoined
+    assert _base_bytes(reference) > 10 * adapter_bytes  # the base alone would dwarf it

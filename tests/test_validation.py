@@ -57,8 +57,16 @@ CASES = [
      ["the 'residual_mlp' model family's tensor-parallel plan has no sequence-parallel variant",
       "set parallel.sequence_parallel = false"]),
     ("lora_layouts_proven", {"lora.rank": "4", "parallel.cp": "2"}, 2,
-     ["lora.rank (4) trains under DDP, FSDP2", "cp 2, ep 1",
-      "set parallel.cp = 1 and parallel.ep = 1, or lora.rank = 0"]),
+     ["lora.rank (4) trains under DDP, FSDP2", "not yet with parallel.cp = 2 (context "
+      "parallelism): no test proves it; set parallel.cp = 1, or set lora.rank = 0"]),
+    ("lora_layouts_proven",
+     {"lora.rank": "4", "diloco.inner_steps": "4", "parallel.zero_stage": "2",
+      "parallel.dp_replicate": "2"}, 2,
+     ["not yet with diloco.inner_steps = 4 (DiLoCo): no test proves it; set "
+      "diloco.inner_steps = 0, or set lora.rank = 0"]),
+    ("lora_layouts_proven", {"lora.rank": "4", "optim.name": "onebit_adam"}, 2,
+     ["not yet with optim.name = 'onebit_adam' (1-bit Adam): no test proves it; set "
+      "optim.name = 'adamw', or set lora.rank = 0"]),
     ("cp_needs_attention", {**RMLP, "parallel.cp": "2"}, 2,
      ["parallel.cp (2): the 'residual_mlp' model family has no attention for context "
       "parallelism to split; set parallel.cp = 1"]),
@@ -385,11 +393,24 @@ def test_fixes_named_by_messages_are_accepted(cuda_present):
         ),
         ({"optim.name": "onebit_adam", "parallel.pp": "2"}, 4),
         ({"optim.name": "onebit_adam", "parallel.tp": "2", "parallel.pp": "2"}, 8),
-        # The layouts test_lora.py proves LoRA under.
+        # The layouts test_lora.py proves LoRA under (replica groups included).
         ({"lora.rank": "4", "parallel.zero_stage": "3"}, 2),
         ({"lora.rank": "4", "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 2),
         ({"lora.rank": "4", "parallel.pp": "2"}, 2),
         ({"lora.rank": "4", "parallel.tp": "2", "parallel.pp": "2"}, 4),
+        ({"lora.rank": "4", **FT}, 2),
+        # The fixes lora_layouts_proven names for 1-bit Adam and DiLoCo.
+        ({"lora.rank": "4", "optim.name": "adamw"}, 2),
+        ({"lora.rank": "0", "optim.name": "onebit_adam"}, 2),
+        (
+            {
+                "lora.rank": "0",
+                "diloco.inner_steps": "4",
+                "parallel.zero_stage": "2",
+                "parallel.dp_replicate": "2",
+            },
+            2,
+        ),
     ]
     for fields, world_size in fixed:
         layout = validate(_config(fields), world_size)

@@ -128,6 +128,29 @@ class Facts:
         return next((name for name, on in conflicts.items() if on), "")
 
     @property
+    def lora_unproven(self) -> tuple[str, str]:
+        """(the first setting no LoRA test runs with, how to drop it); ("", "") when none, or
+        when LoRA is off."""
+        if self.cfg.lora.rank == 0:
+            return "", ""
+        unproven = {
+            (f"parallel.cp = {self.p.cp} (context parallelism)", "set parallel.cp = 1"): (
+                self.p.cp > 1
+            ),
+            (f"parallel.ep = {self.p.ep} (expert parallelism)", "set parallel.ep = 1"): (
+                self.p.ep > 1
+            ),
+            (
+                f"diloco.inner_steps = {self.inner_steps} (DiLoCo)",
+                "set diloco.inner_steps = 0",
+            ): self.inner_steps > 0,
+            ("optim.name = 'onebit_adam' (1-bit Adam)", "set optim.name = 'adamw'"): (
+                self.cfg.optim.name == "onebit_adam"
+            ),
+        }
+        return next((setting for setting, on in unproven.items() if on), ("", ""))
+
+    @property
     def inner_steps(self) -> int:
         """diloco.inner_steps: DiLoCo's H (0 = off)."""
         return self.cfg.diloco.inner_steps

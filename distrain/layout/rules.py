@@ -226,10 +226,10 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "lora_layouts_proven",
         "config",
-        lambda f: f.cfg.lora.rank > 0 and (f.p.cp > 1 or f.p.ep > 1),
-        "lora.rank ({f.cfg.lora.rank}) trains under DDP, FSDP2 (any parallel.zero_stage), tp and "
-        "pp, not yet under context or expert parallelism (no parity test proves it: cp "
-        "{f.p.cp}, ep {f.p.ep}); set parallel.cp = 1 and parallel.ep = 1, or lora.rank = 0",
+        lambda f: f.lora_unproven[0] != "",
+        "lora.rank ({f.cfg.lora.rank}) trains under DDP, FSDP2 (any parallel.zero_stage), tp, pp "
+        "and replica groups, not yet with {f.lora_unproven[0]}: no test proves it; "
+        "{f.lora_unproven[1]}, or set lora.rank = 0",
     ),
     Rule(
         "tp_splits_model",
