@@ -23,7 +23,7 @@ SIGKILLs group 1's worker; it measures the seconds from the kill to the arrival 
 next completed step, the steps recomputed (training rows group 0 logged twice: none), group
 0's own `recovery_s` metrics row, and group 1's rejoin: the live state's size and the seconds
 its transfer took (its `rejoined` row). The phases come from torchft's own logs (RUST_LOG=info,
-ms timestamps), without changes to the trainer:
+ms timestamps, in group 0's rank log), without changes to the trainer:
 - kill->error: to group 0's vote not to commit (its average between groups failed);
 - error->quorum: to group 0's new quorum without group 1 (the lighthouse forms it once it
   finds group 1 gone: kill->found gone is its log line saying so, when group 1's manager
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -296,7 +297,7 @@ def inprocess_run(
             r["step_time_s"] for r in rows0 if "step_time_s" in r and 2 < r["step"] < kill_step - 1
         ),
         "changes": len(changes),
-        **steady_step_parts(root / "group0.stderr", kill=kill),
+        **steady_step_parts(_torchft_log(root, 0), kill=kill),
     }
 
 
@@ -310,16 +311,22 @@ def torchft_times(path: Path, needle: str) -> list[tuple[float, str]]:
     return out
 
 
+def _torchft_log(root: Path, group: int) -> Path:
+    """Where group `group`'s rank 0 writes torchft's own log lines: its rank log (a worker that
+    `distrain train` started sends the native stderr there, observe/logs.py)."""
+    return root / f"group{group}" / "logs" / "rank0.log"
+
+
 def recovery_timeline(root: Path, *, kill: float, first_step: float) -> dict[str, float]:
     """Seconds of each phase from the kill to group 0's next completed step, from torchft's
     logs: group 0's manager (its vote, its quorum) and the lighthouse (its heartbeat count). A
     kill that lands between two steps has no failed vote: its "error" phase is then 0."""
-    log0 = root / "group0.stderr"
+    log0 = _torchft_log(root, 0)
     failed = [t for t, _ in torchft_times(log0, "should_commit=false") if t >= kill]
     quorums = [
         t
         for t, line in torchft_times(log0, "got lighthouse quorum")
-        if t >= kill and 'replica_id: "group1' not in line
+        if t >= kill and not re.search(r'replica_id: "[^"]*group1:', line)
     ]
     if not quorums:
         raise RuntimeError("no quorum without group 1 after the kill; did torchft's log change?")
