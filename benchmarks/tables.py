@@ -792,6 +792,7 @@ def plan_speed_presets(d: dict[str, Any]) -> str:
     timed = [r for r in d["rows"] if "error" not in r]
     cold = max(timed, key=lambda r: r["cold"]["wall_s"])
     warm = max(timed, key=lambda r: r["warm"]["wall_s"])
+    cpu = max(timed, key=lambda r: r["cold"]["cpu_s"])
     loads = [r[k]["load_before"] for r in timed for k in ("cold", "warm")]
     loads += [r[k]["load_after"] for r in timed for k in ("cold", "warm")]
     head = (
@@ -814,7 +815,8 @@ def plan_speed_presets(d: dict[str, Any]) -> str:
         "warm (the same cache, a second process); CPU of the command and every process it "
         "starts; builds stored by the cold plan; load average before the cold run and after the "
         f"warm one. {len(d['rows'])} plans, {len(d['rows']) - len(timed)} failed; slowest cold "
-        f"{cold['cold']['wall_s']:.1f} s (`{cold['preset']}`, {cold['question']}), slowest warm "
+        f"{cold['cold']['wall_s']:.1f} s (`{cold['preset']}`, {cold['question']}), most CPU cold "
+        f"{cpu['cold']['cpu_s']:.1f} s (`{cpu['preset']}`, {cpu['question']}), slowest warm "
         f"{warm['warm']['wall_s']:.1f} s (`{warm['preset']}`, {warm['question']}); 1-minute "
         f"load average {min(loads):.1f} to {max(loads):.1f} around the runs:\n\n"
         + table(head, [row(r) for r in d["rows"]])
