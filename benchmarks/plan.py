@@ -18,14 +18,15 @@ measured steps of small layouts, and its memory against the same runs: see plan_
 
 With --speed, how long `distrain plan` takes for every preset of every registered model family
 on the question a user asks first, 8 nodes x 8 GPUs of 80 GB at the default batch (`--nodes 8
---gpus-per-node 8 --gpu-memory 80GB`), and for the 7B-class presets (5 to 10 billion
-parameters) also the long question (SPEED_ARGS: seq 4096, global batch 1024): cold (a fresh
-cache directory: every fake build made) then warm (the same cache, a second process: every build
-read back). For each: wall seconds, CPU seconds (user + system of the command and every process
-it starts, its build workers included), rows shown and rows built on fake tensors, the builds
-the cold plan stored, whether the warm answer is the cold one, and the load average before and
-after each run (the machine's other work slows it), as a table and JSON (written after every
-preset, so a run cut short keeps what it measured). `--presets a,b` times only those.
+--gpus-per-node 8 --gpu-memory 80GB`), and for the 7B-class presets (5 to 10 billion parameters)
+also the long question (SPEED_ARGS: seq 4096, global batch 1024): cold (a fresh cache directory:
+every fake build made) then warm (the same cache, a second process: every build read back). For
+each: wall seconds, CPU seconds (user + system of the command and every process it starts, its
+build workers included), rows shown and rows built on fake tensors, the files the cold plan kept
+in its build store (fake builds and parameter tables), whether the warm answer is the cold one,
+and the load average before and after each run (the machine's other work slows it), as a table
+and JSON (written after every preset, so a run cut short keeps what it measured). `--presets
+a,b` times only those.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
     python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py

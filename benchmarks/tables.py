@@ -804,7 +804,7 @@ def plan_speed_presets(d: dict[str, Any]) -> str:
         "cold CPU s",
         "warm wall s",
         "warm CPU s",
-        "builds stored",
+        "store files",
         "load",
         "same JSON",
     )
@@ -813,7 +813,8 @@ def plan_speed_presets(d: dict[str, Any]) -> str:
         "question `default` at the default batch, `1024x4096` adding `--seq-len 4096 "
         "--global-batch 1024` (the 7B-class presets), each cold (a fresh `XDG_CACHE_HOME`) then "
         "warm (the same cache, a second process); CPU of the command and every process it "
-        "starts; builds stored by the cold plan; load average before the cold run and after the "
+        "starts; files the cold plan kept in its build store (fake builds and parameter tables); "
+        "load average before the cold run and after the "
         f"warm one. {len(d['rows'])} plans, {len(d['rows']) - len(timed)} failed; slowest cold "
         f"{cold['cold']['wall_s']:.1f} s (`{cold['preset']}`, {cold['question']}), most CPU cold "
         f"{cpu['cold']['cpu_s']:.1f} s (`{cpu['preset']}`, {cpu['question']}), slowest warm "

@@ -685,7 +685,7 @@ def test_an_moe_plan_does_not_calibrate_every_ep_family_to_find_a_grouped_row(mo
     (`advisable`); the fitting row with one comes after layouts of many ep families. Once the
     rows shown are held, only layouts with a data-parallel group may calibrate a new family
     until one fits: `distrain plan --preset mixtral-tiny` on 8 x 8 GPUs calibrated 21 families
-    (47 stored builds, 3x a dense preset's CPU time) where the rows shown needed 6."""
+    (47 files in its build store, 3x a dense preset's CPU time) where the rows shown needed 6."""
     cfg = Config()
     cfg.run.device = "cpu"
     cfg.model.preset, cfg.model.n_layers = "moe-tiny", 2
