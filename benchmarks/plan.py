@@ -16,15 +16,21 @@ and their ratio.
 With --measure, the planner's step-time model for this machine (distrain/plan/probe.py) against
 measured steps of small layouts, and its memory against the same runs: see plan_steps.py.
 
-With --speed, how long `distrain plan` takes cold (no stored calibration: a fresh cache
-directory) for the 7B-class presets on 8 nodes x 8 GPUs (the command a user runs before renting
-them): wall seconds, CPU seconds (user + system of the command and every process it starts, its
-calibration workers included), rows, rows built on fake tensors, and the load average before and
-after (the machine's other work slows it), as a table and JSON.
+With --speed, how long `distrain plan` takes for every preset of every registered model family
+on the question a user asks first, 8 nodes x 8 GPUs of 80 GB at the default batch (`--nodes 8
+--gpus-per-node 8 --gpu-memory 80GB`), and for the 7B-class presets (5 to 10 billion parameters)
+also the long question (SPEED_ARGS: seq 4096, global batch 1024): cold (a fresh cache directory:
+every fake build made) then warm (the same cache, a second process: every build read back). For
+each: wall seconds, CPU seconds (user + system of the command and every process it starts, its
+build workers included), rows shown and rows built on fake tensors, the files the cold plan kept
+in its build store (fake builds and parameter tables), whether the warm answer is the cold one,
+and the load average before and after each run (the machine's other work slows it), as a table
+and JSON (written after every preset, so a run cut short keeps what it measured). `--presets
+a,b` times only those.
 
     python3 benchmarks/plan.py [--efficiency 0.45]
     python3 benchmarks/plan.py --measure [--rounds 5 --steps 3]   # this machine, see plan_steps.py
-    python3 benchmarks/plan.py --speed [--speed-out plan_speed.json]
+    python3 benchmarks/plan.py --speed [--presets all|a,b] [--speed-out PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from distrain.config.schema import Config
 from distrain.layout.rules import validate
@@ -128,39 +135,92 @@ def timed_run(command: list[str], env: dict[str, str]) -> tuple[str, float, floa
     return done.stdout, wall, cpu
 
 
-def plan_speed(out: str) -> None:
-    """Time `distrain plan` for each of SPEED_PRESETS (one process each, as a user runs it),
-    cold: its cache directory is a fresh one."""
-    found = []
-    for preset in SPEED_PRESETS:
-        command = [sys.executable, "-m", "distrain", "plan", "--preset", preset]
-        command += SPEED_ARGS.split()
-        load_before = os.getloadavg()[0]
-        with tempfile.TemporaryDirectory() as cache:
-            stdout, wall, cpu = timed_run(command, {**os.environ, "XDG_CACHE_HOME": cache})
-        rows = json.loads(stdout)
-        found.append(
-            {
+DEFAULT_QUESTION = "--nodes 8 --gpus-per-node 8 --gpu-memory 80GB --json"
+LONG_CLASS = (5e9, 10e9)  # parameters of the presets asked the long question (SPEED_ARGS) too
+
+
+def speed_presets(names: str) -> list[tuple[str, str, int]]:
+    """(preset, family, parameters) of every registered family's presets ("all") or of the named
+    ones, smallest first."""
+    from distrain.models.registry import families
+
+    known = {
+        name: (spec.name, spec.num_params(args))
+        for spec in families().values()
+        for name, args in spec.presets.items()
+    }
+    chosen = list(known) if names == "all" else names.split(",")
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown presets: {', '.join(unknown)}; choose from {', '.join(known)}")
+    return sorted(((n, *known[n]) for n in chosen), key=lambda p: (p[2], p[0]))
+
+
+def plan_once(command: list[str], env: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """One `distrain plan` process: its stdout and what it cost."""
+    load_before = os.getloadavg()[0]
+    stdout, wall, cpu = timed_run(command, env)
+    rows = json.loads(stdout)
+    return stdout, {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "rows_shown": len(rows),
+        "built_rows_shown": sum(r["memory_source"] == "fake build" for r in rows),
+        "best": rows[0]["layout"] if rows else None,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def plan_speed(out: str, names: str) -> None:
+    """Time `distrain plan` (one process each, as a user runs it) for each preset and question,
+    cold (a fresh cache directory) then warm (the same directory, a second process)."""
+    from harness import write_json
+
+    found: list[dict[str, Any]] = []
+    print(
+        f"{'preset':<14}{'question':<10}{'cold s':>8}{'CPU s':>7}{'warm s':>8}{'CPU s':>7}"
+        f"{'stored':>8}{'same':>6}{'load before/after':>20}",
+        flush=True,
+    )
+    for preset, family, params in speed_presets(names):
+        questions = [("default", DEFAULT_QUESTION)]
+        if LONG_CLASS[0] <= params < LONG_CLASS[1]:
+            questions.append(("1024x4096", SPEED_ARGS))
+        for question, args in questions:
+            command = [sys.executable, "-m", "distrain", "plan", "--preset", preset, *args.split()]
+            row: dict[str, Any] = {
                 "preset": preset,
-                "command": "distrain plan --preset " + preset + " " + SPEED_ARGS,
-                "wall_s": wall,
-                "cpu_s": cpu,
-                "rows_shown": len(rows),
-                "built_rows_shown": sum(r["memory_source"] == "fake build" for r in rows),
-                "best": rows[0]["layout"] if rows else None,
-                "load_before": load_before,
-                "load_after": os.getloadavg()[0],
+                "family": family,
+                "params": params,
+                "question": question,
+                "command": f"distrain plan --preset {preset} {args}",
             }
-        )
-    header = f"{'preset':<12}{'wall s':>8}{'CPU s':>7}{'rows':>6}{'built':>7}"
-    print(header + f"{'load before/after':>20}")
-    for r in found:
-        load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
-        print(
-            f"{r['preset']:<12}{r['wall_s']:>8.1f}{r['cpu_s']:>7.1f}{r['rows_shown']:>6}"
-            f"{r['built_rows_shown']:>7}{load:>20}"
-        )
-    Path(out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": found}, indent=1))
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "XDG_CACHE_HOME": cache}
+                try:
+                    cold_out, row["cold"] = plan_once(command, env)
+                    row["stored_builds"] = sum(
+                        1 for p in Path(cache).rglob("*") if p.is_file() and "builds" in p.parts
+                    )
+                    warm_out, row["warm"] = plan_once(command, env)
+                    del row["warm"]["best"]  # the same_answer check compares whole answers
+                    row["same_answer"] = cold_out == warm_out
+                except subprocess.CalledProcessError as e:
+                    row["error"] = (e.stderr or "").strip().splitlines()[-1:] or [str(e)]
+            found.append(row)
+            if "error" in row:
+                print(f"{preset:<14}{question:<10} failed: {row['error'][0]}", flush=True)
+            else:
+                c, w = row["cold"], row["warm"]
+                load = f"{c['load_before']:.1f} / {w['load_after']:.1f}"
+                print(
+                    f"{preset:<14}{question:<10}{c['wall_s']:>8.1f}{c['cpu_s']:>7.1f}"
+                    f"{w['wall_s']:>8.1f}{w['cpu_s']:>7.1f}{row['stored_builds']:>8}"
+                    f"{'yes' if row['same_answer'] else 'no':>6}{load:>20}",
+                    flush=True,
+                )
+            write_json(out, {"date": time.strftime("%Y-%m-%d"), "rows": found})
 
 
 def main() -> None:
@@ -172,12 +232,15 @@ def main() -> None:
         help="Predicted vs measured step time of small layouts on this machine (plan_steps.py).",
     )
     parser.add_argument(
-        "--speed", action="store_true", help="Time `distrain plan` for 7B-class presets on 8x8."
+        "--speed", action="store_true", help="Time `distrain plan` cold and warm per preset."
     )
-    parser.add_argument("--speed-out", default="plan_speed.json", help="JSON of --speed.")
+    parser.add_argument("--presets", default="all", help="--speed: all, or a,b (preset names).")
+    parser.add_argument(
+        "--speed-out", default="benchmarks/results/plan_speed_presets.json", help="JSON of --speed."
+    )
     ns, rest = parser.parse_known_args()
     if ns.speed:
-        plan_speed(ns.speed_out)
+        plan_speed(ns.speed_out, ns.presets)
         return
     if ns.measure:
         from plan_steps import main as measure_main

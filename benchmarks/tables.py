@@ -800,9 +800,65 @@ def finetune(d: dict[str, Any]) -> str:
     )
 
 
+def plan_speed_presets(d: dict[str, Any]) -> str:
+    def params(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+    def row(r: dict[str, Any]) -> tuple[Any, ...]:
+        head = (f"`{r['preset']}`", r["family"], params(r["params"]), r["question"])
+        if "error" in r:
+            return (*head, f"failed: {r['error'][0]}", "-", "-", "-", "-", "-", "-")
+        c, w = r["cold"], r["warm"]
+        return (
+            *head,
+            f"{c['wall_s']:.1f}",
+            f"{c['cpu_s']:.1f}",
+            f"{w['wall_s']:.1f}",
+            f"{w['cpu_s']:.1f}",
+            r["stored_builds"],
+            f"{c['load_before']:.1f} / {w['load_after']:.1f}",
+            "yes" if r["same_answer"] else "no",
+        )
+
+    timed = [r for r in d["rows"] if "error" not in r]
+    cold = max(timed, key=lambda r: r["cold"]["wall_s"])
+    warm = max(timed, key=lambda r: r["warm"]["wall_s"])
+    cpu = max(timed, key=lambda r: r["cold"]["cpu_s"])
+    loads = [r[k]["load_before"] for r in timed for k in ("cold", "warm")]
+    loads += [r[k]["load_after"] for r in timed for k in ("cold", "warm")]
+    head = (
+        "preset",
+        "family",
+        "params",
+        "question",
+        "cold wall s",
+        "cold CPU s",
+        "warm wall s",
+        "warm CPU s",
+        "store files",
+        "load",
+        "same JSON",
+    )
+    return (
+        "`distrain plan --preset P --nodes 8 --gpus-per-node 8 --gpu-memory 80GB --json`, "
+        "question `default` at the default batch, `1024x4096` adding `--seq-len 4096 "
+        "--global-batch 1024` (the 7B-class presets), each cold (a fresh `XDG_CACHE_HOME`) then "
+        "warm (the same cache, a second process); CPU of the command and every process it "
+        "starts; files the cold plan kept in its build store (fake builds and parameter tables); "
+        "load average before the cold run and after the "
+        f"warm one. {len(d['rows'])} plans, {len(d['rows']) - len(timed)} failed; slowest cold "
+        f"{cold['cold']['wall_s']:.1f} s (`{cold['preset']}`, {cold['question']}), most CPU cold "
+        f"{cpu['cold']['cpu_s']:.1f} s (`{cpu['preset']}`, {cpu['question']}), slowest warm "
+        f"{warm['warm']['wall_s']:.1f} s (`{warm['preset']}`, {warm['question']}); 1-minute "
+        f"load average {min(loads):.1f} to {max(loads):.1f} around the runs:\n\n"
+        + table(head, [row(r) for r in d["rows"]])
+    )
+
+
 RENDERERS: dict[str, Renderer] = {
     "finetune": finetune,
     "plan_error": plan_error,
+    "plan_speed_presets": plan_speed_presets,
     "data": data,
     "faults": faults,
     "context": context,

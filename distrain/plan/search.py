@@ -284,7 +284,9 @@ def plan(
     fastest fitting row with a data-parallel group, whose communication the answer advises, and
     the `verify` rows built), a later layout is still priced when its model states alone exceed
     the device or its family was needed before that point, and is otherwise a row NOT_PRICED,
-    ranked after every priced row. The rows that do not fit are looked for in at most
+    ranked after every priced row. While the rows shown are held and that fitting row with a
+    data-parallel group is not, only a layout that has one (`advisable`) may need a family not
+    needed before; another is a row NOT_PRICED. The rows that do not fit are looked for in at most
     FAILING_FAMILIES families more than the fitting rows needed (so the calibrations are
     bounded where nearly every layout fits); then fewer than `shown` of them may be priced. The
     rows (every one) are the same for any `workers` and `store`, and the shown ones those of
@@ -382,20 +384,21 @@ def plan(
     failing_from: int | None = None  # how many were needed once the fitting rows were held
     with pool if own else contextlib.nullcontext(pool), shared or contextlib.nullcontext():
         for done, (c, run, time) in enumerate(layouts, 1):
-            fitting_held = (
-                shown is not None
-                and not exhaustive
-                and fitting >= shown
-                and grouped
-                and verified >= verify
+            shown_held = (
+                shown is not None and not exhaustive and fitting >= shown and verified >= verify
             )
+            fitting_held = shown_held and grouped
             if fitting_held and failing_from is None:
                 failing_from = len(needed)
             held = fitting_held and (
                 failing >= shown or len(needed) >= failing_from + FAILING_FAMILIES
             )
+            # Rows shown held, a fitting one with a data-parallel group still to find: only a
+            # layout that has one may need a new family (an MoE model's fastest layouts are ep
+            # ones, none advisable: every ep family was calibrated before the first without ep).
+            seeking = shown_held and not grouped and not advisable(c)
             family = None if exhaustive else families[done - 1]
-            if held and family is not None and family not in needed:
+            if (held or seeking) and family is not None and family not in needed:
                 rows.append(PlanRow(c, {}, time, False, UNPRICED_REASON, NOT_PRICED))
                 if progress is not None:
                     progress(done, len(layouts))
