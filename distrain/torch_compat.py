@@ -201,12 +201,14 @@ def torchrun_shutdown_timeout(seconds: int) -> list[str]:
 # 2.13 and 2.14 name them `all_gather_single` and `reduce_scatter_single` (and deprecate the old
 # names with a warning per call); torch 2.11 has only `all_gather_into_tensor` and
 # `reduce_scatter_tensor`, the same arguments. Decided by which name torch.distributed has.
-all_gather_single: Callable[..., Any] = getattr(
-    torch.distributed, "all_gather_single", None
-) or torch.distributed.all_gather_into_tensor
-reduce_scatter_single: Callable[..., Any] = getattr(
-    torch.distributed, "reduce_scatter_single", None
-) or torch.distributed.reduce_scatter_tensor
+all_gather_single: Callable[..., Any] = (
+    getattr(torch.distributed, "all_gather_single", None)
+    or torch.distributed.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., Any] = (
+    getattr(torch.distributed, "reduce_scatter_single", None)
+    or torch.distributed.reduce_scatter_tensor
+)
 
 
 # torch 2.11's DefaultStager closes its StateDictStager at the end of every stage() (emptying the

@@ -280,6 +280,7 @@ def test_groups_that_die_together_leave_in_one_quorum_even_after_asking():
         for t in [_quorum_in_thread(client, results, r, addresses[r], 0) for r in "abcd"]:
             t.join(timeout=30)
         assert _ids_of(results["a"]) == list("abcd")
+
         def ask_then_die() -> None:
             with contextlib.suppress(TimeoutError):  # never answered: c is gone
                 client.quorum(

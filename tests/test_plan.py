@@ -661,9 +661,7 @@ def test_where_every_layout_fits_the_calibrations_are_bounded(monkeypatch):
     cfg.model.family = family_of_preset(cfg.model.preset)
     options = dict(stages=(0, 3), checkpointing=("none", "full"), max_micro_batch=1, verify=1)
     families, builds = [], []
-    monkeypatch.setattr(
-        search, "calibrate_family", recording(search.calibrate_family, families, 0)
-    )
+    monkeypatch.setattr(search, "calibrate_family", recording(search.calibrate_family, families, 0))
     for kind in ("estimate_memory", "estimate_pipeline_memory"):
         monkeypatch.setattr(built_rows, kind, recording(getattr(built_rows, kind), builds))
     rows = plan(cfg, cluster, shown=2, **options)
@@ -702,9 +700,7 @@ def test_an_moe_plan_does_not_calibrate_every_ep_family_to_find_a_grouped_row(mo
     bound = len(set(walked[:shown]) | {walked[grouped]}) + search.FAILING_FAMILIES
     assert len(set(walked[:grouped])) > bound
     families = []
-    monkeypatch.setattr(
-        search, "calibrate_family", recording(search.calibrate_family, families, 0)
-    )
+    monkeypatch.setattr(search, "calibrate_family", recording(search.calibrate_family, families, 0))
     rows = plan(cfg, cluster, shown=shown, verify=1, **options)
     assert len(families) == len(set(families)) <= bound, families
     fitting = [r.candidate for r in rows if r.fits]

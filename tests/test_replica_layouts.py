@@ -107,7 +107,6 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
         for g in range(2)
     ]
 
-
     try:
         _wait(
             lambda: trained_step(runs[0]) >= 3 and trained_step(runs[1]) >= 3,

@@ -319,9 +319,7 @@ class StateTransport(CheckpointTransport[dict[str, Any]]):
             self._thread.join()
 
 
-def _state_key(
-    secret: bytes, group: int, rank: int, step: int, nonce: str
-) -> tuple[bytes, bytes]:
+def _state_key(secret: bytes, group: int, rank: int, step: int, nonce: str) -> tuple[bytes, bytes]:
     """The cipher key of one request's body and its associated data."""
     key = mac(secret, "state-key", group, rank, step, nonce)
     return key, f"distrain-live-state\0{group}\0{rank}\0{step}\0{nonce}".encode()

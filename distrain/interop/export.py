@@ -234,9 +234,7 @@ def _finish_hf(
     (out_dir / "config.json").write_text(
         json.dumps(family.hf.config(args, dtype=torch_dtype), indent=2)
     )
-    (out_dir / "generation_config.json").write_text(
-        json.dumps(_generation_config(data), indent=2)
-    )
+    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(data), indent=2))
     _copy_tokenizer(data, out_dir)
     return out_dir
 
