@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -275,26 +276,32 @@ def _family_fields(family: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def family_lora_run(request, tmp_path_factory) -> tuple[str, Path, dict[int, float]]:
-    """(family, run dir, losses) of a 1-process LoRA fine-tune of the family's seeded tiny
-    preset."""
-    family = request.param
-    run = tmp_path_factory.mktemp(f"lora_{family}") / "run"
-    return family, run, losses(train_in_process(run, **_family_fields(family)))
+def family_lora_runs(tmp_path_factory) -> Callable[[str], tuple[Path, dict[int, float]]]:
+    """family -> (run dir, losses) of a 1-process LoRA fine-tune of the family's seeded tiny
+    preset, made once per family (a module-scoped fixture parametrized with (family, layout)
+    pairs would be set up again for each pair)."""
+    runs: dict[str, tuple[Path, dict[int, float]]] = {}
+
+    def reference(family: str) -> tuple[Path, dict[int, float]]:
+        if family not in runs:
+            run = tmp_path_factory.mktemp(f"lora_{family}") / "run"
+            runs[family] = run, losses(train_in_process(run, **_family_fields(family)))
+        return runs[family]
+
+    return reference
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family_lora_run,layout",
+    "family,layout",
     [(f, layout) for f, (*_, layouts) in FAMILY_LORA.items() for layout in layouts],
     ids=[f"{f}-{layout}" for f, (*_, layouts) in FAMILY_LORA.items() for layout in layouts],
-    indirect=["family_lora_run"],
 )
-def test_lora_family_layout_matches_one_process(family_lora_run, layout, tmp_path):
+def test_lora_family_layout_matches_one_process(family, layout, family_lora_runs, tmp_path):
     """As test_lora_layout_matches_one_process, for each other family under its layouts: the
     1-process run's losses (1e-5 relative) and trained adapters (ADAPTER_ATOL), which alone are
     in the optimizer and the checkpoint."""
-    family, reference, want_losses = family_lora_run
+    reference, want_losses = family_lora_runs(family)
     run, (nproc, fields) = tmp_path / "run", LORA_LAYOUTS[layout]
     result = train_cli(run, nproc, **_family_fields(family), **fields)
     assert result.returncode == 0, result.stderr[-3000:]
