@@ -371,6 +371,22 @@ def test_adapters_sit_beside_tp_shards(sequence_parallel):
         torch.testing.assert_close(grad, want_model.blocks["1"].mlp.w_down.lora_A.grad)
 
 
+def test_a_frozen_tied_embedding_gets_no_gradient_across_stages():
+    """Under pp a tied embedding's two stage copies sum their gradients after each backward; a
+    LoRA run's are frozen, so the sum skips them: no [vocab, dim] of zeros is made, sent and
+    left as the frozen weight's gradient."""
+    import torch.distributed as dist
+    from helpers import process_group
+
+    from distrain.parallel.tied import TiedEmbedding
+
+    with process_group():
+        stage = torch.nn.Embedding(8, 4).requires_grad_(False)
+        tied = TiedEmbedding([stage], [0], 2, dist.group.WORLD, names=("weight", "weight"))
+        tied.sum_gradients()
+        assert stage.weight.grad is None
+
+
 @pytest.mark.slow
 def test_a_killed_tp2_fine_tune_resumes_on_one_process(llama_dir, tmp_path):
     """A tp2 fine-tune checkpointing every 2 steps, its rank 1 SIGKILLed from outside once step
