@@ -34,7 +34,7 @@ from test_hf_interop import LOGIT_TOL, RUN, _hf_configs, _hf_logits, _tokens
 from test_parity import assert_parity
 from test_resume_exact import _kill_when_logged
 
-from distrain.config.schema import ConfigError, LoRAConfig
+from distrain.config.schema import ConfigError, LoRAConfig, ModelConfig
 from distrain.interop.export import (
     _model_at,
     _run_config,
@@ -199,9 +199,23 @@ def test_targets_by_hf_or_distrain_name_and_unknown_ones_refused():
         apply_lora(model, spec, args, LoRAConfig(rank=2, target_modules="q_proj,qkv_proj"))
 
 
-def _model_config():
-    from distrain.config.schema import ModelConfig
+def test_an_moe_router_target_is_refused():
+    """Mixtral's router (Hugging Face's block_sparse_moe.gate) is a linear its MoE layer reads
+    as a weight: an adapter on it would never train, so naming it is refused; its attention
+    takes adapters (FAMILY_LORA's Mixtral targets)."""
+    spec = model_family("mixtral")
+    args = model_args(ModelConfig(family="mixtral", preset="mixtral-tiny"))
+    for target in ("gate", "moe.router"):
+        with torch.device("meta"):
+            model = Decoder(args)
+        with pytest.raises(ConfigError, match=f"{target} names the MoE router blocks.0.moe.router"):
+            apply_lora(model, spec, args, LoRAConfig(rank=2, target_modules=f"q_proj,{target}"))
+    with torch.device("meta"):
+        model = Decoder(args)
+    assert len(apply_lora(model, spec, args, LoRAConfig(rank=2, target_modules="q_proj"))) == 2
 
+
+def _model_config():
     return ModelConfig(family="llama", preset="llama-tiny")
 
 
