@@ -89,9 +89,12 @@ def lora_targets(
 ) -> list[str]:
     """The module paths of `model`'s linears that lora.target_modules names (distrain's or the
     family's Hugging Face names); with `strict` (the whole model), a target that names none of
-    its linears is refused (a pipeline stage may lack some)."""
+    its linears is refused (a pipeline stage may lack some). A target naming an MoE layer's
+    router is refused: the layer reads its weight, never calls it, so an adapter there would not
+    train (an MoE layer's experts are stacked weights, not linears: no target names them)."""
     hf = hf_module_names(spec, args)
     wanted = target_names(targets)
+    routers = {id(getattr(layer, "router", None)) for layer in spec.moe_layers(model)}
     found: list[str] = []
     used: set[str] = set()
     for path, module in model.named_modules():
@@ -100,6 +103,12 @@ def lora_targets(
         path = canonical_name(path)
         hf_path = hf.get(path, ("", ""))[0]
         hit = [t for t in wanted if _matches(path, t) or (hf_path and _matches(hf_path, t))]
+        if hit and id(module) in routers:
+            raise ConfigError(
+                f"lora.target_modules: {', '.join(hit)} names the MoE router {path}, whose weight "
+                "its layer reads without calling it (an adapter there would never train); "
+                "leave it out"
+            )
         if hit:
             found.append(path)
             used.update(hit)

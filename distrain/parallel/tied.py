@@ -54,8 +54,9 @@ class TiedEmbedding:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         """Sum the two copies' gradients (every rank of the group calls it after backward; a
-        middle-stage rank holds no copy and is not in the group)."""
-        if self.copy is None:
+        middle-stage rank holds no copy and is not in the group). Frozen copies (a LoRA run's
+        base: both are) have none to sum."""
+        if self.copy is None or not self.copy.requires_grad:
             return
         param, grad = self.copy, self.copy.grad
         if grad is None:

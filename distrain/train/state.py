@@ -44,8 +44,13 @@ class ModelState(Stateful):
 
 
 def _trained_state(part: torch.nn.Module) -> dict:
-    """`part`'s model state dict without its frozen parameters."""
-    frozen = {canonical_name(n) for n, p in part.named_parameters() if not p.requires_grad}
+    """`part`'s model state dict without its frozen parameters (under each of their names: a
+    tied head's too, which the state dict holds beside the embedding's)."""
+    frozen = {
+        canonical_name(n)
+        for n, p in part.named_parameters(remove_duplicate=False)
+        if not p.requires_grad
+    }
     state = get_model_state_dict(part)
     return {k: v for k, v in state.items() if k not in frozen} if frozen else state
 
