@@ -172,18 +172,34 @@ class _Parsed(Exception):
 
 @contextlib.contextmanager
 def _parse_only():
-    """argparse stops a program right after its arguments parsed (any error exits as usual)."""
-    real = argparse.ArgumentParser.parse_args
+    """argparse stops a program right after its arguments parsed (any error exits as usual),
+    whether it calls `parse_args` or `parse_known_args` (benchmarks/plan.py, which hands the
+    rest to another script's parser)."""
+    real_args = argparse.ArgumentParser.parse_args
+    real_known = argparse.ArgumentParser.parse_known_args
+    inside: list[object] = []  # parse_args calls parse_known_args itself
 
     def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN202
-        real(self, args, namespace)
+        inside.append(self)
+        try:
+            real_args(self, args, namespace)
+        finally:
+            inside.pop()
         raise _Parsed
 
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN202
+        parsed = real_known(self, args, namespace)
+        if not inside:
+            raise _Parsed
+        return parsed
+
     argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.parse_known_args = parse_known_args
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = real
+        argparse.ArgumentParser.parse_args = real_args
+        argparse.ArgumentParser.parse_known_args = real_known
 
 
 def _check_distrain(words: list[str]) -> None:
