@@ -250,8 +250,13 @@ def start_train(
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (none when it ended meanwhile, as a killed worker does)."""
     children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process ended after its parent listed it
+        return []
+    for task in tasks:
         try:
             children += [int(c) for c in (task / "children").read_text().split()]
         except OSError:  # a thread that ended meanwhile
