@@ -82,6 +82,29 @@ def check_killed_group_row(rows: list[dict], ranks_lost: str) -> dict:
     return row
 
 
+def start_groups(
+    runs: list[Path], lighthouse: str, secret: Path, *, nproc: int = 1, max_restarts: int, **fields
+) -> list[subprocess.Popen]:
+    """`distrain train` of replica group g in run dir runs[g], for every g: `nproc` ranks each,
+    around `lighthouse`, with the run secret file `secret`."""
+    from helpers import start_train
+
+    return [
+        start_train(
+            run,
+            "--nproc",
+            str(nproc),
+            "--max-restarts",
+            str(max_restarts),
+            **fields,
+            fault_tolerance__group=g,
+            fault_tolerance__lighthouse=lighthouse,
+            fault_tolerance__secret_file=secret,
+        )
+        for g, run in enumerate(runs)
+    ]
+
+
 def wait_until(condition, what: str, procs, limit_s: float) -> None:
     """Poll `condition` until it holds; fail when any of `procs` ends first, or after limit_s."""
     deadline = time.monotonic() + limit_s

@@ -27,6 +27,7 @@ from replica import (
     metrics_rows,
     running_lighthouse,
     secret_file,
+    start_groups,
     trained_step,
     wait_until,
 )
@@ -473,21 +474,7 @@ def lora_groups(llama_dir, tmp_path_factory) -> dict:
     runs = [root / f"group{g}" for g in range(2)]
     secret = secret_file(root)
     with running_lighthouse() as lighthouse:
-        procs = [
-            start_train(
-                runs[g],
-                "--nproc",
-                "1",
-                "--max-restarts",
-                "2",
-                **fields,
-                **REPLICA_FIELDS,
-                fault_tolerance__group=g,
-                fault_tolerance__lighthouse=lighthouse,
-                fault_tolerance__secret_file=secret,
-            )
-            for g in range(2)
-        ]
+        procs = start_groups(runs, lighthouse, secret, max_restarts=2, **fields, **REPLICA_FIELDS)
         try:
             wait_until(
                 lambda: min(trained_step(r) for r in runs) >= 3, "step 3 in both groups", procs, 240

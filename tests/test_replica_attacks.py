@@ -27,7 +27,14 @@ import sys
 
 import pytest
 from helpers import SMALL_RUN, losses, start_train, train_in_process
-from replica import metrics_rows, running_lighthouse, secret_file, trained_step, wait_until
+from replica import (
+    metrics_rows,
+    running_lighthouse,
+    secret_file,
+    start_groups,
+    trained_step,
+    wait_until,
+)
 
 from distrain.config.io import load_config
 from distrain.ft.trust import SLOT_SIZE
@@ -218,21 +225,9 @@ def test_a_host_without_the_secret_cannot_end_a_group_through_its_manager_server
     )
     runs = [tmp_path / f"group{g}" for g in range(2)]
     secret = secret_file(tmp_path)
-    procs = [
-        start_train(
-            runs[g],
-            "--nproc",
-            "1",
-            "--max-restarts",
-            "0",
-            # Paced (100 ms a step): the attack comes while group 0 trains.
-            **{**GROUP_FIELDS, "debug__slow_ms": 100, "training__steps": KILL_STEPS},
-            fault_tolerance__group=g,
-            fault_tolerance__lighthouse=lighthouse,
-            fault_tolerance__secret_file=secret,
-        )
-        for g in range(2)
-    ]
+    # Paced (100 ms a step): the attack comes while group 0 trains.
+    fields = {**GROUP_FIELDS, "debug__slow_ms": 100, "training__steps": KILL_STEPS}
+    procs = start_groups(runs, lighthouse, secret, max_restarts=0, **fields)
     try:
         wait_until(lambda: trained_step(runs[0]) >= 3, "step 3 of group 0", procs, limit_s=240)
         published = _published_manager_address(runs[0])

@@ -42,6 +42,7 @@ from replica import (
     metrics_rows,
     running_lighthouse,
     secret_file,
+    start_groups,
     trained_step,
     wait_until,
 )
@@ -126,20 +127,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     root = tmp_path_factory.mktemp("groups")
     runs = [root / f"group{g}" for g in range(2)]
     secret = secret_file(root)
-    procs = [
-        start_train(
-            runs[g],
-            "--nproc",
-            "2",
-            "--max-restarts",
-            "2",
-            **GROUP_FIELDS,
-            fault_tolerance__group=g,
-            fault_tolerance__lighthouse=lighthouse,
-            fault_tolerance__secret_file=secret,
-        )
-        for g in range(2)
-    ]
+    procs = start_groups(runs, lighthouse, secret, nproc=2, max_restarts=2, **GROUP_FIELDS)
     stopped = None
     try:
 
@@ -321,20 +309,7 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
     root = tmp_path_factory.mktemp("four")
     runs = [root / f"group{g}" for g in range(4)]
     secret = secret_file(root)
-    procs = [
-        start_train(
-            runs[g],
-            "--nproc",
-            "1",
-            "--max-restarts",
-            "2",
-            **FOUR_FIELDS,
-            fault_tolerance__group=g,
-            fault_tolerance__lighthouse=lighthouse,
-            fault_tolerance__secret_file=secret,
-        )
-        for g in range(4)
-    ]
+    procs = start_groups(runs, lighthouse, secret, max_restarts=2, **FOUR_FIELDS)
 
     try:
         _wait(
