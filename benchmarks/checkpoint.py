@@ -70,14 +70,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import is_worker, launch_self, synchronize, worker_session, write_json
+from harness import is_worker, launch_self, synchronize, trainer_for, worker_session, write_json
 
 from distrain.checkpoint.checkpointer import SaveRecord
 from distrain.checkpoint.manifest import committed
 from distrain.config.schema import Config, validate
 from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
-from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 MODES = ("off", "thread", "process")
@@ -303,7 +302,7 @@ def measure(
         for mode in modes:
             cfg = make_config(args, mode, run_dir / mode)
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainers[mode] = build_trainer(cfg, ctx, logger)
+            trainers[mode] = trainer_for(cfg, ctx, logger)
         records = {mode: record_saves(trainer) for mode, trainer in trainers.items()}
         for trainer in trainers.values():
             train(trainer, args.warmup)

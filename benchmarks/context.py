@@ -36,10 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
+from harness import bench_config, is_worker, launch_ranks, trainer_for, worker_session, write_json
 
 from distrain.config.schema import Config
-from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 CORPUS_BYTES = 2_000_000
@@ -114,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
         for seq_len in args.seq_lens:
             cfg = make_config(seq_len, ctx.world_size, args.method, run_dir / f"seq{seq_len}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainer = build_trainer(cfg, ctx, logger)
+            trainer = trainer_for(cfg, ctx, logger)
             try:
                 mine = measure(trainer)
             finally:

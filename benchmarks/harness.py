@@ -28,7 +28,9 @@ from torch.distributed.run import get_args_parser, run
 from distrain.config.schema import Config, validate
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.parallel.device import DistContext, init_distributed, teardown
+from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
+from distrain.train.resolve import resolve
 
 # The command's start, set once by the process started by hand and inherited by the ranks it
 # launches, so that a JSON a worker writes records the command and start its user typed.
@@ -91,6 +93,12 @@ def worker_session(
     finally:
         close_logging(logger)
         teardown(synchronize=ended_well)
+
+
+def trainer_for(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trainer:
+    """distrain's trainer for `cfg` on this process's group, made as the worker makes it: the
+    config resolved into the run's plan, then every part built from the plan."""
+    return build_trainer(resolve(cfg, ctx.device, ctx.world_size, logger), ctx, logger)
 
 
 def bench_config(

@@ -39,13 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import bench_config, is_worker, launch_ranks, worker_session, write_json
+from harness import bench_config, is_worker, launch_ranks, trainer_for, worker_session, write_json
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import num_params
-from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 STAGES = (0, 1, 2, 3)
@@ -139,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
         for stage in STAGES:
             cfg = make_config(args, stage, ctx.world_size, run_dir / f"stage{stage}")
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            trainer = build_trainer(cfg, ctx, logger)
+            trainer = trainer_for(cfg, ctx, logger)
             try:
                 mine = measure(trainer)
                 psi = num_params(trainer.plan.model)

@@ -47,13 +47,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import is_worker, launch_self, measure_steps, synchronize, worker_session, write_json
+from harness import (
+    is_worker,
+    launch_self,
+    measure_steps,
+    synchronize,
+    trainer_for,
+    worker_session,
+    write_json,
+)
 
 from distrain.config.schema import Config, validate
 from distrain.models.decoder.counts import flops_per_token, num_params
 from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
-from distrain.train.build import build_trainer
 
 # Dense bf16 peak FLOP/s per GPU, matched in order against torch.cuda.get_device_name().
 GPU_PEAK_FLOPS = (
@@ -208,7 +215,7 @@ def run_variant(
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
     try:
         seconds = measure_steps(trainer, warmup=args.warmup, steps=args.steps, device=ctx.device)
         model_args = trainer.plan.model

@@ -31,6 +31,7 @@ from harness import (
     is_worker,
     launch_self,
     measure_steps,
+    trainer_for,
     worker_session,
     write_json,
 )
@@ -38,7 +39,6 @@ from harness import (
 from distrain.config.schema import Config
 from distrain.models.decoder.counts import active_params, flops_per_token, num_params
 from distrain.parallel.device import DistContext
-from distrain.train.build import build_trainer
 
 CORPUS_BYTES = 8_000_000
 
@@ -80,7 +80,7 @@ def run_preset(
 ) -> dict[str, Any]:
     cfg = make_config(args, preset, ctx.world_size, run_dir / preset)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
     try:
         seconds = measure_steps(
             trainer, warmup=args.warmup, steps=args.steps, device=ctx.device, report_loss=False

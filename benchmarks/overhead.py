@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import bench_config, is_worker, launch_self, worker_session, write_json
+from harness import bench_config, is_worker, launch_self, trainer_for, worker_session, write_json
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.config.schema import Config
@@ -43,7 +43,6 @@ from distrain.data import DistributedBatchLoader, TokenDataset
 from distrain.models.decoder.model import Decoder, init_weights
 from distrain.optim.schedule import lr_at
 from distrain.parallel.device import DistContext
-from distrain.train.build import build_trainer
 from distrain.train.loop import Trainer
 
 NUM_RANKS = 2
@@ -168,7 +167,7 @@ def measure(
     """Warm both sides up, then time `args.blocks` interleaved rounds of both at this accum."""
     cfg = make_config(args, accum, run_dir / f"accum{accum}")
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
     try:
         sides = {
             "distrain": distrain_step(trainer),

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import bench_config, is_worker, launch_self, worker_session, write_json
+from harness import bench_config, is_worker, launch_self, trainer_for, worker_session, write_json
 
 from distrain.config.schema import Config
 from distrain.models.registry import family_of_preset
@@ -39,7 +39,6 @@ from distrain.plan.built_rows import memory_of, memory_row
 from distrain.plan.memory_model import calibrate_family, calibration_builds, modelled_row
 from distrain.plan.search import candidate_plan
 from distrain.plan.timing import Candidate
-from distrain.train.build import build_trainer
 
 PRESETS = ("qwen3-0.6b", "llama3-1b", "1b")
 CHECKPOINTING = ("none", "full")
@@ -92,7 +91,7 @@ def row_config(run_dir: str, preset: str, ac: str, mb: int, seq_len: int, steps:
 def measure_row(cfg: Config, ctx: Any, logger: Any) -> dict[str, Any]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(ctx.device)
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
     try:
         for _ in range(cfg.training.steps):
             trainer.train_step(trainer.loader.next_batch(), report_loss=False)

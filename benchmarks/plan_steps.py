@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from harness import is_worker, launch_self, measure_steps, worker_session, write_json
+from harness import is_worker, launch_self, measure_steps, trainer_for, worker_session, write_json
 
 from distrain.config.schema import Config
 from distrain.config.schema import validate as validate_config
@@ -75,12 +75,10 @@ def layout_config(parallel: dict[str, Any], *, steps: int = 1, run_dir: str = ""
 
 
 def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
-    from distrain.train.build import build_trainer
-
     cfg = layout_config(par, steps=1000, run_dir=str(run_dir))
     validate_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return build_trainer(cfg, ctx, logger)
+    return trainer_for(cfg, ctx, logger)
 
 
 def _model_state(trainer: Any) -> int:

@@ -83,7 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import is_worker, wait_all, worker_session, write_json  # noqa: E402
+from harness import is_worker, trainer_for, wait_all, worker_session, write_json  # noqa: E402
 from netlab import IFNAME, NetLab, lab_available, net_lab, parse_rate  # noqa: E402
 from vs_accelerate import build_accelerate  # noqa: E402
 
@@ -101,7 +101,6 @@ from distrain.plan.collectives import (  # noqa: E402
     time_concurrency,
 )
 from distrain.plan.comm_advice import predict_methods, recommend  # noqa: E402
-from distrain.train.build import build_trainer  # noqa: E402
 from distrain.train.observers import CommMetrics  # noqa: E402
 
 LOOPBACK = "loopback"
@@ -264,7 +263,7 @@ def timed_run(
 
 
 def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger: Any) -> dict:
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
     setup = _setup_s()
     stats = next(o.stats for o in trainer.observers if isinstance(o, CommMetrics))
     stats.reset()

@@ -43,12 +43,11 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from harness import worker_session, write_json
+from harness import trainer_for, worker_session, write_json
 
 from distrain.config.io import load_config, write_toml
 from distrain.observe.metrics import read_metrics
 from distrain.observe.observer import StepObserver
-from distrain.train.build import build_trainer
 
 MODES = ("off", "mlflow")
 
@@ -125,7 +124,7 @@ def one_run(run_dir: Path, args: argparse.Namespace, tracking_uri: str) -> dict[
     write_toml(cfg, run_dir / "config.toml")
     clock = StepClock()
     with worker_session(run_dir) as (ctx, logger):
-        trainer = build_trainer(cfg, ctx, logger)
+        trainer = trainer_for(cfg, ctx, logger)
         trainer.observers.insert(0, clock)
         try:
             trainer.run()

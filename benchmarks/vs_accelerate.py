@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import is_worker, launch_ranks, worker_session, write_json
+from harness import is_worker, launch_ranks, trainer_for, worker_session, write_json
 from torch import nn
 
 from distrain.config.schema import Config, validate
@@ -64,7 +64,6 @@ from distrain.models.registry import model_args
 from distrain.optim.param_groups import param_groups
 from distrain.optim.schedule import lr_at, set_lr
 from distrain.parallel.device import DistContext, cpu_has_native_bf16
-from distrain.train.build import build_trainer
 
 CORPUS_BYTES = 4_000_000
 BASELINE = "accelerate fp32 2x1"
@@ -159,7 +158,7 @@ def timed(
 
 def run_distrain(cfg: Config, args: argparse.Namespace, ctx: DistContext, logger: Any) -> dict:
     built = time.perf_counter()
-    trainer = build_trainer(cfg, ctx, logger)
+    trainer = trainer_for(cfg, ctx, logger)
 
     def step(i: int) -> torch.Tensor:
         loss, _, _ = trainer.train_step(trainer.loader.next_batch())

@@ -50,11 +50,13 @@ __all__ = [
     "run_training",
 ]
 
-# The classes of the API, by the module that defines them: imported when first asked for.
+# The classes and functions of the API, by the module that defines them: imported when first
+# asked for.
 _LAZY = {
     "Config": "distrain.config.schema",
     "ConfigError": "distrain.errors",
     "DistrainError": "distrain.errors",
+    "run_training": "distrain.train.worker",
 }
 
 
@@ -65,14 +67,6 @@ def load_config(
     from distrain.config.io import load_config as load
 
     return load(path, list((overrides or {}).items()))
-
-
-def run_training(config: Config) -> None:
-    """Train per `config` in this process: one rank of the torchrun group in the environment,
-    or alone; returns when the run ends (raises a `DistrainError` naming what to fix)."""
-    from distrain.train.worker import run_training as run
-
-    run(config)
 
 
 def presets(family: str = "gpt") -> dict[str, Any]:

@@ -88,7 +88,7 @@ def test_a_config_reaches_the_trackers_without_its_credentials(tmp_path):
             ("fault_tolerance.secret_file", "/keys/GROUP-SECRET"),
         ],
     )
-    params = flat_params(cfg)
+    params = flat_params(to_dict(cfg))
     assert not [v for v in params.values() if any(s in v for s in secrets)]
     assert params["fault_tolerance.secret_file"] == REDACTED
     assert params["metrics.mlflow.tracking_uri"] == "http://***@mlflow.example:5000"

@@ -13,7 +13,7 @@ import textwrap
 from typing import Any, NoReturn
 
 from distrain.config.io import WIDTH, help_text, load_config, parse_overrides
-from distrain.config.schema import Config, sections
+from distrain.config.schema import Config
 from distrain.errors import ConfigError, UsageError
 
 
@@ -47,7 +47,7 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def config_sections() -> list[str]:
-    return list(sections(Config()))
+    return list(Config().sections())
 
 
 class ConfigHelp(argparse.Action):

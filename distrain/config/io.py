@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import tomli_w
 
-from distrain.config.schema import Config, sections, validate
+from distrain.config.schema import Config, validate
 from distrain.errors import ConfigError, UsageError
 from distrain.files import write_atomic, write_atomic_new
 
@@ -177,7 +177,7 @@ def set_field(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     if dotted in RENAMED_FIELDS:
         raise ConfigError(f"config field {dotted!r} is now {RENAMED_FIELDS[dotted]!r}; write that")
     parts = dotted.split(".")
-    known = sections(cfg)
+    known = cfg.sections()
     if len(parts) < 2 or parts[0] not in known:
         raise _unknown(
             dotted,
@@ -268,7 +268,7 @@ def _without_none(value: Any) -> Any:
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """A TOML-ready dict; None values are left out (TOML has no null)."""
     return {
-        name: _without_none(dataclasses.asdict(section)) for name, section in sections(cfg).items()
+        name: _without_none(dataclasses.asdict(section)) for name, section in cfg.sections().items()
     }
 
 
@@ -313,7 +313,7 @@ def help_text(names: list[str] | None = None) -> str:
     meaning, wrapped to WIDTH columns, for `distrain train --help-config`."""
     lines = ["config fields (TOML [section] key, or --section.field VALUE on the command line):"]
     current = None
-    for name, section in sections(Config()).items():
+    for name, section in Config().sections().items():
         if names is not None and name not in names:
             continue
         for path, dotted, value, f, tp in _leaves(name, section):
@@ -343,7 +343,7 @@ def default_config_toml(skip: tuple[str, ...] = ("debug",)) -> str:
         "# --section.field VALUE on the command line wins over it.",
     ]
     current = None
-    for name, section in sections(Config()).items():
+    for name, section in Config().sections().items():
         if name in skip:
             continue
         for path, dotted, value, f, tp in _leaves(name, section):

@@ -783,9 +783,9 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-
-def sections(cfg: Config) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    def sections(self) -> dict[str, Any]:
+        """Each section by its name ("run", "model", ...), in the order they are declared."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def numeric_fields(node: Any, path: str = "") -> list[tuple[str, Any, dataclasses.Field]]:

@@ -190,7 +190,16 @@ def export_hf(
     torch_dtype = DTYPES[dtype]
     if cfg.lora.rank:  # the adapters merged into the base weights
         out_dir.mkdir(parents=True, exist_ok=True)
-        _export_merged(cfg, storage, run_dir, out_dir, step=step, dtype=torch_dtype)
+        _export_merged(
+            cfg.model,
+            cfg.lora,
+            cfg.training.seed,
+            storage,
+            run_dir,
+            out_dir,
+            step=step,
+            dtype=torch_dtype,
+        )
         return _finish_hf(cfg.data, family, args, out_dir, torch_dtype)
     specs = family.hf.tensors(args)
     entry = _checkpoint(storage, run_dir, step)
@@ -374,14 +383,23 @@ def export_peft(
     return out_dir
 
 
-def _export_merged(cfg: Config, storage: Storage, run_dir: Path, out_dir: Path, **how: Any) -> None:
-    """A LoRA run's model, adapters merged, as the safetensors file and index of a Hugging Face
-    folder (the model in memory: a fine-tuned one fits)."""
-    family = model_family(family_name(cfg.model))
+def _export_merged(
+    model_cfg: ModelConfig,
+    lora: LoRAConfig,
+    seed: int,
+    storage: Storage,
+    run_dir: Path,
+    out_dir: Path,
+    **how: Any,
+) -> None:
+    """A LoRA run's model (`model_cfg` with `lora`'s adapters, initialised from `seed` as the
+    run was), adapters merged, as the safetensors file and index of a Hugging Face folder (the
+    model in memory: a fine-tuned one fits)."""
+    family = model_family(family_name(model_cfg))
     assert family.hf is not None
-    model, _ = _model_at(cfg.model, cfg.lora, cfg.training.seed, storage, run_dir, how["step"])
+    model, _ = _model_at(model_cfg, lora, seed, storage, run_dir, how["step"])
     state = {k: v.detach() for k, v in merge_lora(model).state_dict().items()}
-    specs = family.hf.tensors(model_args(cfg.model))
+    specs = family.hf.tensors(model_args(model_cfg))
     shapes = {n: list(state[n].shape) for s in specs for n in s.names}
     ((shard,),) = [_plan_shards(specs, shapes, how["dtype"], float("inf"))]
     name = "model-00001-of-00001.safetensors"

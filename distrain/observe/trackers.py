@@ -33,8 +33,7 @@ from typing import Any, Protocol
 
 import tomli_w
 
-from distrain.config.io import to_dict
-from distrain.config.schema import Config, MetricsConfig
+from distrain.config.schema import MetricsConfig
 from distrain.errors import ConfigError, install_hint
 from distrain.files import make_dir, write_atomic
 from distrain.observe.observer import Row
@@ -70,9 +69,9 @@ class TrackerBackend(Protocol):
         run's status as it is (an evaluation after training)."""
 
 
-def flat_params(cfg: Config) -> dict[str, str]:
-    """The resolved config as `section.field -> text` (nested sections dotted; lists as JSON),
-    credentials redacted (observe/redact.py)."""
+def flat_params(config: dict[str, Any]) -> dict[str, str]:
+    """A config, as config/io.py's `to_dict` gives it, as `section.field -> text` (nested
+    sections dotted; lists as JSON), credentials redacted (observe/redact.py)."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -83,7 +82,7 @@ def flat_params(cfg: Config) -> dict[str, str]:
             else:
                 flat[name] = json.dumps(value) if isinstance(value, list) else str(value)
 
-    walk("", redacted(to_dict(cfg)))
+    walk("", redacted(config))
     return flat
 
 

@@ -6,9 +6,8 @@ layouts in a compact table. Every figure and column stays in `--json` (search.to
 
 from __future__ import annotations
 
-import copy
 import tomllib
-from dataclasses import replace
+from dataclasses import fields, replace
 from textwrap import wrap
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from distrain.plan.search import GIB, NOT_PRICED, SOURCE_LABEL, PlanRow
 from distrain.plan.timing import Candidate, Cluster
 
 if TYPE_CHECKING:
-    from distrain.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
+    from distrain.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 
 WIDTH = 100
 INDENT = " " * 17
@@ -249,42 +248,38 @@ def _communication(best: PlanRow, cluster: Cluster, p: ParallelConfig) -> list[s
     return _item("communication", method_label(chosen), method_reason(advice), *settings)
 
 
-def chosen_config(base: Config, rows: list[PlanRow]) -> tuple[Config, str]:
-    """The config of the recommendation (`recommendation`'s layout and micro-batch, with the
-    communication method when it runs on that layout) made from the config `base` the plan
-    priced (its model and batch), and a line saying what it holds; ConfigError when no layout
-    fits."""
-    from distrain.config.io import set_field
+def chosen_settings(rows: list[PlanRow], parallel: ParallelConfig) -> tuple[dict[str, Any], str]:
+    """What writing the recommendation sets in the config the plan priced (whose [parallel]
+    section is `parallel`), as dotted field names and values: `recommendation`'s layout and
+    micro-batch, with the communication method when it runs on that layout; and a line saying
+    what it holds. ConfigError when no layout fits."""
     from distrain.errors import ConfigError
 
     best = next((r for r in rows if r.fits), None)
     if best is None:
         raise ConfigError("no layout fits: there is no layout to write (see the answer)")
     c = best.candidate
-    cfg = replace(
-        copy.deepcopy(base),
-        parallel=search.candidate_parallel(base.parallel, c),
-        training=replace(
-            base.training,
-            micro_batch_size=c.micro_batch_size,
-            activation_checkpointing=c.activation_checkpointing,
-        ),
-    )
+    laid_out = search.candidate_parallel(parallel, c)
+    settings: dict[str, Any] = {
+        f"parallel.{f.name}": getattr(laid_out, f.name)
+        for f in fields(laid_out)
+        if getattr(laid_out, f.name) != getattr(parallel, f.name)
+    }
+    settings["training.micro_batch_size"] = c.micro_batch_size
+    settings["training.activation_checkpointing"] = c.activation_checkpointing
     if c.groups:
-        cfg.fault_tolerance = replace(cfg.fault_tolerance, replica_groups=c.groups)
+        settings["fault_tolerance.replica_groups"] = c.groups
     held = f"layout {layout_name(c)} (row 1), ZeRO-{c.zero_stage}, micro-batch {c.micro_batch_size}"
     advice = best.communication
     if advice is None or advice.recommended.method == "plain":
-        return cfg, f"{held}, plain communication"
+        return settings, f"{held}, plain communication"
     chosen = advice.recommended
-    if diloco_layout(c, search.candidate_parallel(base.parallel, c), chosen) is not None:
-        return cfg, (
+    if diloco_layout(c, laid_out, chosen) is not None:
+        return settings, (
             f"{held}, plain communication (the advised {method_label(chosen)} runs on a layout "
             "of its own: its set: lines above)"
         )
-    for name, value in method_fields(chosen).items():
-        set_field(cfg, name, value, from_text=False)
-    return cfg, f"{held}, {method_label(chosen)}"
+    return settings | method_fields(chosen), f"{held}, {method_label(chosen)}"
 
 
 def method_label(m: MethodPrediction) -> str:

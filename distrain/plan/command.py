@@ -308,10 +308,13 @@ def plan_command(argv: list[str]) -> None:
     )
     written = None
     if ns.write_config:
-        from distrain.config.io import write_toml
-        from distrain.plan.answer import chosen_config
+        from distrain.config.io import set_field, write_toml
+        from distrain.plan.answer import chosen_settings
 
-        chosen, held = chosen_config(base_config(ns), rows)
+        chosen = base_config(ns)
+        settings, held = chosen_settings(rows, chosen.parallel)
+        for name, value in settings.items():
+            set_field(chosen, name, value, from_text=False)
         write_toml(chosen, ns.write_config, replace=False)
         written = (
             f"wrote {ns.write_config}: {held}; check it with `distrain train --check --config "

@@ -1,5 +1,6 @@
-"""Assembling a run: `build_trainer` resolves the config once (resolve.py) and builds every part
-the loop runs, in dependency order, each from its own section of the resolved config: the device
+"""Assembling a run: `build_trainer` builds, from the run's plan (its config resolved once by
+resolve.py), every part the loop runs, in dependency order, each from its own section of the
+resolved config: the device
 mesh, the data and its loader, the parallel model, the optimizers, the automatic micro-batch
 choice, DiLoCo's outer optimizer, the checkpointer and its policy, the metrics sink (with
 rank 0's experiment trackers), the stop-signal agreement, fault injection, the step observers,
@@ -20,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.checkpoint.storage import Storage
-from distrain.config.schema import CheckpointConfig, Config
+from distrain.config.io import to_dict
+from distrain.config.schema import CheckpointConfig
 from distrain.data import DistributedBatchLoader, build_eval_sets, check_data_skew
 from distrain.data.dataset import TokenDataset
 from distrain.data.shard_store import Call
@@ -57,17 +59,15 @@ from distrain.train.observers import (
     ReplicaCheck,
 )
 from distrain.train.oom import OutOfMemoryRecovery
-from distrain.train.resolve import resolve
 from distrain.train.rng import seed_everything
 
 
-def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trainer:
-    """Everything one rank trains with, for `cfg` on this process's group (`ctx`). Collective:
-    every rank calls it."""
+def build_trainer(plan: RunPlan, ctx: DistContext, logger: logging.Logger) -> Trainer:
+    """Everything one rank trains with, for the run's `plan` (train/resolve.py) on this
+    process's group (`ctx`). Collective: every rank calls it."""
+    cfg, dims = plan.config, plan.dims
     run_dir = Path(cfg.run.dir)
     stop_signals = StopSignals(grace_s=cfg.checkpoint.preempt_grace_s, logger=logger)
-    plan = resolve(cfg, ctx.device, ctx.world_size, logger)
-    cfg, dims = plan.config, plan.dims  # the resolved config from here on
     t = cfg.training
     mesh, dp_mesh = dims.build_mesh(ctx.device.type, timeout_s=cfg.comm.collective_timeout_s)
     dp_rank, dp_group = dp_mesh.get_local_rank(), dp_mesh.get_group()
@@ -98,7 +98,7 @@ def build_trainer(cfg: Config, ctx: DistContext, logger: logging.Logger) -> Trai
     trackers = None
     if ctx.rank == 0:
         trackers = Trackers(
-            cfg.metrics, run_dir, logger, params=flat_params(cfg), total_steps=t.steps
+            cfg.metrics, run_dir, logger, params=flat_params(to_dict(cfg)), total_steps=t.steps
         )
     metrics = MetricsWriter(
         run_dir,

@@ -26,20 +26,23 @@ from distrain.observe.logs import FILE_ONLY, close_logging, native_stderr_to, se
 from distrain.observe.watchdog import start_watchdog
 from distrain.parallel.device import device_type, init_distributed, teardown
 from distrain.train.build import build_trainer
+from distrain.train.resolve import resolve
 
 
-def run_training(cfg: Config) -> None:
-    """Train per `cfg` in this process as one rank of the (possibly 1-process) group."""
+def run_training(config: Config) -> None:
+    """Train per `config` in this process: one rank of the torchrun group its environment
+    describes, or alone in a 1-process group; returns when the run ends (raises a
+    `DistrainError` naming what to fix)."""
     if under_torchrun():
         die_with_launcher()
-    run_dir = Path(cfg.run.dir)
-    nccl = device_type(cfg.run.device) == "cuda"
-    if cfg.watchdog.hang_timeout_s:
+    run_dir = Path(config.run.dir)
+    nccl = device_type(config.run.device) == "cuda"
+    if config.watchdog.hang_timeout_s:
         flight.enable(run_dir, nccl=nccl)
     # Taken before joining the group and so before any rank writes: every rank's view of what
     # existed before this start is the same.
     footprint = StartFootprint(run_dir, int(os.environ.get("RANK", 0)))
-    ctx = init_distributed(cfg.run.device, timeout_s=cfg.comm.collective_timeout_s)
+    ctx = init_distributed(config.run.device, timeout_s=config.comm.collective_timeout_s)
     lock = logger = trainer = watchdog = None
     failed_start = ended_well = wrote_config = False
     native = contextlib.ExitStack()
@@ -50,8 +53,8 @@ def run_training(cfg: Config) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         changed = []
         if ctx.rank == 0:
-            changed = _changes_since_last_start(run_dir / "config.toml", to_dict(cfg))
-            write_toml(cfg, run_dir / "config.toml")
+            changed = _changes_since_last_start(run_dir / "config.toml", to_dict(config))
+            write_toml(config, run_dir / "config.toml")
             wrote_config = True
         logger = setup_logging(run_dir, ctx.rank)
         if LAUNCHER_PID_ENV in os.environ:  # `distrain train` started it: see observe/logs.py
@@ -70,13 +73,13 @@ def run_training(cfg: Config) -> None:
             ctx.backend,
             torch.get_num_threads(),
         )
-        trainer = build_trainer(cfg, ctx, logger)
-        if cfg.watchdog.hang_timeout_s:
+        trainer = build_trainer(resolve(config, ctx.device, ctx.world_size, logger), ctx, logger)
+        if config.watchdog.hang_timeout_s:
             watchdog = start_watchdog(
                 run_dir,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
-                timeout_s=cfg.watchdog.hang_timeout_s,
+                timeout_s=config.watchdog.hang_timeout_s,
                 logger=logger,
                 nccl=nccl,
             )
