@@ -74,7 +74,7 @@ from harness import is_worker, launch_self, synchronize, trainer_for, worker_ses
 
 from distrain.checkpoint.checkpointer import SaveRecord
 from distrain.checkpoint.manifest import committed
-from distrain.config.schema import Config, validate
+from distrain.config.schema import Config
 from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
 from distrain.train.loop import Trainer
@@ -152,7 +152,7 @@ def make_config(args: argparse.Namespace, mode: str, run_dir: Path) -> Config:
     c.permanent_every_minutes = 0.0
     if args.storage == "s3":
         c.dir = f"s3://{BUCKET}/{mode}"
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

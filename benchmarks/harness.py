@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.run import get_args_parser, run
 
-from distrain.config.schema import Config, validate
+from distrain.config.schema import Config
 from distrain.observe.logs import close_logging, setup_logging
 from distrain.parallel.device import DistContext, init_distributed, teardown
 from distrain.train.build import build_trainer
@@ -137,7 +137,7 @@ def bench_config(
         if not hasattr(getattr(cfg, section), field):
             raise AttributeError(f"bench_config: no config field {section}.{field}")
         setattr(getattr(cfg, section), field, value)
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

@@ -57,7 +57,7 @@ from harness import (
     write_json,
 )
 
-from distrain.config.schema import Config, validate
+from distrain.config.schema import Config
 from distrain.models.decoder.counts import flops_per_token, num_params
 from distrain.models.registry import family_of_preset
 from distrain.parallel.device import DistContext
@@ -160,7 +160,7 @@ def make_config(
     cfg.metrics.tensorboard = False
     cfg.checkpoint.at_end = False
     cfg.checkpoint.interval_steps = 0
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

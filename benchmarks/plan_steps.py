@@ -41,7 +41,6 @@ import torch.distributed as dist
 from harness import is_worker, launch_self, measure_steps, trainer_for, worker_session, write_json
 
 from distrain.config.schema import Config
-from distrain.config.schema import validate as validate_config
 from distrain.plan.memory import held_optimizer_state_bytes, local_bytes
 from distrain.plan.pipeline_memory import estimate_pipeline_memory
 from distrain.plan.planned import planned_run
@@ -76,7 +75,7 @@ def layout_config(parallel: dict[str, Any], *, steps: int = 1, run_dir: str = ""
 
 def _trainer(par: dict[str, Any], ctx: Any, logger: Any, run_dir: Path) -> Any:
     cfg = layout_config(par, steps=1000, run_dir=str(run_dir))
-    validate_config(cfg)
+    cfg.validate()
     run_dir.mkdir(parents=True, exist_ok=True)
     return trainer_for(cfg, ctx, logger)
 

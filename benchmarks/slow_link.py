@@ -87,7 +87,7 @@ from harness import is_worker, trainer_for, wait_all, worker_session, write_json
 from netlab import IFNAME, NetLab, lab_available, net_lab, parse_rate  # noqa: E402
 from vs_accelerate import build_accelerate  # noqa: E402
 
-from distrain.config.schema import Config, validate  # noqa: E402
+from distrain.config.schema import Config  # noqa: E402
 from distrain.data import build_datasets  # noqa: E402
 from distrain.data.loader import val_batches  # noqa: E402
 from distrain.family.spec import FamilyModel  # noqa: E402
@@ -236,7 +236,7 @@ def make_config(args: argparse.Namespace, run_dir: Path, variant: str) -> Config
         setattr(getattr(cfg, section), field, value)
     if cfg.diloco.inner_steps:
         cfg.parallel.dp_shard = int(os.environ["WORLD_SIZE"]) // cfg.parallel.dp_replicate
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from harness import is_worker, launch_ranks, trainer_for, worker_session, write_json
 from torch import nn
 
-from distrain.config.schema import Config, validate
+from distrain.config.schema import Config
 from distrain.data import DistributedBatchLoader, build_datasets
 from distrain.models.decoder.model import Decoder, init_weights, next_token_loss
 from distrain.models.gpt.spec import GPT_SPEC
@@ -125,7 +125,7 @@ def make_config(
     cfg.metrics.tensorboard = False
     cfg.checkpoint.at_end = False
     cfg.checkpoint.interval_steps = 0
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import tomli_w
 
-from distrain.config.schema import Config, validate
+from distrain.config.schema import Config
 from distrain.errors import ConfigError, UsageError
 from distrain.files import write_atomic, write_atomic_new
 
@@ -205,7 +205,8 @@ def _flatten_table(prefix: str, table: dict[str, Any]) -> list[tuple[str, Any]]:
     return items
 
 
-def apply_toml(cfg: Config, path: str | Path) -> None:
+def toml_settings(path: str | Path) -> list[tuple[str, Any]]:
+    """The fields the TOML file at `path` sets: (dotted name, value) in the file's order."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: no such file {str(p)!r}")
@@ -213,11 +214,12 @@ def apply_toml(cfg: Config, path: str | Path) -> None:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {p}: not valid TOML ({e})") from e
+    settings = []
     for section_name, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{p}: top-level key {section_name!r} must be a [section] table")
-        for key, value in _flatten_table(section_name, values):
-            set_field(cfg, key, value, from_text=False)
+        settings += _flatten_table(section_name, values)
+    return settings
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -249,11 +251,11 @@ def load_config(
     """Defaults < the TOML file < `overrides` (dotted name, value: a string is parsed as on the
     command line, any other value checked as it is), validated."""
     cfg = Config()
-    if config_path:
-        apply_toml(cfg, config_path)
+    for key, value in toml_settings(config_path) if config_path else []:
+        set_field(cfg, key, value, from_text=False)
     for key, value in overrides or []:
         set_field(cfg, key, value, from_text=isinstance(value, str))
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 

@@ -783,6 +783,23 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
+    def validate(self) -> None:
+        """Checks that need no knowledge of the world size or the model (layout/rules.py has
+        those): every number within its field's range, then the relations between fields."""
+        for name, value, f in numeric_fields(self):
+            valid = f.metadata.get("range")
+            # A word ("auto") is a choice of the field's type, not a number to range-check.
+            if valid is not None and isinstance(value, int | float) and value not in valid:
+                raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
+        _validate_eval_sets(self.data.eval_sets)
+        _validate_sources(self.data)
+        t = self.training
+        if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"training.micro_batch_size ({t.micro_batch_size})"
+            )
+
     def sections(self) -> dict[str, Any]:
         """Each section by its name ("run", "model", ...), in the order they are declared."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -830,24 +847,6 @@ def _validate_sources(data: DataConfig) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(
             f"data.sources have repeated names ({', '.join(names)}); give each a distinct name"
-        )
-
-
-def validate(cfg: Config) -> None:
-    """Checks that need no knowledge of the world size or the model (layout/rules.py has those):
-    every number within its field's range, then the relations between fields."""
-    for name, value, f in numeric_fields(cfg):
-        valid = f.metadata.get("range")
-        # A word ("auto") is a choice of the field's type, not a number to range-check.
-        if valid is not None and isinstance(value, int | float) and value not in valid:
-            raise ConfigError(f"{name} = {value} is out of range: it must be {valid}")
-    _validate_eval_sets(cfg.data.eval_sets)
-    _validate_sources(cfg.data)
-    t = cfg.training
-    if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(
-            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"training.micro_batch_size ({t.micro_batch_size})"
         )
 
 
