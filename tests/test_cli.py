@@ -19,7 +19,7 @@ import pytest
 from distrain.checkpoint.manifest import MANIFEST, rewind, step_name
 from distrain.checkpoint.storage import Storage
 from distrain.cli import COMMANDS, EXPORT_DTYPES, EXPORT_SHARD_MB, main, program
-from distrain.config.io import config_changes, default_config_toml, help_text, load_config, to_dict
+from distrain.config.io import config_changes, default_config_toml, help_text, load_config
 from distrain.config.schema import Config
 from distrain.errors import CheckpointError, ConfigError
 from distrain.launch.slurm import SlurmJob, sbatch_script
@@ -160,7 +160,7 @@ def test_init_config_writes_the_defaults_with_their_help(tmp_path, capsys):
 def test_config_changes_name_each_changed_field():
     old = tomllib.loads("[training]\nsteps = 100\n[optim]\nlr = 0.001\n")
     new = load_config(None, [("training.steps", "200"), ("optim.lr", "0.001")])
-    changes = config_changes(old, to_dict(new))
+    changes = config_changes(old, new.to_dict())
     assert "training.steps: 100 -> 200" in changes
     assert not any(c.startswith("optim.lr") for c in changes)
 

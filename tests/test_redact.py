@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from distrain.config.io import load_config, to_dict
+from distrain.config.io import load_config
 from distrain.config.schema import Config
 from distrain.observe.redact import REDACTED, redact_text, redacted, secret_name
 from distrain.observe.trackers import flat_params
@@ -35,7 +35,7 @@ def test_the_schemas_fields_redacted_by_name_are_exactly_the_documented_ones(tmp
         "[[data.sources]]\npath = 'a'\n[[data.sources]]\npath = 'b'\n"
         "[[data.eval_sets]]\nname = 'e'\npath = 'c'\n"
     )
-    names = _fields(to_dict(load_config(toml)))
+    names = _fields(load_config(toml).to_dict())
     assert {"data.sources[].weight", "data.eval_sets[].glob"} <= set(names)
     assert [n for n in names if secret_name(n.rsplit(".", 1)[-1])] == [
         "fault_tolerance.secret_file"
@@ -88,7 +88,7 @@ def test_a_config_reaches_the_trackers_without_its_credentials(tmp_path):
             ("fault_tolerance.secret_file", "/keys/GROUP-SECRET"),
         ],
     )
-    params = flat_params(to_dict(cfg))
+    params = flat_params(cfg.to_dict())
     assert not [v for v in params.values() if any(s in v for s in secrets)]
     assert params["fault_tolerance.secret_file"] == REDACTED
     assert params["metrics.mlflow.tracking_uri"] == "http://***@mlflow.example:5000"
@@ -97,5 +97,5 @@ def test_a_config_reaches_the_trackers_without_its_credentials(tmp_path):
     assert "https://***@h/y" in params["data.sources"]
     assert params["data.token_dtype"] == "uint16" and params["data.tokenizer"] == "bytes"
     # Nothing else changes, and an unset secret stays visibly unset.
-    plain = to_dict(Config())
+    plain = Config().to_dict()
     assert redacted(plain) == plain and plain["fault_tolerance"]["secret_file"] == ""

@@ -259,25 +259,10 @@ def load_config(
     return cfg
 
 
-def _without_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, tuple):  # an array of tables
-        return [_without_none(v) for v in value]
-    return value
-
-
-def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """A TOML-ready dict; None values are left out (TOML has no null)."""
-    return {
-        name: _without_none(dataclasses.asdict(section)) for name, section in cfg.sections().items()
-    }
-
-
 def write_toml(cfg: Config, path: str | Path, *, replace: bool = True) -> None:
     """`cfg` as a TOML file at `path`, written whole or not at all; `replace=False`: a file
     already there is refused (ConfigError), not replaced."""
-    text = tomli_w.dumps(to_dict(cfg))
+    text = tomli_w.dumps(cfg.to_dict())
     if replace:
         write_atomic(path, text)
         return
@@ -364,7 +349,7 @@ def default_config_toml(skip: tuple[str, ...] = ("debug",)) -> str:
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`name: old -> new` for every field whose value differs between `old` (a config.toml read
-    back) and `new` (`to_dict` of a config); a field missing from either side is None there."""
+    back) and `new` (a config's `to_dict()`); a field missing from either side is None there."""
     before = dict(_flatten_table("", old))
     after = dict(_flatten_table("", new))
     return [

@@ -804,6 +804,22 @@ class Config:
         """Each section by its name ("run", "model", ...), in the order they are declared."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Each section as a dict of its fields (nested sections as dicts, arrays of tables as
+        lists), None values left out: TOML-ready (TOML has no null)."""
+        return {
+            name: _without_none(dataclasses.asdict(section))
+            for name, section in self.sections().items()
+        }
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, tuple):  # an array of tables
+        return [_without_none(v) for v in value]
+    return value
+
 
 def numeric_fields(node: Any, path: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
     """(dotted name, value, field) of every int/float field under `node`, nested sections too."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from distrain.checkpoint.manifest import step_name
-from distrain.config.io import load_config, run_config_file, to_dict
+from distrain.config.io import load_config, run_config_file
 from distrain.data.tokenizer import load_tokenizer
 from distrain.errors import ConfigError, install_hint
 from distrain.files import make_dir, write_atomic
@@ -134,7 +134,7 @@ def run_eval(
         cfg.metrics,
         Path(run_dir),
         logging.getLogger(LOGGER_NAME),
-        params=flat_params(to_dict(cfg)),
+        params=flat_params(cfg.to_dict()),
         total_steps=cfg.training.steps,
     )
     trackers.send_results(row, path)

@@ -63,7 +63,7 @@ def redact_text(text: str) -> str:
 
 
 def redacted(value: Any, name: str = "") -> Any:
-    """`value` (a config as `to_dict` gives it: dicts, lists, scalars) with credentials
+    """`value` (a config as `Config.to_dict` gives it: dicts, lists, scalars) with credentials
     replaced; `name` is the field it is the value of."""
     if isinstance(value, dict):
         return {key: redacted(item, str(key)) for key, item in value.items()}

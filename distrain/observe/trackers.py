@@ -70,7 +70,7 @@ class TrackerBackend(Protocol):
 
 
 def flat_params(config: dict[str, Any]) -> dict[str, str]:
-    """A config, as config/io.py's `to_dict` gives it, as `section.field -> text` (nested
+    """A config, as `Config.to_dict` gives it, as `section.field -> text` (nested
     sections dotted; lists as JSON), credentials redacted (observe/redact.py)."""
     flat: dict[str, str] = {}
 

@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from distrain.checkpoint.checkpointer import Checkpointer, SaveRecord, checkpoint_storage
 from distrain.checkpoint.policy import CheckpointPolicy
 from distrain.checkpoint.storage import Storage
-from distrain.config.io import to_dict
 from distrain.config.schema import CheckpointConfig
 from distrain.data import DistributedBatchLoader, build_eval_sets, check_data_skew
 from distrain.data.dataset import TokenDataset
@@ -98,7 +97,7 @@ def build_trainer(plan: RunPlan, ctx: DistContext, logger: logging.Logger) -> Tr
     trackers = None
     if ctx.rank == 0:
         trackers = Trackers(
-            cfg.metrics, run_dir, logger, params=flat_params(to_dict(cfg)), total_steps=t.steps
+            cfg.metrics, run_dir, logger, params=flat_params(cfg.to_dict()), total_steps=t.steps
         )
     metrics = MetricsWriter(
         run_dir,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.config.args import parse_train_args
-from distrain.config.io import config_changes, to_dict, write_toml
+from distrain.config.io import config_changes, write_toml
 from distrain.config.schema import Config
 from distrain.errors import DistrainError
 from distrain.launch.lifeline import LAUNCHER_PID_ENV, die_with_launcher
@@ -53,7 +53,7 @@ def run_training(config: Config) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         changed = []
         if ctx.rank == 0:
-            changed = _changes_since_last_start(run_dir / "config.toml", to_dict(config))
+            changed = _changes_since_last_start(run_dir / "config.toml", config.to_dict())
             write_toml(config, run_dir / "config.toml")
             wrote_config = True
         logger = setup_logging(run_dir, ctx.rank)
@@ -121,7 +121,7 @@ def run_training(config: Config) -> None:
 
 
 def _changes_since_last_start(path: Path, now: dict) -> list[str]:
-    """What the config `now` (io.to_dict) changes in the run dir's config.toml (none for a
+    """What the config `now` (`Config.to_dict`) changes in the run dir's config.toml (none for a
     first start, or one that cannot be read: it is rewritten anyway)."""
     import tomllib
 
