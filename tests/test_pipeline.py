@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distrain.data.dataset import Batch
 from distrain.errors import ConfigError
 from distrain.models.decoder.model import Decoder, ModelArgs, init_weights
 from distrain.models.gpt.spec import GPT_SPEC
@@ -99,9 +100,6 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> fl
     """Checks within RTOL/ATOL; returns the max abs difference (kept in the rank's result file)."""
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
     return (actual - expected).abs().max().item()
-
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _runner(pp_mesh: DeviceMesh, schedule: str, n_microbatches: int) -> PipelineRunner:
