@@ -1,7 +1,8 @@
 """The package's architecture, read from its source with `ast` (in this process; nothing is
 imported): no circle of imports between modules, imports that flow down the layer table, nothing
 but the entry point importing the CLI, `parallel/` applying models without importing them, a
-root that holds only the entry points and the shared leaves, and a docstring atop every module.
+root that holds only the entry points and the shared leaves, a docstring atop every module, and
+the whole `Config` handed only to the places that need all of it (`WHOLE_CONFIG`).
 
 What counts as an import: every `import` and `from ... import` of a distrain module anywhere in
 a module, at module level, inside a function or under `if TYPE_CHECKING`. A function-local
@@ -203,3 +204,52 @@ def test_the_package_root_holds_only_entry_points_and_leaves():
 
 def test_every_module_says_what_it_owns():
     assert [m for m, tree in TREES.items() if not ast.get_docstring(tree)] == []
+
+
+# Where the whole `Config` may be handed on: the config's own functions, the entry points that
+# receive the user's config (the worker, `train --check`, the preflight checks, `resolve`), the
+# layout rules that read every section, the run's plan made from it, and the planner, which
+# prices variants of a whole config. Every other component takes its section or the `RunPlan`.
+WHOLE_CONFIG = {
+    "distrain.cli": {"_check"},
+    "distrain.config.io": {"set_field", "write_toml"},
+    "distrain.launch.preflight": {"preflight"},
+    "distrain.layout.facts": {"Facts"},
+    "distrain.layout.rules": {"validate"},
+    "distrain.parallel.run_plan": {"RunPlan", "RunPlan.decided"},
+    "distrain.plan.memory_model": {"calibration_builds"},
+    "distrain.plan.planned": {"planned_run"},
+    "distrain.plan.search": {"candidate_plan", "plan", "timed_layouts"},
+    "distrain.train.resolve": {"resolve"},
+    "distrain.train.worker": {"run_training"},
+}
+
+
+def _takes_the_whole_config(tree: ast.Module) -> set[str]:
+    """The functions with a parameter, and the classes with a field, annotated `Config`."""
+    found = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                if any(p.annotation and ast.unparse(p.annotation) == "Config" for p in params):
+                    found.add(prefix + child.name)
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                fields = [s for s in child.body if isinstance(s, ast.AnnAssign)]
+                if any(ast.unparse(f.annotation) == "Config" for f in fields):
+                    found.add(prefix + child.name)
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(tree, "")
+    return found
+
+
+def test_components_take_their_section_or_the_plan_not_the_whole_config():
+    found = {
+        name: takers for name, tree in TREES.items() if (takers := _takes_the_whole_config(tree))
+    }
+    assert found == WHOLE_CONFIG
+    assert sum(map(len, found.values())) <= 15
