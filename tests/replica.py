@@ -2,7 +2,9 @@
 default timeouts) in a process of its own (as on a cluster; torchft stays out of the test
 process, which trains in-process), a run's
 metrics rows read while it writes them, the check of a killed group's membership row, and a
-wait that fails as soon as a group's launcher ends, and the run secret the groups share."""
+wait that fails as soon as a group's launcher ends, and the run secret the groups share; the
+groups' start, the end of a run whose group 0 is the survivor, and the groups' launchers reaped
+however a test ends."""
 
 from __future__ import annotations
 
@@ -14,6 +16,22 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+PACED_GROUPS = {
+    "parallel__zero_stage": 3,
+    "fault_tolerance__replica_groups": 2,
+    # Above the time a rejoining group takes to load the live state on a busy 2-core machine
+    # (a shorter one makes both groups redo that step: a "retried" row, still exact).
+    "fault_tolerance__timeout_s": 6,
+    # A rank whose peer in its own group hangs gives up after this, and its group restarts;
+    # longer than fault_tolerance.timeout_s, so that group 0 sees the hang as a timeout.
+    "comm__collective_timeout_s": 12,
+    "checkpoint__preempt_grace_s": 1,
+    # Paces the steps: rank 0 of each group sleeps debug.slow_ms (each test's own) in each
+    # step's data phase, so that group 0 is still training when group 1's workers are back.
+    "debug__slow_rank": 0,
+}
+"""Two replica groups of ZeRO-3, timed for a rejoin on a busy machine; add debug__slow_ms."""
 
 LIGHTHOUSE = [sys.executable, "-m", "distrain", "lighthouse", "--bind", "[::]:0"]
 """`distrain lighthouse` on a free port, default timeouts; its first stdout line is its address."""
@@ -103,6 +121,30 @@ def start_groups(
         )
         for g, run in enumerate(runs)
     ]
+
+
+@contextlib.contextmanager
+def reaped(procs: list[subprocess.Popen]) -> Iterator[list[subprocess.Popen]]:
+    """`procs`, each launcher still running on exit killed and reaped, however the block ends,
+    so that no group outlives its test (a launcher added to the list inside the block too)."""
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def survivor_ends(procs: list[subprocess.Popen], *, timeout_s: float, others_s: float) -> str:
+    """Group 0's stderr once its launcher ends (within timeout_s); each other group is then given
+    others_s to end (a group that was killed may still be rejoining, or training alone after
+    group 0 finished: not what these tests check), and is left to `reaped` after that."""
+    _, err = procs[0].communicate(timeout=timeout_s)
+    for proc in procs[1:]:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=others_s)
+    return err
 
 
 def wait_until(condition, what: str, procs, limit_s: float) -> None:

@@ -11,11 +11,9 @@ model.init_from, not over the wire), no step lost, the 1-process losses."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,11 +21,14 @@ import pytest
 import torch
 from helpers import losses, start_train, train_cli, train_in_process, worker_pid
 from replica import (
+    PACED_GROUPS,
     check_killed_group_row,
     metrics_rows,
+    reaped,
     running_lighthouse,
     secret_file,
     start_groups,
+    survivor_ends,
     trained_step,
     wait_until,
 )
@@ -447,17 +448,7 @@ GROUP_FIELDS = {
     "training__deterministic": True,
     "model__family": "llama",
 }
-# As test_replica_groups.py's GROUP_FIELDS: ZeRO-3 inside each group, a timeout above a rejoin's
-# load on a busy machine, paced steps so that group 0 still trains when group 1 is back.
-REPLICA_FIELDS = {
-    "parallel__zero_stage": 3,
-    "fault_tolerance__replica_groups": 2,
-    "fault_tolerance__timeout_s": 6,
-    "comm__collective_timeout_s": 12,
-    "checkpoint__preempt_grace_s": 1,
-    "debug__slow_rank": 0,
-    "debug__slow_ms": 800,
-}
+REPLICA_FIELDS = {**PACED_GROUPS, "debug__slow_ms": 800}
 
 
 @pytest.fixture(scope="module")
@@ -475,21 +466,14 @@ def lora_groups(llama_dir, tmp_path_factory) -> dict:
     secret = secret_file(root)
     with running_lighthouse() as lighthouse:
         procs = start_groups(runs, lighthouse, secret, max_restarts=2, **fields, **REPLICA_FIELDS)
-        try:
+        with reaped(procs):
             wait_until(
                 lambda: min(trained_step(r) for r in runs) >= 3, "step 3 in both groups", procs, 240
             )
             survivor = worker_pid(procs[0].pid, 0, restart=0)
             os.kill(worker_pid(procs[1].pid, 0, restart=0), signal.SIGKILL)
-            _, err0 = procs[0].communicate(timeout=300)
             # Group 1 trains the last steps beside group 0 and ends with it.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                procs[1].communicate(timeout=60)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
+            err0 = survivor_ends(procs, timeout_s=300, others_s=60)
     assert procs[0].returncode == 0, err0[-4000:]
     return {"runs": runs, "reference": reference, "survivor": survivor}
 

@@ -29,6 +29,7 @@ import pytest
 from helpers import SMALL_RUN, losses, start_train, train_in_process
 from replica import (
     metrics_rows,
+    reaped,
     running_lighthouse,
     secret_file,
     start_groups,
@@ -228,7 +229,7 @@ def test_a_host_without_the_secret_cannot_end_a_group_through_its_manager_server
     # Paced (100 ms a step): the attack comes while group 0 trains.
     fields = {**GROUP_FIELDS, "debug__slow_ms": 100, "training__steps": KILL_STEPS}
     procs = start_groups(runs, lighthouse, secret, max_restarts=0, **fields)
-    try:
+    with reaped(procs):
         wait_until(lambda: trained_step(runs[0]) >= 3, "step 3 of group 0", procs, limit_s=240)
         published = _published_manager_address(runs[0])
         attack = subprocess.run(
@@ -240,11 +241,6 @@ def test_a_host_without_the_secret_cannot_end_a_group_through_its_manager_server
         assert attack.stdout.split() == ["Kill", "UNAVAILABLE", "Quorum", "UNAVAILABLE"], attack
         attacked_at = trained_step(runs[0])
         errs = [proc.communicate(timeout=300)[1] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
     assert [proc.returncode for proc in procs] == [0, 0], errs[0][-3000:]
     assert attacked_at < KILL_STEPS  # the attack came while group 0 trained
     log = (runs[0] / "logs" / "rank0.log").read_text()

@@ -38,11 +38,14 @@ import pytest
 import torch
 from helpers import SMALL_RUN, losses, start_train, train_cli, train_in_process, worker_pid
 from replica import (
+    PACED_GROUPS,
     check_killed_group_row,
     metrics_rows,
+    reaped,
     running_lighthouse,
     secret_file,
     start_groups,
+    survivor_ends,
     trained_step,
     wait_until,
 )
@@ -75,21 +78,10 @@ FIELDS = {
 }
 GROUP_FIELDS = {
     **FIELDS,
-    "parallel__zero_stage": 3,
-    "fault_tolerance__replica_groups": 2,
+    **PACED_GROUPS,
     # Each group's final checkpoint is staged and written by a writer thread: the final
     # weights compared below are what it wrote.
     "checkpoint__async_mode": "thread",
-    # Above the time a rejoining group takes to load the live state on a busy 2-core machine
-    # (a shorter one makes both groups redo that step: a "retried" row, still exact).
-    "fault_tolerance__timeout_s": 6,
-    # A rank whose peer in its own group hangs gives up after this, and its group restarts;
-    # longer than fault_tolerance.timeout_s, so that group 0 sees the hang as a timeout.
-    "comm__collective_timeout_s": 12,
-    "checkpoint__preempt_grace_s": 1,
-    # Paces the steps (rank 0 of each group sleeps in each step's data phase) so that group 0
-    # is still training when group 1's workers are back from each failure.
-    "debug__slow_rank": 0,
     "debug__slow_ms": 600,
 }
 
@@ -129,7 +121,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
     secret = secret_file(root)
     procs = start_groups(runs, lighthouse, secret, nproc=2, max_restarts=2, **GROUP_FIELDS)
     stopped = None
-    try:
+    with reaped(procs):
 
         def rejoins() -> int:
             return sum(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[1]))
@@ -160,16 +152,7 @@ def faulted(tmp_path_factory, lighthouse) -> dict:
         )
         os.kill(stopped, signal.SIGKILL)
         survivors_late = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
-        _, err0 = procs[0].communicate(timeout=300)
-        # Group 1's last restart (rejoined, or alone once group 0 has finished) is not what
-        # this test checks; it is given a while to end, then killed below.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            procs[1].communicate(timeout=120)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        err0 = survivor_ends(procs, timeout_s=300, others_s=120)
     assert procs[0].returncode == 0, err0[-4000:]
     return {
         "runs": runs,
@@ -311,7 +294,7 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
     secret = secret_file(root)
     procs = start_groups(runs, lighthouse, secret, max_restarts=2, **FOUR_FIELDS)
 
-    try:
+    with reaped(procs):
         _wait(
             lambda: all(trained_step(runs[g]) >= 3 for g in range(4)),
             "step 3 in every group",
@@ -344,15 +327,7 @@ def four_groups(tmp_path_factory, lighthouse) -> dict:
         rejoined_before = any(r.get("replica_change") == "rejoined" for r in metrics_rows(runs[2]))
         os.kill(worker_pid(procs[1].pid, 0, restart=0), signal.SIGKILL)
         survivor_late = worker_pid(procs[0].pid, 0, restart=0)
-        _, err0 = procs[0].communicate(timeout=400)
-        for proc in procs[1:]:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=60)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        err0 = survivor_ends(procs, timeout_s=400, others_s=60)
     assert procs[0].returncode == 0, err0[-4000:]
     return {
         "runs": runs,
@@ -427,7 +402,7 @@ def test_three_groups_without_a_fault_never_change_membership(tmp_path, lighthou
     secret = secret_file(tmp_path)
     procs = []
     with _busy_cores(2):
-        try:
+        with reaped(procs):
             for g in range(3):
                 procs.append(
                     start_train(
@@ -444,11 +419,6 @@ def test_three_groups_without_a_fault_never_change_membership(tmp_path, lighthou
                 )
                 time.sleep(3)
             outputs = [proc.communicate(timeout=600) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-3000:]
     rows = [read_metrics(run / "metrics.jsonl", all_attempts=True) for run in runs]

@@ -20,21 +20,22 @@ microbatch size and runs twice as many (`ParallelModel.fit_pipeline_batch`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
 import signal
-import subprocess
 
 import pytest
 import torch
 from helpers import SMALL_RUN, losses, start_train, train_in_process, worker_pid
 from replica import (
+    PACED_GROUPS,
     check_killed_group_row,
     metrics_rows,
+    reaped,
     running_lighthouse,
     secret_file,
+    survivor_ends,
     trained_step,
     wait_until,
 )
@@ -61,14 +62,7 @@ GROUP_FIELDS = {
     # Each group's final checkpoint (written inline): the groups' final weights are compared.
     "checkpoint__at_end": True,
     "checkpoint__async_mode": "off",
-    "parallel__zero_stage": 3,
-    "fault_tolerance__replica_groups": 2,
-    # As in test_replica_groups.py: above a rejoin's load time on a busy 2-core machine.
-    "fault_tolerance__timeout_s": 6,
-    "comm__collective_timeout_s": 12,
-    "checkpoint__preempt_grace_s": 1,
-    # Paces the steps so that group 0 still trains when group 1's workers are back.
-    "debug__slow_rank": 0,
+    **PACED_GROUPS,
     "debug__slow_ms": 600,
 }
 
@@ -107,7 +101,7 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
         for g in range(2)
     ]
 
-    try:
+    with reaped(procs):
         _wait(
             lambda: trained_step(runs[0]) >= 3 and trained_step(runs[1]) >= 3,
             "step 3 in both groups",
@@ -121,15 +115,8 @@ def killed(request, tmp_path_factory, lighthouse) -> dict:
             procs,
         )
         survivors_late = [worker_pid(procs[0].pid, rank, restart=0) for rank in (0, 1)]
-        _, err0 = procs[0].communicate(timeout=300)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            procs[1].communicate(timeout=60)
+        err0 = survivor_ends(procs, timeout_s=300, others_s=60)
         rejoined_rc = procs[1].returncode
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
     assert procs[0].returncode == 0, err0[-4000:]
     return {
         "layout": request.param,
